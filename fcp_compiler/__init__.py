@@ -1,0 +1,1 @@
+"""fcp: a schedule compiler for flexible context parallelism."""

@@ -1,0 +1,1 @@
+"""Plain-array algorithms, apart from the IR, each testable against brute force or networkx."""

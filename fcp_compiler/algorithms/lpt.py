@@ -1,0 +1,120 @@
+"""Makespan scheduling under a per-bin size cap: LPT greedy and a move/swap refinement."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+UNPLACED = -1
+
+
+def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int) -> np.ndarray:
+    """Longest-processing-time-first onto the least-loaded bin that has room.
+
+    Objective: minimise the largest bin weight subject to every bin's total size <= capacity. Items go in order
+    of decreasing weight (ties by index) to the least-loaded bin (ties by bin index) whose size stays within the
+    cap. O(K log N) when bins rarely fill; a full bin is skipped and put back.
+
+    Args:
+        weights: float array, work of each item.
+        sizes: int array, tokens of each item.
+        num_bins: number of bins (ranks).
+        capacity: size cap per bin.
+    Returns:
+        int64 array, the bin of each item, UNPLACED (-1) where no bin had room.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = np.lexsort((np.arange(weights.size), -weights))
+    bin_of = np.full(weights.size, UNPLACED, dtype=np.int64)
+    used = [0] * num_bins
+    heap = [(0.0, bin_idx) for bin_idx in range(num_bins)]
+    sizes_list = sizes.tolist()
+    weights_list = weights.tolist()
+    for item_idx in order.tolist():
+        size = sizes_list[item_idx]
+        skipped = []
+        while heap and used[heap[0][1]] + size > capacity:
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            load, bin_idx = heapq.heappop(heap)
+            bin_of[item_idx] = bin_idx
+            used[bin_idx] += size
+            heapq.heappush(heap, (load + weights_list[item_idx], bin_idx))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return bin_of
+
+
+def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_bins: int, capacity: int,
+                       max_steps: int | None = None) -> np.ndarray:
+    """Local search on the most loaded bin: the best single move or pairwise swap that lowers it.
+
+    Objective: lower the largest bin weight while keeping every bin within the size cap. Each step looks at every
+    item of the most loaded bin against every other bin (moves) and every other item (swaps), and applies the one
+    that leaves the smaller of the two touched bins' new maximum, if that is below the current maximum. Each step
+    is O(k * (N + K)) vectorised for k items on the top bin; it stops at a local optimum or after max_steps.
+
+    Args:
+        weights, sizes: per-item work and tokens.
+        bin_of: a feasible assignment (every item placed).
+        num_bins, capacity: as in :func:`lpt_with_cap`.
+        max_steps: step limit (default 4 * num_bins + 64).
+    Returns:
+        a new assignment array, never worse than bin_of in max load.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    bin_of = np.array(bin_of, dtype=np.int64)
+    assert (bin_of >= 0).all()
+    loads = np.bincount(bin_of, weights=weights, minlength=num_bins)
+    used = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
+    tolerance = 1e-12 * max(float(loads.max()), 1e-300)
+    steps = max_steps if max_steps is not None else 4 * num_bins + 64
+    for _ in range(steps):
+        top = int(np.argmax(loads))
+        top_load = loads[top]
+        on_top = np.flatnonzero(bin_of == top)
+        best_score, best_action = top_load - tolerance, None
+        # Moves: item x of the top bin to bin r.
+        w_x = weights[on_top][:, None]
+        new_r = loads[None, :] + w_x
+        move_ok = used[None, :] + sizes[on_top][:, None] <= capacity
+        move_ok[:, top] = False
+        move_score = np.where(move_ok, np.maximum(top_load - w_x, new_r), np.inf)
+        flat = int(np.argmin(move_score))
+        if move_score.flat[flat] < best_score:
+            best_score = move_score.flat[flat]
+            best_action = ("move", int(on_top[flat // num_bins]), flat % num_bins)
+        # Swaps: item x of the top bin with item y elsewhere, lighter than x.
+        other = bin_of != top
+        delta = weights[on_top][:, None] - weights[None, :]
+        other_bins = bin_of[None, :]
+        swap_ok = other[None, :] & (delta > 0)
+        swap_ok &= used[top] - sizes[on_top][:, None] + sizes[None, :] <= capacity
+        swap_ok &= used[other_bins] - sizes[None, :] + sizes[on_top][:, None] <= capacity
+        swap_score = np.where(swap_ok, np.maximum(top_load - delta, loads[other_bins] + delta), np.inf)
+        flat = int(np.argmin(swap_score))
+        if swap_score.flat[flat] < best_score:
+            best_score = swap_score.flat[flat]
+            best_action = ("swap", int(on_top[flat // weights.size]), flat % weights.size)
+        if best_action is None:
+            break
+        kind, x, target = best_action
+        if kind == "move":
+            _move(x, top, target, bin_of, loads, used, weights, sizes)
+        else:
+            y_bin = int(bin_of[target])
+            _move(x, top, y_bin, bin_of, loads, used, weights, sizes)
+            _move(target, y_bin, top, bin_of, loads, used, weights, sizes)
+    return bin_of
+
+
+def _move(item: int, source: int, target: int, bin_of: np.ndarray, loads: np.ndarray, used: np.ndarray,
+          weights: np.ndarray, sizes: np.ndarray) -> None:
+    bin_of[item] = target
+    loads[source] -= weights[item]
+    loads[target] += weights[item]
+    used[source] -= sizes[item]
+    used[target] += sizes[item]

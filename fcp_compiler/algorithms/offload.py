@@ -1,0 +1,64 @@
+"""Running some tiles of heavy query blocks away from their owner, to balance what whole blocks cannot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seconds: np.ndarray,
+                  block_rank: np.ndarray, num_ranks: int, target: float) -> np.ndarray:
+    """Move tiles from ranks above `target` to the least-loaded ranks until no rank is above it (if possible).
+
+    Objective: bring the largest per-rank load down to `target` while moving little data. A tile that runs on a
+    helper costs a pull of its query block (and a push of the partial output back), plus a pull of its key/value
+    block unless the helper already has it; so the tiles of one heavy query block go together to the least-loaded
+    rank, those whose key/value block the helper holds or already pulls first, the heaviest first, while the
+    helper stays at or under `target`. Ranks are visited from the most loaded. O(moves * num_tiles).
+
+    Args:
+        tile_q_block, tile_kv_block, tile_seconds: per-tile query block, key/value block and work.
+        block_rank: owner of each block.
+        num_ranks: N.
+        target: the load no rank should exceed (at least the mean load, or it cannot be met).
+    Returns:
+        int64 array, the rank that runs each tile (the query block's owner where not moved).
+    """
+    tile_rank = block_rank[tile_q_block].astype(np.int64)
+    loads = np.bincount(tile_rank, weights=tile_seconds, minlength=num_ranks)
+    for overloaded in np.argsort(-loads, kind="stable").tolist():
+        exhausted: set[int] = set()
+        while loads[overloaded] > target:
+            candidates = np.flatnonzero((loads < target) & ~np.isin(np.arange(num_ranks), list(exhausted)))
+            if candidates.size == 0:
+                break
+            helper = int(candidates[np.argmin(loads[candidates])])
+            room = target - loads[helper]
+            need = loads[overloaded] - target
+            mine = np.flatnonzero((tile_rank == overloaded) & (block_rank[tile_q_block] == overloaded))
+            if mine.size == 0:
+                break
+            block_load = np.bincount(tile_q_block[mine], weights=tile_seconds[mine])
+            heavy_block = int(np.argmax(block_load))
+            candidates_tiles = mine[tile_q_block[mine] == heavy_block]
+            helper_has = np.zeros(block_rank.size, dtype=bool)
+            helper_has[block_rank == helper] = True
+            helper_has[tile_kv_block[tile_rank == helper]] = True
+            has_kv = helper_has[tile_kv_block[candidates_tiles]]
+            order = np.lexsort((candidates_tiles, -tile_seconds[candidates_tiles], ~has_kv))
+            chosen = []
+            moved = 0.0
+            for tile in candidates_tiles[order].tolist():
+                seconds = float(tile_seconds[tile])
+                if moved + seconds > room:
+                    continue
+                chosen.append(tile)
+                moved += seconds
+                if moved >= need:
+                    break
+            if not chosen:
+                exhausted.add(helper)
+                continue
+            tile_rank[chosen] = helper
+            loads[overloaded] -= moved
+            loads[helper] += moved
+    return tile_rank

@@ -1,0 +1,238 @@
+"""Frozen IR objects passed from one compiler pass to the next.
+
+Each pass is a pure function from one of these to the next; later objects hold the earlier ones, so the last
+one carries everything. Arrays are numpy and never mutated after construction. Derived figures are properties.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.inputs import AttentionShape, HardwareProfile, MaskKind
+
+
+class TransferKind(enum.IntEnum):
+    """What a pull edge carries (owner to user) or a push edge returns (user to owner)."""
+
+    KV = 0  # pull: K and V of a block's segments. Backward push along the same edge: dK, dV partials.
+    Q = 1  # pull: Q of a query block for tiles run away from its owner (backward: Q, dO, LSE).
+    # Push back along a Q edge: partial O and LSE (forward) or the dQ partial (backward).
+
+
+class ZigzagMode(str, enum.Enum):
+    """Whether long sequences pair chunk i with chunk 2n-1-i inside a block."""
+
+    AUTO = "auto"  # compile both, keep the better balanced
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Sequence lengths in batch order and the mask kind."""
+
+    lengths: np.ndarray  # int64 [num_sequences]
+    mask: MaskKind
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def seq_offsets(self) -> np.ndarray:
+        """Global token offset of each sequence in the user layout's concatenation (num_sequences + 1 entries)."""
+        return np.concatenate(([0], np.cumsum(self.lengths))).astype(np.int64)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask is MaskKind.CAUSAL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharding:
+    """Blocks as lists of segments (sequence, start, end); segments sorted by block."""
+
+    batch: Batch
+    block_size: int
+    zigzag: bool
+    seg_block: np.ndarray  # int64 [num_segments]
+    seg_seq: np.ndarray
+    seg_start: np.ndarray  # position inside the sequence
+    seg_end: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.seg_block[-1]) + 1 if self.seg_block.size else 0
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_block.size)
+
+    @property
+    def seg_tokens(self) -> np.ndarray:
+        return self.seg_end - self.seg_start
+
+    @property
+    def block_tokens(self) -> np.ndarray:
+        return np.bincount(self.seg_block, weights=self.seg_tokens, minlength=self.num_blocks).astype(np.int64)
+
+    @property
+    def block_seg_offsets(self) -> np.ndarray:
+        """Segments of block b are [offsets[b], offsets[b + 1])."""
+        counts = np.bincount(self.seg_block, minlength=self.num_blocks)
+        return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TileSet:
+    """Every (query block, key/value block) pair with visible token pairs, and its modelled cost.
+
+    Segment pairs (pair_*) are the kernel calls inside tiles; tiles are sorted by (q_block, kv_block).
+    """
+
+    sharding: Sharding
+    shape: AttentionShape
+    profile: HardwareProfile
+    tile_q_block: np.ndarray  # int64 [num_tiles]
+    tile_kv_block: np.ndarray
+    tile_flops: np.ndarray  # float64 forward FLOPs
+    tile_seconds: np.ndarray  # float64 modelled forward time at the profile's peak and efficiency
+    pair_tile: np.ndarray  # int64 [num_pairs] tile of each segment pair
+    pair_q_seg: np.ndarray
+    pair_kv_seg: np.ndarray
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_q_block.size)
+
+    @property
+    def block_seconds(self) -> np.ndarray:
+        """Forward time of all tiles of each query block (its work when its owner computes it)."""
+        return np.bincount(self.tile_q_block, weights=self.tile_seconds, minlength=self.sharding.num_blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """Where each block lives and where each tile runs."""
+
+    tiles: TileSet
+    num_ranks: int
+    token_cap: int
+    block_rank: np.ndarray  # int64 [num_blocks]
+    tile_rank: np.ndarray  # int64 [num_tiles]
+
+    @property
+    def rank_tokens(self) -> np.ndarray:
+        return np.bincount(self.block_rank, weights=self.tiles.sharding.block_tokens,
+                           minlength=self.num_ranks).astype(np.int64)
+
+    @property
+    def rank_seconds(self) -> np.ndarray:
+        """Modelled forward compute time per rank."""
+        return np.bincount(self.tile_rank, weights=self.tiles.tile_seconds, minlength=self.num_ranks)
+
+    @property
+    def num_offloaded_tiles(self) -> int:
+        return int((self.tile_rank != self.block_rank[self.tiles.tile_q_block]).sum())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transfers:
+    """Pull edges: one per (remote block, receiving rank, kind), with the segments each carries."""
+
+    assignment: Assignment
+    edge_kind: np.ndarray  # int64 TransferKind
+    edge_block: np.ndarray
+    edge_src: np.ndarray  # the block's owner
+    edge_dst: np.ndarray  # the rank whose tiles need it
+    edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]
+    edge_segs: np.ndarray  # global segment indices
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_kind.size)
+
+    @property
+    def edge_tokens(self) -> np.ndarray:
+        seg_tokens = self.assignment.tiles.sharding.seg_tokens
+        counts = np.diff(self.edge_seg_offsets)
+        edge_of_seg = np.repeat(np.arange(self.num_edges), counts)
+        return np.bincount(edge_of_seg, weights=seg_tokens[self.edge_segs], minlength=self.num_edges).astype(np.int64)
+
+    @property
+    def edge_bytes(self) -> np.ndarray:
+        """Forward bytes of each pull: K and V for KV edges, Q for Q edges."""
+        shape = self.assignment.tiles.shape
+        per_token = np.where(self.edge_kind == TransferKind.KV, shape.kv_bytes_per_token, shape.q_bytes_per_token)
+        return self.edge_tokens * per_token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rounds:
+    """Pull edges split into congestion-free rounds (matchings)."""
+
+    transfers: Transfers
+    edge_round: np.ndarray  # int64 [num_edges]
+    num_rounds: int
+
+    @property
+    def max_degree(self) -> int:
+        """Largest number of pulls any rank sends or receives (Delta)."""
+        transfers = self.transfers
+        if transfers.num_edges == 0:
+            return 0
+        num_ranks = transfers.assignment.num_ranks
+        return int(max(np.bincount(transfers.edge_src, minlength=num_ranks).max(),
+                       np.bincount(transfers.edge_dst, minlength=num_ranks).max()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """Rounds coalesced into stages, with the tiles and pushes of the forward and backward programs.
+
+    A stage posts its pulls and pushes, computes its tiles, then waits for its transfers. A tile runs in a stage
+    after every pull it needs; a push leaves in a stage after every tile that made it.
+    """
+
+    rounds: Rounds
+    coalesce: int
+    edge_stage: np.ndarray  # int64 [num_edges]
+    tile_stage: np.ndarray  # int64 [num_tiles] (forward and backward use the same stages)
+    tile_order: np.ndarray  # tiles in pipeline order: by rank, stage, arrival round, index
+    fwd_push_edge: np.ndarray  # Q edges whose partial output is pushed back, and when
+    fwd_push_stage: np.ndarray
+    bwd_push_edge: np.ndarray  # every pull edge pushes its gradient (dK dV, or dQ) back, and when
+    bwd_push_stage: np.ndarray
+    num_fwd_stages: int
+    num_bwd_stages: int
+
+    @property
+    def num_comm_stages(self) -> int:
+        """Stages that carry pulls: ceil(num_rounds / coalesce)."""
+        return -(-self.rounds.num_rounds // self.coalesce)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reshuffle:
+    """Runs of tokens moved between the user layout and the plan layout.
+
+    Run i moves run_length[i] tokens starting at global token run_global_start[i] from user rank run_user_rank[i]
+    (at local offset run_user_offset[i]) to plan rank run_plan_rank[i] (at local offset run_plan_offset[i]).
+    Runs are sorted by (user rank, plan rank, global start), the order both sides pack them in.
+    """
+
+    schedule: Schedule
+    run_user_rank: np.ndarray
+    run_plan_rank: np.ndarray
+    run_global_start: np.ndarray
+    run_length: np.ndarray
+    run_user_offset: np.ndarray
+    run_plan_offset: np.ndarray
+    user_bounds: np.ndarray  # [num_ranks + 1] token bounds of the user layout

@@ -1,0 +1,66 @@
+"""Pass 2: enumerate tiles and model their cost."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.intervals import visible_pairs
+from fcp_compiler.inputs import AttentionShape, HardwareProfile
+from fcp_compiler.ir import Sharding, TileSet
+
+
+def tile_efficiency(profile: HardwareProfile, tokens: np.ndarray) -> np.ndarray:
+    """Fraction of peak a tile of `tokens` (geometric mean of its query and key lengths) reaches.
+
+    Linear in log2(tokens) between the profile's curve points, flat above the last, and proportional to tokens
+    below the first (a kernel on a tiny tile is latency bound).
+    """
+    curve_tokens = np.array([point.tokens for point in profile.efficiency_curve], dtype=np.float64)
+    curve_eff = np.array([point.efficiency for point in profile.efficiency_curve], dtype=np.float64)
+    tokens = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
+    interpolated = np.interp(np.log2(tokens), np.log2(curve_tokens), curve_eff)
+    return np.where(tokens < curve_tokens[0], curve_eff[0] * tokens / curve_tokens[0], interpolated)
+
+
+def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) -> TileSet:
+    """List every (query block, key/value block) tile with visible pairs, with its FLOPs and modelled time.
+
+    A segment pair (query segment, key segment of the same sequence) is one kernel call; its forward FLOPs are
+    4 * visible_pairs * q_heads * head_dim and its time FLOPs / (peak * efficiency(sqrt(q_len * k_len))). A tile
+    sums the segment pairs of one block pair. O(sum over sequences of segments^2), vectorised.
+
+    Args:
+        sharding: blocks and segments.
+        shape: head counts and head size.
+        profile: peak and efficiency curve.
+    Returns:
+        the TileSet, tiles sorted by (q_block, kv_block).
+    """
+    seg_seq = sharding.seg_seq
+    by_seq = np.argsort(seg_seq, kind="stable")
+    group_count = np.bincount(seg_seq, minlength=sharding.batch.num_sequences)
+    group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
+    sorted_seq = seg_seq[by_seq]
+    pairs_per_seg = group_count[sorted_seq]
+    q_pos = np.repeat(np.arange(by_seq.size), pairs_per_seg)
+    pair_first = np.concatenate(([0], np.cumsum(pairs_per_seg)[:-1]))
+    k_pos = group_first[sorted_seq[q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, pairs_per_seg)
+    q_seg = by_seq[q_pos]
+    k_seg = by_seq[k_pos]
+    pairs = visible_pairs(sharding.seg_start[q_seg], sharding.seg_end[q_seg], sharding.seg_start[k_seg],
+                          sharding.seg_end[k_seg], causal=sharding.batch.causal)
+    keep = pairs > 0
+    q_seg, k_seg, pairs = q_seg[keep], k_seg[keep], pairs[keep]
+    seg_tokens = sharding.seg_tokens
+    flops = 4.0 * pairs * shape.q_heads * shape.head_dim
+    efficiency = tile_efficiency(profile, np.sqrt(seg_tokens[q_seg] * seg_tokens[k_seg].astype(np.float64)))
+    seconds = flops / (profile.peak_tflops * 1e12 * efficiency)
+    num_blocks = sharding.num_blocks
+    key = sharding.seg_block[q_seg] * num_blocks + sharding.seg_block[k_seg]
+    tile_key, pair_tile = np.unique(key, return_inverse=True)
+    num_tiles = tile_key.size
+    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=tile_key // num_blocks,
+                   tile_kv_block=tile_key % num_blocks,
+                   tile_flops=np.bincount(pair_tile, weights=flops, minlength=num_tiles),
+                   tile_seconds=np.bincount(pair_tile, weights=seconds, minlength=num_tiles),
+                   pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg)

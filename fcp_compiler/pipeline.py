@@ -1,0 +1,217 @@
+"""compile_plan: run the passes in order, time each, and wrap the result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.inputs import (PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile, MaskKind, parse_batch)
+from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
+from fcp_compiler.passes.assign import assign, default_token_cap
+from fcp_compiler.passes.coalesce import coalesce
+from fcp_compiler.passes.cost import cost
+from fcp_compiler.passes.encode import encode
+from fcp_compiler.passes.reshuffle import reshuffle
+from fcp_compiler.passes.rounds import schedule_rounds
+from fcp_compiler.passes.shard import shard
+from fcp_compiler.passes.transfers import plan_transfers
+from fcp_compiler.plan_format import FORMAT_VERSION, PlanReader, RankProgram
+from fcp_compiler.stats import plan_stats
+
+PLANNER = "fcp"
+# A balanced plan may be 1% above the lower bound before tiles of heavy blocks are moved off their owner.
+BALANCE_TOLERANCE = 0.01
+# In zigzag "auto", the plain layout is kept unless zigzag lowers the modelled makespan by more than this.
+ZIGZAG_MIN_GAIN = 0.005
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """Every parameter of a compile besides the batch. Defaults are the seed's setting."""
+
+    num_ranks: int
+    block_size: int = 4096
+    coalesce: int = 16
+    token_cap: int | None = None  # None: mean tokens per rank + one block
+    zigzag: ZigzagMode = ZigzagMode.AUTO
+    shape: AttentionShape = field(default_factory=AttentionShape)
+    profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
+
+    def check(self) -> None:
+        """Raise InvalidInputError naming the first parameter out of range."""
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer >= 1")
+        if not isinstance(self.block_size, int) or self.block_size < 64 or self.block_size % 64:
+            raise InvalidInputError(f"--block-size {self.block_size!r} must be a positive multiple of 64 "
+                                    f"(e.g. 1024, 2048, 4096)")
+        if not isinstance(self.coalesce, int) or self.coalesce < 1:
+            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer >= 1")
+        if self.token_cap is not None and (not isinstance(self.token_cap, int) or self.token_cap < 1):
+            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be a positive integer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledPlan:
+    """A compiled plan: its bytes, header, statistics and the final IR."""
+
+    data: bytes
+    ir: Reshuffle
+    stats: dict
+    _reader: PlanReader
+
+    def to_bytes(self) -> bytes:
+        """The plan file's bytes."""
+        return self.data
+
+    @property
+    def header(self):
+        return self._reader.header
+
+    @property
+    def num_ranks(self) -> int:
+        return self._reader.header.num_ranks
+
+    def rank(self, rank: int) -> RankProgram:
+        """One rank's program, decoded from the bytes."""
+        return self._reader.rank(rank)
+
+    def write(self, path: str | Path) -> None:
+        """Write the plan file atomically (temporary name, then rename)."""
+        write_atomic(Path(path), self.data)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to `path` through a temporary file in the same folder, so no half-written file remains."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner: str) -> str:
+    """sha256 of a canonical JSON of everything the plan depends on."""
+    canonical = {
+        "format_version": FORMAT_VERSION, "planner": planner, "lengths": batch.lengths.tolist(),
+        "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.block_size,
+        "coalesce": options.coalesce, "token_cap": token_cap, "zigzag": options.zigzag.value,
+        "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
+        "balance_tolerance": BALANCE_TOLERANCE,
+    }
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class _PassTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def run(self, name: str, function, *args, **kwargs):
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+
+def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | str | None) -> Batch:
+    if isinstance(batch, BatchSpec):
+        spec = batch if mask is None else BatchSpec(mask=MaskKind(mask), sequences=batch.sequences)
+    else:
+        lengths = batch.tolist() if isinstance(batch, np.ndarray) else list(batch)
+        spec = parse_batch({"mask": MaskKind(mask or "causal").value, "sequences": lengths})
+    return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
+
+
+def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
+                 coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
+                 shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
+                 mask: MaskKind | str | None = None) -> CompiledPlan:
+    """Compile a batch into a per-rank execution plan.
+
+    Runs shard, cost, assign, plan_transfers, schedule_rounds, coalesce, reshuffle and encode, timing each.
+
+    Args:
+        batch: a BatchSpec, or a list/array of lengths (causal unless `mask` says otherwise).
+        gpus: number of ranks N.
+        block_size: tokens per block, a positive multiple of 64.
+        coalesce_degree: rounds per stage.
+        token_cap: most tokens per rank (default: mean + one block).
+        zigzag: "auto" (compile both layouts, keep the better), "on" or "off".
+        shape: attention shape (default: 64 query heads, 8 KV heads, head_dim 128, bf16).
+        profile: a preset name or a HardwareProfile.
+        mask: override of the batch's mask kind.
+    Returns:
+        the CompiledPlan (bytes, per-rank access, stats).
+    Raises:
+        InvalidInputError: a bad length or parameter (named).
+        InfeasibleError: a token cap no placement can meet.
+    """
+    total_start = time.perf_counter()
+    if isinstance(profile, str):
+        from fcp_compiler.inputs import load_profile
+        profile = load_profile(profile)
+    try:
+        zigzag_mode = ZigzagMode(zigzag)
+    except ValueError:
+        raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
+    options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
+                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile)
+    options.check()
+    timer = _PassTimer()
+    the_batch = timer.run("parse", _to_batch, batch, mask)
+    cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
+
+    def place(zigzag_on: bool) -> Assignment:
+        sharding = timer.run("shard", shard, the_batch, block_size, zigzag_on)
+        tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+        return timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE)
+
+    if zigzag_mode is ZigzagMode.AUTO:
+        plain = place(False)
+        has_pairs = bool((the_batch.lengths >= 2 * block_size).any()) and the_batch.causal
+        assignment = plain
+        if has_pairs:
+            paired = place(True)
+            if paired.rank_seconds.max() < (1.0 - ZIGZAG_MIN_GAIN) * plain.rank_seconds.max():
+                assignment = paired
+    else:
+        assignment = place(zigzag_mode is ZigzagMode.ON)
+    transfers = timer.run("plan_transfers", plan_transfers, assignment)
+    rounds = timer.run("schedule_rounds", schedule_rounds, transfers)
+    schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree)
+    final = timer.run("reshuffle", reshuffle, schedule)
+    header_fields = _header_fields(final, options, cap, inputs_digest(the_batch, options, cap, PLANNER), PLANNER)
+    data = timer.run("encode", encode, final, header_fields)
+    compile_seconds = time.perf_counter() - total_start
+    stats = plan_stats(final, data, compile_seconds, timer.seconds)
+    return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+
+
+def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str, planner: str) -> dict:
+    schedule = final.schedule
+    rounds = schedule.rounds
+    transfers = rounds.transfers
+    sharding = transfers.assignment.tiles.sharding
+    recv_buffer = 0
+    if transfers.num_edges:
+        num_stages = int(schedule.edge_stage.max()) + 1
+        per_stage = np.bincount(transfers.edge_dst * num_stages + schedule.edge_stage, weights=transfers.edge_tokens)
+        recv_buffer = int(per_stage.max())
+    return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=options.block_size,
+                coalesce=options.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
+                num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
+                num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
+                num_rounds=rounds.num_rounds, num_fwd_stages=schedule.num_fwd_stages,
+                num_bwd_stages=schedule.num_bwd_stages, recv_buffer_tokens=recv_buffer)

@@ -1,0 +1,148 @@
+"""Batch generators: draw sequence lengths until a batch holds exactly a given number of tokens.
+
+All draws use numpy's PCG64 generator with an explicit seed, so a (generator, parameters, seed) triple gives the
+same batch on every machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from fcp_compiler.errors import InvalidInputError
+
+_DRAW_CHUNK = 4096
+
+
+def _fill(draw, total_tokens: int) -> list[int]:
+    """Draw lengths in chunks until their sum reaches total_tokens; cut the last one to fit exactly."""
+    if total_tokens < 1:
+        raise InvalidInputError(f"total tokens {total_tokens} must be >= 1")
+    lengths: list[int] = []
+    filled = 0
+    while filled < total_tokens:
+        chunk = draw(_DRAW_CHUNK)
+        cumulative = filled + np.cumsum(chunk)
+        stop = int(np.searchsorted(cumulative, total_tokens, side="left"))
+        if stop < chunk.size:
+            lengths.extend(int(x) for x in chunk[:stop])
+            lengths.append(int(total_tokens - (cumulative[stop - 1] if stop else filled)))
+            return lengths
+        lengths.extend(int(x) for x in chunk)
+        filled = int(cumulative[-1])
+    return lengths
+
+
+def lognormal_batch(total_tokens: int, median: float, sigma: float, min_len: int, max_len: int,
+                    seed: int) -> list[int]:
+    """Lognormal lengths (by median and sigma) clipped to [min_len, max_len], filled to exactly total_tokens.
+
+    Raises:
+        InvalidInputError: non-positive median, negative sigma, or min_len > max_len.
+    """
+    if median <= 0 or sigma < 0:
+        raise InvalidInputError(f"lognormal needs median > 0 and sigma >= 0, got median={median}, sigma={sigma}")
+    if not 1 <= min_len <= max_len:
+        raise InvalidInputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    rng = np.random.default_rng(seed)
+
+    def draw(count: int) -> np.ndarray:
+        values = rng.lognormal(mean=np.log(median), sigma=sigma, size=count)
+        return np.clip(np.rint(values), min_len, max_len).astype(np.int64)
+
+    return _fill(draw, total_tokens)
+
+
+def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: int | None = None) -> list[int]:
+    """Lengths drawn with replacement from observed values (optionally clipped), filled to exactly total_tokens."""
+    values = np.asarray(values, dtype=np.int64)
+    values = values[values > 0]
+    if values.size == 0:
+        raise InvalidInputError("the length file holds no positive lengths")
+    if max_len is not None:
+        values = np.minimum(values, max_len)
+    rng = np.random.default_rng(seed)
+    return _fill(lambda count: values[rng.integers(0, values.size, size=count)], total_tokens)
+
+
+def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int, seed: int) -> list[int]:
+    """Lengths from a histogram: a bin by its count, then a length log-uniform inside [low, high).
+
+    Args:
+        bin_edges: num_bins + 1 increasing positive edges.
+        counts: num_bins non-negative counts.
+    """
+    bin_edges = np.asarray(bin_edges, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.float64)
+    if bin_edges.size != counts.size + 1 or (np.diff(bin_edges) <= 0).any() or bin_edges[0] < 1:
+        raise InvalidInputError(f"histogram edges must be increasing and >= 1 with one more edge than counts, "
+                                f"got {bin_edges.size} edges for {counts.size} counts")
+    if counts.sum() <= 0 or (counts < 0).any():
+        raise InvalidInputError("histogram counts must be non-negative with a positive sum")
+    rng = np.random.default_rng(seed)
+    probabilities = counts / counts.sum()
+    log_edges = np.log(bin_edges)
+
+    def draw(count: int) -> np.ndarray:
+        bins = rng.choice(counts.size, size=count, p=probabilities)
+        log_len = rng.uniform(log_edges[bins], log_edges[bins + 1])
+        return np.maximum(np.floor(np.exp(log_len)), 1).astype(np.int64)
+
+    return _fill(draw, total_tokens)
+
+
+def read_lengths_file(path: str | Path) -> np.ndarray:
+    """Read lengths from a JSON list, a text file of one length per line, or a CSV (first numeric column).
+
+    Raises:
+        InvalidInputError: missing file or no lengths in it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"length file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+            data = data["sequences"] if isinstance(data, dict) else data
+            return np.asarray(data, dtype=np.int64)
+        return np.asarray([int(float(line.split(",")[0])) for line in text.split() if line.strip()], dtype=np.int64)
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise InvalidInputError(f"length file {str(path)!r} is not a list of lengths: {error}") from None
+
+
+def read_histogram_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read a histogram CSV with columns (low, high, count) or a range label like "4096-8192" and a count.
+
+    Raises:
+        InvalidInputError: missing file or rows that are not bins.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"histogram file {str(path)!r} does not exist")
+    lows, highs, counts = [], [], []
+    with path.open(newline="") as handle:
+        for row in csv.reader(handle):
+            cells = [cell.strip() for cell in row if cell.strip()]
+            # Either "low,high,count,..." or a range label "[low, high]" (inclusive) then "count,...".
+            label_numbers = re.findall(r"\d+(?:\.\d+)?", cells[0]) if cells else []
+            try:
+                if len(label_numbers) == 2 and len(cells) >= 2:
+                    low, high, count = float(label_numbers[0]), float(label_numbers[1]) + 1, float(cells[1])
+                elif len(cells) >= 3:
+                    low, high, count = float(cells[0]), float(cells[1]), float(cells[2])
+                else:
+                    continue
+            except ValueError:
+                continue  # header or comment line
+            lows.append(max(low, 1.0))
+            highs.append(high)
+            counts.append(count)
+    if not counts:
+        raise InvalidInputError(f"histogram file {str(path)!r} has no (low, high, count) rows")
+    edges = np.array(lows + [highs[-1]], dtype=np.float64)
+    return edges, np.array(counts, dtype=np.float64)
