@@ -12,46 +12,56 @@ def received_tokens(need_count: np.ndarray, seg_rank: np.ndarray, seg_tokens: np
     return needed @ seg_tokens
 
 
-def balance_received(block_rank: np.ndarray, block_weight: np.ndarray, block_tokens: np.ndarray,
-                     seg_block: np.ndarray, seg_tokens: np.ndarray, need_block: np.ndarray, need_seg: np.ndarray,
-                     num_ranks: int, token_cap: int, compute_limit: float, target_imbalance: float = 0.04,
-                     num_partner_ranks: int = 16, num_exact: int = 8, max_steps: int | None = None) -> np.ndarray:
-    """Lower the largest per-rank received volume by moving or swapping blocks, within compute and token limits.
+def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, block_tokens: np.ndarray,
+                            seg_block: np.ndarray, seg_seq: np.ndarray, seg_tokens: np.ndarray,
+                            need_block: np.ndarray,
+                            need_seg: np.ndarray, num_ranks: int, token_cap: int, compute_tolerance: float,
+                            received_tolerance: float, num_partner_ranks: int = 8,
+                            affinity_per_sequence: int = 3,
+                            max_steps: int | None = None) -> np.ndarray:
+    """Balance compute and received volume together by moving and swapping blocks within the token cap.
 
-    Objective: minimise max_r received(r), where received(r) is the token count of the distinct segments that r's
-    blocks read and r does not hold (a rank pulls a segment once however many of its blocks read it), subject to
-    every rank's compute <= compute_limit and tokens <= token_cap. Local search: each step takes the rank A that
-    receives most and tries every block x of A against the blocks of the num_partner_ranks ranks that receive
-    least (swap) or against those ranks alone (move). A's new volume is computed exactly for all candidates at
-    once; the partner's exactly for the num_exact best. The best action is applied if it lowers A below its old
-    volume without lifting the partner to it. Stops when (max - mean) / max <= target_imbalance, at a local
-    optimum, or after max_steps. Each step is O(k * (P + S)) for k blocks on A, P need pairs of the candidates
-    and S segments.
+    Objective: minimise max_r F_r with F_r = max((C_r / C_mean - 1) / compute_tolerance,
+    (R_r / R_mean - 1) / received_tolerance): each rank's excess over the mean compute C and the mean received
+    volume R, in units of what each may exceed it by, so F <= 1 means both within their tolerance. R_r counts the
+    tokens of the distinct segments that r's blocks read and r does not hold (a rank pulls a segment once however
+    many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
+    x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
+    that hold segments A pulls, a few per sequence (swaps). A's new F is exact for every candidate at once; the partner's is exact for
+    the num_exact best by an estimate. The best action is applied if both touched ranks end below A's old F.
+    Stops when F <= 1 everywhere, at a local optimum, or after max_steps. O(k * (P + S)) a step for k blocks on A,
+    P need pairs of the candidates and S segments.
 
     Args:
         block_rank: owner of each block (a feasible placement).
         block_weight, block_tokens: compute and tokens of each block.
-        seg_block, seg_tokens: block and size of each segment.
+        seg_block, seg_seq, seg_tokens: block, sequence and size of each segment, segments sorted by block.
         need_block, need_seg: pairs (block b reads segment k), k not in b, unique, sorted by block.
-        num_ranks, token_cap, compute_limit: the limits to keep.
-        target_imbalance: stop once the received imbalance is at most this.
-        num_partner_ranks, num_exact: neighbourhood sizes.
+        num_ranks, token_cap: ranks and their token cap.
+        compute_tolerance, received_tolerance: relative excess over the mean each load may have.
+        num_partner_ranks: how many of the least loaded ranks are tried as partners.
+        affinity_per_sequence: how many blocks holding segments A pulls are tried per sequence.
         max_steps: step limit (default 4 * num_ranks).
     Returns:
-        a new block_rank array whose largest received volume is never above the input's.
+        a new block_rank array; its largest F is never above the input's.
     """
     block_rank = np.array(block_rank, dtype=np.int64)
     num_blocks, num_segments = block_rank.size, seg_block.size
     seg_tokens = np.asarray(seg_tokens, dtype=np.int64)
     need_ptr = np.searchsorted(need_block, np.arange(num_blocks + 1))
     seg_ptr = np.searchsorted(seg_block, np.arange(num_blocks + 1))
-    need_count = np.zeros((num_ranks, num_segments), dtype=np.int32)
-    np.add.at(need_count, (block_rank[need_block], need_seg), 1)
+    need_count = np.bincount(block_rank[need_block] * num_segments + need_seg,
+                             minlength=num_ranks * num_segments).astype(np.int32).reshape(num_ranks, num_segments)
     seg_rank = block_rank[seg_block]
-    received = received_tokens(need_count, seg_rank, seg_tokens)
+    received = received_tokens(need_count, seg_rank, seg_tokens).astype(np.float64)
     compute = np.bincount(block_rank, weights=block_weight, minlength=num_ranks)
     tokens = np.bincount(block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
+    mean_compute = max(float(compute.mean()), 1e-300)
     steps = max_steps if max_steps is not None else 4 * num_ranks
+
+    def excess(compute_value, received_value, mean_received):
+        return np.maximum((compute_value / mean_compute - 1.0) / compute_tolerance,
+                          (received_value / mean_received - 1.0) / received_tolerance)
 
     def needs_of(block: int) -> np.ndarray:
         return need_seg[need_ptr[block]:need_ptr[block + 1]]
@@ -72,13 +82,24 @@ def balance_received(block_rank: np.ndarray, block_weight: np.ndarray, block_tok
         return int(seg_tokens[(count > 0) & ~local].sum())
 
     for _ in range(steps):
-        top = int(np.argmax(received))
-        top_volume = received[top]
-        if top_volume <= 0 or (top_volume - received.mean()) / top_volume <= target_imbalance:
+        mean_received = max(float(received.mean()), 1.0)
+        rank_excess = excess(compute, received, mean_received)
+        top = int(np.argmax(rank_excess))
+        top_excess = rank_excess[top]
+        if top_excess <= 1.0:
             break
-        partners = np.argsort(received, kind="stable")[:num_partner_ranks]
+        partners = np.argsort(rank_excess, kind="stable")[:num_partner_ranks]
         partners = partners[partners != top]
-        partner_blocks = np.flatnonzero(np.isin(block_rank, partners))
+        # Swap partners: the blocks of the least loaded ranks, and the blocks that hold segments the top rank pulls
+        # (bringing one over makes its segments local).
+        pulled = np.flatnonzero((need_count[top] > 0) & (seg_rank != top))
+        # ... a few per sequence (its blocks are alike), from the least loaded ranks in the lower half.
+        pulled_excess = rank_excess[seg_rank[pulled]]
+        pulled = pulled[pulled_excess <= np.median(rank_excess)]
+        pulled = pulled[np.lexsort((pulled, rank_excess[seg_rank[pulled]], seg_seq[pulled]))]
+        first_of_seq = np.searchsorted(seg_seq[pulled], seg_seq[pulled], side="left")
+        pulled_from = seg_block[pulled[np.arange(pulled.size) - first_of_seq < affinity_per_sequence]]
+        partner_blocks = np.union1d(np.flatnonzero(np.isin(block_rank, partners)), pulled_from)
         pb_need_start, pb_need_end = need_ptr[partner_blocks], need_ptr[partner_blocks + 1]
         pb_need_count = pb_need_end - pb_need_start
         pair_owner = np.repeat(np.arange(partner_blocks.size), pb_need_count)
@@ -88,49 +109,95 @@ def balance_received(block_rank: np.ndarray, block_weight: np.ndarray, block_tok
         own_owner = np.repeat(np.arange(partner_blocks.size), own_count)
         own_seg = np.repeat(seg_ptr[partner_blocks] - np.concatenate(([0], np.cumsum(own_count)[:-1])),
                             own_count) + np.arange(int(own_count.sum()))
-        candidates = []  # (estimated score, x, y or -1, partner rank, new top volume)
+        y_rank = block_rank[partner_blocks]
+        # What a partner block y would add to A as A is now; removing x changes it only where x's leaving
+        # changes a segment's state (x was its only reader on A, or it is one of x's own segments).
+        top_count = need_count[top]
+        top_local = seg_rank == top
+        pair_tokens = seg_tokens[pair_seg]
+        fresh_now = (top_count[pair_seg] == 0) & ~top_local[pair_seg]
+        gained_now = np.bincount(pair_owner, weights=np.where(fresh_now, pair_tokens, 0), minlength=partner_blocks.size)
+        volume_now = int(seg_tokens[(top_count > 0) & ~top_local].sum())
+        # What y's leaving saves its own rank B: the segments only y reads there (corrected per x below), and
+        # which of y's own segments B's other blocks read (they become remote).
+        only_reader = (need_count[y_rank[pair_owner], pair_seg] == 1) & (seg_rank[pair_seg] != y_rank[pair_owner])
+        only_reader_pairs = np.flatnonzero(only_reader)
+        only_reader_owner = pair_owner[only_reader_pairs]
+        only_reader_seg = pair_seg[only_reader_pairs]
+        only_reader_tokens = pair_tokens[only_reader_pairs]
+        y_saves = np.bincount(only_reader_owner, weights=only_reader_tokens, minlength=partner_blocks.size)
+        own_read_on_b = need_count[y_rank[own_owner], own_seg]
+        partner_ranks, partner_idx = np.unique(np.concatenate((y_rank, partners)), return_inverse=True)
+        y_rank_idx = partner_idx[:y_rank.size]
+        partners_idx = partner_idx[y_rank.size:]
+        # Candidate actions as parallel arrays: exact score, x, y (-1: a move), partner, A's and B's new volumes.
+        found: list[tuple[np.ndarray, ...]] = []
         for x in np.flatnonzero(block_rank == top).tolist():
-            base = need_count[top].copy()
-            base[needs_of(x)] -= 1
-            local = seg_rank == top
-            local[segs_of(x)] = False
-            volume_without_x = int(seg_tokens[(base > 0) & ~local].sum())
+            x_needs, x_segs = needs_of(x), segs_of(x)
+            dropped = x_needs[top_count[x_needs] == 1]  # no longer read on A once x leaves
+            unlocal = x_segs[top_count[x_segs] > 0]  # x's own segments that A's other blocks read
+            volume_without_x = (volume_now - int(seg_tokens[dropped[~top_local[dropped]]].sum())
+                                + int(seg_tokens[unlocal].sum()))
+            # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
+            # segments that B reads local.
+            x_adds = (((need_count[np.ix_(partner_ranks, x_needs)] == 0)
+                       & (seg_rank[x_needs][None, :] != partner_ranks[:, None])) @ seg_tokens[x_needs]
+                      - (need_count[np.ix_(partner_ranks, x_segs)] > 0) @ seg_tokens[x_segs])
             # Moves of x to a partner with room.
-            move_ok = ((tokens[partners] + block_tokens[x] <= token_cap)
-                       & (compute[partners] + block_weight[x] <= compute_limit))
-            for partner in partners[move_ok].tolist():
-                candidates.append((max(volume_without_x, received[partner]), x, -1, partner, volume_without_x))
-            # Swaps of x with a partner block y: A's new volume for every y at once.
-            y_rank = block_rank[partner_blocks]
+            move_ok = tokens[partners] + block_tokens[x] <= token_cap
+            movable = partners[move_ok]
+            if movable.size:
+                top_after = excess(compute[top] - block_weight[x], volume_without_x, mean_received)
+                partner_volume = received[movable] + x_adds[partners_idx[move_ok]]
+                score = np.maximum(top_after, excess(compute[movable] + block_weight[x], partner_volume,
+                                                     mean_received))
+                keep = score < top_excess
+                found.append((score[keep], np.full(keep.sum(), x), np.full(keep.sum(), -1), movable[keep],
+                              np.full(keep.sum(), volume_without_x), partner_volume[keep]))
+            # Swaps of x with a partner block y: both new volumes for every y at once.
             swap_ok = ((tokens[top] - block_tokens[x] + block_tokens[partner_blocks] <= token_cap)
-                       & (tokens[y_rank] - block_tokens[partner_blocks] + block_tokens[x] <= token_cap)
-                       & (compute[top] - block_weight[x] + block_weight[partner_blocks] <= compute_limit)
-                       & (compute[y_rank] - block_weight[partner_blocks] + block_weight[x] <= compute_limit))
+                       & (tokens[y_rank] - block_tokens[partner_blocks] + block_tokens[x] <= token_cap))
             if not swap_ok.any():
                 continue
-            fresh = np.where((base[pair_seg] == 0) & ~local[pair_seg], seg_tokens[pair_seg], 0)
-            gained = np.bincount(pair_owner, weights=fresh, minlength=partner_blocks.size)
-            now_local = np.where(base[own_seg] > 0, seg_tokens[own_seg], 0)
-            freed = np.bincount(own_owner, weights=now_local, minlength=partner_blocks.size)
+            # Segments x leaves unread on A (and not x's own) become fresh for a y that reads them; x's own
+            # segments are never read by x, so they stay fresh exactly when A's other blocks do not read them.
+            became_fresh = np.zeros(num_segments, dtype=bool)
+            became_fresh[dropped[~top_local[dropped]]] = True
+            became_fresh[x_segs[top_count[x_segs] == 0]] = True
+            flips = np.flatnonzero(became_fresh[pair_seg])
+            gained = gained_now + np.bincount(pair_owner[flips], weights=pair_tokens[flips],
+                                              minlength=partner_blocks.size)
+            x_reads = np.zeros(num_segments, dtype=np.int32)
+            x_reads[x_needs] = 1
+            freed = np.bincount(own_owner, weights=np.where(top_count[own_seg] - x_reads[own_seg] > 0,
+                                                            seg_tokens[own_seg], 0), minlength=partner_blocks.size)
             new_top = volume_without_x + gained - freed
-            for idx in np.flatnonzero(swap_ok & (new_top < top_volume)).tolist():
-                y = int(partner_blocks[idx])
-                candidates.append((max(new_top[idx], received[y_rank[idx]]), x, y, int(y_rank[idx]),
-                                   int(new_top[idx])))
-        if not candidates:
+            # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
+            # remote for B if B's other blocks or x read them.
+            x_touches = x_reads.astype(bool)
+            x_touches[x_segs] = True
+            kept = np.bincount(only_reader_owner, weights=np.where(x_touches[only_reader_seg], only_reader_tokens, 0),
+                               minlength=partner_blocks.size)
+            y_unlocal = np.bincount(own_owner, weights=np.where(own_read_on_b + x_reads[own_seg] > 0,
+                                                                seg_tokens[own_seg], 0),
+                                    minlength=partner_blocks.size)
+            partner_volume = received[y_rank] + x_adds[y_rank_idx] - y_saves + kept + y_unlocal
+            score = np.maximum(
+                excess(compute[top] - block_weight[x] + block_weight[partner_blocks], new_top, mean_received),
+                excess(compute[y_rank] - block_weight[partner_blocks] + block_weight[x], partner_volume,
+                       mean_received))
+            keep = np.flatnonzero(swap_ok & (score < top_excess))
+            found.append((score[keep], np.full(keep.size, x), partner_blocks[keep], y_rank[keep], new_top[keep],
+                          partner_volume[keep]))
+        if not found:
             break
-        candidates.sort()
-        best = None
-        for _, x, y, partner, new_top in candidates[:num_exact]:
-            if new_top >= top_volume:
-                continue
-            new_partner = volume_after(partner, y, x)
-            score = max(new_top, new_partner)
-            if score < top_volume and (best is None or score < best[0]):
-                best = (score, x, y, partner, new_top, new_partner)
-        if best is None:
+        score, xs, ys, partner_of, new_tops, new_partners = (np.concatenate(parts) for parts in zip(*found))
+        if score.size == 0:
             break
-        _, x, y, partner, new_top, new_partner = best
+        best = int(np.lexsort((ys, xs, score))[0])
+        x, y, partner = int(xs[best]), int(ys[best]), int(partner_of[best])
+        new_top, new_partner = float(new_tops[best]), float(new_partners[best])
+        assert new_partner == volume_after(partner, y, x), (new_partner, volume_after(partner, y, x))
         for block, source, target in ((x, top, partner), (y, partner, top)):
             if block < 0:
                 continue
