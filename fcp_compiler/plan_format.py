@@ -27,16 +27,16 @@ MAGIC = b"FCPPLAN\0"
 FORMAT_VERSION = 1
 _ARRAY_DTYPE = np.dtype("<i4")
 
-# Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; pull rows list the
-# carried segments through *_seg_offsets / *_segs. A push returns a partial result along a pull: the sender's row
+# Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; row i carries
+# *_seg_count[i] segments, listed in order in *_segs. A push returns a partial result along a pull: the sender's row
 # points into its pull_recv rows, the receiver's row into its pull_send rows.
 RANK_ARRAYS = (
     "blocks",  # block ids this rank holds, in plan-layout order
     "reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length",  # user layout -> peer's plan layout
     "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length",  # peer's user layout -> plan layout
-    "pull_send_round", "pull_send_kind", "pull_send_block", "pull_send_peer", "pull_send_seg_offsets",
+    "pull_send_round", "pull_send_kind", "pull_send_block", "pull_send_peer", "pull_send_seg_count",
     "pull_send_segs",
-    "pull_recv_round", "pull_recv_kind", "pull_recv_block", "pull_recv_peer", "pull_recv_seg_offsets",
+    "pull_recv_round", "pull_recv_kind", "pull_recv_block", "pull_recv_peer", "pull_recv_seg_count",
     "pull_recv_segs",
     "tile_stage", "tile_q_block", "tile_kv_block",  # in pipeline order; the backward program runs the same tiles
     "fwd_push_send_stage", "fwd_push_send_pull", "fwd_push_recv_stage", "fwd_push_recv_pull",
@@ -98,6 +98,10 @@ class RankProgram:
     tables: GlobalTables
     arrays: dict[str, np.ndarray]
 
+    def seg_offsets(self, side: str) -> np.ndarray:
+        """Offsets into pull_{side}_segs of each pull row's segments (rows + 1 entries); side is send or recv."""
+        return np.concatenate(([0], np.cumsum(self.arrays[f"pull_{side}_seg_count"]))).astype(np.int64)
+
     def __getattr__(self, name: str) -> np.ndarray:
         try:
             return object.__getattribute__(self, "arrays")[name]
@@ -105,14 +109,23 @@ class RankProgram:
             raise AttributeError(name) from None
 
 
-def encode_section(arrays: dict[str, np.ndarray]) -> bytes:
-    """Pack named int arrays as a msgpack map of raw little-endian int32 bytes."""
+def encode_section(arrays: dict[str, np.ndarray | bytes]) -> bytes:
+    """Pack named int arrays (or their little-endian int32 bytes) as a msgpack map of raw bytes."""
     packed = {}
     for name, values in arrays.items():
-        values = np.asarray(values)
-        assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31), name
-        packed[name] = values.astype(_ARRAY_DTYPE).tobytes()
+        if not isinstance(values, (bytes, memoryview)):
+            values = np.asarray(values)
+            assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31), name
+            values = values.astype(_ARRAY_DTYPE).tobytes()
+        packed[name] = values
     return msgpack.packb(packed, use_bin_type=True)
+
+
+def int32_bytes(values: np.ndarray) -> memoryview:
+    """Little-endian int32 bytes of an int array, as a memoryview to slice without copying."""
+    values = np.asarray(values)
+    assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31)
+    return memoryview(values.astype(_ARRAY_DTYPE).tobytes())
 
 
 def _decode_section(data: bytes, names: tuple[str, ...], what: str) -> dict[str, np.ndarray]:
@@ -127,7 +140,7 @@ def _decode_section(data: bytes, names: tuple[str, ...], what: str) -> dict[str,
 
 
 def assemble(header_fields: dict, global_arrays: dict[str, np.ndarray],
-             rank_arrays: list[dict[str, np.ndarray]]) -> bytes:
+             rank_arrays: list[dict[str, np.ndarray | bytes]]) -> bytes:
     """Lay out a plan file from its header fields (sections excluded) and arrays."""
     global_bytes = encode_section(global_arrays)
     rank_bytes = [encode_section(arrays) for arrays in rank_arrays]

@@ -1,0 +1,381 @@
+"""The plan validator: checks every invariant of DESIGN section 4 from the per-rank programs alone.
+
+It shares no code with the passes: it reads what each rank will execute (blocks, pulls, tiles, pushes, reshuffle
+runs) and rebuilds every global property from that. The first broken invariant raises PlanInvalidError naming the
+invariant and where it breaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.plan_format import PlanReader, RankProgram
+
+INVARIANTS = {
+    0: "well-formed blocks",
+    1: "coverage",
+    2: "data before use",
+    3: "congestion freedom",
+    4: "memory",
+    5: "reshuffle bijection",
+}
+KIND_KV, KIND_Q = 0, 1
+
+
+class PlanInvalidError(PlanFormatError):
+    """A plan breaks an invariant; `invariant` is its number in DESIGN section 4 (0: the blocks themselves)."""
+
+    def __init__(self, invariant: int, message: str):
+        super().__init__(f"invariant {invariant} ({INVARIANTS[invariant]}) broken: {message}")
+        self.invariant = invariant
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationReport:
+    """What the validator counted on a valid plan."""
+
+    num_ranks: int
+    num_blocks: int
+    num_tiles: int
+    num_pulls: int
+    num_rounds: int
+    max_degree: int
+    num_pushes_fwd: int
+    num_pushes_bwd: int
+
+
+def _fail(invariant: int, message: str) -> None:
+    raise PlanInvalidError(invariant, message)
+
+
+def _stack(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate one array over ranks, with the rank of each row."""
+    values = [program.arrays[name] for program in programs]
+    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
+    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
+
+
+def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
+    """Check every invariant of a plan; return counts, or raise naming the first broken invariant.
+
+    Raises:
+        PlanFormatError: the file cannot be read.
+        PlanInvalidError: an invariant is broken (its number, name and where).
+    """
+    reader = source if isinstance(source, PlanReader) else PlanReader(source)
+    header = reader.header
+    tables = reader.tables
+    programs = reader.ranks()
+    num_ranks, block_size, coalesce = header.num_ranks, header.block_size, header.coalesce
+    causal = header.mask.value == "causal"
+
+    # 0. Blocks: segments tile every sequence exactly once; a block holds at most block_size tokens.
+    lengths = tables.seq_lengths
+    if lengths.size != header.num_sequences or int(lengths.sum()) != header.total_tokens or (lengths < 1).any():
+        _fail(0, f"sequence lengths ({lengths.size} sequences, {int(lengths.sum())} tokens) disagree with the "
+                 f"header ({header.num_sequences}, {header.total_tokens})")
+    seg_block, seg_seq, seg_start, seg_end = tables.seg_block, tables.seg_seq, tables.seg_start, tables.seg_end
+    num_segments = seg_block.size
+    if (seg_end <= seg_start).any() or (seg_seq < 0).any() or (seg_seq >= lengths.size).any():
+        bad = int(np.flatnonzero((seg_end <= seg_start) | (seg_seq < 0) | (seg_seq >= lengths.size))[0])
+        _fail(0, f"segment {bad} is empty or names no sequence")
+    if (np.diff(seg_block) < 0).any() or seg_block[0] != 0:
+        _fail(0, "segments are not sorted by block")
+    num_blocks = int(seg_block[-1]) + 1
+    by_seq = np.lexsort((seg_start, seg_seq))
+    s_seq, s_start, s_end = seg_seq[by_seq], seg_start[by_seq], seg_end[by_seq]
+    first = np.ones(num_segments, dtype=bool)
+    first[1:] = s_seq[1:] != s_seq[:-1]
+    last = np.ones(num_segments, dtype=bool)
+    last[:-1] = s_seq[1:] != s_seq[:-1]
+    gaps = (first & (s_start != 0)) | (~first & (s_start != np.concatenate(([0], s_end[:-1]))))
+    if gaps.any() or (s_end[last] != lengths[s_seq[last]]).any() or np.unique(s_seq).size != lengths.size:
+        where = int(s_seq[np.flatnonzero(gaps)[0]]) if gaps.any() else -1
+        _fail(0, f"segments do not cover every sequence exactly once (sequence {where})")
+    block_tokens = np.bincount(seg_block, weights=seg_end - seg_start, minlength=num_blocks).astype(np.int64)
+    if block_tokens.max() > block_size:
+        bad = int(np.argmax(block_tokens))
+        _fail(0, f"block {bad} holds {int(block_tokens[bad])} tokens, more than the block size {block_size}")
+
+    # Ownership: every block on exactly one rank.
+    held, held_rank = _stack(programs, "blocks")
+    counts = np.bincount(held, minlength=num_blocks) if held.size else np.zeros(num_blocks, dtype=np.int64)
+    if held.size and (held.max() >= num_blocks or held.min() < 0):
+        _fail(0, f"a rank holds block {int(held.max())}, which does not exist")
+    if (counts != 1).any():
+        bad = int(np.flatnonzero(counts != 1)[0])
+        _fail(0, f"block {bad} is held by {int(counts[bad])} ranks")
+    owner = np.empty(num_blocks, dtype=np.int64)
+    owner[held] = held_rank
+
+    # 4. Memory.
+    rank_tokens = np.bincount(held_rank, weights=block_tokens[held], minlength=num_ranks)
+    if rank_tokens.max() > header.token_cap:
+        bad = int(np.argmax(rank_tokens))
+        _fail(4, f"rank {bad} holds {int(rank_tokens[bad])} tokens, over the token cap {header.token_cap}")
+
+    # 1. Coverage: every block pair with a visible (query, key) pair is one tile, run exactly once.
+    seg_ptr = np.searchsorted(seg_block, np.arange(num_blocks + 1))
+    group = np.argsort(seg_seq, kind="stable")
+    group_count = np.bincount(seg_seq, minlength=lengths.size)
+    group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
+    per = group_count[seg_seq[group]]
+    q_pos = np.repeat(np.arange(num_segments), per)
+    pair_first = np.concatenate(([0], np.cumsum(per)[:-1]))
+    k_pos = group_first[seg_seq[group][q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, per)
+    q_seg, k_seg = group[q_pos], group[k_pos]
+    # Causal: some key position <= some query position; full: always.
+    visible = seg_start[k_seg] < seg_end[q_seg] if causal else np.ones(q_seg.size, dtype=bool)
+    q_seg, k_seg = q_seg[visible], k_seg[visible]
+    required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
+    tile_q, tile_rank = _stack(programs, "tile_q_block")
+    tile_kv, _ = _stack(programs, "tile_kv_block")
+    tile_stage, _ = _stack(programs, "tile_stage")
+    if tile_q.size and (min(tile_q.min(), tile_kv.min()) < 0 or max(tile_q.max(), tile_kv.max()) >= num_blocks):
+        _fail(1, "a tile names a block that does not exist")
+    tile_key = tile_q * num_blocks + tile_kv
+    keys, key_count = np.unique(tile_key, return_counts=True)
+    if (key_count > 1).any():
+        dup = int(keys[np.argmax(key_count > 1)])
+        _fail(1, f"tile (q block {dup // num_blocks}, kv block {dup % num_blocks}) runs "
+                 f"{int(key_count.max())} times")
+    missing = np.setdiff1d(required, keys)
+    if missing.size:
+        _fail(1, f"tile (q block {int(missing[0]) // num_blocks}, kv block {int(missing[0]) % num_blocks}) "
+                 f"has visible pairs but runs nowhere ({missing.size} such tiles)")
+    extra = np.setdiff1d(keys, required)
+    if extra.size:
+        _fail(1, f"tile (q block {int(extra[0]) // num_blocks}, kv block {int(extra[0]) % num_blocks}) has no "
+                 f"visible pair (an empty tile)")
+
+    # Pulls: each send matches one receive; the sender owns the block; carried segments belong to it.
+    def pull_table(side: str) -> tuple[np.ndarray, ...]:
+        rnd, me = _stack(programs, f"pull_{side}_round")
+        kind, _ = _stack(programs, f"pull_{side}_kind")
+        block, _ = _stack(programs, f"pull_{side}_block")
+        peer, _ = _stack(programs, f"pull_{side}_peer")
+        seg_count, _ = _stack(programs, f"pull_{side}_seg_count")
+        segs, _ = _stack(programs, f"pull_{side}_segs")
+        return rnd, me, kind, block, peer, seg_count, segs
+
+    s_round, s_me, s_kind, s_block, s_peer, s_count, s_segs = pull_table("send")
+    r_round, r_me, r_kind, r_block, r_peer, r_count, r_segs = pull_table("recv")
+    num_pulls = s_round.size
+    if r_round.size != num_pulls:
+        _fail(3, f"{num_pulls} pulls are sent but {r_round.size} are received")
+    if num_pulls and (min(s_block.min(), r_block.min()) < 0 or max(s_block.max(), r_block.max()) >= num_blocks
+                      or min(s_peer.min(), r_peer.min()) < 0 or max(s_peer.max(), r_peer.max()) >= num_ranks):
+        _fail(3, "a pull names a block or rank that does not exist")
+    if int(s_count.sum()) != s_segs.size or int(r_count.sum()) != r_segs.size:
+        _fail(3, "pull segment lists do not match their counts")
+    s_key = np.lexsort((s_block, s_kind, s_peer, s_me, s_round))
+    r_key = np.lexsort((r_block, r_kind, r_me, r_peer, r_round))
+    send_rows = np.stack([s_round, s_me, s_peer, s_kind, s_block, s_count])[:, s_key]
+    recv_rows = np.stack([r_round, r_peer, r_me, r_kind, r_block, r_count])[:, r_key]
+    if not np.array_equal(send_rows, recv_rows):
+        bad = int(np.flatnonzero((send_rows != recv_rows).any(axis=0))[0])
+        _fail(3, f"the pull sent in round {int(send_rows[0, bad])} from rank {int(send_rows[1, bad])} to rank "
+                 f"{int(send_rows[2, bad])} (block {int(send_rows[4, bad])}) is not received as sent")
+    s_seg_start = np.concatenate(([0], np.cumsum(s_count)[:-1]))
+    r_seg_start = np.concatenate(([0], np.cumsum(r_count)[:-1]))
+
+    def seg_lists(order: np.ndarray, starts: np.ndarray, count: np.ndarray, segs: np.ndarray) -> np.ndarray:
+        c = count[order]
+        return segs[np.repeat(starts[order] - np.concatenate(([0], np.cumsum(c)[:-1])), c) + np.arange(int(c.sum()))]
+
+    if not np.array_equal(seg_lists(s_key, s_seg_start, s_count, s_segs),
+                          seg_lists(r_key, r_seg_start, r_count, r_segs)):
+        _fail(3, "a pull's segments differ between its sender and its receiver")
+    if (owner[s_block] != s_me).any():
+        bad = int(np.flatnonzero(owner[s_block] != s_me)[0])
+        _fail(2, f"rank {int(s_me[bad])} sends block {int(s_block[bad])}, which rank "
+                 f"{int(owner[s_block[bad]])} holds")
+    if r_segs.size and (r_segs.min() < 0 or r_segs.max() >= num_segments
+                        or (seg_block[r_segs] != np.repeat(r_block, r_count)).any()):
+        _fail(2, "a pull carries a segment of another block")
+    if np.isin(r_kind, (KIND_KV, KIND_Q), invert=True).any():
+        _fail(3, f"a pull has unknown kind {int(r_kind[np.isin(r_kind, (KIND_KV, KIND_Q), invert=True)][0])}")
+    pull_key = r_kind * num_blocks * num_ranks + r_block * num_ranks + r_me
+    if np.unique(pull_key).size != pull_key.size:
+        _fail(3, "a rank pulls the same block twice")
+
+    # 3. Congestion freedom: in a round no rank sends or receives twice; rounds == Delta.
+    num_rounds = header.num_rounds
+    if num_pulls:
+        if r_round.min() < 0 or r_round.max() >= num_rounds:
+            _fail(3, f"a pull is in round {int(r_round.max())}, outside the plan's {num_rounds} rounds")
+        for side, who in (("sends", s_me), ("receives", r_me)):
+            per_round = np.bincount(who * num_rounds + (s_round if side == "sends" else r_round))
+            if per_round.max() > 1:
+                bad = int(np.argmax(per_round))
+                _fail(3, f"in round {bad % num_rounds} rank {bad // num_rounds} {side} "
+                         f"{int(per_round[bad])} pulls")
+    max_degree = int(max(np.bincount(s_me, minlength=num_ranks).max(), np.bincount(r_me, minlength=num_ranks).max())) \
+        if num_pulls else 0
+    if num_rounds != max_degree:
+        _fail(3, f"the plan uses {num_rounds} rounds but its largest degree is {max_degree}")
+
+    # Receive buffers: tokens pulled into a rank within one stage stay within the stated bound.
+    if num_pulls:
+        r_tokens = np.bincount(np.repeat(np.arange(num_pulls), r_count), weights=(seg_end - seg_start)[r_segs],
+                               minlength=num_pulls)
+        stage_of_pull = r_round // coalesce
+        num_stages = int(stage_of_pull.max()) + 1
+        per_stage = np.bincount(r_me * num_stages + stage_of_pull, weights=r_tokens)
+        if per_stage.max() > header.recv_buffer_tokens:
+            bad = int(np.argmax(per_stage))
+            _fail(4, f"rank {bad // num_stages} receives {int(per_stage[bad])} tokens in stage "
+                     f"{bad % num_stages}, over the stated bound {header.recv_buffer_tokens}")
+    if header.recv_buffer_tokens > coalesce * block_size:
+        _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds coalesce x block size "
+                 f"({coalesce * block_size})")
+
+    # 2. Data before use: every tile's remote Q and K,V arrive (with the segments it reads) in an earlier stage.
+    pull_key = np.sort(pull_key)
+    pull_order = np.argsort(r_kind * num_blocks * num_ranks + r_block * num_ranks + r_me, kind="stable")
+    last_use = np.full(num_pulls, -1, dtype=np.int64)  # per received pull row: last stage a tile used it
+    tile_sorted = np.argsort(tile_key, kind="stable")
+    pair_tile = tile_sorted[np.searchsorted(tile_key[tile_sorted], seg_block[q_seg] * num_blocks + seg_block[k_seg])]
+    carried = np.unique(np.repeat(r_kind, r_count) * num_segments * num_ranks + r_segs * num_ranks
+                        + np.repeat(r_me, r_count)) if num_pulls else np.zeros(0, dtype=np.int64)
+    for kind, what, tile_block, needed_seg in ((KIND_Q, "Q", tile_q, q_seg), (KIND_KV, "K,V", tile_kv, k_seg)):
+        remote = owner[tile_block] != tile_rank
+        key = kind * num_blocks * num_ranks + tile_block * num_ranks + tile_rank
+        pos = np.minimum(np.searchsorted(pull_key, key), max(num_pulls - 1, 0))
+        found = (pull_key[pos] == key) if num_pulls else np.zeros(key.size, dtype=bool)
+        missing = remote & ~found
+        if missing.any():
+            t = int(np.flatnonzero(missing)[0])
+            _fail(2, f"rank {int(tile_rank[t])} runs tile (q {int(tile_q[t])}, kv {int(tile_kv[t])}) without pulling "
+                     f"the {what} of block {int(tile_block[t])}")
+        rows = pull_order[pos[remote]]
+        arrival = r_round[rows] // coalesce
+        late = arrival >= tile_stage[remote]
+        if late.any():
+            t = int(np.flatnonzero(remote)[np.argmax(late)])
+            _fail(2, f"rank {int(tile_rank[t])} runs tile (q {int(tile_q[t])}, kv {int(tile_kv[t])}) in stage "
+                     f"{int(tile_stage[t])}, but the {what} of block {int(tile_block[t])} arrives in stage "
+                     f"{int(arrival[np.argmax(late)])}")
+        np.maximum.at(last_use, rows, tile_stage[remote])
+        # Every segment a remote tile reads must be among those its pull carries.
+        pair_rank = tile_rank[pair_tile]
+        pair_remote = owner[seg_block[needed_seg]] != pair_rank
+        needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
+        lacking = ~np.isin(needed, carried)
+        if lacking.any():
+            bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
+            _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
+                     f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
+    if (last_use < 0).any():
+        bad = int(np.argmax(last_use < 0))
+        _fail(2, f"rank {int(r_me[bad])} pulls block {int(r_block[bad])} but no tile there uses it")
+
+    # Pushes: partial outputs (forward) and gradients (backward) return along their pull after the last tile.
+    def check_pushes(prefix: str, kinds: tuple[int, ...]) -> int:
+        send_stage, sender = _stack(programs, f"{prefix}_push_send_stage")
+        send_pull, _ = _stack(programs, f"{prefix}_push_send_pull")
+        recv_stage, receiver = _stack(programs, f"{prefix}_push_recv_stage")
+        recv_pull, _ = _stack(programs, f"{prefix}_push_recv_pull")
+        recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+        send_base = np.concatenate(([0], np.cumsum([p.arrays["pull_send_round"].size for p in programs])))
+        if send_stage.size != recv_stage.size:
+            _fail(2, f"{prefix}: {send_stage.size} pushes leave but {recv_stage.size} arrive")
+        if send_pull.size and ((send_pull < 0).any() or (send_pull + recv_base[sender] >= recv_base[sender + 1]).any()
+                               or (recv_pull < 0).any()
+                               or (recv_pull + send_base[receiver] >= send_base[receiver + 1]).any()):
+            _fail(2, f"{prefix}: a push points at a pull its rank does not have")
+        # The pull a push returns along, as (kind, block, puller, owner).
+        g_recv = send_pull + recv_base[sender]  # row in the stacked pull_recv table (unsorted order)
+        sent = np.stack([r_kind[g_recv], r_block[g_recv], r_me[g_recv], r_peer[g_recv], send_stage])
+        g_send = recv_pull + send_base[receiver]
+        arrived = np.stack([s_kind[g_send], s_block[g_send], s_peer[g_send], s_me[g_send], recv_stage])
+        sent = sent[:, np.lexsort(sent[::-1])]
+        arrived = arrived[:, np.lexsort(arrived[::-1])]
+        if not np.array_equal(sent, arrived):
+            _fail(2, f"{prefix}: a push leaves and arrives differently")
+        # Each pull of these kinds returns exactly once, after the last tile that used it.
+        returned = np.bincount(g_recv, minlength=num_pulls) if num_pulls else np.zeros(0, dtype=np.int64)
+        expects = np.isin(r_kind, kinds)
+        wrong = (returned != expects.astype(np.int64))
+        if wrong.any():
+            bad = int(np.argmax(wrong))
+            what = {KIND_Q: "partial output" if prefix == "fwd" else "dQ partial", KIND_KV: "dK, dV partial"}
+            _fail(2, f"{prefix}: rank {int(r_me[bad])} pushes the {what[int(r_kind[bad])]} of block "
+                     f"{int(r_block[bad])} back {int(returned[bad])} times (expected {int(expects[bad])})")
+        early = send_stage <= last_use[g_recv]
+        if early.any():
+            bad = int(np.argmax(early))
+            _fail(2, f"{prefix}: rank {int(sender[bad])} pushes the result for block {int(r_block[g_recv[bad]])} in "
+                     f"stage {int(send_stage[bad])}, not after its last tile in stage {int(last_use[g_recv[bad]])}")
+        for who, stages in ((sender, send_stage), (receiver, recv_stage)):
+            if stages.size:
+                per_stage = np.bincount(who * (int(stages.max()) + 1) + stages)
+                if per_stage.max() > coalesce:
+                    _fail(3, f"{prefix}: a rank has {int(per_stage.max())} pushes in one stage, over {coalesce}")
+        return int(send_stage.size)
+
+    num_pushes_fwd = check_pushes("fwd", (KIND_Q,))
+    num_pushes_bwd = check_pushes("bwd", (KIND_Q, KIND_KV))
+    _check_reshuffle(programs, header.total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr)
+    return ValidationReport(num_ranks=num_ranks, num_blocks=num_blocks, num_tiles=int(tile_q.size),
+                            num_pulls=int(num_pulls), num_rounds=num_rounds, max_degree=max_degree,
+                            num_pushes_fwd=num_pushes_fwd, num_pushes_bwd=num_pushes_bwd)
+
+
+def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr) -> None:
+    """5. The runs map user-layout tokens one to one onto plan-layout tokens, as both sides pack them."""
+    bounds = (np.arange(num_ranks + 1, dtype=np.int64) * total_tokens) // num_ranks
+    seq_offset = np.concatenate(([0], np.cumsum(lengths)))
+    sent_global, sent_key = [], []
+    received_global, received_key = [], []
+    for program in programs:
+        rank = program.rank
+        a = program.arrays
+        # User side: each run is a token range of this rank's user-layout chunk.
+        length = a["reshuffle_send_length"]
+        offset = a["reshuffle_send_offset"]
+        chunk = bounds[rank + 1] - bounds[rank]
+        if (length <= 0).any() or (offset < 0).any() or (offset + length > chunk).any():
+            _fail(5, f"rank {rank} sends a reshuffle run outside its {chunk}-token user chunk")
+        sent_global.append(_expand(bounds[rank] + offset, length))
+        sent_key.append(np.repeat(a["reshuffle_send_peer"] * num_ranks + rank, length))
+        # Plan side: the rank's blocks, segments in order, give the global token at each local position.
+        segs = np.concatenate([np.arange(seg_ptr[b], seg_ptr[b + 1]) for b in a["blocks"].tolist()] or
+                              [np.zeros(0, dtype=np.int64)])
+        local_global = _expand(seq_offset[seg_seq[segs]] + seg_start[segs], seg_end[segs] - seg_start[segs])
+        length = a["reshuffle_recv_length"]
+        offset = a["reshuffle_recv_offset"]
+        if (length <= 0).any() or (offset < 0).any() or (offset + length > local_global.size).any():
+            _fail(5, f"rank {rank} receives a reshuffle run outside its {local_global.size}-token plan layout")
+        positions = _expand(offset, length)
+        if positions.size != local_global.size or (np.bincount(positions, minlength=local_global.size) != 1).any():
+            _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
+        received_global.append(local_global[positions])
+        received_key.append(np.repeat(rank * num_ranks + a["reshuffle_recv_peer"], length))
+    sent = np.concatenate(sent_global)
+    if sent.size != total_tokens or (np.bincount(sent, minlength=total_tokens) != 1).any():
+        _fail(5, "the user layout's tokens are not each sent exactly once")
+    sent_key_all = np.concatenate(sent_key)
+    received_key_all = np.concatenate(received_key)
+    received = np.concatenate(received_global)
+    # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare them pair by pair.
+    s_order = np.argsort(sent_key_all, kind="stable")
+    r_order = np.argsort(received_key_all, kind="stable")
+    if not (np.array_equal(sent_key_all[s_order], received_key_all[r_order])
+            and np.array_equal(sent[s_order], received[r_order])):
+        bad = int(np.flatnonzero((sent_key_all[s_order] != received_key_all[r_order])
+                                 | (sent[s_order] != received[r_order]))[0]) if sent.size == received.size else 0
+        key = int(sent_key_all[s_order][bad]) if sent.size else 0
+        _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
+                 f"where the plan layout puts them")
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate the ranges [starts[i], starts[i] + lengths[i])."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return offsets + np.arange(total)
