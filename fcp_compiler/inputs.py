@@ -163,7 +163,8 @@ def _first_error(error: ValidationError) -> str:
     detail = error.errors()[0]
     where = ".".join(str(part) for part in detail["loc"]) or "value"
     message = detail["msg"].removeprefix("Value error, ")
-    return f"{where}: {message} (got {detail.get('input')!r})" if "got" not in message else f"{where}: {message}"
+    shown = repr(detail.get("input"))
+    return f"{where}: {message} (got {shown})" if "got" not in message and len(shown) < 60 else f"{where}: {message}"
 
 
 def _read_json(path: Path, what: str) -> object:

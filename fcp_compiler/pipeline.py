@@ -89,11 +89,17 @@ class CompiledPlan:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write bytes to `path` through a temporary file in the same folder, so no half-written file remains."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as error:
+        raise InvalidInputError(f"cannot write {str(path)!r}: {error.strerror}") from None
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

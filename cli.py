@@ -1,0 +1,218 @@
+"""The `fcp` command: parse, call the library, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from fcp_compiler.errors import FcpError, InvalidInputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="fcp: compile batches of sequence lengths into per-rank flexible context parallel plans.")
+trace_app = typer.Typer(no_args_is_help=True, help="Generate batches filled to exactly gpus x tokens-per-gpu tokens.")
+app.add_typer(trace_app, name="trace")
+
+GPUS = typer.Option(..., "--gpus", help="number of ranks (GPUs), >= 1")
+
+
+def _write_json(path: Path, data: object) -> None:
+    from fcp_compiler.pipeline import write_atomic
+
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+
+
+@app.command("compile")
+def compile_command(
+    batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": ..., \"sequences\": [...]} or a list of lengths"),
+    gpus: int = GPUS,
+    block_size: int = typer.Option(4096, "--block-size", help="tokens per block, a positive multiple of 64"),
+    coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage"),
+    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
+    zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
+    mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask: causal or full"),
+    q_heads: int = typer.Option(64, "--q-heads"),
+    kv_heads: int = typer.Option(8, "--kv-heads"),
+    head_dim: int = typer.Option(128, "--head-dim"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan file [BATCH name with .fcp]"),
+    stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing on success"),
+) -> None:
+    """Compile a batch into a plan file and print its summary."""
+    from fcp_compiler.inputs import load_batch, load_profile, make_shape
+    from fcp_compiler.pipeline import compile_plan
+    from fcp_compiler.report import compile_summary
+
+    if mask is not None and mask not in ("causal", "full"):
+        raise InvalidInputError(f"--mask {mask!r} must be causal or full")
+    plan = compile_plan(load_batch(batch), gpus, block_size=block_size, coalesce_degree=coalesce,
+                        token_cap=token_cap, zigzag=zigzag, shape=make_shape(q_heads, kv_heads, head_dim, dtype),
+                        profile=load_profile(profile), mask=mask)
+    output = output or Path(batch.with_suffix(".fcp").name)
+    plan.write(output)
+    if stats:
+        _write_json(stats, plan.stats)
+    if not quiet:
+        typer.echo(compile_summary(plan.stats, str(output)))
+
+
+@app.command("validate")
+def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
+    """Check every invariant of DESIGN section 4; exit 1 naming the first one broken."""
+    from fcp_compiler.validate import PlanInvalidError, validate_plan
+
+    try:
+        report = validate_plan(str(plan))
+    except PlanInvalidError as error:
+        typer.echo(f"fcp: invalid plan {plan}: {error}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{plan}: valid. {report.num_ranks} ranks, {report.num_blocks} blocks, {report.num_tiles} tiles, "
+               f"{report.num_pulls} pulls in {report.num_rounds} rounds (= max degree {report.max_degree}), "
+               f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes")
+
+
+@app.command("inspect")
+def inspect_command(
+    plan: Path = typer.Argument(..., help="plan file"),
+    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+) -> None:
+    """Show a plan's parameters and per-rank figures, or one rank's program."""
+    from fcp_compiler.plan_format import PlanReader
+    from fcp_compiler.report import rank_program_text, rank_rows, table
+
+    reader = PlanReader(str(plan))
+    header = reader.header
+    if rank is not None:
+        program = reader.rank(rank)
+        if as_json:
+            typer.echo(json.dumps({"rank": rank, **{k: v.tolist() for k, v in program.arrays.items()}}))
+        else:
+            typer.echo(rank_program_text(program))
+        return
+    rows = rank_rows(reader)
+    if as_json:
+        typer.echo(json.dumps({"header": header.model_dump(mode="json", exclude={"rank_sections"}), "ranks": rows}))
+        return
+    typer.echo(f"{plan}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
+               f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "
+               f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}, "
+               f"{header.num_rounds} rounds, digest {header.inputs_digest[:16]}")
+    keys = list(rows[0].keys())
+    shown = rows if len(rows) <= 32 else rows[:16] + rows[-16:]
+    typer.echo(table(keys, [[row[k] for k in keys] for row in shown]))
+    if len(rows) > 32:
+        typer.echo(f"  ... {len(rows) - 32} more ranks (--json for all)")
+
+
+@app.command("schemas")
+def schemas_command(
+    folder: Path = typer.Option(Path("schemas"), "--out", help="folder of the JSON Schema files"),
+    check: bool = typer.Option(False, "--check", help="exit 1 if the files differ from the models"),
+) -> None:
+    """Write (or check) the JSON Schema of the batch, hardware profile, attention shape and plan header."""
+    from fcp_compiler.inputs import schema_documents
+    from fcp_compiler.pipeline import write_atomic
+
+    stale = []
+    for name, text in schema_documents().items():
+        path = folder / name
+        if path.exists() and path.read_text() == text:
+            continue
+        stale.append(name)
+        if not check:
+            write_atomic(path, text.encode())
+    if check and stale:
+        typer.echo(f"fcp: stale schemas in {folder}: {', '.join(stale)} (run: fcp schemas)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{folder}: wrote {', '.join(stale)}" if stale else f"{folder}: up to date")
+
+
+def _total_tokens(gpus: int, tokens_per_gpu: int) -> int:
+    if gpus < 1 or tokens_per_gpu < 1:
+        raise InvalidInputError(f"--gpus {gpus} and --tokens-per-gpu {tokens_per_gpu} must both be >= 1")
+    return gpus * tokens_per_gpu
+
+
+def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> None:
+    from fcp_compiler.pipeline import write_atomic
+
+    if mask not in ("causal", "full"):
+        raise InvalidInputError(f"--mask {mask!r} must be causal or full")
+    write_atomic(output, (json.dumps({"mask": mask, "sequences": lengths}) + "\n").encode())
+    if not quiet:
+        typer.echo(f"wrote {output}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}")
+
+
+TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu")
+SEED = typer.Option(0, "--seed")
+OUTPUT = typer.Option(..., "-o", "--output", help="batch JSON to write")
+MASK = typer.Option("causal", "--mask", help="causal or full")
+QUIET = typer.Option(False, "--quiet", "-q")
+
+
+@trace_app.command("lognormal")
+def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
+                    median: float = typer.Option(4096.0, "--median"), sigma: float = typer.Option(1.8, "--sigma"),
+                    min_len: int = typer.Option(64, "--min-len"), max_len: int = typer.Option(524288, "--max-len"),
+                    seed: int = SEED, mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
+    """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
+    from fcp_compiler.traces import lognormal_batch
+
+    _write_batch(lognormal_batch(_total_tokens(gpus, tokens_per_gpu), median, sigma, min_len, max_len, seed), mask, output, quiet)
+
+
+@trace_app.command("histogram")
+def trace_histogram(histogram: Path = typer.Argument(..., help="CSV of bins: '[low, high]',count or low,high,count"),
+                    gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU, seed: int = SEED, mask: str = MASK,
+                    output: Path = OUTPUT, quiet: bool = QUIET) -> None:
+    """Lengths from a histogram: a bin by its count, then log-uniform inside it."""
+    from fcp_compiler.traces import histogram_batch, read_histogram_csv
+
+    edges, counts = read_histogram_csv(histogram)
+    _write_batch(histogram_batch(edges, counts, _total_tokens(gpus, tokens_per_gpu), seed), mask, output, quiet)
+
+
+@trace_app.command("file")
+def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one length a line"),
+               gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU, seed: int = SEED,
+               max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this"),
+               mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
+    """Lengths drawn with replacement from a file of observed lengths."""
+    from fcp_compiler.traces import empirical_batch, read_lengths_file
+
+    _write_batch(empirical_batch(read_lengths_file(lengths_file), _total_tokens(gpus, tokens_per_gpu), seed,
+                                 max_len), mask,
+                 output, quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one-line errors, exit 2 on bad input, 1 on an invalid plan."""
+    try:
+        app(args=argv, standalone_mode=False, prog_name="fcp")
+    except typer.Exit as done:
+        return done.exit_code
+    except typer.Abort:
+        typer.echo("fcp: aborted", err=True)
+        return 130
+    except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
+        context = getattr(error, "ctx", None)
+        command = f" {context.info_name}" if context is not None and context.info_name != "fcp" else ""
+        typer.echo(f"fcp{command}: error: {error.format_message()}", err=True)
+        return 2
+    except FcpError as error:
+        typer.echo(f"fcp: error: {error}", err=True)
+        return 2
+    except OSError as error:  # an output path that cannot be written
+        typer.echo(f"fcp: error: cannot write {error.filename!r}: {error.strerror}", err=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

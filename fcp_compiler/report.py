@@ -1,0 +1,99 @@
+"""Compact text tables for the command line, and the plan summaries `fcp inspect` shows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fcp_compiler.plan_format import PlanReader, RankProgram
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
+    """Right-aligned columns under a header line."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(indent + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.2f}%"
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def compile_summary(stats: dict, path: str | None) -> str:
+    """The table `fcp compile` prints."""
+    layout = "zigzag" if stats["zigzag"] else "plain"
+    lines = [
+        f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
+        f"{stats['gpus']} ranks, block {stats['block_size']} ({layout}), coalesce {stats['coalesce']}",
+        table(["blocks", "tiles", "offloaded", "transfers", "delta", "rounds", "stages", "compute imb", "comm imb",
+               "LB ratio", "tokens/rank", "cap"],
+              [[stats["num_blocks"], stats["num_tiles"], stats["num_offloaded_tiles"], stats["num_transfers"],
+                stats["max_degree"], stats["num_rounds"], stats["num_stages"], percent(stats["compute_imbalance"]),
+                percent(stats["comm_imbalance"]), f"{stats['makespan_lower_bound_ratio']:.4f}",
+                stats["max_tokens_per_rank"], stats["token_cap"]]]),
+        f"  traffic {human_bytes(stats['total_comm_bytes'])} forward, most received by one rank "
+        f"{human_bytes(stats['max_rank_recv_bytes'])}",
+        "  compile {:.3f} s: {}".format(stats["compile_seconds"], "  ".join(
+            f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
+    ]
+    if path:
+        lines.append(f"  wrote {path} ({human_bytes(stats['plan_bytes'])}, sha256 {stats['plan_sha256'][:16]})")
+    return "\n".join(lines)
+
+
+def rank_rows(reader: PlanReader) -> list[dict]:
+    """Per-rank figures of a plan: tokens held, blocks, tiles, pulls and pushes."""
+    tables = reader.tables
+    seg_tokens = tables.seg_end - tables.seg_start
+    block_tokens = np.bincount(tables.seg_block, weights=seg_tokens).astype(np.int64)
+    rows = []
+    for program in reader.ranks():
+        a = program.arrays
+        offloaded = int(np.isin(a["tile_q_block"], a["blocks"], invert=True).sum())
+        rows.append({
+            "rank": program.rank, "tokens": int(block_tokens[a["blocks"]].sum()), "blocks": int(a["blocks"].size),
+            "tiles": int(a["tile_q_block"].size), "tiles_for_others": offloaded,
+            "pulls_sent": int(a["pull_send_round"].size), "pulls_received": int(a["pull_recv_round"].size),
+            "tokens_received": int(seg_tokens[a["pull_recv_segs"]].sum()),
+            "fwd_pushes_sent": int(a["fwd_push_send_stage"].size), "bwd_pushes_sent": int(a["bwd_push_send_stage"].size),
+        })
+    return rows
+
+
+def rank_program_text(program: RankProgram) -> str:
+    """Stage-by-stage view of one rank's program."""
+    a = program.arrays
+    header = program.header
+    coalesce = header.coalesce
+    num_stages = header.num_bwd_stages
+    stage_rows = []
+    for stage in range(num_stages):
+        sends = int((a["pull_send_round"] // coalesce == stage).sum())
+        recvs = int((a["pull_recv_round"] // coalesce == stage).sum())
+        tiles = int((a["tile_stage"] == stage).sum())
+        fwd_push = int((a["fwd_push_send_stage"] == stage).sum())
+        bwd_push = int((a["bwd_push_send_stage"] == stage).sum())
+        if sends or recvs or tiles or fwd_push or bwd_push:
+            stage_rows.append([stage, sends, recvs, tiles, fwd_push, bwd_push])
+    return "\n".join([
+        f"rank {program.rank}: {a['blocks'].size} blocks {a['blocks'].tolist()[:16]}"
+        f"{' ...' if a['blocks'].size > 16 else ''}",
+        f"  reshuffle: sends {a['reshuffle_send_length'].sum()} tokens in {a['reshuffle_send_length'].size} runs, "
+        f"receives {a['reshuffle_recv_length'].sum()} tokens in {a['reshuffle_recv_length'].size} runs",
+        table(["stage", "pulls sent", "pulls recv", "tiles", "fwd pushes", "bwd pushes"], stage_rows),
+    ])
