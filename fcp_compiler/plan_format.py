@@ -227,3 +227,14 @@ class PlanReader:
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:
     """Read just one rank's program from a plan file or bytes."""
     return PlanReader(source).rank(rank)
+
+
+def rebuild_plan(reader: PlanReader, rank_arrays: list[dict[str, np.ndarray]] | None = None,
+                 **header_changes: object) -> bytes:
+    """Re-serialise a plan with some rank arrays or header fields replaced (for tools and tests that edit plans)."""
+    fields = reader.header.model_dump(exclude={"global_section", "rank_sections"})
+    fields.update(header_changes)
+    tables = reader.tables
+    global_arrays = {name: getattr(tables, name) for name in GLOBAL_ARRAYS}
+    arrays = rank_arrays if rank_arrays is not None else [program.arrays for program in reader.ranks()]
+    return assemble(fields, global_arrays, arrays)

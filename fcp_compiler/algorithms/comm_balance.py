@@ -27,8 +27,9 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     tokens of the distinct segments that r's blocks read and r does not hold (a rank pulls a segment once however
     many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
     x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
-    that hold segments A pulls, a few per sequence (swaps). A's new F is exact for every candidate at once; the partner's is exact for
-    the num_exact best by an estimate. The best action is applied if both touched ranks end below A's old F.
+    that hold segments A pulls, a few per sequence (swaps). Both touched ranks' new volumes are exact for every
+    candidate at once. The best action is applied if both end below A's old F and, with the mean updated, no rank
+    ends above it.
     Stops when F <= 1 everywhere, at a local optimum, or after max_steps. O(k * (P + S)) a step for k blocks on A,
     P need pairs of the candidates and S segments.
 
@@ -194,10 +195,25 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         score, xs, ys, partner_of, new_tops, new_partners = (np.concatenate(parts) for parts in zip(*found))
         if score.size == 0:
             break
-        best = int(np.lexsort((ys, xs, score))[0])
-        x, y, partner = int(xs[best]), int(ys[best]), int(partner_of[best])
-        new_top, new_partner = float(new_tops[best]), float(new_partners[best])
-        assert new_partner == volume_after(partner, y, x), (new_partner, volume_after(partner, y, x))
+        # Moving blocks changes the mean received volume, and with it every rank's F: take the best action that
+        # leaves no rank above A's old F once the mean is updated.
+        best = None
+        total_received = float(received.sum())
+        for idx in np.lexsort((ys, xs, score))[:8].tolist():
+            x, y, partner = int(xs[idx]), int(ys[idx]), int(partner_of[idx])
+            new_top, new_partner = float(new_tops[idx]), float(new_partners[idx])
+            new_mean = max((total_received - received[top] - received[partner] + new_top + new_partner) / num_ranks,
+                           1.0)
+            y_weight = block_weight[y] if y >= 0 else 0.0
+            after = excess(compute, received, new_mean)
+            after[top] = excess(compute[top] - block_weight[x] + y_weight, new_top, new_mean)
+            after[partner] = excess(compute[partner] + block_weight[x] - y_weight, new_partner, new_mean)
+            if after[top] < top_excess and after[partner] < top_excess and after.max() <= top_excess:
+                best = (x, y, partner, new_top, new_partner)
+                break
+        if best is None:
+            break
+        x, y, partner, new_top, new_partner = best
         for block, source, target in ((x, top, partner), (y, partner, top)):
             if block < 0:
                 continue

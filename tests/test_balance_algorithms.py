@@ -1,0 +1,69 @@
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
+from fcp_compiler.algorithms.comm_balance import balance_two_dimensional, received_tokens
+from fcp_compiler.algorithms.offload import offload_tiles
+
+
+def test_imbalance_ratio_and_bound():
+    assert imbalance_ratio(np.array([1.0, 1.0])) == 0.0
+    assert imbalance_ratio(np.array([2.0, 0.0])) == 0.5
+    assert makespan_lower_bound(10.0, 4, 1.0) == (2.5, "mean")
+    assert makespan_lower_bound(10.0, 4, 3.0) == (3.0, "largest_piece")
+
+
+def test_offload_moves_tiles_of_a_heavy_block_to_idle_ranks():
+    # One query block with 8 tiles of work 1 on rank 0; ranks 1-3 idle.
+    tile_q = np.zeros(8, dtype=int)
+    tile_kv = np.arange(8)
+    block_rank = np.array([0, 0, 0, 0, 1, 1, 2, 3])
+    tile_rank = offload_tiles(tile_q, tile_kv, np.ones(8), block_rank, 4, target=2.0)
+    loads = np.bincount(tile_rank, minlength=4)
+    assert loads.max() == 2
+    # Tiles whose K,V the helper holds go there first.
+    assert set(tile_kv[tile_rank == 1]) == {4, 5}
+
+
+def brute_received(block_rank, seg_block, seg_tokens, need_block, need_seg, num_ranks):
+    out = np.zeros(num_ranks)
+    for rank in range(num_ranks):
+        needed = {k for b, k in zip(need_block, need_seg) if block_rank[b] == rank}
+        out[rank] = sum(seg_tokens[k] for k in needed if block_rank[seg_block[k]] != rank)
+    return out
+
+
+@given(st.integers(2, 4), st.integers(0, 10_000))
+def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed):
+    rng = np.random.default_rng(seed)
+    num_blocks = 4 * num_ranks
+    seg_block = np.sort(rng.integers(0, num_blocks, size=2 * num_blocks))
+    seg_block = np.concatenate((np.arange(num_blocks), seg_block))
+    seg_block.sort()
+    seg_tokens = rng.integers(1, 50, size=seg_block.size)
+    pairs = {(int(b), int(k)) for b, k in zip(rng.integers(0, num_blocks, 60), rng.integers(0, seg_block.size, 60))
+             if seg_block[k] != b}
+    pairs = sorted(pairs)
+    need_block = np.array([p[0] for p in pairs], dtype=np.int64)
+    need_seg = np.array([p[1] for p in pairs], dtype=np.int64)
+    weights = rng.uniform(1, 5, size=num_blocks)
+    tokens = np.bincount(seg_block, weights=seg_tokens, minlength=num_blocks).astype(int)
+    cap = int(tokens.sum() // num_ranks + tokens.max())
+    start = np.arange(num_blocks) % num_ranks
+    seg_seq = np.arange(seg_block.size) % 3
+    count = np.zeros((num_ranks, seg_block.size), dtype=np.int32)
+    np.add.at(count, (start[need_block], need_seg), 1)
+    assert np.array_equal(received_tokens(count, start[seg_block], seg_tokens),
+                          brute_received(start, seg_block, seg_tokens, need_block, need_seg, num_ranks))
+
+    def worst(block_rank):
+        compute = np.bincount(block_rank, weights=weights, minlength=num_ranks)
+        received = brute_received(block_rank, seg_block, seg_tokens, need_block, need_seg, num_ranks)
+        return max(((compute / compute.mean() - 1) / 0.05).max(),
+                   ((received / max(received.mean(), 1) - 1) / 0.1).max())
+
+    result = balance_two_dimensional(start, weights, tokens, seg_block, seg_seq, seg_tokens, need_block, need_seg,
+                                     num_ranks, cap, 0.05, 0.1, num_partner_ranks=num_ranks)
+    assert np.bincount(result, weights=tokens, minlength=num_ranks).max() <= cap
+    assert worst(result) <= worst(start) + 1e-9
