@@ -23,13 +23,13 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
 
     Objective: minimise max_r F_r with F_r = max((C_r / C_mean - 1) / compute_tolerance,
     (R_r / R_mean - 1) / received_tolerance): each rank's excess over the mean compute C and the mean received
-    volume R, in units of what each may exceed it by, so F <= 1 means both within their tolerance. R_r counts the
+    volume R (both as on entry), in units of what each may exceed it by, so F <= 1 means both within their
+    tolerance. R_r counts the
     tokens of the distinct segments that r's blocks read and r does not hold (a rank pulls a segment once however
     many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
     x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
     that hold segments A pulls, a few per sequence (swaps). Both touched ranks' new volumes are exact for every
-    candidate at once. The best action is applied if both end below A's old F and, with the mean updated, no rank
-    ends above it.
+    candidate at once. The best action is applied if both end below A's old F.
     Stops when F <= 1 everywhere, at a local optimum, or after max_steps. O(k * (P + S)) a step for k blocks on A,
     P need pairs of the candidates and S segments.
 
@@ -44,7 +44,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         affinity_per_sequence: how many blocks holding segments A pulls are tried per sequence.
         max_steps: step limit (default 4 * num_ranks).
     Returns:
-        a new block_rank array; its largest F is never above the input's.
+        a new block_rank array; its largest F (with the entry means) is never above the input's.
     """
     block_rank = np.array(block_rank, dtype=np.int64)
     num_blocks, num_segments = block_rank.size, seg_block.size
@@ -82,8 +82,9 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             local[segs_of(arriving)] = True
         return int(seg_tokens[(count > 0) & ~local].sum())
 
+    # The received normaliser stays the entry mean, so that the largest F can only fall (moves change the mean).
+    mean_received = max(float(received.mean()), 1.0)
     for _ in range(steps):
-        mean_received = max(float(received.mean()), 1.0)
         rank_excess = excess(compute, received, mean_received)
         top = int(np.argmax(rank_excess))
         top_excess = rank_excess[top]
@@ -195,25 +196,10 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         score, xs, ys, partner_of, new_tops, new_partners = (np.concatenate(parts) for parts in zip(*found))
         if score.size == 0:
             break
-        # Moving blocks changes the mean received volume, and with it every rank's F: take the best action that
-        # leaves no rank above A's old F once the mean is updated.
-        best = None
-        total_received = float(received.sum())
-        for idx in np.lexsort((ys, xs, score))[:8].tolist():
-            x, y, partner = int(xs[idx]), int(ys[idx]), int(partner_of[idx])
-            new_top, new_partner = float(new_tops[idx]), float(new_partners[idx])
-            new_mean = max((total_received - received[top] - received[partner] + new_top + new_partner) / num_ranks,
-                           1.0)
-            y_weight = block_weight[y] if y >= 0 else 0.0
-            after = excess(compute, received, new_mean)
-            after[top] = excess(compute[top] - block_weight[x] + y_weight, new_top, new_mean)
-            after[partner] = excess(compute[partner] + block_weight[x] - y_weight, new_partner, new_mean)
-            if after[top] < top_excess and after[partner] < top_excess and after.max() <= top_excess:
-                best = (x, y, partner, new_top, new_partner)
-                break
-        if best is None:
-            break
-        x, y, partner, new_top, new_partner = best
+        best = int(np.lexsort((ys, xs, score))[0])
+        x, y, partner = int(xs[best]), int(ys[best]), int(partner_of[best])
+        new_top, new_partner = float(new_tops[best]), float(new_partners[best])
+        assert new_partner == volume_after(partner, y, x), (new_partner, volume_after(partner, y, x))
         for block, source, target in ((x, top, partner), (y, partner, top)):
             if block < 0:
                 continue

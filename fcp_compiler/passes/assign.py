@@ -14,6 +14,7 @@ from fcp_compiler.ir import Assignment, TileSet
 
 # How far above the mean compute and the mean received volume the joint search lets a rank go.
 TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.07)
+TWO_DIMENSIONAL_ROUNDS = 3
 
 
 def default_token_cap(total_tokens: int, num_ranks: int, block_size: int) -> int:
@@ -77,9 +78,15 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     bound, _ = makespan_lower_bound(float(tiles.tile_seconds.sum()), num_ranks,
                                     float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
     need_block, need_seg = block_needs(tiles)
-    block_rank = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
-                                         sharding.seg_tokens,
-                                         need_block, need_seg, num_ranks, token_cap, **TWO_DIMENSIONAL_SEARCH)
+    for _ in range(TWO_DIMENSIONAL_ROUNDS):
+        # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
+        # traffic is still outside its tolerance.
+        moved = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
+                                        sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
+                                        **TWO_DIMENSIONAL_SEARCH)
+        if np.array_equal(moved, block_rank):
+            break
+        block_rank = moved
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
                               target=bound * (1.0 + balance_tolerance))
     return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
