@@ -13,7 +13,8 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
     helper costs a pull of its query block (and a push of the partial output back), plus a pull of its key/value
     block unless the helper already has it; so the tiles of one heavy query block go together to the least-loaded
     rank, those whose key/value block the helper holds or already pulls first, the heaviest first, while the
-    helper stays at or under `target`. Ranks are visited from the most loaded. O(moves * num_tiles).
+    helper stays at or under `target`; when no helper can take a whole tile so, a second pass lets helpers pass
+    the target while they stay below the overloaded rank (tiles are coarse when the mean is a few tiles). Ranks are visited from the most loaded. O(moves * num_tiles).
 
     Args:
         tile_q_block, tile_kv_block, tile_seconds: per-tile query block, key/value block and work.
@@ -27,12 +28,16 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
     loads = np.bincount(tile_rank, weights=tile_seconds, minlength=num_ranks)
     for overloaded in np.argsort(-loads, kind="stable").tolist():
         exhausted: set[int] = set()
+        past_target = False  # second pass: helpers may pass the target while they stay below this rank
         while loads[overloaded] > target:
-            candidates = np.flatnonzero((loads < target) & ~np.isin(np.arange(num_ranks), list(exhausted)))
+            candidates = np.flatnonzero((loads < (loads[overloaded] if past_target else target))
+                                        & ~np.isin(np.arange(num_ranks), list(exhausted)))
             if candidates.size == 0:
-                break
+                if past_target:
+                    break
+                past_target, exhausted = True, set()
+                continue
             helper = int(candidates[np.argmin(loads[candidates])])
-            room = target - loads[helper]
             need = loads[overloaded] - target
             mine = np.flatnonzero((tile_rank == overloaded) & (block_rank[tile_q_block] == overloaded))
             if mine.size == 0:
@@ -49,7 +54,10 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
             moved = 0.0
             for tile in candidates_tiles[order].tolist():
                 seconds = float(tile_seconds[tile])
-                if moved + seconds > room:
+                # Fill the helper up to the target, or past it while it stays below the overloaded rank's load
+                # (the pair's maximum still falls: tiles are coarse when the mean is a few tiles).
+                helper_after = loads[helper] + moved + seconds
+                if helper_after > target and (not past_target or helper_after >= loads[overloaded] - moved):
                     continue
                 chosen.append(tile)
                 moved += seconds

@@ -77,8 +77,8 @@ def coalesce(rounds: Rounds, degree: int) -> Schedule:
     kv_remote = assignment.block_rank[tiles.tile_kv_block] != tile_rank
     q_remote = assignment.block_rank[tiles.tile_q_block] != tile_rank
     assert ((kv_edge >= 0) == kv_remote).all() and ((q_edge >= 0) == q_remote).all()
-    arrival_round = np.maximum(np.where(kv_remote, rounds.edge_round[kv_edge], -1),
-                               np.where(q_remote, rounds.edge_round[q_edge], -1))
+    round_or_local = np.append(rounds.edge_round, -1)  # index -1 (no pull) reads -1 (local)
+    arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
     tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, tile_stage, tile_rank))
 

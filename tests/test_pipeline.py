@@ -1,0 +1,99 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import compile_valid
+from fcp_compiler import InfeasibleError, InvalidInputError, compile_plan
+from fcp_compiler.inputs import load_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
+              "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
+              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256"}
+PASSES = ["shard", "cost", "assign", "plan_transfers", "schedule_rounds", "coalesce", "reshuffle", "encode"]
+
+
+@given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),
+       st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2, 16]), st.sampled_from(["causal", "full"]),
+       st.sampled_from(["auto", "on", "off"]))
+def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size, coalesce, mask, zigzag):
+    plan = compile_valid(lengths, gpus, block_size=block_size, coalesce_degree=coalesce, mask=mask, zigzag=zigzag)
+    stats = plan.stats
+    assert stats["num_rounds"] == stats["max_degree"]
+    assert stats["num_stages"] == -(-stats["num_rounds"] // coalesce)
+    assert stats["max_tokens_per_rank"] <= stats["token_cap"] <= -(-sum(lengths) // gpus) + block_size
+
+
+def test_stats_hold_every_documented_key(small_plan):
+    assert STATS_KEYS <= set(small_plan.stats)
+    assert list(small_plan.stats["pass_seconds"]) == ["parse"] + PASSES
+    json.dumps(small_plan.stats)
+
+
+@pytest.mark.parametrize("name,gpus", [("paper_lognormal_64gpu", 64), ("paper_lognormal_128gpu", 128),
+                                       ("paper_lognormal_256gpu", 256)])
+def test_shipped_paper_traces_are_balanced(name, gpus):
+    plan = compile_valid(load_batch(ROOT / "traces" / f"{name}.json"), gpus)
+    stats = plan.stats
+    assert stats["compute_imbalance"] <= 0.03
+    assert stats["comm_imbalance"] <= 0.10
+    assert stats["makespan_lower_bound_ratio"] <= 1.03
+    assert stats["max_tokens_per_rank"] <= sum(load_batch(ROOT / "traces" / f"{name}.json").sequences) // gpus + 4096
+
+
+def test_short_only_batch_needs_no_transfers():
+    plan = compile_valid(load_batch(ROOT / "traces" / "short_only_64gpu.json"), 64)
+    assert plan.stats["num_transfers"] == 0 and plan.stats["num_rounds"] == 0
+    assert plan.stats["compute_imbalance"] <= 0.03
+
+
+def test_one_rank_and_more_ranks_than_tokens():
+    compile_valid([100, 5000], 1, block_size=1024)
+    compile_valid([3], 8, block_size=64)
+
+
+def test_a_block_heavier_than_the_mean_is_split_by_tiles():
+    # Full mask: each of the 8 blocks of a 32K sequence is 8 tiles, twice the mean over 16 ranks.
+    plan = compile_valid([32768], 16, block_size=4096, mask="full", coalesce_degree=2)
+    assert plan.stats["num_offloaded_tiles"] >= 32
+    assert plan.stats["makespan_lower_bound_ratio"] <= 1.03
+    assert plan.stats["num_rounds"] == plan.stats["max_degree"]
+
+
+def test_rank_slices_decode_the_same_as_the_whole(small_plan):
+    for rank in range(small_plan.num_ranks):
+        program = small_plan.rank(rank)
+        assert set(program.arrays) and program.rank == rank
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(InvalidInputError, match="--block-size 100"):
+        compile_plan([10], 1, block_size=100)
+    with pytest.raises(InvalidInputError, match="--gpus 0"):
+        compile_plan([10], 0)
+    with pytest.raises(InvalidInputError, match="length 0"):
+        compile_plan([10, 0], 2)
+    with pytest.raises(InfeasibleError, match="token cap 10"):
+        compile_plan([4096, 4096], 2, token_cap=10)
+
+
+def test_same_inputs_give_byte_identical_plans_across_hash_seeds(tmp_path):
+    script = ("import sys; from fcp_compiler import compile_plan; from fcp_compiler.inputs import load_batch; "
+              "compile_plan(load_batch(sys.argv[1]), 64, block_size=2048).write(sys.argv[2])")
+    outputs = []
+    for seed in ("0", "12345"):
+        out = tmp_path / f"plan_{seed}.fcp"
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        subprocess.run([sys.executable, "-c", script, str(ROOT / "traces" / "paper_lognormal_64gpu.json"), str(out)],
+                       check=True, env=env, cwd=ROOT)
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    assert outputs[0] == compile_plan(load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json"), 64,
+                                      block_size=2048).to_bytes()
