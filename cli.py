@@ -191,10 +191,25 @@ def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one 
                  output, quiet)
 
 
+def _offending_value(argv: list[str], error: Exception) -> str:
+    """' (got VALUE)' for a bad option value, found after its flag on the command line."""
+    options = getattr(getattr(error, "param", None), "opts", None) or []
+    for flag in options:
+        for idx, token in enumerate(argv[:-1]):
+            if token == flag:
+                return f" (got {argv[idx + 1]!r})"
+            if token.startswith(flag + "="):
+                return f" (got {token.split('=', 1)[1]!r})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line errors, exit 2 on bad input, 1 on an invalid plan."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(args=argv, standalone_mode=False, prog_name="fcp")
+        result = app(args=argv, standalone_mode=False, prog_name="fcp")
+        if isinstance(result, int):
+            return result
     except typer.Exit as done:
         return done.exit_code
     except typer.Abort:
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
         context = getattr(error, "ctx", None)
         command = f" {context.info_name}" if context is not None and context.info_name != "fcp" else ""
-        typer.echo(f"fcp{command}: error: {error.format_message()}", err=True)
+        typer.echo(f"fcp{command}: error: {error.format_message()}{_offending_value(argv, error)}", err=True)
         return 2
     except FcpError as error:
         typer.echo(f"fcp: error: {error}", err=True)

@@ -1,0 +1,94 @@
+"""The fcp command: outputs, exit codes and one-line errors, no partial files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli import main
+from fcp_compiler.plan_format import PlanReader, rebuild_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "traces" / "small_8gpu.json"
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):
+    plan, stats = tmp_path / "p.fcp", tmp_path / "s.json"
+    code, out, _ = run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "--stats", stats)
+    assert code == 0 and "compute imb" in out and plan.exists()
+    figures = json.loads(stats.read_text())
+    assert figures["plan_sha256"] and figures["num_rounds"] == figures["max_degree"]
+    code, out, _ = run(capsys, "validate", plan)
+    assert code == 0 and "valid" in out
+    code, out, _ = run(capsys, "inspect", plan, "--rank", 2)
+    assert code == 0 and "stage" in out
+    code, out, _ = run(capsys, "inspect", plan, "--json")
+    assert code == 0 and len(json.loads(out)["ranks"]) == 8
+
+
+def test_validate_exits_one_naming_the_invariant(tmp_path, capsys):
+    plan = tmp_path / "p.fcp"
+    assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
+    reader = PlanReader(str(plan))
+    broken = tmp_path / "broken.fcp"
+    broken.write_bytes(rebuild_plan(reader, token_cap=100))
+    code, _, err = run(capsys, "validate", broken)
+    assert code == 1 and "invariant 4 (memory)" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ("[1, 2, -3]", [], "length -3"),
+    ("[1, 0]", [], "length 0"),
+    ("[1.5, 2]", [], "length 1.5"),
+    ("[]", [], "empty"),
+    ('{"mask": "diag", "sequences": [5]}', [], "'diag'"),
+    ("{nope", [], "not valid JSON"),
+    ("[4096, 4096]", ["--gpus", "0"], "--gpus 0"),
+    ("[4096, 4096]", ["--block-size", "100"], "--block-size 100"),
+    ("[4096, 4096]", ["--block-size", "0"], "--block-size 0"),
+    ("[4096, 4096]", ["--token-cap", "10"], "token cap 10"),
+    ("[4096, 4096]", ["--profile", "tpu"], "'tpu'"),
+    ("[4096, 4096]", ["--gpus", "two"], "'two'"),
+])
+def test_bad_input_is_one_line_exit_two_and_no_plan(tmp_path, capsys, content, args, message):
+    batch = tmp_path / "b.json"
+    batch.write_text(content)
+    plan = tmp_path / "p.fcp"
+    argv = ["compile", batch, "-o", plan] + (args if "--gpus" in args else ["--gpus", "2"] + args)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not plan.exists() and not list(tmp_path.glob(".p.fcp*"))
+
+
+def test_missing_batch_file(tmp_path, capsys):
+    code, _, err = run(capsys, "compile", tmp_path / "none.json", "--gpus", 2)
+    assert code == 2 and "does not exist" in err
+
+
+def test_trace_generators_fill_exactly(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert run(capsys, "trace", "lognormal", "--gpus", 4, "--tokens-per-gpu", 1000, "--seed", 1, "-o", out)[0] == 0
+    assert sum(json.loads(out.read_text())["sequences"]) == 4000
+    hist = tmp_path / "h.csv"
+    hist.write_text('range,number\n"[1, 100]",5\n"[101, 1000]",3\n')
+    assert run(capsys, "trace", "histogram", hist, "--gpus", 2, "--tokens-per-gpu", 5000, "-o", out)[0] == 0
+    assert sum(json.loads(out.read_text())["sequences"]) == 10000
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n200\n300\n")
+    assert run(capsys, "trace", "file", lengths, "--gpus", 3, "--tokens-per-gpu", 700, "-o", out)[0] == 0
+    assert sum(json.loads(out.read_text())["sequences"]) == 2100
+
+
+def test_console_script_runs_in_a_subprocess(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "cli.py"), "compile", str(SMALL), "--gpus", "0"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("fcp: error: --gpus 0")

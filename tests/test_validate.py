@@ -1,0 +1,119 @@
+"""The validator passes real plans and names the invariant a plan edited to break it breaks."""
+
+import numpy as np
+import pytest
+
+from conftest import compile_valid
+from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.plan_format import PlanReader, rebuild_plan
+from fcp_compiler.validate import PlanInvalidError, validate_plan
+
+
+@pytest.fixture(scope="module")
+def plan_bytes():
+    # Causal long sequences over 8 ranks: remote pulls, several rounds and stages.
+    return compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024,
+                         coalesce_degree=2).to_bytes()
+
+
+@pytest.fixture(scope="module")
+def offload_bytes():
+    return compile_valid([32768], 16, block_size=4096, mask="full", coalesce_degree=2).to_bytes()
+
+
+def edited(data, edit, **header_changes):
+    reader = PlanReader(data)
+    arrays = [{name: values.copy() for name, values in program.arrays.items()} for program in reader.ranks()]
+    edit(arrays)
+    return rebuild_plan(reader, arrays, **header_changes)
+
+
+def expect(data, invariant, match=None):
+    with pytest.raises(PlanInvalidError, match=match) as caught:
+        validate_plan(data)
+    assert caught.value.invariant == invariant, str(caught.value)
+
+
+def rank_with(arrays, name):
+    return next(rank for rank, a in enumerate(arrays) if a[name].size)
+
+
+def test_real_plans_pass(plan_bytes, offload_bytes):
+    assert validate_plan(plan_bytes).num_pulls > 0
+    assert validate_plan(offload_bytes).num_pushes_fwd > 0
+
+
+def test_a_dropped_tile_breaks_coverage(plan_bytes):
+    def drop(arrays):
+        a = arrays[0]
+        for name in ("tile_stage", "tile_q_block", "tile_kv_block"):
+            a[name] = a[name][1:]
+    expect(edited(plan_bytes, drop), 1, "runs nowhere")
+
+
+def test_a_duplicated_tile_breaks_coverage(plan_bytes):
+    def duplicate(arrays):
+        for name in ("tile_stage", "tile_q_block", "tile_kv_block"):
+            arrays[1][name] = np.append(arrays[1][name], arrays[0][name][0])
+    expect(edited(plan_bytes, duplicate), 1, "runs 2 times")
+
+
+def test_a_tile_before_its_data_breaks_data_before_use(plan_bytes):
+    def too_early(arrays):
+        for a in arrays:
+            remote = np.flatnonzero(~np.isin(a["tile_kv_block"], a["blocks"]))
+            if remote.size:
+                a["tile_stage"][remote[0]] = 0
+                return
+    expect(edited(plan_bytes, too_early), 2, "arrives in stage")
+
+
+def test_a_partial_output_pushed_before_its_tile_breaks_data_before_use(offload_bytes):
+    def push_early(arrays):
+        a = arrays[rank_with(arrays, "fwd_push_send_stage")]
+        a["fwd_push_send_stage"][0] = 0
+    expect(edited(offload_bytes, push_early), 2)
+
+
+def test_a_rank_sending_twice_in_a_round_breaks_congestion_freedom(plan_bytes):
+    def collide(arrays):
+        for sender, a in enumerate(arrays):
+            if a["pull_send_round"].size >= 2:
+                first_round, moved_round = a["pull_send_round"][0], a["pull_send_round"][1]
+                a["pull_send_round"][1] = first_round
+                peer, block = a["pull_send_peer"][1], a["pull_send_block"][1]
+                r = arrays[peer]
+                row = np.flatnonzero((r["pull_recv_peer"] == sender) & (r["pull_recv_block"] == block)
+                                     & (r["pull_recv_round"] == moved_round))[0]
+                r["pull_recv_round"][row] = first_round
+                return
+    expect(edited(plan_bytes, collide), 3, "sends 2 pulls")
+
+
+def test_a_rank_over_the_token_cap_breaks_memory(plan_bytes):
+    reader = PlanReader(plan_bytes)
+    tokens = max(int((reader.tables.seg_end - reader.tables.seg_start)[np.isin(reader.tables.seg_block,
+                                                                              p.blocks)].sum())
+                 for p in reader.ranks())
+    expect(edited(plan_bytes, lambda arrays: None, token_cap=tokens - 1), 4, "over the token cap")
+
+
+def test_a_reshuffle_that_is_not_a_bijection_is_caught(plan_bytes):
+    def shift(arrays):
+        a = arrays[0]
+        a["reshuffle_send_offset"][0] = a["reshuffle_send_offset"][1]
+    expect(edited(plan_bytes, shift), 5)
+
+
+def test_rounds_must_equal_delta(plan_bytes):
+    rounds = PlanReader(plan_bytes).header.num_rounds
+    expect(edited(plan_bytes, lambda arrays: None, num_rounds=rounds + 1), 3, "largest degree")
+
+
+def test_corrupt_files_are_format_errors(plan_bytes, tmp_path):
+    with pytest.raises(PlanFormatError, match="not an fcp plan"):
+        validate_plan(b"hello world, not a plan")
+    with pytest.raises(PlanFormatError, match="sections do not match"):
+        validate_plan(plan_bytes[:-10])
+    with pytest.raises(PlanFormatError, match="does not exist"):
+        validate_plan(str(tmp_path / "missing.fcp"))
