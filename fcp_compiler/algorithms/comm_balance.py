@@ -17,7 +17,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                             need_block: np.ndarray,
                             need_seg: np.ndarray, num_ranks: int, token_cap: int, compute_tolerance: float,
                             received_tolerance: float, num_partner_ranks: int = 8,
-                            affinity_per_sequence: int = 3,
+                            affinity_per_sequence: int = 3, fixed_compute: np.ndarray | None = None,
                             max_steps: int | None = None) -> np.ndarray:
     """Balance compute and received volume together by moving and swapping blocks within the token cap.
 
@@ -42,6 +42,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         compute_tolerance, received_tolerance: relative excess over the mean each load may have.
         num_partner_ranks: how many of the least loaded ranks are tried as partners.
         affinity_per_sequence: how many blocks holding segments A pulls are tried per sequence.
+        fixed_compute: per-rank work that does not move (tiles run for other ranks' blocks).
         max_steps: step limit (default 4 * num_ranks).
     Returns:
         a new block_rank array; its largest F (with the entry means) is never above the input's.
@@ -56,6 +57,8 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     seg_rank = block_rank[seg_block]
     received = received_tokens(need_count, seg_rank, seg_tokens).astype(np.float64)
     compute = np.bincount(block_rank, weights=block_weight, minlength=num_ranks)
+    if fixed_compute is not None:
+        compute = compute + fixed_compute
     tokens = np.bincount(block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
     mean_compute = max(float(compute.mean()), 1e-300)
     steps = max_steps if max_steps is not None else 4 * num_ranks

@@ -5,8 +5,49 @@ from __future__ import annotations
 import numpy as np
 
 
+def split_heavy_blocks(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seconds: np.ndarray,
+                       num_blocks: int, limit: float, piece: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut the tiles of every block heavier than `limit` into batches that other ranks can run.
+
+    The owner keeps its tiles up to `piece` of work (its diagonal tile first, then by key/value block); the rest
+    go, in key/value block order, into batches of at most `piece` work (at least one tile each). A batch is placed
+    like a block of no tokens; the rank it lands on pulls the block's Q and pushes partial outputs back.
+    O(T log T) for T tiles.
+
+    Args:
+        tile_q_block, tile_kv_block, tile_seconds: per-tile query block, key/value block and work.
+        num_blocks: number of blocks.
+        limit: blocks with more work than this are cut.
+        piece: most work the owner keeps, and most work per batch.
+    Returns:
+        (tile_batch, batch_block, batch_seconds): the batch of each tile (-1: stays with the owner), and the block
+        and work of each batch.
+    """
+    block_seconds = np.bincount(tile_q_block, weights=tile_seconds, minlength=num_blocks)
+    tile_batch = np.full(tile_q_block.size, -1, dtype=np.int64)
+    batch_block: list[int] = []
+    batch_seconds: list[float] = []
+    for block in np.flatnonzero(block_seconds > limit).tolist():
+        mine = np.flatnonzero(tile_q_block == block)
+        mine = mine[np.lexsort((tile_kv_block[mine], tile_kv_block[mine] != block))]
+        filled, current = 0.0, -1
+        for tile in mine.tolist():
+            seconds = float(tile_seconds[tile])
+            if current < 0 and filled + seconds <= piece:
+                filled += seconds  # the owner keeps it
+                continue
+            if current < 0 or batch_seconds[current] + seconds > piece:
+                batch_block.append(block)
+                batch_seconds.append(0.0)
+                current = len(batch_seconds) - 1
+            tile_batch[tile] = current
+            batch_seconds[current] += seconds
+    return tile_batch, np.asarray(batch_block, dtype=np.int64), np.asarray(batch_seconds, dtype=np.float64)
+
+
 def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seconds: np.ndarray,
-                  block_rank: np.ndarray, num_ranks: int, target: float) -> np.ndarray:
+                  block_rank: np.ndarray, num_ranks: int, target: float,
+                  tile_rank: np.ndarray | None = None) -> np.ndarray:
     """Move tiles from ranks above `target` to the least-loaded ranks until no rank is above it (if possible).
 
     Objective: bring the largest per-rank load down to `target` while moving little data. A tile that runs on a
@@ -21,10 +62,11 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
         block_rank: owner of each block.
         num_ranks: N.
         target: the load no rank should exceed (at least the mean load, or it cannot be met).
+        tile_rank: where tiles run before this pass (default: on their query block's owner).
     Returns:
-        int64 array, the rank that runs each tile (the query block's owner where not moved).
+        int64 array, the rank that runs each tile.
     """
-    tile_rank = block_rank[tile_q_block].astype(np.int64)
+    tile_rank = (block_rank[tile_q_block] if tile_rank is None else tile_rank).astype(np.int64)
     loads = np.bincount(tile_rank, weights=tile_seconds, minlength=num_ranks)
     for overloaded in np.argsort(-loads, kind="stable").tolist():
         exhausted: set[int] = set()

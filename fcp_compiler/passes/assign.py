@@ -7,7 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, lpt_with_cap, refine_moves_swaps
-from fcp_compiler.algorithms.offload import offload_tiles
+from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.ir import Assignment, TileSet
 
@@ -22,24 +22,22 @@ def default_token_cap(total_tokens: int, num_ranks: int, block_size: int) -> int
     return -(-total_tokens // num_ranks) + block_size
 
 
-def _place_blocks(tiles: TileSet, num_ranks: int, token_cap: int) -> np.ndarray:
+def _place_items(weights: np.ndarray, sizes: np.ndarray, num_ranks: int, token_cap: int,
+                 block_size: int) -> np.ndarray:
     """LPT under the cap, then move/swap refinement of compute (steps 1 and 2 of :func:`assign`)."""
-    sharding = tiles.sharding
-    sizes = sharding.block_tokens
     total = int(sizes.sum())
     if token_cap * num_ranks < total or (sizes.size and token_cap < int(sizes.max())):
         raise InfeasibleError(
             f"token cap {token_cap} cannot hold {total} tokens on {num_ranks} ranks in blocks of up to "
             f"{int(sizes.max())} tokens; it must be at least {max(-(-total // num_ranks), int(sizes.max()))} "
-            f"(the default, {default_token_cap(total, num_ranks, sharding.block_size)}, always fits)")
-    weights = tiles.block_seconds
-    block_rank = lpt_with_cap(weights, sizes, num_ranks, token_cap)
-    if (block_rank == UNPLACED).any():
-        block = int(np.flatnonzero(block_rank == UNPLACED)[0])
+            f"(the default, {default_token_cap(total, num_ranks, block_size)}, always fits)")
+    item_rank = lpt_with_cap(weights, sizes, num_ranks, token_cap)
+    if (item_rank == UNPLACED).any():
+        block = int(np.flatnonzero(item_rank == UNPLACED)[0])
         raise InfeasibleError(
             f"token cap {token_cap}: no rank has room for block {block} ({int(sizes[block])} tokens); use a cap of "
-            f"at least {default_token_cap(total, num_ranks, sharding.block_size)}")
-    return refine_moves_swaps(weights, sizes, block_rank, num_ranks, token_cap)
+            f"at least {default_token_cap(total, num_ranks, block_size)}")
+    return refine_moves_swaps(weights, sizes, item_rank, num_ranks, token_cap)
 
 
 def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
@@ -54,12 +52,14 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
 def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: float = 0.01) -> Assignment:
     """Place every block on a rank within the token cap, balancing modelled compute.
 
-    1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N).
+    1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N). A block heavier than the
+       mean keeps half the mean of its tiles; the rest go in batches of at most half the mean, placed by LPT like
+       blocks of no tokens (the rank a batch lands on runs those tiles for the owner).
     2. Refinement: moves and swaps off the most loaded rank while they lower it.
     3. Compute and traffic together: moves and swaps off the rank furthest above either mean (1% for compute,
        7% for bytes received), counting each pulled segment once per rank.
-    4. Where whole blocks still leave a rank above (1 + balance_tolerance) x the lower bound (a heavy block
-       outweighs the mean), some tiles of its heaviest query blocks run on the least-loaded ranks instead.
+    4. Where a rank is still above (1 + balance_tolerance) x the lower bound, some tiles of its heaviest query
+       blocks run on the least-loaded ranks instead.
 
     Args:
         tiles: the tile set (work per block).
@@ -73,21 +73,34 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     """
     sharding = tiles.sharding
     sizes = sharding.block_tokens
-    weights = tiles.block_seconds
-    block_rank = _place_blocks(tiles, num_ranks, token_cap)
+    num_blocks = sharding.num_blocks
     bound, _ = makespan_lower_bound(float(tiles.tile_seconds.sum()), num_ranks,
                                     float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
+    # Blocks heavier than the mean cannot balance whole: their tiles beyond half the mean go into batches that
+    # are placed like blocks of no tokens.
+    mean = float(tiles.tile_seconds.sum()) / num_ranks
+    tile_batch, batch_block, batch_seconds = split_heavy_blocks(
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean, piece=mean / 2)
+    weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
+                          minlength=num_blocks)
+    item_rank = _place_items(np.concatenate((weights, batch_seconds)),
+                             np.concatenate((sizes, np.zeros(batch_seconds.size, dtype=np.int64))),
+                             num_ranks, token_cap, sharding.block_size)
+    block_rank, batch_rank = item_rank[:num_blocks], item_rank[num_blocks:]
+    batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
     need_block, need_seg = block_needs(tiles)
     for _ in range(TWO_DIMENSIONAL_ROUNDS):
         # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
         # traffic is still outside its tolerance.
         moved = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
                                         sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
-                                        **TWO_DIMENSIONAL_SEARCH)
+                                        fixed_compute=batch_compute, **TWO_DIMENSIONAL_SEARCH)
         if np.array_equal(moved, block_rank):
             break
         block_rank = moved
+    tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
+                         block_rank[tiles.tile_q_block])
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
-                              target=bound * (1.0 + balance_tolerance))
+                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank)
     return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
                       tile_rank=tile_rank)

@@ -14,8 +14,8 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     A sequence of length L >= B gives floor(L / B) full blocks; with `zigzag` and at least two full blocks, its
     first floor(L / B) * B tokens are cut into 2n chunks of B / 2 and block i holds chunks i and 2n - 1 - i, so that
     every block of the sequence carries the same causal work. Short sequences and tails are packed whole into as few
-    blocks as best-fit decreasing finds, tails of longer sequences in blocks of their own where that costs no
-    extra block. Full blocks come first in batch order, then packed blocks.
+    blocks as best-fit decreasing finds, the tails of the longest sequences in blocks of their own where that
+    costs no extra block. Full blocks come first in batch order, then packed blocks.
 
     Args:
         batch: the lengths and mask.
@@ -51,13 +51,22 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     rest_end = lengths[has_rest]
     if rest_seq.size:
         # A tail reads every full block of its sequence: many pulls for little work. Tails in blocks of their own
-        # (filled up with short sequences) keep such blocks light, which the placement needs to balance traffic;
-        # they are kept apart only when that costs no extra block.
+        # (filled up with short sequences) keep any one block from reading several long sequences, which the
+        # placement needs to balance traffic. The tails of the longest sequences get their own block, as many as
+        # fit without costing a block more than plain best-fit decreasing.
         rest_sizes = rest_end - rest_start
         bin_of = best_fit_decreasing(rest_sizes, block_size)
-        tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=rest_start > 0)
-        if tails_apart.max() <= bin_of.max():
-            bin_of = tails_apart
+        reads = np.where(rest_start > 0, num_full[rest_seq], 0)  # full blocks each piece's tail reads
+        by_reads = np.lexsort((np.arange(reads.size), -reads))
+        num_apart = int((reads > 0).sum())
+        while num_apart > 1:
+            seeded = np.zeros(reads.size, dtype=bool)
+            seeded[by_reads[:num_apart]] = True
+            tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=seeded)
+            if tails_apart.max() <= bin_of.max():
+                bin_of = tails_apart
+                break
+            num_apart //= 2
         seg_block.append(num_full_blocks + bin_of)
         seg_seq.append(rest_seq)
         seg_start.append(rest_start)
