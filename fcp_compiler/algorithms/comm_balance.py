@@ -29,8 +29,10 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
     x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
     that hold segments A pulls, a few per sequence (swaps). Both touched ranks' new volumes are exact for every
-    candidate at once. The best action is applied if both end below A's old F.
-    Stops when F <= 1 everywhere, at a local optimum, or after max_steps. O(k * (P + S)) a step for k blocks on A,
+    candidate at once. The best action is applied if both end below A's old F; a rank with no such action is
+    left as it is and the search goes on with the next worst over the compute tolerance, so the largest F never
+    rises.
+    Stops when every rank has F <= 1 or is stuck, or after max_steps. O(k * (P + S)) a step for k blocks on A,
     P need pairs of the candidates and S segments.
 
     Args:
@@ -87,10 +89,17 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
 
     # The received normaliser stays the entry mean, so that the largest F can only fall (moves change the mean).
     mean_received = max(float(received.mean()), 1.0)
+    stuck = np.zeros(num_ranks, dtype=bool)
     for _ in range(steps):
         rank_excess = excess(compute, received, mean_received)
-        top = int(np.argmax(rank_excess))
-        top_excess = rank_excess[top]
+        # The worst rank not yet found stuck; a stuck rank keeps its F, and others still improve below it. Once a
+        # rank is stuck, traffic is as balanced as this search gets, so only ranks over the compute tolerance are
+        # taken up.
+        open_excess = np.where(stuck, -np.inf, rank_excess)
+        if stuck.any():
+            open_excess = np.where((compute / mean_compute - 1.0) / compute_tolerance > 1.0, open_excess, -np.inf)
+        top = int(np.argmax(open_excess))
+        top_excess = open_excess[top]
         if top_excess <= 1.0:
             break
         partners = np.argsort(rank_excess, kind="stable")[:num_partner_ranks]
@@ -194,11 +203,11 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             keep = np.flatnonzero(swap_ok & (score < top_excess))
             found.append((score[keep], np.full(keep.size, x), partner_blocks[keep], y_rank[keep], new_top[keep],
                           partner_volume[keep]))
-        if not found:
-            break
-        score, xs, ys, partner_of, new_tops, new_partners = (np.concatenate(parts) for parts in zip(*found))
+        score, xs, ys, partner_of, new_tops, new_partners = (
+            (np.concatenate(parts) for parts in zip(*found)) if found else [np.zeros(0)] * 6)
         if score.size == 0:
-            break
+            stuck[top] = True
+            continue
         best = int(np.lexsort((ys, xs, score))[0])
         x, y, partner = int(xs[best]), int(ys[best]), int(partner_of[best])
         new_top, new_partner = float(new_tops[best]), float(new_partners[best])

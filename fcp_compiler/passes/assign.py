@@ -80,7 +80,7 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     # are placed like blocks of no tokens.
     mean = float(tiles.tile_seconds.sum()) / num_ranks
     tile_batch, batch_block, batch_seconds = split_heavy_blocks(
-        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean, piece=mean / 2)
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean, piece=mean / 4)
     weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
                           minlength=num_blocks)
     item_rank = _place_items(np.concatenate((weights, batch_seconds)),
