@@ -1,11 +1,22 @@
 """fcp: a schedule compiler for flexible context parallelism.
 
-Import cost matters (data loaders import this in every worker): only numpy, msgpack and pydantic are loaded here.
+Names are resolved lazily, so `import fcp_compiler.plan_format` (what the runtime reads plans with) does not load
+the passes, and importing the package stays cheap in data-loader workers.
 """
 
-from fcp_compiler.errors import FcpError, InfeasibleError, InvalidInputError, PlanFormatError
-from fcp_compiler.pipeline import CompiledPlan, compile_plan
-from fcp_compiler.plan_format import PlanReader, RankProgram, load_rank_program
+from importlib import import_module
 
-__all__ = ["CompiledPlan", "FcpError", "InfeasibleError", "InvalidInputError", "PlanFormatError", "PlanReader",
-           "RankProgram", "compile_plan", "load_rank_program"]
+_EXPORTS = {
+    "FcpError": "fcp_compiler.errors", "InfeasibleError": "fcp_compiler.errors",
+    "InvalidInputError": "fcp_compiler.errors", "PlanFormatError": "fcp_compiler.errors",
+    "CompiledPlan": "fcp_compiler.pipeline", "compile_plan": "fcp_compiler.pipeline",
+    "PlanReader": "fcp_compiler.plan_format", "RankProgram": "fcp_compiler.plan_format",
+    "load_rank_program": "fcp_compiler.plan_format",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fcp_compiler' has no attribute {name!r}")

@@ -1,0 +1,74 @@
+"""Multi-process CPU harness: forked gloo workers run fcp_attn_func and compare with a dense reference."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import traceback
+
+import torch
+
+
+def reference_attention(lengths, q, k, v, causal: bool, scale: float):
+    """Plain dense attention, sequence by sequence, written apart from the runtime."""
+    outs, start = [], 0
+    group = q.shape[1] // k.shape[1]
+    for length in lengths:
+        qs, ks, vs = (x[start:start + length] for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:
+            mask = torch.ones(length, length, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs))
+        start += length
+    return torch.cat(outs)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world, port, task, queue):
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            queue.put((rank, "ok", task(rank, world)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as error:  # report every failure to the parent instead of hanging it
+        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def run_ranks(world: int, task, timeout: float = 120.0) -> list:
+    """Run task(rank, world) on `world` forked gloo ranks; return each rank's result, raise on any failure."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_worker, args=(r, world, port, task, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append((rank, payload))
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        raise AssertionError("\n".join(f"rank {rank}: {message}" for rank, message in sorted(errors)))
+    return [results[r] for r in range(world)]
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

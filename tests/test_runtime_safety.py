@@ -1,0 +1,48 @@
+"""Ranks holding different plans, or a group of the wrong size, fail fast on every rank with a clear message."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime_harness import run_ranks  # noqa: E402
+
+from fcp_compiler import compile_plan  # noqa: E402
+from fcp_runtime import PlanMismatchError, fcp_attn_func, load_rank_plan  # noqa: E402
+
+LENGTHS = [700, 300, 1000]
+
+
+def attempt(path_for_rank, rank_for_slice=None):
+    def task(rank, world):
+        plan = load_rank_plan(str(path_for_rank(rank)), rank if rank_for_slice is None else rank_for_slice(rank))
+        total = sum(LENGTHS)
+        lo, hi = rank * total // world, (rank + 1) * total // world
+        x = torch.randn(hi - lo, 2, 4, dtype=torch.float64)
+        try:
+            fcp_attn_func(x, x[:, :1].contiguous(), x[:, :1].contiguous(), plan)
+        except PlanMismatchError as error:
+            return str(error)
+        return None
+    return task
+
+
+def test_ranks_with_different_plans_all_fail(tmp_path):
+    a, b = tmp_path / "a.fcp", tmp_path / "b.fcp"
+    compile_plan(LENGTHS, 4, block_size=256).write(a)
+    compile_plan(LENGTHS, 4, block_size=512).write(b)
+    messages = run_ranks(4, attempt(lambda rank: b if rank == 2 else a), timeout=60)
+    assert all(m and "different plans" in m and "[2]" in m for m in messages)
+
+
+def test_a_group_of_the_wrong_size_fails(tmp_path):
+    path = tmp_path / "p.fcp"
+    compile_plan(LENGTHS, 4, block_size=256).write(path)
+    messages = run_ranks(2, attempt(lambda rank: path), timeout=60)
+    assert all(m and "2 ranks but the plan was compiled for 4" in m for m in messages)
+
+
+def test_a_rank_holding_another_ranks_slice_fails(tmp_path):
+    path = tmp_path / "p.fcp"
+    compile_plan(LENGTHS, 2, block_size=256).write(path)
+    messages = run_ranks(2, attempt(lambda rank: path, rank_for_slice=lambda rank: 1 - rank), timeout=60)
+    assert all(m and "another rank's slice" in m for m in messages)
