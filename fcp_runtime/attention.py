@@ -97,6 +97,23 @@ class _Executor:
         result[where] = out
         return result.view(recv_rows, *x.shape[1:])
 
+    def reshuffle_async(self, x: torch.Tensor):
+        """Start moving user-layout rows [T, F] to the plan layout; return the plan-layout buffer, already holding
+        the rows that stay on this rank, and a function that waits for the rest and puts them in place."""
+        plan = self.plan
+        gather, scatter = plan.indices_on(x.device)
+        out = torch.empty((sum(plan.recv_splits), x.shape[1]), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(out, x.index_select(0, gather).contiguous(), output_split_sizes=plan.recv_splits,
+                                      input_split_sizes=plan.send_splits, group=self.group, async_op=True)
+        result = torch.empty((plan.plan_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+        self_user, self_plan = plan.self_rows_on(x.device)
+        result[self_plan] = x[self_user]
+
+        def finish() -> None:
+            work.wait()
+            result[scatter] = out
+        return result, finish
+
     def local_store(self, **tensors: torch.Tensor) -> _Store:
         return _Store(seg_row=self.plan.local_seg_row, rows=self.plan.plan_tokens, tensors=tensors)
 
@@ -146,12 +163,16 @@ class _Executor:
                 yield qs, ks
 
     # --- forward ------------------------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_local_store(self, q, k, v) -> _Store:
+        """The plan-layout store with empty output accumulators."""
+        return self.local_store(q=q, k=k, v=v, out=torch.zeros(q.shape, dtype=self.acc_dtype, device=self.device),
+                                lse=torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=self.acc_dtype,
+                                               device=self.device))
+
+    def forward(self, local: _Store, done: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the forward stages on a filled local store, skipping the tiles already run (indices in done)."""
         plan = self.plan
-        local = self.local_store(q=q, k=k, v=v,
-                                 out=torch.zeros(q.shape, dtype=self.acc_dtype, device=self.device),
-                                 lse=torch.full((q.shape[1], q.shape[0]), float("-inf"),
-                                                dtype=self.acc_dtype, device=self.device))
+        q, k = local.tensors["q"], local.tensors["k"]
         remote_kv: dict[int, _Store] = {}
         remote_q: dict[int, _Store] = {}
         hq, hkv = q.shape[1], k.shape[1]
@@ -189,8 +210,8 @@ class _Executor:
                     returned.append((pull, out, lse))
             self.exchange(sends, recvs)
             # Tiles of this stage read only data of earlier stages (the plan guarantees it).
-            for tile_stage, q_block, kv_block in plan.tiles:
-                if tile_stage == stage:
+            for idx, (tile_stage, q_block, kv_block) in enumerate(plan.tiles):
+                if tile_stage == stage and idx not in done:
                     self.forward_tile(q_block, kv_block, local, remote_q, remote_kv)
             for pull, store in arrived:
                 if pull.kind == KIND_KV:
@@ -226,7 +247,8 @@ class _Executor:
         plan = self.plan
         delta = (d_out.to(self.acc_dtype) * out.to(self.acc_dtype)).sum(-1).transpose(0, 1).contiguous()
         zeros = dict(dtype=self.acc_dtype, device=self.device)
-        local = self.local_store(q=q, k=k, v=v, do=d_out, lse=lse, delta=delta, dq=torch.zeros(q.shape, **zeros),
+        local = self.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, delta=delta,
+                                 dq=torch.zeros(q.shape, **zeros),
                                  dk=torch.zeros(k.shape, **zeros), dv=torch.zeros(v.shape, **zeros))
         remote_kv: dict[int, _Store] = {}
         remote_q: dict[int, _Store] = {}
@@ -239,8 +261,8 @@ class _Executor:
                         tensors = [self.gather_rows(local, "k", pull.segs), self.gather_rows(local, "v", pull.segs)]
                     else:
                         tensors = [self.gather_rows(local, "q", pull.segs), self.gather_rows(local, "do", pull.segs),
-                                   self.gather_rows(local, "lse", pull.segs, heads_first=True),
-                                   self.gather_rows(local, "delta", pull.segs, heads_first=True)]
+                                   self.gather_rows(local, "out", pull.segs),
+                                   self.gather_rows(local, "lse", pull.segs, heads_first=True)]
                     sends.append((pull.peer, _tag(pull.block, pull.kind, 0), tensors))
             for pull in plan.pull_recv:
                 if pull.round // plan.coalesce == stage:
@@ -251,9 +273,8 @@ class _Executor:
                         tensors = [store.tensors["k"], store.tensors["v"]]
                     else:
                         store.tensors = {"q": self.empty(rows, hq), "do": self.empty(rows, hq),
-                                         "lse": torch.empty((hq, rows), **zeros),
-                                         "delta": torch.empty((hq, rows), **zeros)}
-                        tensors = [store.tensors[n] for n in ("q", "do", "lse", "delta")]
+                                         "out": self.empty(rows, hq), "lse": torch.empty((hq, rows), **zeros)}
+                        tensors = [store.tensors[n] for n in ("q", "do", "out", "lse")]
                     recvs.append((pull.peer, _tag(pull.block, pull.kind, 0), tensors))
                     arrived.append((pull, store))
             for push in plan.bwd_push_send:
@@ -285,6 +306,8 @@ class _Executor:
                     remote_kv[pull.block] = store
                 else:
                     store.tensors["dq"] = torch.zeros((store.rows, hq, self.head_dim), **zeros)
+                    store.tensors["delta"] = (store.tensors["do"].to(self.acc_dtype) * store.tensors["out"].to(
+                        self.acc_dtype)).sum(-1).transpose(0, 1).contiguous()
                     remote_q[pull.block] = store
             for pull, tensors in returned:
                 names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
@@ -305,7 +328,7 @@ class _Executor:
             q_rows, k_rows = self.rows(q_store, qs), self.rows(kv_store, ks)
             t = q_store.tensors
             dq, dk, dv = backward_pair(t["q"][q_rows], kv_store.tensors["k"][k_rows], kv_store.tensors["v"][k_rows],
-                                       t["do"][q_rows], t["lse"][:, q_rows], t["delta"][:, q_rows],
+                                       t["do"][q_rows], t["out"][q_rows], t["lse"][:, q_rows], t["delta"][:, q_rows],
                                        plan.positions(qs).to(self.device), plan.positions(ks).to(self.device),
                                        plan.causal, self.scale)
             t["dq"][q_rows] += dq.to(self.acc_dtype)
@@ -318,12 +341,17 @@ class _FcpAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RankPlan, group, scale: float):
         executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2])
         hq, hkv = q.shape[1], k.shape[1]
-        packed = executor.reshuffle(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), to_plan=True)
+        packed, finish = executor.reshuffle_async(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1))
         dim = q.shape[2]
-        q_p = packed[:, :hq * dim].reshape(-1, hq, dim).contiguous()
-        k_p = packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim).contiguous()
-        v_p = packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim).contiguous()
-        out_p, lse_p = executor.forward(q_p, k_p, v_p)
+        q_p = packed[:, :hq * dim].reshape(-1, hq, dim)
+        k_p = packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim)
+        v_p = packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim)
+        local = executor.forward_local_store(q_p, k_p, v_p)
+        # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
+        for idx in plan.early_tiles:
+            executor.forward_tile(plan.tiles[idx][1], plan.tiles[idx][2], local, {}, {})
+        finish()
+        out_p, lse_p = executor.forward(local, done=plan.early_tiles)
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
         ctx.executor = executor
         return executor.reshuffle(out_p, to_plan=False)

@@ -33,8 +33,8 @@ def cpu_forward(q, k, v, q_pos, k_pos, causal: bool, scale: float):
     return out, lse
 
 
-def cpu_backward(q, k, v, d_out, lse, delta, q_pos, k_pos, causal: bool, scale: float):
-    """Gradients of one segment pair given the final lse and delta = rowsum(dO * O) of its query rows.
+def cpu_backward(q, k, v, d_out, out, lse, delta, q_pos, k_pos, causal: bool, scale: float):
+    """Gradients of one segment pair given the final out, lse and delta = rowsum(dO * O) of its query rows.
 
     Returns (dq, dk, dv) for this pair alone; the caller sums pairs.
     """
@@ -59,18 +59,20 @@ def cuda_forward(q, k, v, q_pos, k_pos, causal: bool, scale: float):  # pragma: 
     same_range = bool(causal) and int(q_pos[0]) == int(k_pos[0])
     cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
+    q, k, v = (x.contiguous() for x in (q, k, v))
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], softmax_scale=scale,
                                          causal=same_range, return_attn_probs=True)
     return out, lse
 
 
-def cuda_backward(q, k, v, d_out, lse, delta, q_pos, k_pos, causal: bool, scale: float):  # pragma: no cover
-    """flash-attn varlen backward of one segment pair (delta is recomputed by the kernel from out, so the final
-    output is needed: it is rebuilt here from the final lse as softmax @ v would give it)."""
+def cuda_backward(q, k, v, d_out, out, lse, delta, q_pos, k_pos, causal: bool, scale: float):  # pragma: no cover
+    """flash-attn varlen backward of one segment pair. Given the final out and lse of the query rows, the kernel's
+    P = exp(S - lse) and D = rowsum(dO * out) are those of the whole attention, so pairs sum to the gradient."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     same_range = bool(causal) and int(q_pos[0]) == int(k_pos[0])
-    out, _ = cuda_forward(q, k, v, q_pos, k_pos, causal, scale)
+    q, k, v, d_out, out = (x.contiguous() for x in (q, k, v, d_out, out.to(q.dtype)))
+    lse = lse.float().contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)

@@ -69,6 +69,9 @@ class RankPlan:
     fwd_push_recv: list[Push]
     bwd_push_send: list[Push]
     bwd_push_recv: list[Push]
+    self_user_rows: torch.Tensor  # rows that stay on this rank through the reshuffle: user-layout index ...
+    self_plan_rows: torch.Tensor  # ... and plan-layout index
+    early_tiles: frozenset[int]  # stage-0 tiles whose tokens all stay on this rank (run during the reshuffle)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def seg_len(self, seg: int) -> int:
@@ -83,6 +86,13 @@ class RankPlan:
         if device not in self._device_cache:
             self._device_cache[device] = (self.user_gather.to(device), self.plan_scatter.to(device))
         return self._device_cache[device]
+
+    def self_rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that stay on this rank (user-layout index, plan-layout index) on a device (cached)."""
+        key = ("self", device)
+        if key not in self._device_cache:
+            self._device_cache[key] = (self.self_user_rows.to(device), self.self_plan_rows.to(device))
+        return self._device_cache[key]
 
 
 def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -119,6 +129,21 @@ def from_program(program: RankProgram) -> RankPlan:
     def pushes(name: str) -> list[Push]:
         return [Push(stage=int(s), pull=int(p)) for s, p in zip(a[f"{name}_stage"], a[f"{name}_pull"])]
 
+    # Runs between this rank and itself are sent and received in the same order (by global token).
+    mine_send = a["reshuffle_send_peer"] == program.rank
+    mine_recv = a["reshuffle_recv_peer"] == program.rank
+    self_user = _expand(a["reshuffle_send_offset"][mine_send], a["reshuffle_send_length"][mine_send])
+    self_plan = _expand(a["reshuffle_recv_offset"][mine_recv], a["reshuffle_recv_length"][mine_recv])
+    stays = np.zeros(row, dtype=bool)
+    stays[self_plan] = True
+    seg_stays = {seg: bool(stays[start:start + int(seg_end[seg] - seg_start[seg])].all())
+                 for seg, start in local_seg_row.items()}
+    local_blocks = set(a["blocks"].tolist())
+    early = frozenset(
+        idx for idx, (stage, q_block, kv_block) in enumerate(zip(a["tile_stage"].tolist(), a["tile_q_block"].tolist(),
+                                                                  a["tile_kv_block"].tolist()))
+        if stage == 0 and q_block in local_blocks and kv_block in local_blocks
+        and all(seg_stays[seg] for seg in block_segs[q_block] + block_segs[kv_block]))
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
         coalesce=header.coalesce, num_fwd_stages=header.num_fwd_stages, num_bwd_stages=header.num_bwd_stages,
@@ -133,7 +158,8 @@ def from_program(program: RankProgram) -> RankPlan:
         pull_send=pulls("send"), pull_recv=pulls("recv"),
         tiles=list(zip(a["tile_stage"].tolist(), a["tile_q_block"].tolist(), a["tile_kv_block"].tolist())),
         fwd_push_send=pushes("fwd_push_send"), fwd_push_recv=pushes("fwd_push_recv"),
-        bwd_push_send=pushes("bwd_push_send"), bwd_push_recv=pushes("bwd_push_recv"))
+        bwd_push_send=pushes("bwd_push_send"), bwd_push_recv=pushes("bwd_push_recv"),
+        self_user_rows=torch.from_numpy(self_user), self_plan_rows=torch.from_numpy(self_plan), early_tiles=early)
 
 
 def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan:

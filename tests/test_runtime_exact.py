@@ -28,6 +28,8 @@ def test_output_and_gradients_equal_dense_reference(case, tmp_path):
     plan.write(path)
     if name.startswith("offloaded"):
         assert plan.stats["num_offloaded_tiles"] > 0
+    if name == "mixed-causal-fp64":  # some tiles run while the reshuffle is in flight
+        assert any(load_rank_plan(plan.to_bytes(), rank).early_tiles for rank in range(gpus))
     tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     head_dim = 8
     total = sum(lengths)
