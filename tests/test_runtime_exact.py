@@ -14,6 +14,7 @@ CASES = [
     ("mixed-causal-fp64", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 1, "causal", "auto", 4, 2, torch.float64),
     ("mixed-full-fp64", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 3, "full", "off", 4, 2, torch.float64),
     ("plain-causal-2-ranks", [1000, 333, 77, 2100], 2, 192, 2, "causal", "off", 2, 1, torch.float64),
+    ("full-fp32-2-ranks", [900, 2000, 150], 2, 320, 2, "full", "auto", 4, 1, torch.float32),
     ("zigzag-8-ranks-fp32", [2600, 1300, 100, 650, 40, 900], 8, 128, 4, "causal", "on", 4, 4, torch.float32),
     ("offloaded-full-fp64", [2048, 100, 60], 8, 512, 2, "full", "off", 2, 1, torch.float64),
     ("offloaded-causal-fp64", [3000, 120], 8, 256, 1, "causal", "off", 2, 2, torch.float64),
