@@ -34,6 +34,11 @@ def compile_command(
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
+    no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
+    arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
+                                          help="ablation: pulls in edge order, not matchings (fails validation)"),
+    no_reshuffle_overlap: bool = typer.Option(False, "--no-reshuffle-overlap",
+                                              help="ablation: no tiles during the reshuffle"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask: causal or full"),
     q_heads: int = typer.Option(64, "--q-heads"),
     kv_heads: int = typer.Option(8, "--kv-heads"),
@@ -52,7 +57,8 @@ def compile_command(
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
     plan = compile_plan(load_batch(batch), gpus, block_size=block_size, coalesce_degree=coalesce,
                         token_cap=token_cap, zigzag=zigzag, shape=make_shape(q_heads, kv_heads, head_dim, dtype),
-                        profile=load_profile(profile), mask=mask)
+                        profile=load_profile(profile), mask=mask, pipelined=not no_pipeline,
+                        matching_rounds=not arbitrary_rounds, reshuffle_overlap=not no_reshuffle_overlap)
     output = output or Path(batch.with_suffix(".fcp").name)
     plan.write(output)
     if stats:
@@ -108,6 +114,76 @@ def inspect_command(
     typer.echo(table(keys, [[row[k] for k in keys] for row in shown]))
     if len(rows) > 32:
         typer.echo(f"  ... {len(rows) - 32} more ranks (--json for all)")
+
+
+def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
+    """A plan file as it is, or a batch JSON compiled for --gpus."""
+    from fcp_compiler.inputs import load_batch, load_profile
+    from fcp_compiler.pipeline import compile_plan
+    from fcp_compiler.plan_format import MAGIC
+
+    try:
+        with open(source, "rb") as handle:
+            is_plan = handle.read(len(MAGIC)) == MAGIC
+    except OSError:
+        raise InvalidInputError(f"file {str(source)!r} does not exist or cannot be read") from None
+    if is_plan:
+        return source.read_bytes()
+    if gpus is None:
+        raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
+    return compile_plan(load_batch(source), gpus, profile=load_profile(profile or "h100")).to_bytes()
+
+
+@app.command("simulate")
+def simulate_command(
+    source: Path = typer.Argument(..., help="plan file, or batch JSON (then give --gpus)"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks, when SOURCE is a batch"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="hardware to simulate on [the plan's]"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto)"),
+) -> None:
+    """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
+    from fcp_compiler.inputs import load_profile
+    from fcp_compiler.report import table
+    from fcp_compiler.simulate import simulate_plan, write_trace
+
+    data = _plan_or_batch(source, gpus, profile)
+    simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None)
+    figures = simulation.figures()
+    if json_out:
+        _write_json(json_out, figures)
+    if trace:
+        write_trace(simulation, trace)
+    busy_fwd = [row["busy_fwd_s"] for row in figures["per_rank"]]
+    typer.echo(table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms"], [
+        ["forward", f"{figures['makespan_fwd_s'] * 1e3:.2f}", f"{figures['attention_mfu_fwd']:.3f}",
+         f"{figures['normalized_mfu_fwd']:.3f}", f"{figures['exposed_comm_fwd_s'] * 1e3:.2f}"],
+        ["backward", f"{figures['makespan_bwd_s'] * 1e3:.2f}", f"{figures['attention_mfu_bwd']:.3f}",
+         f"{figures['normalized_mfu_bwd']:.3f}", f"{figures['exposed_comm_bwd_s'] * 1e3:.2f}"]]))
+    typer.echo(f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
+               f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
+               + (f"; trace in {trace}" if trace else ""))
+
+
+@app.command("ablate")
+def ablate_command(
+    batch: Path = typer.Argument(..., help="batch JSON"),
+    gpus: int = GPUS,
+    profile: str = typer.Option("h100", "--profile"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON"),
+) -> None:
+    """The seed's Table 2: each technique switched on in turn, normalized MFU beside the seed's."""
+    from fcp_compiler.ablation import run_ablation
+    from fcp_compiler.inputs import load_batch, load_profile
+    from fcp_compiler.report import table
+
+    steps = run_ablation(load_batch(batch), gpus, profile=load_profile(profile))
+    if json_out:
+        _write_json(json_out, {"gpus": gpus, "batch": str(batch), "steps": steps})
+    typer.echo(table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
+        [s["name"], f"{s['normalized_mfu_fwd']:.2f}", f"{s['seed_normalized_mfu_fwd']:.2f}",
+         f"{s['normalized_mfu_bwd']:.2f}", f"{s['seed_normalized_mfu_bwd']:.2f}", f"{s['makespan_fwd_s'] * 1e3:.1f}",
+         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps]))
 
 
 @app.command("schemas")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fcp_compiler import compile_plan
 from fcp_compiler.plan_format import PlanReader
+from fcp_compiler.simulate import simulate_plan
 from fcp_compiler.traces import lognormal_batch
 
 
@@ -50,6 +51,13 @@ def main() -> None:
                 size_mb = path.stat().st_size / 1e6
             print(f"      read one rank of a {gpus}-rank plan ({size_mb:.1f} MB): "
                   f"median {statistics.median(reads) * 1e3:.2f} ms, max {max(reads) * 1e3:.2f} ms")
+            sims = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                simulate_plan(plan.to_bytes())
+                sims.append(time.perf_counter() - start)
+            print(f"      simulate the {gpus}-rank plan (forward and backward): median {statistics.median(sims):.3f} s, "
+                  f"max {max(sims):.3f} s")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ class HardwareProfile(BaseModel):
     nvlink_gbps: float = Field(..., gt=0, description="per-GPU NVLink bandwidth inside a node, GB/s per direction")
     gpus_per_node: int = Field(8, ge=1)
     latency_us: float = Field(10.0, ge=0, description="per-message latency, microseconds")
+    launch_us: float = Field(5.0, ge=0, description="fixed cost of launching one stage's kernels, microseconds")
     comm_sm_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of SMs given to communication kernels")
     efficiency_curve: list[EfficiencyPoint] = Field(..., min_length=1)
     source: str = Field("", description="where the figures come from")

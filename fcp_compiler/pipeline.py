@@ -21,7 +21,7 @@ from fcp_compiler.passes.coalesce import coalesce
 from fcp_compiler.passes.cost import cost
 from fcp_compiler.passes.encode import encode
 from fcp_compiler.passes.reshuffle import reshuffle
-from fcp_compiler.passes.rounds import schedule_rounds
+from fcp_compiler.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.passes.shard import shard
 from fcp_compiler.passes.transfers import plan_transfers
 from fcp_compiler.plan_format import FORMAT_VERSION, PlanReader, RankProgram
@@ -43,6 +43,10 @@ class CompileOptions:
     zigzag: ZigzagMode = ZigzagMode.AUTO
     shape: AttentionShape = field(default_factory=AttentionShape)
     profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
+    # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
+    pipelined: bool = True
+    matching_rounds: bool = True
+    reshuffle_overlap: bool = True
 
     def check(self) -> None:
         """Raise InvalidInputError naming the first parameter out of range."""
@@ -113,7 +117,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner
         "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.block_size,
         "coalesce": options.coalesce, "token_cap": token_cap, "zigzag": options.zigzag.value,
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
-        "balance_tolerance": BALANCE_TOLERANCE,
+        "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
+        "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
     }
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -141,7 +146,8 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
                  coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
                  shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
-                 mask: MaskKind | str | None = None) -> CompiledPlan:
+                 mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
+                 reshuffle_overlap: bool = True) -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, schedule_rounds, coalesce, reshuffle and encode, timing each.
@@ -156,6 +162,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         shape: attention shape (default: 64 query heads, 8 KV heads, head_dim 128, bf16).
         profile: a preset name or a HardwareProfile.
         mask: override of the batch's mask kind.
+        pipelined, matching_rounds, reshuffle_overlap: switch off block-level pipelining, congestion-free rounds
+            (pulls in edge order instead; the plan then fails validation) or the overlap of the reshuffle with
+            local tiles, to measure what each is worth (fcp ablate).
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
@@ -171,7 +180,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     except ValueError:
         raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
     options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile)
+                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile,
+                             pipelined=pipelined, matching_rounds=matching_rounds,
+                             reshuffle_overlap=reshuffle_overlap)
     options.check()
     timer = _PassTimer()
     the_batch = timer.run("parse", _to_batch, batch, mask)
@@ -186,8 +197,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
     assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE)
     transfers = timer.run("plan_transfers", plan_transfers, assignment)
-    rounds = timer.run("schedule_rounds", schedule_rounds, transfers)
-    schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree)
+    rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
+    schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)
     final = timer.run("reshuffle", reshuffle, schedule)
     header_fields = _header_fields(final, options, cap, inputs_digest(the_batch, options, cap, PLANNER), PLANNER)
     data = timer.run("encode", encode, final, header_fields)
@@ -211,4 +222,6 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
                 num_rounds=rounds.num_rounds, num_fwd_stages=schedule.num_fwd_stages,
-                num_bwd_stages=schedule.num_bwd_stages, recv_buffer_tokens=recv_buffer)
+                num_bwd_stages=schedule.num_bwd_stages, recv_buffer_tokens=recv_buffer, pipelined=options.pipelined,
+                rounds_kind="matching" if options.matching_rounds else "arbitrary",
+                reshuffle_overlap=options.reshuffle_overlap)

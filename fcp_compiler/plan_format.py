@@ -69,6 +69,10 @@ class PlanHeader(BaseModel):
     num_fwd_stages: int = Field(..., ge=1)
     num_bwd_stages: int = Field(..., ge=1)
     recv_buffer_tokens: int = Field(..., ge=0, description="most pulled tokens a rank receives in one stage")
+    pipelined: bool = Field(True, description="tiles run in the stage after their data (False: after all pulls)")
+    rounds_kind: Literal["matching", "arbitrary"] = Field(
+        "matching", description="matching: congestion-free rounds; arbitrary: pulls in edge order (ablation only)")
+    reshuffle_overlap: bool = Field(True, description="tiles whose tokens stay local run during the reshuffle")
     global_section: tuple[int, int] = Field(..., description="(offset, length) after the header")
     rank_sections: list[tuple[int, int]] = Field(..., description="(offset, length) of each rank's section")
 

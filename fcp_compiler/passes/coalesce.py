@@ -52,7 +52,7 @@ def schedule_pushes(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, c
     return stage
 
 
-def coalesce(rounds: Rounds, degree: int) -> Schedule:
+def coalesce(rounds: Rounds, degree: int, pipelined: bool = True) -> Schedule:
     """Merge `degree` consecutive rounds into a stage and place every tile and push in the pipeline.
 
     Stage s carries rounds [s * degree, (s + 1) * degree): no rank sends or receives more than `degree` pulls in it.
@@ -64,6 +64,7 @@ def coalesce(rounds: Rounds, degree: int) -> Schedule:
     Args:
         rounds: the congestion-free rounds.
         degree: c, rounds per stage (>= 1).
+        pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
     Returns:
         the Schedule.
     """
@@ -80,6 +81,8 @@ def coalesce(rounds: Rounds, degree: int) -> Schedule:
     round_or_local = np.append(rounds.edge_round, -1)  # index -1 (no pull) reads -1 (local)
     arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
     tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
+    if not pipelined:
+        tile_stage = np.full(tiles.num_tiles, -(-rounds.num_rounds // degree), dtype=np.int64)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, tile_stage, tile_rank))
 
     # A push is ready in the stage after the last tile that feeds it.

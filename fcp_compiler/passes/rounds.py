@@ -8,6 +8,17 @@ from fcp_compiler.algorithms.edge_colouring import bipartite_edge_colouring
 from fcp_compiler.ir import Rounds, Transfers
 
 
+def arbitrary_rounds(transfers: Transfers) -> Rounds:
+    """Ablation: pulls in edge order, each receiver taking one a round and senders unconstrained (not matchings:
+    a sender may serve several receivers at once, so links congest). Plans built this way fail validation."""
+    dst = transfers.edge_dst
+    order = np.lexsort((np.arange(dst.size), dst))
+    first = np.searchsorted(dst[order], dst[order])
+    edge_round = np.empty(dst.size, dtype=np.int64)
+    edge_round[order] = np.arange(dst.size) - first
+    return Rounds(transfers=transfers, edge_round=edge_round, num_rounds=int(edge_round.max()) + 1 if dst.size else 0)
+
+
 def schedule_rounds(transfers: Transfers) -> Rounds:
     """Colour the sender x receiver multigraph of pulls into exactly Delta matchings, one round each.
 

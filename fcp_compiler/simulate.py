@@ -1,0 +1,381 @@
+"""Cost-model simulation of a plan, rank by rank and stage by stage, forward and backward.
+
+Model (per rank: one compute stream, and a send and a receive link for each of NVLink and the NIC):
+- The input reshuffle starts at time 0; tiles whose tokens stay on the rank run while it is in flight (when the
+  plan allows the overlap), and stage 0 starts when both are done.
+- A stage's messages (pulls of its rounds, pushes posted in it) launch together; a message starts when both ends
+  have begun the stage, pays the per-message latency, and ends when the busier of its two link ends has drained:
+  every message sharing a link end in the stage shares its bandwidth (NVLink within a node, the NIC across), so
+  two senders into one receiver each get half its rate. Messages of different stages never share a link end,
+  because a rank starts stage s + 1 only after its stage-s messages are done.
+- The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
+  the rank's messages are in flight; each stage that runs tiles pays one kernel launch.
+- The next stage starts when both the tiles and the messages of this one are done; the output reshuffle starts when
+  both ends have finished their last stage.
+Backward is the same with 2.5x the tile work and the backward messages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fcp_compiler.inputs import HardwareProfile
+from fcp_compiler.ir import Batch, Sharding
+from fcp_compiler.passes.cost import cost, tile_efficiency
+from fcp_compiler.plan_format import PlanReader
+from fcp_compiler.stats import LSE_BYTES
+
+BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+KIND_KV, KIND_Q = 0, 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassInput:
+    """One pass (forward or backward) as plain arrays."""
+
+    num_ranks: int
+    num_stages: int
+    flow_src: np.ndarray
+    flow_dst: np.ndarray
+    flow_bytes: np.ndarray
+    flow_stage: np.ndarray
+    flow_name: list[str] | None
+    tile_rank: np.ndarray
+    tile_stage: np.ndarray
+    tile_seconds: np.ndarray
+    tile_early: np.ndarray  # bool: may run during the input reshuffle
+    tile_name: list[str] | None
+    reshuffle_in: tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, bytes)
+    reshuffle_out: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkModel:
+    """Bandwidths (bytes/s), latency and launch cost (s), and how ranks map to nodes."""
+
+    node_of_rank: np.ndarray
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float
+    launch_s: float
+    sm_fraction: float
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, num_ranks: int) -> "LinkModel":
+        return cls(node_of_rank=np.arange(num_ranks) // profile.gpus_per_node,
+                   intra_bytes_per_s=profile.nvlink_gbps * 1e9, inter_bytes_per_s=profile.network_gbps * 1e9,
+                   latency_s=profile.latency_us * 1e-6, launch_s=profile.launch_us * 1e-6,
+                   sm_fraction=profile.comm_sm_fraction)
+
+
+@dataclass(slots=True, kw_only=True)
+class PassResult:
+    """Timeline of one pass: when each rank ends, how long its compute stream was busy, and trace events."""
+
+    end: np.ndarray
+    busy: np.ndarray
+    compute: np.ndarray  # tile work at full speed per rank
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return float(self.end.max()) if self.end.size else 0.0
+
+
+def _message_ends(t0, src, dst, nbytes, links: LinkModel, num_ranks: int) -> np.ndarray:
+    """End time of each message of one group that launches together (shared link ends drain together)."""
+    if src.size == 0:
+        return np.zeros(0)
+    inter = links.node_of_rank[src] != links.node_of_rank[dst]
+    bandwidth = np.where(inter, links.inter_bytes_per_s, links.intra_bytes_per_s)
+    out_key = src * 2 + inter
+    in_key = dst * 2 + inter
+    out_drain = np.bincount(out_key, weights=nbytes, minlength=2 * num_ranks)[out_key] / bandwidth
+    in_drain = np.bincount(in_key, weights=nbytes, minlength=2 * num_ranks)[in_key] / bandwidth
+    return t0 + links.latency_s + np.maximum(out_drain, in_drain)
+
+
+def _compute_end(start, work, comm_end, has_comm, sm_fraction):
+    """When a compute stream starting at `start` with `work` seconds ends, slowed while messages are in flight."""
+    window = np.where(has_comm, np.maximum(comm_end - start, 0.0), 0.0)
+    slow = 1.0 - sm_fraction
+    within = work / slow <= window
+    return np.where(within, start + work / slow, start + window + (work - window * slow))
+
+
+def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
+                  time_offset: float = 0.0, label: str = "fwd") -> PassResult:
+    """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised."""
+    n = data.num_ranks
+    events: list[dict] = []
+    work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
+                          minlength=max(data.num_stages, 1) * n).reshape(-1, n)
+    early = data.tile_early if overlap_reshuffle else np.zeros(data.tile_rank.size, dtype=bool)
+    early_work = np.bincount(data.tile_rank[early], weights=data.tile_seconds[early], minlength=n)
+    work_by[0] -= early_work
+    has_tiles = np.bincount(data.tile_stage * n + data.tile_rank, minlength=max(data.num_stages, 1) * n
+                            ).reshape(-1, n) > 0
+    busy = np.zeros(n)
+
+    def emit_messages(t0, ends, src, dst, names, stage_name):
+        for i in range(src.size):
+            ts, dur = (time_offset + t0[i]) * 1e6, (ends[i] - t0[i]) * 1e6
+            name = names[i] if names is not None else stage_name
+            events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(src[i]),
+                           "tid": f"{label} send", "args": {"to": int(dst[i]), "stage": stage_name}})
+            events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(dst[i]),
+                           "tid": f"{label} recv", "args": {"from": int(src[i]), "stage": stage_name}})
+
+    def emit_compute(rank_start, rank_end, mask, stage_name):
+        # Tiles of the stage back to back, stretched over the compute window (launch cost first).
+        for rank in np.flatnonzero(rank_end > rank_start).tolist():
+            tiles = np.flatnonzero(mask & (data.tile_rank == rank))
+            span = rank_end[rank] - rank_start[rank]
+            launch = links.launch_s if tiles.size and stage_name != "reshuffle" else 0.0
+            scale = (span - launch) / max(float(data.tile_seconds[tiles].sum()), 1e-30)
+            t = rank_start[rank]
+            if launch:
+                events.append({"name": f"launch {stage_name}", "ph": "X", "ts": (time_offset + t) * 1e6,
+                               "dur": launch * 1e6, "pid": rank, "tid": f"{label} compute"})
+                t += launch
+            for tile in tiles.tolist():
+                dur = float(data.tile_seconds[tile]) * scale
+                name = data.tile_name[tile] if data.tile_name is not None else "tile"
+                events.append({"name": name, "ph": "X", "ts": (time_offset + t) * 1e6, "dur": dur * 1e6,
+                               "pid": rank, "tid": f"{label} compute", "args": {"stage": stage_name}})
+                t += dur
+
+    # Input reshuffle, with the tiles whose tokens stay local.
+    src, dst, nbytes = data.reshuffle_in
+    ends = _message_ends(np.zeros(src.size), src, dst, nbytes, links, n)
+    comm_end = np.zeros(n)
+    np.maximum.at(comm_end, src, ends)
+    np.maximum.at(comm_end, dst, ends)
+    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+    compute_end = _compute_end(np.zeros(n), early_work, comm_end, has_comm, links.sm_fraction)
+    busy += compute_end
+    if record:
+        emit_messages(np.zeros(src.size), ends, src, dst, None, "reshuffle in")
+        emit_compute(np.zeros(n), compute_end, early, "reshuffle")
+    start = np.maximum(comm_end, compute_end)
+
+    order = np.argsort(data.flow_stage, kind="stable")
+    bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
+    for stage in range(data.num_stages):
+        idx = order[bounds[stage]:bounds[stage + 1]]
+        src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
+        t0 = np.maximum(start[src], start[dst])
+        ends = _message_ends(t0, src, dst, nbytes, links, n)
+        comm_end = start.copy()
+        np.maximum.at(comm_end, src, ends)
+        np.maximum.at(comm_end, dst, ends)
+        has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+        work = work_by[stage] + np.where(has_tiles[stage], links.launch_s, 0.0)
+        compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
+        busy += compute_end - start
+        if record:
+            names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
+            emit_messages(t0, ends, src, dst, names, f"stage {stage}")
+            emit_compute(start, compute_end, (data.tile_stage == stage) & ~early, f"stage {stage}")
+        start = np.maximum(compute_end, comm_end)
+
+    src, dst, nbytes = data.reshuffle_out
+    t0 = np.maximum(start[src], start[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    end = start.copy()
+    np.maximum.at(end, src, ends)
+    np.maximum.at(end, dst, ends)
+    if record:
+        emit_messages(t0, ends, src, dst, None, "reshuffle out")
+    compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
+    return PassResult(end=end, busy=busy, compute=compute, events=events)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+    """Figures of a simulated plan (DESIGN section 5) and, when recorded, its Chrome trace events."""
+
+    forward: PassResult
+    backward: PassResult
+    flops_fwd: float
+    single_gpu_efficiency: float
+    peak_flops: float
+    num_ranks: int
+
+    def figures(self) -> dict:
+        """The --json of fcp simulate."""
+        fwd, bwd = self.forward.makespan, self.backward.makespan
+        mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
+        mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
+        per_rank = [{"rank": r, "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
+                     "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r] else 0.0,
+                     "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
+                     else 0.0} for r in range(self.num_ranks)]
+        return {
+            "makespan_fwd_s": fwd, "makespan_bwd_s": bwd,
+            "attention_mfu_fwd": mfu_fwd, "attention_mfu_bwd": mfu_bwd,
+            "normalized_mfu_fwd": mfu_fwd / self.single_gpu_efficiency,
+            "normalized_mfu_bwd": mfu_bwd / self.single_gpu_efficiency,
+            "single_gpu_efficiency": self.single_gpu_efficiency,
+            "exposed_comm_fwd_s": float(np.max(self.forward.end - self.forward.busy)),
+            "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
+            "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
+            "per_rank": per_rank,
+        }
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace events (Perfetto opens them): a process per rank; compute, send and receive tracks."""
+        meta = []
+        for rank in range(self.num_ranks):
+            meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events = self.forward.events + self.backward.events
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+def _stack(programs, name):
+    values = [p.arrays[name] for p in programs]
+    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
+    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
+
+
+def _reshuffle_flows(programs, bytes_per_token: float):
+    src, dst, nbytes = [], [], []
+    for program in programs:
+        peers = program.arrays["reshuffle_send_peer"]
+        lengths = program.arrays["reshuffle_send_length"]
+        remote = peers != program.rank
+        per_peer = np.bincount(peers[remote], weights=lengths[remote], minlength=len(programs))
+        targets = np.flatnonzero(per_peer)
+        src.append(np.full(targets.size, program.rank))
+        dst.append(targets)
+        nbytes.append(per_peer[targets] * bytes_per_token)
+    return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),
+            np.concatenate(nbytes).astype(np.float64))
+
+
+def _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage) -> np.ndarray:
+    """Stage-0 tiles whose blocks' tokens all stay on the rank through the reshuffle."""
+    seg_ptr = np.searchsorted(tables.seg_block, np.arange(int(tables.seg_block.max()) + 2))
+    seg_tokens = tables.seg_end - tables.seg_start
+    stays_block = {}
+    for program in programs:
+        a = program.arrays
+        mine = a["reshuffle_recv_peer"] == program.rank
+        offsets, lengths = a["reshuffle_recv_offset"][mine], a["reshuffle_recv_length"][mine]
+        total = int(seg_tokens[np.isin(tables.seg_block, a["blocks"])].sum())
+        stays = np.zeros(total + 1, dtype=np.int64)
+        np.add.at(stays, offsets, 1)
+        np.add.at(stays, offsets + lengths, -1)
+        stays = np.cumsum(stays)[:total] > 0
+        row = 0
+        for block in a["blocks"].tolist():
+            size = int(seg_tokens[seg_ptr[block]:seg_ptr[block + 1]].sum())
+            stays_block[block] = bool(stays[row:row + size].all())
+            row += size
+    owner_stays = np.zeros(len(seg_ptr) - 1, dtype=bool)
+    owner = np.full(len(seg_ptr) - 1, -1, dtype=np.int64)
+    for program in programs:
+        owner[program.arrays["blocks"]] = program.rank
+    for block, value in stays_block.items():
+        owner_stays[block] = value
+    return ((tile_stage == 0) & (owner[tile_q] == tile_rank) & (owner[tile_kv] == tile_rank)
+            & owner_stays[tile_q] & owner_stays[tile_kv])
+
+
+def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | None = None,
+                  record: bool = False) -> Simulation:
+    """Simulate a plan on a hardware profile (default: the one it was compiled for).
+
+    Args:
+        source: plan file, bytes or reader.
+        profile: hardware to simulate on.
+        record: keep Chrome trace events (tiles named by block and stage, messages by kind and block).
+    Returns:
+        the Simulation.
+    """
+    reader = source if isinstance(source, PlanReader) else PlanReader(source)
+    header, tables = reader.header, reader.tables
+    profile = profile or header.profile
+    programs = reader.ranks()
+    n = header.num_ranks
+    shape = header.shape
+    sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, mask=header.mask), block_size=header.block_size,
+                        zigzag=header.zigzag, seg_block=tables.seg_block, seg_seq=tables.seg_seq,
+                        seg_start=tables.seg_start, seg_end=tables.seg_end)
+    tiles = cost(sharding, shape, profile)
+    keys = tiles.tile_q_block * sharding.num_blocks + tiles.tile_kv_block
+    tile_q, tile_rank = _stack(programs, "tile_q_block")
+    tile_kv, _ = _stack(programs, "tile_kv_block")
+    tile_stage, _ = _stack(programs, "tile_stage")
+    tile_idx = np.searchsorted(keys, tile_q * sharding.num_blocks + tile_kv)
+    seconds = tiles.tile_seconds[tile_idx]
+    early = _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage)
+    tile_names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
+
+    seg_tokens = tables.seg_end - tables.seg_start
+    r_round, r_me = _stack(programs, "pull_recv_round")
+    r_kind, _ = _stack(programs, "pull_recv_kind")
+    r_block, _ = _stack(programs, "pull_recv_block")
+    r_peer, _ = _stack(programs, "pull_recv_peer")
+    r_count, _ = _stack(programs, "pull_recv_seg_count")
+    r_segs, _ = _stack(programs, "pull_recv_segs")
+    r_tokens = np.bincount(np.repeat(np.arange(r_round.size), r_count), weights=seg_tokens[r_segs],
+                           minlength=r_round.size)
+    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+    kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
+    pull_stage = r_round // header.coalesce
+    pull_names = [f"{'KV' if k == KIND_KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
+        if record else None
+
+    def pushes(prefix):
+        stage, sender = _stack(programs, f"{prefix}_push_send_stage")
+        pull, _ = _stack(programs, f"{prefix}_push_send_pull")
+        return stage, pull + recv_base[sender]
+
+    def pass_input(prefix, pull_bytes, push_bytes_of, work, num_stages, shuffle_in, shuffle_out):
+        push_stage, push_row = pushes(prefix)
+        names = None
+        if record:
+            names = pull_names + [f"{'dKV' if r_kind[r] == KIND_KV else ('O' if prefix == 'fwd' else 'dQ')} "
+                                  f"b{r_block[r]}" for r in push_row.tolist()]
+        return PassInput(
+            num_ranks=n, num_stages=num_stages,
+            flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
+            flow_bytes=np.concatenate((pull_bytes, push_bytes_of(push_row))),
+            flow_stage=np.concatenate((pull_stage, push_stage)), flow_name=names,
+            tile_rank=tile_rank, tile_stage=tile_stage, tile_seconds=seconds * work, tile_early=early,
+            tile_name=tile_names, reshuffle_in=_reshuffle_flows(programs, shuffle_in),
+            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)))
+
+    fwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, q_bytes)
+    bwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, 3 * q_bytes + lse_bytes)
+    links = LinkModel.from_profile(profile, n)
+    forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
+                                       1.0, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
+                            links, header.reshuffle_overlap, record, 0.0, "fwd")
+    backward = simulate_pass(pass_input("bwd", bwd_pull_bytes,
+                                        lambda rows: r_tokens[rows] * np.where(r_kind[rows] == KIND_KV, kv_bytes,
+                                                                               q_bytes),
+                                        BACKWARD_WORK, header.num_bwd_stages, q_bytes, q_bytes + kv_bytes),
+                             links, header.reshuffle_overlap, record, forward.makespan, "bwd")
+    lengths = tables.seq_lengths.astype(np.float64)
+    pairs = lengths * (lengths + 1) / 2 if header.mask.value == "causal" else lengths ** 2
+    single = float(pairs.sum() / (pairs / tile_efficiency(profile, lengths)).sum())
+    return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
+                      single_gpu_efficiency=single, peak_flops=profile.peak_tflops * 1e12, num_ranks=n)
+
+
+def _swap(flows):
+    """The output reshuffle runs the input's runs backwards: plan rank to user rank."""
+    src, dst, nbytes = flows
+    return dst, src, nbytes
+
+
+def write_trace(simulation: Simulation, path) -> None:
+    """Write the Chrome trace JSON atomically."""
+    from fcp_compiler.pipeline import write_atomic
+
+    write_atomic(path, json.dumps(simulation.chrome_trace()).encode())

@@ -1,0 +1,110 @@
+"""The simulator: closed-form cases on plain arrays, the trace against the figures, and the seed's ablation."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli import main
+from conftest import compile_valid
+from fcp_compiler.ablation import run_ablation
+from fcp_compiler.inputs import load_batch
+from fcp_compiler.simulate import LinkModel, PassInput, simulate_pass, simulate_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+BW, LAT, LAUNCH = 1e9, 1e-5, 2e-6
+EMPTY = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
+
+
+def links(num_ranks, sm_fraction=0.0, gpus_per_node=1):
+    return LinkModel(node_of_rank=np.arange(num_ranks) // gpus_per_node, intra_bytes_per_s=10 * BW,
+                     inter_bytes_per_s=BW, latency_s=LAT, launch_s=LAUNCH, sm_fraction=sm_fraction)
+
+
+def make_pass(num_ranks, num_stages, flows=(), tiles=(), shuffle_in=EMPTY):
+    flows = list(flows) or [(0, 0, 0.0, 0)][:0]
+    tiles = list(tiles)
+    col = lambda rows, i, dtype: np.array([r[i] for r in rows], dtype=dtype)  # noqa: E731
+    return PassInput(num_ranks=num_ranks, num_stages=num_stages, flow_src=col(flows, 0, np.int64),
+                     flow_dst=col(flows, 1, np.int64), flow_bytes=col(flows, 2, float),
+                     flow_stage=col(flows, 3, np.int64), flow_name=None, tile_rank=col(tiles, 0, np.int64),
+                     tile_stage=col(tiles, 1, np.int64), tile_seconds=col(tiles, 2, float),
+                     tile_early=np.zeros(len(tiles), dtype=bool), tile_name=None, reshuffle_in=shuffle_in,
+                     reshuffle_out=EMPTY)
+
+
+def test_one_rank_is_the_sum_of_its_tiles():
+    result = simulate_pass(make_pass(1, 1, tiles=[(0, 0, 0.5), (0, 0, 0.25)]), links(1), True)
+    assert result.makespan == pytest.approx(0.75 + LAUNCH)
+
+
+def test_two_ranks_one_transfer_then_the_tile():
+    data = make_pass(2, 2, flows=[(0, 1, 4e6, 0)], tiles=[(1, 1, 0.01)])
+    result = simulate_pass(data, links(2), True)
+    assert result.end[1] == pytest.approx(LAT + 4e6 / BW + 0.01 + LAUNCH)
+
+
+def test_a_ring_moves_every_block_at_full_rate():
+    n = 6
+    data = make_pass(n, 1, flows=[(r, (r + 1) % n, 2e6, 0) for r in range(n)])
+    assert simulate_pass(data, links(n), True).end == pytest.approx(np.full(n, LAT + 2e6 / BW))
+
+
+def test_two_senders_into_one_receiver_halve_the_rate():
+    data = make_pass(3, 1, flows=[(0, 2, 1e6, 0), (1, 2, 1e6, 0)])
+    result = simulate_pass(data, links(3), True)
+    assert result.end == pytest.approx([LAT + 2e6 / BW] * 3)
+
+
+def test_nvlink_inside_a_node_and_the_nic_across():
+    data = make_pass(4, 1, flows=[(0, 1, 1e6, 0), (2, 3, 1e6, 0)])
+    result = simulate_pass(data, links(4, gpus_per_node=2), True)
+    assert result.end[1] == pytest.approx(LAT + 1e6 / (10 * BW))
+    data = make_pass(4, 1, flows=[(0, 2, 1e6, 0)])
+    assert simulate_pass(data, links(4, gpus_per_node=2), True).end[2] == pytest.approx(LAT + 1e6 / BW)
+
+
+def test_communication_takes_its_sm_share_from_compute():
+    # 10 ms of messages beside 20 ms of tiles at 25% SMs for communication: 10 ms at 0.75 speed, then the rest.
+    data = make_pass(2, 1, flows=[(0, 1, 1e7 - LAT * BW, 0)], tiles=[(0, 0, 0.02)])
+    result = simulate_pass(data, links(2, sm_fraction=0.25), True)
+    work = 0.02 + LAUNCH
+    assert result.end[0] == pytest.approx(0.01 + (work - 0.01 * 0.75))
+    assert result.busy[0] == pytest.approx(result.end[0])
+
+
+def test_trace_busy_time_matches_the_figures(tmp_path):
+    plan = compile_valid([5000, 300, 12000, 800, 64, 9000], 4, block_size=1024, coalesce_degree=2)
+    trace = tmp_path / "trace.json"
+    figures_path = tmp_path / "sim.json"
+    plan.write(tmp_path / "p.fcp")
+    assert main(["simulate", str(tmp_path / "p.fcp"), "--json", str(figures_path), "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    figures = json.loads(figures_path.read_text())
+    for row in figures["per_rank"]:
+        for label, key in (("fwd", "busy_fwd_s"), ("bwd", "busy_bwd_s")):
+            busy = sum(e["dur"] for e in events if e.get("pid") == row["rank"] and e.get("tid") == f"{label} compute")
+            assert busy * 1e-6 == pytest.approx(row[key], rel=1e-9, abs=1e-12)
+    names = {e["name"] for e in events if e.get("tid") == "fwd compute"}
+    assert any(name.startswith("q") and "kv" in name for name in names)
+    assert {"makespan_fwd_s", "makespan_bwd_s", "attention_mfu_fwd", "attention_mfu_bwd", "normalized_mfu_fwd",
+            "normalized_mfu_bwd", "exposed_comm_fwd_s", "exposed_comm_bwd_s", "per_rank"} <= set(figures)
+    assert {"rank", "busy_fwd_s", "busy_bwd_s", "eta_fwd", "eta_bwd"} <= set(figures["per_rank"][0])
+
+
+def test_simulating_a_plan_is_consistent_with_its_stats():
+    plan = compile_valid(load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json"), 64)
+    figures = simulate_plan(plan.to_bytes()).figures()
+    assert figures["makespan_fwd_s"] >= plan.stats["max_rank_compute_seconds"]
+    assert 0 < figures["normalized_mfu_fwd"] <= 1 and 0 < figures["normalized_mfu_bwd"] <= 1
+    assert min(row["eta_fwd"] for row in figures["per_rank"]) >= 1.0
+
+
+def test_ablation_never_loses_and_ends_at_least_twice_the_base():
+    steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), 128)
+    assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler"]
+    for key in ("normalized_mfu_fwd", "normalized_mfu_bwd"):
+        values = [s[key] for s in steps]
+        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:])), values
+        assert values[-1] >= 2 * values[0], values
