@@ -29,6 +29,9 @@ from fcp_compiler.plan_format import PlanReader
 from fcp_compiler.stats import LSE_BYTES
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+# Trace tracks (Chrome trace thread ids) of each rank's process.
+TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
+          ("bwd", "recv"): 5}
 KIND_KV, KIND_Q = 0, 1
 
 
@@ -123,11 +126,11 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     def emit_messages(t0, ends, src, dst, names, stage_name):
         for i in range(src.size):
             ts, dur = (time_offset + t0[i]) * 1e6, (ends[i] - t0[i]) * 1e6
-            name = names[i] if names is not None else stage_name
+            name = f"{names[i]} {stage_name}" if names is not None else stage_name
             events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(src[i]),
-                           "tid": f"{label} send", "args": {"to": int(dst[i]), "stage": stage_name}})
+                           "tid": TRACKS[(label, "send")], "args": {"to": int(dst[i])}})
             events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(dst[i]),
-                           "tid": f"{label} recv", "args": {"from": int(src[i]), "stage": stage_name}})
+                           "tid": TRACKS[(label, "recv")], "args": {"from": int(src[i])}})
 
     def emit_compute(rank_start, rank_end, mask, stage_name):
         # Tiles of the stage back to back, stretched over the compute window (launch cost first).
@@ -139,13 +142,13 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
             t = rank_start[rank]
             if launch:
                 events.append({"name": f"launch {stage_name}", "ph": "X", "ts": (time_offset + t) * 1e6,
-                               "dur": launch * 1e6, "pid": rank, "tid": f"{label} compute"})
+                               "dur": launch * 1e6, "pid": rank, "tid": TRACKS[(label, "compute")]})
                 t += launch
             for tile in tiles.tolist():
                 dur = float(data.tile_seconds[tile]) * scale
                 name = data.tile_name[tile] if data.tile_name is not None else "tile"
-                events.append({"name": name, "ph": "X", "ts": (time_offset + t) * 1e6, "dur": dur * 1e6,
-                               "pid": rank, "tid": f"{label} compute", "args": {"stage": stage_name}})
+                events.append({"name": f"{name} {stage_name}", "ph": "X", "ts": (time_offset + t) * 1e6,
+                               "dur": dur * 1e6, "pid": rank, "tid": TRACKS[(label, "compute")]})
                 t += dur
 
     # Input reshuffle, with the tiles whose tokens stay local.
@@ -231,6 +234,9 @@ class Simulation:
         meta = []
         for rank in range(self.num_ranks):
             meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+            for (label, track), tid in TRACKS.items():
+                meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                             "args": {"name": f"{label} {track}"}})
         events = self.forward.events + self.backward.events
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 

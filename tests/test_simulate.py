@@ -10,7 +10,7 @@ from cli import main
 from conftest import compile_valid
 from fcp_compiler.ablation import run_ablation
 from fcp_compiler.inputs import load_batch
-from fcp_compiler.simulate import LinkModel, PassInput, simulate_pass, simulate_plan
+from fcp_compiler.simulate import TRACKS, LinkModel, PassInput, simulate_pass, simulate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BW, LAT, LAUNCH = 1e9, 1e-5, 2e-6
@@ -84,10 +84,13 @@ def test_trace_busy_time_matches_the_figures(tmp_path):
     figures = json.loads(figures_path.read_text())
     for row in figures["per_rank"]:
         for label, key in (("fwd", "busy_fwd_s"), ("bwd", "busy_bwd_s")):
-            busy = sum(e["dur"] for e in events if e.get("pid") == row["rank"] and e.get("tid") == f"{label} compute")
+            track = TRACKS[(label, "compute")]
+            busy = sum(e["dur"] for e in events
+                       if e["ph"] == "X" and e.get("pid") == row["rank"] and e.get("tid") == track)
             assert busy * 1e-6 == pytest.approx(row[key], rel=1e-9, abs=1e-12)
-    names = {e["name"] for e in events if e.get("tid") == "fwd compute"}
-    assert any(name.startswith("q") and "kv" in name for name in names)
+    names = {e["name"] for e in events if e["ph"] == "X" and e.get("tid") == TRACKS[("fwd", "compute")]}
+    assert any(name.startswith("q") and "kv" in name and "stage" in name for name in names)
+    assert any(e["ph"] == "X" and e["name"].startswith("KV b") for e in events)
     assert {"makespan_fwd_s", "makespan_bwd_s", "attention_mfu_fwd", "attention_mfu_bwd", "normalized_mfu_fwd",
             "normalized_mfu_bwd", "exposed_comm_fwd_s", "exposed_comm_bwd_s", "per_rank"} <= set(figures)
     assert {"rank", "busy_fwd_s", "busy_bwd_s", "eta_fwd", "eta_bwd"} <= set(figures["per_rank"][0])
