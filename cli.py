@@ -34,6 +34,7 @@ def compile_command(
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
+    planner: str = typer.Option("fcp", "--planner", help="fcp, or a baseline: ring, bytescale, wlbllm, magi"),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
     arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
@@ -58,7 +59,8 @@ def compile_command(
     plan = compile_plan(load_batch(batch), gpus, block_size=block_size, coalesce_degree=coalesce,
                         token_cap=token_cap, zigzag=zigzag, shape=make_shape(q_heads, kv_heads, head_dim, dtype),
                         profile=load_profile(profile), mask=mask, pipelined=not no_pipeline,
-                        matching_rounds=not arbitrary_rounds, reshuffle_overlap=not no_reshuffle_overlap)
+                        matching_rounds=not arbitrary_rounds, reshuffle_overlap=not no_reshuffle_overlap,
+                        planner=planner)
     output = output or Path(batch.with_suffix(".fcp").name)
     plan.write(output)
     if stats:
@@ -184,6 +186,90 @@ def ablate_command(
         [s["name"], f"{s['normalized_mfu_fwd']:.2f}", f"{s['seed_normalized_mfu_fwd']:.2f}",
          f"{s['normalized_mfu_bwd']:.2f}", f"{s['seed_normalized_mfu_bwd']:.2f}", f"{s['makespan_fwd_s'] * 1e3:.1f}",
          f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps]))
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidInputError(f"{flag} {text!r} must be a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise InvalidInputError(f"{flag} {text!r} must list positive integers")
+    return values
+
+
+@app.command("compare")
+def compare_command(
+    batch: Optional[Path] = typer.Argument(None, help="batch JSON (or give --trace-spec)"),
+    gpus: str = typer.Option("16,32,64,128,256", "--gpus", help="comma-separated scales"),
+    trace_spec: Optional[str] = typer.Option(None, "--trace-spec",
+                                             help="lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]: a batch per scale"),
+    tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)"),
+    methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
+    profile: str = typer.Option("h100", "--profile"),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """FCP beside the baselines at each scale: balance, traffic, rounds, simulated normalized MFU, speedup."""
+    from fcp_compiler.baselines import Planner
+    from fcp_compiler.compare import compare
+    from fcp_compiler.inputs import load_batch, load_profile
+    from fcp_compiler.report import human_bytes, table
+    from fcp_compiler.traces import lognormal_batch
+
+    scales = _int_list(gpus, "--gpus")
+    try:
+        chosen = [Planner(m.strip()) for m in methods.split(",")]
+    except ValueError:
+        raise InvalidInputError(f"--methods {methods!r}: each must be one of "
+                                f"{', '.join(p.value for p in Planner)}") from None
+    if (batch is None) == (trace_spec is None):
+        raise InvalidInputError("give either BATCH or --trace-spec")
+    if trace_spec:
+        parts = trace_spec.split(":")
+        try:
+            assert parts[0] == "lognormal" and len(parts) in (4, 5)
+            median, sigma, max_len = float(parts[1]), float(parts[2]), int(parts[3])
+            seed = int(parts[4]) if len(parts) == 5 else 0
+        except (AssertionError, ValueError):
+            raise InvalidInputError(f"--trace-spec {trace_spec!r} must be lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]") \
+                from None
+        batch_for = lambda n: lognormal_batch(n * tokens_per_gpu, median, sigma, 64, max_len, seed)  # noqa: E731
+    else:
+        fixed = load_batch(batch)
+        batch_for = lambda n: fixed  # noqa: E731
+    rows = compare(batch_for, scales, chosen, progress=lambda line: typer.echo(line, err=True),
+                   profile=load_profile(profile))
+    if json_out:
+        _write_json(json_out, {"results": rows})
+    typer.echo(table(["method", "gpus", "compute imb", "comm imb", "total bytes", "max rank bytes", "rounds",
+                      "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd"],
+                     [[r["method"], r["gpus"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
+                       human_bytes(r["total_comm_bytes"]), human_bytes(r["max_rank_comm_bytes"]), r["num_rounds"],
+                       f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}",
+                       f"{r.get('fcp_speedup_fwd', float('nan')):.2f}x"] for r in rows]))
+
+
+@app.command("sweep")
+def sweep_command(
+    batch: Path = typer.Argument(..., help="batch JSON"),
+    gpus: int = GPUS,
+    block_size: str = typer.Option("1024,2048,4096,8192", "--block-size"),
+    profile: str = typer.Option("h100", "--profile"),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """FCP at several block sizes: balance and simulated normalized MFU."""
+    from fcp_compiler.compare import sweep_block_sizes
+    from fcp_compiler.inputs import load_batch, load_profile
+    from fcp_compiler.report import table
+
+    rows = sweep_block_sizes(load_batch(batch), gpus, _int_list(block_size, "--block-size"),
+                             profile=load_profile(profile))
+    if json_out:
+        _write_json(json_out, {"gpus": gpus, "results": rows})
+    typer.echo(table(["block", "compute imb", "comm imb", "rounds", "norm MFU fwd", "norm MFU bwd"],
+                     [[r["block_size"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
+                       r["num_rounds"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}"]
+                      for r in rows]))
 
 
 @app.command("schemas")

@@ -15,7 +15,8 @@ import numpy as np
 
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.inputs import (PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile, MaskKind, parse_batch)
-from fcp_compiler.ir import Batch, Reshuffle, ZigzagMode
+from fcp_compiler.baselines import BASELINES, Planner
+from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.passes.assign import assign, default_token_cap
 from fcp_compiler.passes.coalesce import coalesce
 from fcp_compiler.passes.cost import cost
@@ -27,7 +28,6 @@ from fcp_compiler.passes.transfers import plan_transfers
 from fcp_compiler.plan_format import FORMAT_VERSION, PlanReader, RankProgram
 from fcp_compiler.stats import plan_stats
 
-PLANNER = "fcp"
 # A rank may be 2% above the compute lower bound before tiles of heavy blocks are moved off their owner.
 BALANCE_TOLERANCE = 0.02
 
@@ -147,7 +147,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
                  coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
                  shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
                  mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
-                 reshuffle_overlap: bool = True) -> CompiledPlan:
+                 reshuffle_overlap: bool = True, planner: Planner | str = "fcp") -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, schedule_rounds, coalesce, reshuffle and encode, timing each.
@@ -165,6 +165,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         pipelined, matching_rounds, reshuffle_overlap: switch off block-level pipelining, congestion-free rounds
             (pulls in edge order instead; the plan then fails validation) or the overlap of the reshuffle with
             local tiles, to measure what each is worth (fcp ablate).
+        planner: fcp, or a baseline in the same format: ring, bytescale, wlbllm, magi (DESIGN section 6).
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
@@ -184,23 +185,36 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
                              pipelined=pipelined, matching_rounds=matching_rounds,
                              reshuffle_overlap=reshuffle_overlap)
     options.check()
+    try:
+        planner = Planner(planner)
+    except ValueError:
+        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
     timer = _PassTimer()
     the_batch = timer.run("parse", _to_batch, batch, mask)
     cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
 
-    # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
-    # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
-    # heavy last blocks of a long sequence leave it unbalanced: measured in benchmarks/balance.py).
-    zigzag_on = zigzag_mode is ZigzagMode.ON or (
-        zigzag_mode is ZigzagMode.AUTO and the_batch.causal and bool((the_batch.lengths >= 2 * block_size).any()))
-    sharding = timer.run("shard", shard, the_batch, block_size, zigzag_on)
-    tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
-    assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE)
+    if planner is Planner.FCP:
+        # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
+        # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
+        # heavy last blocks of a long sequence leave it unbalanced: measured in benchmarks/balance.py).
+        zigzag_on = zigzag_mode is ZigzagMode.ON or (
+            zigzag_mode is ZigzagMode.AUTO and the_batch.causal and bool((the_batch.lengths >= 2 * block_size).any()))
+        sharding = timer.run("shard", shard, the_batch, block_size, zigzag_on)
+        tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+        assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE)
+    else:
+        sharding, block_rank = timer.run("shard", BASELINES[planner], the_batch, gpus, block_size, cap)
+        tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+        rank_tokens = np.bincount(block_rank, weights=sharding.block_tokens, minlength=gpus)
+        assignment = timer.run("assign", Assignment, tiles=tiles, num_ranks=gpus,
+                               token_cap=max(cap, int(rank_tokens.max())), block_rank=block_rank,
+                               tile_rank=block_rank[tiles.tile_q_block])
     transfers = timer.run("plan_transfers", plan_transfers, assignment)
     rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
     schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)
     final = timer.run("reshuffle", reshuffle, schedule)
-    header_fields = _header_fields(final, options, cap, inputs_digest(the_batch, options, cap, PLANNER), PLANNER)
+    header_fields = _header_fields(final, options, assignment.token_cap,
+                                   inputs_digest(the_batch, options, cap, planner.value), planner.value)
     data = timer.run("encode", encode, final, header_fields)
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds)
@@ -217,7 +231,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
         num_stages = int(schedule.edge_stage.max()) + 1
         per_stage = np.bincount(transfers.edge_dst * num_stages + schedule.edge_stage, weights=transfers.edge_tokens)
         recv_buffer = int(per_stage.max())
-    return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=options.block_size,
+    return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=sharding.block_size,
                 coalesce=options.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,

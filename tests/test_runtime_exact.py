@@ -10,7 +10,7 @@ from runtime_harness import reference_attention, run_ranks  # noqa: E402
 from fcp_runtime import load_rank_plan, fcp_attn_func  # noqa: E402
 
 CASES = [
-    # (name, lengths, gpus, block, coalesce, mask, zigzag, q_heads, kv_heads, dtype)
+    # (name, lengths, gpus, block, coalesce, mask, zigzag, q_heads, kv_heads, dtype[, planner])
     ("mixed-causal-fp64", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 1, "causal", "auto", 4, 2, torch.float64),
     ("mixed-full-fp64", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 3, "full", "off", 4, 2, torch.float64),
     ("plain-causal-2-ranks", [1000, 333, 77, 2100], 2, 192, 2, "causal", "off", 2, 1, torch.float64),
@@ -18,13 +18,15 @@ CASES = [
     ("zigzag-8-ranks-fp32", [2600, 1300, 100, 650, 40, 900], 8, 128, 4, "causal", "on", 4, 4, torch.float32),
     ("offloaded-full-fp64", [2048, 100, 60], 8, 512, 2, "full", "off", 2, 1, torch.float64),
     ("offloaded-causal-fp64", [3000, 120], 8, 256, 1, "causal", "off", 2, 2, torch.float64),
-]
+] + [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto", 4, 2,
+      torch.float64, planner) for planner in ("ring", "bytescale", "wlbllm", "magi") for mask in ("causal", "full")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_output_and_gradients_equal_dense_reference(case, tmp_path):
-    name, lengths, gpus, block, coalesce, mask, zigzag, hq, hkv, dtype = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag)
+    name, lengths, gpus, block, coalesce, mask, zigzag, hq, hkv, dtype, *planner = case
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
+                         planner=planner[0] if planner else "fcp")
     path = tmp_path / "plan.fcp"
     plan.write(path)
     if name.startswith("offloaded"):
