@@ -241,6 +241,44 @@ class Simulation:
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
+def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch_group: np.ndarray,
+                      profile: HardwareProfile) -> np.ndarray:
+    """Modelled time of each plan tile when a stage runs as one launch.
+
+    Scheduling is at block size, execution at the stage: the tiles a rank runs in one launch for the same query
+    segment form one kernel call over all their keys, whose efficiency is that of a tile of
+    sqrt(query tokens x all their key tokens). Each tile is charged its FLOPs at its call's efficiency.
+
+    Args:
+        tiles: the TileSet of the plan's blocks (segment pairs and FLOPs).
+        tile_idx: for each plan tile, its index in `tiles`.
+        tile_rank, launch_group: rank and launch (stage, or -1 for tiles run during the reshuffle) of each plan tile.
+        profile: peak and efficiency curve.
+    Returns:
+        seconds per plan tile.
+    """
+    from fcp_compiler.algorithms.intervals import visible_pairs
+
+    sharding = tiles.sharding
+    plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
+    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
+    pair_plan_tile = plan_tile_of[tiles.pair_tile]
+    q_seg, kv_seg = tiles.pair_q_seg, tiles.pair_kv_seg
+    flops = 4.0 * tiles.shape.q_heads * tiles.shape.head_dim * visible_pairs(
+        sharding.seg_start[q_seg], sharding.seg_end[q_seg], sharding.seg_start[kv_seg], sharding.seg_end[kv_seg],
+        causal=sharding.batch.causal)
+    seg_tokens = sharding.seg_tokens
+    group_key = np.stack([tile_rank[pair_plan_tile], launch_group[pair_plan_tile], q_seg], axis=1)
+    _, group = np.unique(group_key, axis=0, return_inverse=True)
+    group = group.ravel()
+    key_tokens = np.bincount(group, weights=seg_tokens[kv_seg])
+    query_tokens = np.zeros(key_tokens.size)
+    query_tokens[group] = seg_tokens[q_seg]
+    efficiency = tile_efficiency(profile, np.sqrt(query_tokens * key_tokens))
+    pair_seconds = flops / (profile.peak_tflops * 1e12 * efficiency[group])
+    return np.bincount(pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
+
+
 def _stack(programs, name):
     values = [p.arrays[name] for p in programs]
     ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
@@ -317,8 +355,8 @@ def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | N
     tile_kv, _ = _stack(programs, "tile_kv_block")
     tile_stage, _ = _stack(programs, "tile_stage")
     tile_idx = np.searchsorted(keys, tile_q * sharding.num_blocks + tile_kv)
-    seconds = tiles.tile_seconds[tile_idx]
     early = _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage)
+    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
     tile_names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
 
     seg_tokens = tables.seg_end - tables.seg_start
