@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
               "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256"}
-PASSES = ["shard", "cost", "assign", "plan_transfers", "schedule_rounds", "coalesce", "reshuffle", "encode"]
+PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce", "reshuffle",
+          "encode"]
 
 
 @given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),

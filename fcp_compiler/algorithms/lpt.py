@@ -9,39 +9,61 @@ import numpy as np
 UNPLACED = -1
 
 
-def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int) -> np.ndarray:
+def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int,
+                 preferred: np.ndarray | None = None, slack: float = 0.0) -> np.ndarray:
     """Longest-processing-time-first onto the least-loaded bin that has room.
 
     Objective: minimise the largest bin weight subject to every bin's total size <= capacity. Items go in order
-    of decreasing weight (ties by index) to the least-loaded bin (ties by bin index) whose size stays within the
-    cap. O(K log N) when bins rarely fill; a full bin is skipped and put back.
+    of decreasing weight (ties by index, or taking the preferred bins in turn) to the least-loaded bin (ties by bin
+    index) whose size stays within the cap, or to the item's preferred bin when that has room and is within
+    `slack` of the least load. O(K log N)
+    when bins rarely fill; a full bin is skipped and put back.
 
     Args:
         weights: float array, work of each item.
         sizes: int array, tokens of each item.
         num_bins: number of bins (ranks).
         capacity: size cap per bin.
+        preferred: optional bin per item (-1: none), e.g. where its tokens already are.
+        slack: how much more loaded than the least-loaded bin the preferred bin may be.
     Returns:
         int64 array, the bin of each item, UNPLACED (-1) where no bin had room.
     """
     weights = np.asarray(weights, dtype=np.float64)
     sizes = np.asarray(sizes, dtype=np.int64)
-    order = np.lexsort((np.arange(weights.size), -weights))
+    if preferred is None:
+        order = np.lexsort((np.arange(weights.size), -weights))
+    else:
+        # Among items of equal weight, take one per preferred bin in turn, so that each can go home.
+        by_home = np.lexsort((np.arange(weights.size), preferred))
+        first = np.searchsorted(preferred[by_home], preferred[by_home])
+        turn = np.empty(weights.size, dtype=np.int64)
+        turn[by_home] = np.arange(weights.size) - first
+        order = np.lexsort((np.arange(weights.size), turn, -weights))
     bin_of = np.full(weights.size, UNPLACED, dtype=np.int64)
     used = [0] * num_bins
-    heap = [(0.0, bin_idx) for bin_idx in range(num_bins)]
+    loads = [0.0] * num_bins
+    heap = [(0.0, bin_idx) for bin_idx in range(num_bins)]  # lazy: entries whose load is stale are skipped
     sizes_list = sizes.tolist()
     weights_list = weights.tolist()
+    preferred_list = preferred.tolist() if preferred is not None else None
     for item_idx in order.tolist():
         size = sizes_list[item_idx]
         skipped = []
-        while heap and used[heap[0][1]] + size > capacity:
-            skipped.append(heapq.heappop(heap))
+        while heap and (heap[0][0] != loads[heap[0][1]] or used[heap[0][1]] + size > capacity):
+            entry = heapq.heappop(heap)
+            if entry[0] == loads[entry[1]]:
+                skipped.append(entry)
         if heap:
-            load, bin_idx = heapq.heappop(heap)
+            bin_idx = heap[0][1]
+            if preferred_list is not None:
+                home = preferred_list[item_idx]
+                if home >= 0 and used[home] + size <= capacity and loads[home] <= loads[bin_idx] + slack:
+                    bin_idx = home
             bin_of[item_idx] = bin_idx
             used[bin_idx] += size
-            heapq.heappush(heap, (load + weights_list[item_idx], bin_idx))
+            loads[bin_idx] += weights_list[item_idx]
+            heapq.heappush(heap, (loads[bin_idx], bin_idx))
         for entry in skipped:
             heapq.heappush(heap, entry)
     return bin_of
