@@ -198,12 +198,33 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def _trace_spec(spec: str, tokens_per_gpu: int):
+    """gpus -> batch, from lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or file:PATH:TAIL_FRACTION[:SEED]."""
+    from fcp_compiler.traces import empirical_batch, lognormal_batch, read_lengths_file
+
+    parts = spec.split(":")
+    try:
+        if parts[0] == "lognormal" and len(parts) in (4, 5):
+            median, sigma, max_len = float(parts[1]), float(parts[2]), int(parts[3])
+            seed = int(parts[4]) if len(parts) == 5 else 0
+            return lambda n: lognormal_batch(n * tokens_per_gpu, median, sigma, 64, max_len, seed)
+        if parts[0] == "file" and len(parts) in (3, 4):
+            values, tail = read_lengths_file(parts[1]), float(parts[2])
+            seed = int(parts[3]) if len(parts) == 4 else 0
+            return lambda n: empirical_batch(values, n * tokens_per_gpu, seed, 524288, tail)
+    except ValueError:
+        pass
+    raise InvalidInputError(f"--trace-spec {spec!r} must be lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or "
+                            f"file:PATH:TAIL_FRACTION[:SEED]")
+
+
 @app.command("compare")
 def compare_command(
     batch: Optional[Path] = typer.Argument(None, help="batch JSON (or give --trace-spec)"),
     gpus: str = typer.Option("16,32,64,128,256", "--gpus", help="comma-separated scales"),
-    trace_spec: Optional[str] = typer.Option(None, "--trace-spec",
-                                             help="lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]: a batch per scale"),
+    trace_spec: Optional[str] = typer.Option(
+        None, "--trace-spec", help="lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or file:PATH:TAIL_FRACTION[:SEED]: a batch "
+                                   "per scale"),
     tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)"),
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
     profile: str = typer.Option("h100", "--profile"),
@@ -214,7 +235,6 @@ def compare_command(
     from fcp_compiler.compare import compare
     from fcp_compiler.inputs import load_batch, load_profile
     from fcp_compiler.report import human_bytes, table
-    from fcp_compiler.traces import lognormal_batch
 
     scales = _int_list(gpus, "--gpus")
     try:
@@ -225,15 +245,7 @@ def compare_command(
     if (batch is None) == (trace_spec is None):
         raise InvalidInputError("give either BATCH or --trace-spec")
     if trace_spec:
-        parts = trace_spec.split(":")
-        try:
-            assert parts[0] == "lognormal" and len(parts) in (4, 5)
-            median, sigma, max_len = float(parts[1]), float(parts[2]), int(parts[3])
-            seed = int(parts[4]) if len(parts) == 5 else 0
-        except (AssertionError, ValueError):
-            raise InvalidInputError(f"--trace-spec {trace_spec!r} must be lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]") \
-                from None
-        batch_for = lambda n: lognormal_batch(n * tokens_per_gpu, median, sigma, 64, max_len, seed)  # noqa: E731
+        batch_for = _trace_spec(trace_spec, tokens_per_gpu)
     else:
         fixed = load_batch(batch)
         batch_for = lambda n: fixed  # noqa: E731

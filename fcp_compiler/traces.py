@@ -57,8 +57,16 @@ def lognormal_batch(total_tokens: int, median: float, sigma: float, min_len: int
     return _fill(draw, total_tokens)
 
 
-def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: int | None = None) -> list[int]:
-    """Lengths drawn with replacement from observed values (optionally clipped), filled to exactly total_tokens."""
+def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: int | None = None,
+                    tail_fraction: float = 0.0, tail_min: int = 131072, tail_max: int = 524288) -> list[int]:
+    """Lengths drawn with replacement from observed values (optionally clipped), filled to exactly total_tokens.
+
+    With tail_fraction > 0, that share of the tokens first goes to long sequences drawn log-uniformly in
+    [tail_min, tail_max] (a long tail added to a short-dominated distribution); the sequences are then shuffled.
+    """
+    if not 0.0 <= tail_fraction < 1.0 or not 1 <= tail_min <= tail_max:
+        raise InvalidInputError(f"tail fraction {tail_fraction} must be in [0, 1) and 1 <= tail_min {tail_min} "
+                                f"<= tail_max {tail_max}")
     values = np.asarray(values, dtype=np.int64)
     values = values[values > 0]
     if values.size == 0:
@@ -66,7 +74,16 @@ def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: i
     if max_len is not None:
         values = np.minimum(values, max_len)
     rng = np.random.default_rng(seed)
-    return _fill(lambda count: values[rng.integers(0, values.size, size=count)], total_tokens)
+    tail_tokens = int(total_tokens * tail_fraction)
+    tail = []
+    if tail_tokens:
+        log_lo, log_hi = np.log(tail_min), np.log(tail_max)
+        tail = _fill(lambda count: np.floor(np.exp(rng.uniform(log_lo, log_hi, size=count))).astype(np.int64),
+                     tail_tokens)
+    rest = _fill(lambda count: values[rng.integers(0, values.size, size=count)], total_tokens - tail_tokens) \
+        if total_tokens > tail_tokens else []
+    lengths = tail + rest
+    return [lengths[i] for i in rng.permutation(len(lengths)).tolist()] if tail else lengths
 
 
 def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int, seed: int) -> list[int]:
