@@ -228,6 +228,13 @@ class PlanReader:
         return [self.rank(rank) for rank in range(self.header.num_ranks)]
 
 
+def stack_ranks(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """One per-rank array concatenated over ranks, and the rank of each row."""
+    values = [program.arrays[name] for program in programs]
+    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
+    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
+
+
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:
     """Read just one rank's program from a plan file or bytes."""
     return PlanReader(source).rank(rank)

@@ -25,7 +25,7 @@ import numpy as np
 from fcp_compiler.inputs import HardwareProfile
 from fcp_compiler.ir import Batch, Sharding
 from fcp_compiler.passes.cost import cost, tile_efficiency
-from fcp_compiler.plan_format import PlanReader
+from fcp_compiler.plan_format import PlanReader, stack_ranks
 from fcp_compiler.stats import LSE_BYTES
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
@@ -279,12 +279,6 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     return np.bincount(pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
 
 
-def _stack(programs, name):
-    values = [p.arrays[name] for p in programs]
-    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
-    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
-
-
 def _reshuffle_flows(programs, bytes_per_token: float):
     src, dst, nbytes = [], [], []
     for program in programs:
@@ -351,21 +345,21 @@ def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | N
                         seg_start=tables.seg_start, seg_end=tables.seg_end)
     tiles = cost(sharding, shape, profile)
     keys = tiles.tile_q_block * sharding.num_blocks + tiles.tile_kv_block
-    tile_q, tile_rank = _stack(programs, "tile_q_block")
-    tile_kv, _ = _stack(programs, "tile_kv_block")
-    tile_stage, _ = _stack(programs, "tile_stage")
+    tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
+    tile_kv, _ = stack_ranks(programs, "tile_kv_block")
+    tile_stage, _ = stack_ranks(programs, "tile_stage")
     tile_idx = np.searchsorted(keys, tile_q * sharding.num_blocks + tile_kv)
     early = _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage)
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
     tile_names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
 
     seg_tokens = tables.seg_end - tables.seg_start
-    r_round, r_me = _stack(programs, "pull_recv_round")
-    r_kind, _ = _stack(programs, "pull_recv_kind")
-    r_block, _ = _stack(programs, "pull_recv_block")
-    r_peer, _ = _stack(programs, "pull_recv_peer")
-    r_count, _ = _stack(programs, "pull_recv_seg_count")
-    r_segs, _ = _stack(programs, "pull_recv_segs")
+    r_round, r_me = stack_ranks(programs, "pull_recv_round")
+    r_kind, _ = stack_ranks(programs, "pull_recv_kind")
+    r_block, _ = stack_ranks(programs, "pull_recv_block")
+    r_peer, _ = stack_ranks(programs, "pull_recv_peer")
+    r_count, _ = stack_ranks(programs, "pull_recv_seg_count")
+    r_segs, _ = stack_ranks(programs, "pull_recv_segs")
     r_tokens = np.bincount(np.repeat(np.arange(r_round.size), r_count), weights=seg_tokens[r_segs],
                            minlength=r_round.size)
     recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
@@ -375,8 +369,8 @@ def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | N
         if record else None
 
     def pushes(prefix):
-        stage, sender = _stack(programs, f"{prefix}_push_send_stage")
-        pull, _ = _stack(programs, f"{prefix}_push_send_pull")
+        stage, sender = stack_ranks(programs, f"{prefix}_push_send_stage")
+        pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
         return stage, pull + recv_base[sender]
 
     def pass_input(prefix, pull_bytes, push_bytes_of, work, num_stages, shuffle_in, shuffle_out):

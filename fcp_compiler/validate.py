@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.errors import PlanFormatError
-from fcp_compiler.plan_format import PlanReader, RankProgram
+from fcp_compiler.plan_format import PlanReader, stack_ranks
 
 INVARIANTS = {
     0: "well-formed blocks",
@@ -49,13 +49,6 @@ class ValidationReport:
 
 def _fail(invariant: int, message: str) -> None:
     raise PlanInvalidError(invariant, message)
-
-
-def _stack(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate one array over ranks, with the rank of each row."""
-    values = [program.arrays[name] for program in programs]
-    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
-    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
 
 
 def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
@@ -101,7 +94,7 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
         _fail(0, f"block {bad} holds {int(block_tokens[bad])} tokens, more than the block size {block_size}")
 
     # Ownership: every block on exactly one rank.
-    held, held_rank = _stack(programs, "blocks")
+    held, held_rank = stack_ranks(programs, "blocks")
     counts = np.bincount(held, minlength=num_blocks) if held.size else np.zeros(num_blocks, dtype=np.int64)
     if held.size and (held.max() >= num_blocks or held.min() < 0):
         _fail(0, f"a rank holds block {int(held.max())}, which does not exist")
@@ -131,9 +124,9 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     visible = seg_start[k_seg] < seg_end[q_seg] if causal else np.ones(q_seg.size, dtype=bool)
     q_seg, k_seg = q_seg[visible], k_seg[visible]
     required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
-    tile_q, tile_rank = _stack(programs, "tile_q_block")
-    tile_kv, _ = _stack(programs, "tile_kv_block")
-    tile_stage, _ = _stack(programs, "tile_stage")
+    tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
+    tile_kv, _ = stack_ranks(programs, "tile_kv_block")
+    tile_stage, _ = stack_ranks(programs, "tile_stage")
     if tile_q.size and (min(tile_q.min(), tile_kv.min()) < 0 or max(tile_q.max(), tile_kv.max()) >= num_blocks):
         _fail(1, "a tile names a block that does not exist")
     tile_key = tile_q * num_blocks + tile_kv
@@ -153,12 +146,12 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
     # Pulls: each send matches one receive; the sender owns the block; carried segments belong to it.
     def pull_table(side: str) -> tuple[np.ndarray, ...]:
-        rnd, me = _stack(programs, f"pull_{side}_round")
-        kind, _ = _stack(programs, f"pull_{side}_kind")
-        block, _ = _stack(programs, f"pull_{side}_block")
-        peer, _ = _stack(programs, f"pull_{side}_peer")
-        seg_count, _ = _stack(programs, f"pull_{side}_seg_count")
-        segs, _ = _stack(programs, f"pull_{side}_segs")
+        rnd, me = stack_ranks(programs, f"pull_{side}_round")
+        kind, _ = stack_ranks(programs, f"pull_{side}_kind")
+        block, _ = stack_ranks(programs, f"pull_{side}_block")
+        peer, _ = stack_ranks(programs, f"pull_{side}_peer")
+        seg_count, _ = stack_ranks(programs, f"pull_{side}_seg_count")
+        segs, _ = stack_ranks(programs, f"pull_{side}_segs")
         return rnd, me, kind, block, peer, seg_count, segs
 
     s_round, s_me, s_kind, s_block, s_peer, s_count, s_segs = pull_table("send")
@@ -275,10 +268,10 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
     # Pushes: partial outputs (forward) and gradients (backward) return along their pull after the last tile.
     def check_pushes(prefix: str, kinds: tuple[int, ...]) -> int:
-        send_stage, sender = _stack(programs, f"{prefix}_push_send_stage")
-        send_pull, _ = _stack(programs, f"{prefix}_push_send_pull")
-        recv_stage, receiver = _stack(programs, f"{prefix}_push_recv_stage")
-        recv_pull, _ = _stack(programs, f"{prefix}_push_recv_pull")
+        send_stage, sender = stack_ranks(programs, f"{prefix}_push_send_stage")
+        send_pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
+        recv_stage, receiver = stack_ranks(programs, f"{prefix}_push_recv_stage")
+        recv_pull, _ = stack_ranks(programs, f"{prefix}_push_recv_pull")
         recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
         send_base = np.concatenate(([0], np.cumsum([p.arrays["pull_send_round"].size for p in programs])))
         if send_stage.size != recv_stage.size:
