@@ -1,0 +1,167 @@
+"""Write docs/RESULTS.md: FCP beside the baselines, in the shape of the seed's figures 9 to 12.
+
+Usage: python benchmarks/results.py [--gpus 16,32,64,128,256] [--full] [--out docs]
+
+Figure 9: compute and communication imbalance vs GPUs (paper-like trace, weak scaling at 32K tokens per GPU).
+Figure 10: normalized attention MFU with every sequence at the same length (no imbalance to hide).
+Figure 11: normalized attention MFU, weak scaling, on the paper-like trace.
+Figure 12: normalized attention MFU vs block size (FCP, 128 GPUs).
+Ring and WLB-LLM-like plans grow as sequences x N^2 segment pairs; above 128 GPUs they are skipped unless --full
+(about 2 minutes each at 256 GPUs). Plots need matplotlib (pip install matplotlib); tables are written without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fcp_compiler.baselines import Planner
+from fcp_compiler.compare import compare, sweep_block_sizes
+from fcp_compiler.inputs import load_batch
+from fcp_compiler.traces import lognormal_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = {Planner.RING, Planner.WLBLLM}
+
+
+def _table(headers, rows) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _plot(path: Path, title: str, ylabel: str, series: dict[str, tuple[list, list]], xlabel: str = "GPUs",
+          log_x: bool = True) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="16,32,64,128,256")
+    parser.add_argument("--full", action="store_true", help="also run ring and wlbllm above 128 GPUs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = parser.parse_args()
+    scales = [int(g) for g in args.gpus.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    methods = list(Planner)
+
+    def run(batch_for) -> list[dict]:
+        rows = []
+        for gpus in scales:
+            chosen = [m for m in methods if args.full or gpus <= 128 or m not in HEAVY]
+            rows += compare(batch_for, [gpus], chosen)
+        return rows
+
+    paper = run(lambda n: lognormal_batch(n * 32768, 4096, 1.8, 64, 524288, 0))
+    even = run(lambda n: [16384] * (n * 2))
+
+    def series(rows, key):
+        out = {}
+        for method in methods:
+            points = [(r["gpus"], r[key]) for r in rows if r["method"] == method.value]
+            if points:
+                out[method.value] = ([p[0] for p in points], [p[1] for p in points])
+        return out
+
+    plots = {
+        "fig9_compute_imbalance.png": ("Fig. 9 (top): compute imbalance", "imbalance", series(paper, "compute_imbalance")),
+        "fig9_comm_imbalance.png": ("Fig. 9 (bottom): communication imbalance", "imbalance",
+                                    series(paper, "comm_imbalance")),
+        "fig10_even_lengths.png": ("Fig. 10: normalized MFU, all sequences 16K", "normalized MFU (fwd)",
+                                   series(even, "normalized_mfu_fwd")),
+        "fig11_weak_scaling.png": ("Fig. 11: normalized MFU, weak scaling", "normalized MFU (fwd)",
+                                   series(paper, "normalized_mfu_fwd")),
+    }
+    sweep = sweep_block_sizes(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), 128,
+                              [1024, 2048, 4096, 8192])
+    plotted = [name for name, (title, ylabel, data) in plots.items() if _plot(args.out / name, title, ylabel, data)]
+    if _plot(args.out / "fig12_block_size.png", "Fig. 12: FCP normalized MFU vs block size (128 GPUs)",
+             "normalized MFU", {"forward": ([r["block_size"] for r in sweep], [r["normalized_mfu_fwd"] for r in sweep]),
+                                "backward": ([r["block_size"] for r in sweep],
+                                             [r["normalized_mfu_bwd"] for r in sweep])}, xlabel="block size"):
+        plotted.append("fig12_block_size.png")
+
+    def rows_of(rows, *keys):
+        return [[r["method"], r["gpus"]] + [f"{r[k]:.3f}" if isinstance(r[k], float) else r[k] for k in keys]
+                for r in rows]
+
+    best = max(r["normalized_mfu_fwd"] for r in sweep)
+    text = [
+        "# Results: FCP beside the baselines",
+        "",
+        "Generated by `python benchmarks/results.py` (simulated on the h100 profile; the simulator and the baselines are",
+        "described in the README). Every plan here is in the same format and passes `fcp validate`.",
+        "" if args.full else "Ring and WLB-LLM-like plans are skipped above 128 GPUs (run with `--full`: about 2 "
+                             "minutes each at 256).",
+        "",
+        "## Figure 9: imbalance vs GPUs (paper-like trace, 32K tokens per GPU)",
+        "",
+        "Seed: FCP < 5% compute and communication imbalance; MagiAttention up to 17% communication imbalance;"
+        " ByteScale up to 70% compute imbalance.",
+        "",
+        _table(["method", "GPUs", "compute imbalance", "comm imbalance"],
+               rows_of(paper, "compute_imbalance", "comm_imbalance")),
+        "",
+        "## Figure 10: normalized MFU at even lengths (every sequence 16K)",
+        "",
+        "Seed: FCP above 90% (only the SMs given to communication cost it); ring falls as short sequences are "
+        "over-sharded.",
+        "",
+        _table(["method", "GPUs", "normalized MFU fwd", "normalized MFU bwd"],
+               rows_of(even, "normalized_mfu_fwd", "normalized_mfu_bwd")),
+        "",
+        "## Figure 11: normalized MFU, weak scaling (paper-like trace)",
+        "",
+        "Seed: methods are close at 16 GPUs; FCP ahead of every baseline from there, 1.13x-2.21x.",
+        "",
+        _table(["method", "GPUs", "normalized MFU fwd", "normalized MFU bwd", "FCP speedup fwd"],
+               [[r["method"], r["gpus"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}",
+                 f"{r.get('fcp_speedup_fwd', float('nan')):.2f}x"] for r in paper]),
+        "",
+        "## Figure 12: FCP vs block size (paper-like trace, 128 GPUs)",
+        "",
+        "Seed: 4K is the best block size.",
+        "",
+        _table(["block size", "normalized MFU fwd", "normalized MFU bwd", "within best"],
+               [[r["block_size"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}",
+                 f"{r['normalized_mfu_fwd'] / best:.3f}"] for r in sweep]),
+        "",
+        "## Where we differ",
+        "",
+        "- MagiAttention-like is our own LPT on compute area over 4K chunks, run by FCP's runtime model (pipelined,"
+        " congestion-free, coalesced): it gets every FCP technique but traffic balance, so it stays close at small"
+        " scale; the seed's MagiAttention has its own kernels and communication.",
+        "- Ring is expressed as N-1 shift rounds from each block's owner (the traffic of a ring, not its"
+        " neighbour-only pattern); its plans grow as sequences x N^2 segment pairs.",
+        "- Absolute MFU is lower than the seed's: the stage-synchronous model exposes part of the 50 GB/s NIC time"
+        " (README, ablation).",
+        "",
+    ]
+    if plotted:
+        text += ["## Plots", ""] + [f"![{name}]({name})" for name in sorted(plotted)] + [""]
+    (args.out / "RESULTS.md").write_text("\n".join(text))
+    print(f"wrote {args.out / 'RESULTS.md'} and {len(plotted)} plots")
+
+
+if __name__ == "__main__":
+    main()
