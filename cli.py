@@ -284,6 +284,52 @@ def sweep_command(
                       for r in rows]))
 
 
+@app.command("diff")
+def diff_command(
+    plan_a: Path = typer.Argument(..., help="the plan before"),
+    plan_b: Path = typer.Argument(..., help="the plan after"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON"),
+    fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds"),
+    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression"),
+) -> None:
+    """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
+    from fcp_compiler.diff import diff_plans
+    from fcp_compiler.plan_format import PlanReader
+    from fcp_compiler.report import table
+
+    if fail_on not in (None, "change", "regression"):
+        raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
+    if tolerance < 0:
+        raise InvalidInputError(f"--tolerance {tolerance} must be >= 0")
+    result = diff_plans(PlanReader(str(plan_a)), PlanReader(str(plan_b)), tolerance)
+    if json_out:
+        _write_json(json_out, result)
+    if result["identical"]:
+        typer.echo(f"{plan_a} and {plan_b}: no semantic difference")
+    else:
+        rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), ""] for name, v in result["parameters"].items()]
+        if result["inputs"]:
+            rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], ""])
+        blocks = result["blocks"]
+        if blocks.get("moved"):
+            rows.append(["blocks moved", "", f"{blocks['moved']} of {blocks['of']}",
+                         ", ".join(f"{m['block']}: {m['a']}->{m['b']}" for m in blocks["sample"][:4])])
+        if blocks.get("resharded"):
+            rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "resharded"])
+        for name, v in result["figures"].items():
+            rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
+        typer.echo(table(["what", "a", "b", "note"], rows))
+    if (fail_on == "change" and result["changed"]) or (fail_on == "regression" and result["regressed"]):
+        raise typer.Exit(1)
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @app.command("schemas")
 def schemas_command(
     folder: Path = typer.Option(Path("schemas"), "--out", help="folder of the JSON Schema files"),

@@ -1,0 +1,47 @@
+"""Golden plans: compiling the shipped traces must give the same bytes unless a change is intended.
+
+After an intended change: python tests/golden/refresh.py (and commit the new plans with the change).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+from refresh import CASES, GOLDEN, compile_case  # noqa: E402
+
+from fcp_compiler.diff import diff_plans  # noqa: E402
+from fcp_compiler.plan_format import PlanReader  # noqa: E402
+
+
+def describe(expected: bytes, actual: bytes) -> str:
+    result = diff_plans(PlanReader(expected), PlanReader(actual))
+    lines = [f"  {k}: {v['a']} -> {v['b']}" for section in ("parameters", "figures") for k, v in result[section].items()]
+    if result["inputs"]:
+        lines.append(f"  inputs digest: {result['inputs']['a'][:16]} -> {result['inputs']['b'][:16]}")
+    if result["blocks"]:
+        lines.append(f"  blocks: {result['blocks']}")
+    return "\n".join(lines) or "  (same figures; the per-rank programs differ)"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_plan_bytes_are_unchanged(name):
+    expected = (GOLDEN / f"{name}.fcp").read_bytes()
+    actual = compile_case(name)
+    assert actual == expected, (f"golden plan {name} changed (fcp diff, golden -> now):\n"
+                                f"{describe(expected, actual)}\nIf intended: python tests/golden/refresh.py")
+
+
+def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypatch, tmp_path):
+    import fcp_compiler.pipeline as pipeline
+
+    original = pipeline.coalesce
+    monkeypatch.setattr(pipeline, "coalesce", lambda rounds, degree, pipelined=True: original(rounds, 4, pipelined))
+    expected = (GOLDEN / "small_8gpu.fcp").read_bytes()
+    changed = compile_case("small_8gpu")
+    with pytest.raises(AssertionError, match="num_fwd_stages"):
+        assert changed == expected, describe(expected, changed)
+    refreshed = tmp_path / "small_8gpu.fcp"  # what refresh.py writes, here into a scratch folder
+    refreshed.write_bytes(changed)
+    assert compile_case("small_8gpu") == refreshed.read_bytes()
