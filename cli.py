@@ -45,17 +45,26 @@ def compile_command(
     kv_heads: int = typer.Option(8, "--kv-heads"),
     head_dim: int = typer.Option(128, "--head-dim"),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="plan file [BATCH name with .fcp]"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                          help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing on success"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]"),
 ) -> None:
-    """Compile a batch into a plan file and print its summary."""
+    """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
     from fcp_compiler.inputs import load_batch, load_profile, make_shape
     from fcp_compiler.pipeline import compile_plan
     from fcp_compiler.report import compile_summary
 
     if mask is not None and mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
+    options = dict(block_size=block_size, coalesce_degree=coalesce, token_cap=token_cap, zigzag=zigzag,
+                   shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=load_profile(profile), mask=mask,
+                   pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
+                   reshuffle_overlap=not no_reshuffle_overlap, planner=planner)
+    if batch.suffix == ".jsonl":
+        _bulk(batch, gpus, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
+        return
     plan = compile_plan(load_batch(batch), gpus, block_size=block_size, coalesce_degree=coalesce,
                         token_cap=token_cap, zigzag=zigzag, shape=make_shape(q_heads, kv_heads, head_dim, dtype),
                         profile=load_profile(profile), mask=mask, pipelined=not no_pipeline,
@@ -67,6 +76,37 @@ def compile_command(
         _write_json(stats, plan.stats)
     if not quiet:
         typer.echo(compile_summary(plan.stats, str(output)))
+
+
+def _bulk(batch: Path, gpus: int, out_dir: Path, jobs: Optional[int], quiet: bool, options: dict) -> None:
+    import sys
+
+    from fcp_compiler.bulk import bulk_compile, read_jsonl
+    from fcp_compiler.report import table
+
+    if jobs is not None and jobs < 1:
+        raise InvalidInputError(f"--jobs {jobs} must be >= 1")
+    batches = read_jsonl(batch)
+
+    def progress(done: int, total: int) -> None:
+        # A bar that redraws on a terminal; a single line at the end otherwise (logs, CI).
+        if not quiet and (sys.stderr.isatty() or done == total):
+            width = 30
+            filled = width * done // max(total, 1)
+            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} plans")
+            sys.stderr.flush()
+            if done == total:
+                sys.stderr.write("\n")
+
+    summary = bulk_compile(batches, out_dir, gpus, jobs=jobs, progress=progress, **options)
+    if not quiet:
+        per_plan = summary.compile_seconds / summary.compiled if summary.compiled else 0.0
+        typer.echo(table(["plans", "compiled", "skipped", "wall s", "s per plan", "worst compute imb",
+                          "worst comm imb"],
+                         [[summary.total, summary.compiled, summary.skipped, f"{summary.wall_seconds:.2f}",
+                           f"{per_plan:.3f}", f"{summary.worst_compute_imbalance:.4f}",
+                           f"{summary.worst_comm_imbalance:.4f}"]]))
+        typer.echo(f"  plans in {out_dir}/")
 
 
 @app.command("validate")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +28,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
+    for label, code in (("import fcp_compiler", "import fcp_compiler"),
+                        ("from fcp_compiler import compile_plan", "from fcp_compiler import compile_plan")):
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+            times[-1] -= time.perf_counter() - start
+        print(f"{label}: {statistics.median(times) * 1e3:.0f} ms over a bare interpreter (median of 5)")
     print(f"{'gpus':>5} {'median s':>9} {'max s':>7}  per-pass medians (s)")
     for gpus in [int(value) for value in args.gpus.split(",")]:
         totals, passes = [], {}

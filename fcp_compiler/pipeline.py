@@ -144,6 +144,42 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
     return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
 
 
+def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int = 16, token_cap: int | None = None,
+             zigzag: ZigzagMode | str = "auto", shape: AttentionShape | None = None,
+             profile: HardwareProfile | str = "h100", mask: MaskKind | str | None = None, pipelined: bool = True,
+             matching_rounds: bool = True, reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
+    """Check and normalise compile_plan's arguments: (options, planner, batch, token cap)."""
+    if isinstance(profile, str):
+        from fcp_compiler.inputs import load_profile
+        profile = load_profile(profile)
+    try:
+        zigzag_mode = ZigzagMode(zigzag)
+    except ValueError:
+        raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
+    options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
+                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile,
+                             pipelined=pipelined, matching_rounds=matching_rounds,
+                             reshuffle_overlap=reshuffle_overlap)
+    options.check()
+    try:
+        planner = Planner(planner)
+    except ValueError:
+        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
+    the_batch = _to_batch(batch, mask)
+    cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
+    return options, planner, the_batch, cap
+
+
+def plan_digest(batch, gpus: int, **compile_options) -> str:
+    """The inputs digest compile_plan would record for these arguments, without compiling (for caches).
+
+    Raises:
+        InvalidInputError: as compile_plan.
+    """
+    options, planner, the_batch, cap = _prepare(batch, gpus, **compile_options)
+    return inputs_digest(the_batch, options, cap, planner.value)
+
+
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
                  coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
                  shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
@@ -174,25 +210,12 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         InfeasibleError: a token cap no placement can meet.
     """
     total_start = time.perf_counter()
-    if isinstance(profile, str):
-        from fcp_compiler.inputs import load_profile
-        profile = load_profile(profile)
-    try:
-        zigzag_mode = ZigzagMode(zigzag)
-    except ValueError:
-        raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
-    options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile,
-                             pipelined=pipelined, matching_rounds=matching_rounds,
-                             reshuffle_overlap=reshuffle_overlap)
-    options.check()
-    try:
-        planner = Planner(planner)
-    except ValueError:
-        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
     timer = _PassTimer()
-    the_batch = timer.run("parse", _to_batch, batch, mask)
-    cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
+    options, planner, the_batch, cap = timer.run(
+        "parse", _prepare, batch, gpus, block_size=block_size, coalesce_degree=coalesce_degree, token_cap=token_cap,
+        zigzag=zigzag, shape=shape, profile=profile, mask=mask, pipelined=pipelined, matching_rounds=matching_rounds,
+        reshuffle_overlap=reshuffle_overlap, planner=planner)
+    zigzag_mode = options.zigzag
 
     if planner is Planner.FCP:
         # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
