@@ -22,7 +22,7 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
 
     header, tables = reader.header, reader.tables
     simulation = simulate_plan(reader)
-    compute = simulation.forward.compute
+    compute = simulation.planned_compute
     programs = reader.ranks()
     segs, rank = stack_ranks(programs, "pull_recv_segs")
     kv_bytes, q_bytes = header.shape.kv_bytes_per_token, header.shape.q_bytes_per_token
@@ -32,7 +32,7 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     per_pull = np.bincount(np.repeat(np.arange(counts.size), counts), weights=seg_tokens[segs], minlength=counts.size)
     received = np.bincount(pull_rank, weights=per_pull * np.where(kinds == 0, kv_bytes, q_bytes),
                            minlength=header.num_ranks)
-    bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)
+    bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)  # tiles may move: mean bound
     figures = {"compute_imbalance": imbalance_ratio(compute), "comm_imbalance": imbalance_ratio(received),
                "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
                "total_comm_bytes": int(received.sum()), "max_rank_recv_bytes": int(received.max()),

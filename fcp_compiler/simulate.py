@@ -207,6 +207,7 @@ class Simulation:
     single_gpu_efficiency: float
     peak_flops: float
     num_ranks: int
+    planned_compute: np.ndarray  # per rank, the compiler's tile-by-tile cost (what its balance figures use)
 
     def figures(self) -> dict:
         """The --json of fcp simulate."""
@@ -402,8 +403,10 @@ def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | N
     lengths = tables.seq_lengths.astype(np.float64)
     pairs = lengths * (lengths + 1) / 2 if header.mask.value == "causal" else lengths ** 2
     single = float(pairs.sum() / (pairs / tile_efficiency(profile, lengths)).sum())
+    planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
     return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
-                      single_gpu_efficiency=single, peak_flops=profile.peak_tflops * 1e12, num_ranks=n)
+                      single_gpu_efficiency=single, peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
+                      planned_compute=planned)
 
 
 def _swap(flows):
