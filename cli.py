@@ -424,7 +424,8 @@ def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
     """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
     from fcp_compiler.traces import lognormal_batch
 
-    _write_batch(lognormal_batch(_total_tokens(gpus, tokens_per_gpu), median, sigma, min_len, max_len, seed), mask, output, quiet)
+    _write_batch(lognormal_batch(_total_tokens(gpus, tokens_per_gpu), median, sigma, min_len, max_len, seed), mask,
+                 output, quiet)
 
 
 @trace_app.command("histogram")

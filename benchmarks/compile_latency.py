@@ -69,7 +69,8 @@ def main() -> None:
                 start = time.perf_counter()
                 simulate_plan(plan.to_bytes())
                 sims.append(time.perf_counter() - start)
-            print(f"      simulate the {gpus}-rank plan (forward and backward): median {statistics.median(sims):.3f} s, "
+            print(f"      simulate the {gpus}-rank plan (forward and backward): "
+                  f"median {statistics.median(sims):.3f} s, "
                   f"max {max(sims):.3f} s")
 
 

@@ -47,7 +47,8 @@ def _visible_pairs(length: int, causal: bool) -> int:
     return length * (length + 1) // 2 if causal else length * length
 
 
-def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]], block_size: int) -> tuple[Sharding, np.ndarray]:
+def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]],
+              block_size: int) -> tuple[Sharding, np.ndarray]:
     """Build a Sharding from (block key, rank, seq, start, end) pieces; blocks are numbered by key order."""
     keys = np.array([p[0] for p in pieces], dtype=np.int64)
     unique_keys, block_of = np.unique(keys, return_inverse=True)
@@ -62,7 +63,7 @@ def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]], block_
     return sharding, block_rank
 
 
-def _block_size_for(pieces, num_ranks: int) -> int:  # noqa: ARG001
+def _block_size_for(pieces) -> int:
     """The header's block size for a baseline: its largest block, rounded up to a multiple of 64."""
     sizes: dict[int, int] = {}
     for key, _, _, start, end in pieces:
@@ -81,7 +82,7 @@ def ring(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
     for seq, length in enumerate(batch.lengths.tolist()):
         for rank, s, start, end in _zigzag_pieces(seq, length, list(range(num_ranks))):
             pieces.append((rank, rank, s, start, end))
-    return _assemble(batch, pieces, _block_size_for(pieces, num_ranks))
+    return _assemble(batch, pieces, _block_size_for(pieces))
 
 
 def bytescale(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:
@@ -106,7 +107,7 @@ def bytescale(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> 
             rank = min(fits, key=lambda r: (room[r], r)) if fits else max(range(num_ranks), key=lambda r: (room[r], -r))
             pieces.append((rank, rank, seq, 0, length))  # short sequences share one block per rank
             room[rank] -= length
-    return _assemble(batch, pieces, _block_size_for(pieces, num_ranks))
+    return _assemble(batch, pieces, _block_size_for(pieces))
 
 
 def wlbllm(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:
@@ -144,7 +145,7 @@ def wlbllm(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tup
         heapq.heappush(heap, (rank_load + work[seq], rank))
         for entry in skipped:
             heapq.heappush(heap, entry)
-    return _assemble(batch, pieces, _block_size_for(pieces, num_ranks))
+    return _assemble(batch, pieces, _block_size_for(pieces))
 
 
 def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:

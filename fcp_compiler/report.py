@@ -70,7 +70,8 @@ def rank_rows(reader: PlanReader) -> list[dict]:
             "tiles": int(a["tile_q_block"].size), "tiles_for_others": offloaded,
             "pulls_sent": int(a["pull_send_round"].size), "pulls_received": int(a["pull_recv_round"].size),
             "tokens_received": int(seg_tokens[a["pull_recv_segs"]].sum()),
-            "fwd_pushes_sent": int(a["fwd_push_send_stage"].size), "bwd_pushes_sent": int(a["bwd_push_send_stage"].size),
+            "fwd_pushes_sent": int(a["fwd_push_send_stage"].size),
+            "bwd_pushes_sent": int(a["bwd_push_send_stage"].size),
         })
     return rows
 

@@ -215,7 +215,8 @@ class Simulation:
         mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
         mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
         per_rank = [{"rank": r, "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
-                     "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r] else 0.0,
+                     "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r]
+                     else 0.0,
                      "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
                      else 0.0} for r in range(self.num_ranks)]
         return {

@@ -17,7 +17,8 @@ from fcp_compiler.plan_format import PlanReader  # noqa: E402
 
 def describe(expected: bytes, actual: bytes) -> str:
     result = diff_plans(PlanReader(expected), PlanReader(actual))
-    lines = [f"  {k}: {v['a']} -> {v['b']}" for section in ("parameters", "figures") for k, v in result[section].items()]
+    lines = [f"  {k}: {v['a']} -> {v['b']}" for section in ("parameters", "figures")
+             for k, v in result[section].items()]
     if result["inputs"]:
         lines.append(f"  inputs digest: {result['inputs']['a'][:16]} -> {result['inputs']['b'][:16]}")
     if result["blocks"]:

@@ -55,7 +55,8 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
     block unless the helper already has it; so the tiles of one heavy query block go together to the least-loaded
     rank, those whose key/value block the helper holds or already pulls first, the heaviest first, while the
     helper stays at or under `target`; when no helper can take a whole tile so, a second pass lets helpers pass
-    the target while they stay below the overloaded rank (tiles are coarse when the mean is a few tiles). Ranks are visited from the most loaded. O(moves * num_tiles).
+    the target while they stay below the overloaded rank (tiles are coarse when the mean is a few tiles). Ranks are
+    visited from the most loaded. O(moves * num_tiles).
 
     Args:
         tile_q_block, tile_kv_block, tile_seconds: per-tile query block, key/value block and work.
