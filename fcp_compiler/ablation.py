@@ -30,7 +30,7 @@ def run_ablation(batch, gpus: int, **compile_options) -> list[dict]:
     steps = []
     for name, switches in STEPS:
         plan = compile_plan(batch, gpus, **{**compile_options, **switches})
-        figures = simulate_plan(plan.to_bytes()).figures()
+        figures = simulate_plan(plan).figures()
         steps.append({"name": name, "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
                       "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
                       "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],

@@ -28,7 +28,7 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
         by_method = {}
         for method in methods:
             plan = compile_plan(batch, gpus, planner=method, **compile_options)
-            figures = simulate_plan(plan.to_bytes()).figures()
+            figures = simulate_plan(plan).figures()
             stats = plan.stats
             row = {"method": Planner(method).value, "gpus": gpus, "compute_imbalance": stats["compute_imbalance"],
                    "comm_imbalance": stats["comm_imbalance"], "total_comm_bytes": stats["total_comm_bytes"],
@@ -54,7 +54,7 @@ def sweep_block_sizes(batch, gpus: int, block_sizes: Sequence[int], **compile_op
     rows = []
     for block_size in block_sizes:
         plan = compile_plan(batch, gpus, block_size=block_size, **compile_options)
-        figures = simulate_plan(plan.to_bytes()).figures()
+        figures = simulate_plan(plan).figures()
         rows.append({"block_size": block_size, "compute_imbalance": plan.stats["compute_imbalance"],
                      "comm_imbalance": plan.stats["comm_imbalance"], "num_rounds": plan.stats["num_rounds"],
                      "normalized_mfu_fwd": figures["normalized_mfu_fwd"],

@@ -107,6 +107,7 @@ class TileSet:
     pair_tile: np.ndarray  # int64 [num_pairs] tile of each segment pair
     pair_q_seg: np.ndarray
     pair_kv_seg: np.ndarray
+    pair_flops: np.ndarray  # float64 forward FLOPs of each segment pair
 
     @property
     def num_tiles(self) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 
 from fcp_compiler.inputs import HardwareProfile
 from fcp_compiler.ir import Batch, Sharding
+from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.passes.cost import cost, tile_efficiency
 from fcp_compiler.plan_format import PlanReader, stack_ranks
 from fcp_compiler.stats import LSE_BYTES
@@ -259,20 +260,18 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     Returns:
         seconds per plan tile.
     """
-    from fcp_compiler.algorithms.intervals import visible_pairs
-
     sharding = tiles.sharding
     plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
     pair_plan_tile = plan_tile_of[tiles.pair_tile]
     q_seg, kv_seg = tiles.pair_q_seg, tiles.pair_kv_seg
-    flops = 4.0 * tiles.shape.q_heads * tiles.shape.head_dim * visible_pairs(
-        sharding.seg_start[q_seg], sharding.seg_end[q_seg], sharding.seg_start[kv_seg], sharding.seg_end[kv_seg],
-        causal=sharding.batch.causal)
+    flops = tiles.pair_flops
     seg_tokens = sharding.seg_tokens
-    group_key = np.stack([tile_rank[pair_plan_tile], launch_group[pair_plan_tile], q_seg], axis=1)
-    _, group = np.unique(group_key, axis=0, return_inverse=True)
-    group = group.ravel()
+    num_segments = sharding.num_segments
+    num_groups = int(launch_group.max()) + 2 if launch_group.size else 1  # launch -1 (reshuffle) maps to 0
+    key = ((tile_rank[pair_plan_tile] * num_groups + launch_group[pair_plan_tile] + 1) * num_segments + q_seg)
+    _, group = unique_keys(key, int(tile_rank.max() + 1 if tile_rank.size else 1) * num_groups * num_segments,
+                           return_inverse=True)
     key_tokens = np.bincount(group, weights=seg_tokens[kv_seg])
     query_tokens = np.zeros(key_tokens.size)
     query_tokens[group] = seg_tokens[q_seg]
@@ -325,17 +324,21 @@ def _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage) -> np
             & owner_stays[tile_q] & owner_stays[tile_kv])
 
 
-def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | None = None,
-                  record: bool = False) -> Simulation:
+def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False) -> Simulation:
     """Simulate a plan on a hardware profile (default: the one it was compiled for).
 
     Args:
-        source: plan file, bytes or reader.
+        source: plan file, bytes, reader, or a CompiledPlan (whose tile costs are reused when the profile is the
+            one it was compiled for).
         profile: hardware to simulate on.
         record: keep Chrome trace events (tiles named by block and stage, messages by kind and block).
     Returns:
         the Simulation.
     """
+    compiled_tiles = None
+    if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
+        compiled_tiles = source.ir.schedule.rounds.transfers.assignment.tiles
+        source = source.to_bytes()
     reader = source if isinstance(source, PlanReader) else PlanReader(source)
     header, tables = reader.header, reader.tables
     profile = profile or header.profile
@@ -345,7 +348,10 @@ def simulate_plan(source: str | bytes | PlanReader, profile: HardwareProfile | N
     sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, mask=header.mask), block_size=header.block_size,
                         zigzag=header.zigzag, seg_block=tables.seg_block, seg_seq=tables.seg_seq,
                         seg_start=tables.seg_start, seg_end=tables.seg_end)
-    tiles = cost(sharding, shape, profile)
+    if compiled_tiles is not None and compiled_tiles.profile == profile:
+        tiles = compiled_tiles
+    else:
+        tiles = cost(sharding, shape, profile)
     keys = tiles.tile_q_block * sharding.num_blocks + tiles.tile_kv_block
     tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
     tile_kv, _ = stack_ranks(programs, "tile_kv_block")

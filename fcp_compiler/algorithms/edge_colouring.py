@@ -33,10 +33,11 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
     at_right = [[-1] * max_degree for _ in range(num_right)]
     used_left = [0] * num_left
     used_right = [0] * num_right
+    all_colours = (1 << max_degree) - 1
     for edge in range(num_edges):
         u, v = left_list[edge], right_list[edge]
         mask_u, mask_v = used_left[u], used_right[v]
-        common = ~(mask_u | mask_v) & ((1 << max_degree) - 1)
+        common = all_colours & ~(mask_u | mask_v)
         if common:
             c = (common & -common).bit_length() - 1
         else:

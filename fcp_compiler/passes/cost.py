@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.intervals import visible_pairs
+from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.inputs import AttentionShape, HardwareProfile
 from fcp_compiler.ir import Sharding, TileSet
 
@@ -36,31 +36,33 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
     Returns:
         the TileSet, tiles sorted by (q_block, kv_block).
     """
+    # Segments of one sequence never overlap, so in start order a key segment before the query one is seen whole,
+    # the same segment is a causal triangle, and (causal) a later one is not seen at all.
     seg_seq = sharding.seg_seq
-    by_seq = np.argsort(seg_seq, kind="stable")
+    by_seq = np.lexsort((sharding.seg_start, seg_seq))
     group_count = np.bincount(seg_seq, minlength=sharding.batch.num_sequences)
     group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
     sorted_seq = seg_seq[by_seq]
-    pairs_per_seg = group_count[sorted_seq]
+    sorted_tokens = sharding.seg_tokens[by_seq]
+    causal = sharding.batch.causal
+    position = np.arange(by_seq.size) - group_first[sorted_seq]
+    pairs_per_seg = position + 1 if causal else group_count[sorted_seq]
     q_pos = np.repeat(np.arange(by_seq.size), pairs_per_seg)
     pair_first = np.concatenate(([0], np.cumsum(pairs_per_seg)[:-1]))
-    k_pos = group_first[sorted_seq[q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, pairs_per_seg)
-    q_seg = by_seq[q_pos]
-    k_seg = by_seq[k_pos]
-    pairs = visible_pairs(sharding.seg_start[q_seg], sharding.seg_end[q_seg], sharding.seg_start[k_seg],
-                          sharding.seg_end[k_seg], causal=sharding.batch.causal)
-    keep = pairs > 0
-    q_seg, k_seg, pairs = q_seg[keep], k_seg[keep], pairs[keep]
-    seg_tokens = sharding.seg_tokens
+    k_pos = np.repeat(group_first[sorted_seq], pairs_per_seg) + np.arange(q_pos.size) - np.repeat(pair_first,
+                                                                                                    pairs_per_seg)
+    q_len, k_len = sorted_tokens[q_pos], sorted_tokens[k_pos]
+    pairs = np.where(q_pos == k_pos, q_len * (q_len + 1) // 2, q_len * k_len) if causal else q_len * k_len
+    q_seg, k_seg = by_seq[q_pos], by_seq[k_pos]
     flops = 4.0 * pairs * shape.q_heads * shape.head_dim
-    efficiency = tile_efficiency(profile, np.sqrt(seg_tokens[q_seg] * seg_tokens[k_seg].astype(np.float64)))
+    efficiency = tile_efficiency(profile, np.sqrt(q_len * k_len.astype(np.float64)))
     seconds = flops / (profile.peak_tflops * 1e12 * efficiency)
     num_blocks = sharding.num_blocks
     key = sharding.seg_block[q_seg] * num_blocks + sharding.seg_block[k_seg]
-    tile_key, pair_tile = np.unique(key, return_inverse=True)
+    tile_key, pair_tile = unique_keys(key, num_blocks * num_blocks, return_inverse=True)
     num_tiles = tile_key.size
     return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=tile_key // num_blocks,
                    tile_kv_block=tile_key % num_blocks,
                    tile_flops=np.bincount(pair_tile, weights=flops, minlength=num_tiles),
                    tile_seconds=np.bincount(pair_tile, weights=seconds, minlength=num_tiles),
-                   pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg)
+                   pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg, pair_flops=flops)

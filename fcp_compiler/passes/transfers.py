@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import unique_keys
+
 from fcp_compiler.ir import Assignment, TransferKind, Transfers
 
 
 def _edges_from_segment_needs(seg_needed: np.ndarray, rank_needing: np.ndarray, seg_block: np.ndarray,
                               num_segments: int, num_ranks: int) -> tuple[np.ndarray, ...]:
     """Deduplicate (segment, rank) needs into edges (block, rank) with the sorted segments each carries."""
-    key = np.unique(rank_needing * num_segments + seg_needed)
+    key = unique_keys(rank_needing * num_segments + seg_needed, num_ranks * num_segments)
     ranks, segs = key // num_segments, key % num_segments
     blocks = seg_block[segs]
     order = np.lexsort((segs, ranks, blocks))
