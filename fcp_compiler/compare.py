@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 
 from fcp_compiler.baselines import Planner
@@ -9,43 +11,65 @@ from fcp_compiler.pipeline import compile_plan
 from fcp_compiler.simulate import simulate_plan
 
 
+_CONTEXT: dict = {}  # batch_for and compile options, inherited by forked workers
+
+
+def _one(job: tuple[int, str]) -> dict:
+    gpus, method = job
+    batch_for, compile_options = _CONTEXT["batch_for"], _CONTEXT["options"]
+    plan = compile_plan(batch_for(gpus), gpus, planner=method, **compile_options)
+    figures = simulate_plan(plan).figures()
+    stats = plan.stats
+    return {"method": Planner(method).value, "gpus": gpus, "compute_imbalance": stats["compute_imbalance"],
+            "comm_imbalance": stats["comm_imbalance"], "total_comm_bytes": stats["total_comm_bytes"],
+            "max_rank_comm_bytes": stats["max_rank_recv_bytes"], "num_rounds": stats["num_rounds"],
+            "normalized_mfu_fwd": figures["normalized_mfu_fwd"], "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
+            "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
+            "compile_seconds": stats["compile_seconds"]}
+
+
 def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],
-            progress: Callable[[str], None] | None = None, **compile_options) -> list[dict]:
-    """Compile and simulate every method at every scale.
+            progress: Callable[[str], None] | None = None, jobs: int | None = None, **compile_options) -> list[dict]:
+    """Compile and simulate every method at every scale, on every core.
 
     Args:
-        batch_for: gpus -> batch (the same batch for every scale, or one generated per scale).
+        batch_for: gpus -> batch (the same batch for every scale, or one generated per scale; deterministic).
         scales: GPU counts.
         methods: planners to run.
         progress: called with a line after each plan.
+        jobs: processes (default: all cores); the largest scales start first.
         compile_options: forwarded to compile_plan (block_size, profile, ...).
     Returns:
-        one row per (method, gpus) with the figures `fcp compare --json` writes, and FCP's speedup over each.
+        one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
+        FCP's speedup over each.
     """
-    rows = []
-    for gpus in scales:
-        batch = batch_for(gpus)
-        by_method = {}
-        for method in methods:
-            plan = compile_plan(batch, gpus, planner=method, **compile_options)
-            figures = simulate_plan(plan).figures()
-            stats = plan.stats
-            row = {"method": Planner(method).value, "gpus": gpus, "compute_imbalance": stats["compute_imbalance"],
-                   "comm_imbalance": stats["comm_imbalance"], "total_comm_bytes": stats["total_comm_bytes"],
-                   "max_rank_comm_bytes": stats["max_rank_recv_bytes"], "num_rounds": stats["num_rounds"],
-                   "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
-                   "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
-                   "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
-                   "compile_seconds": stats["compile_seconds"]}
-            by_method[row["method"]] = row
-            rows.append(row)
+    order = [(gpus, Planner(method).value) for gpus in scales for method in methods]
+    _CONTEXT.update(batch_for=batch_for, options=compile_options)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(order)))
+    results: dict[tuple[int, str], dict] = {}
+    largest_first = sorted(order, key=lambda job: -job[0])
+    if jobs == 1:
+        iterator = map(_one, largest_first)
+        pool = None
+    else:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        iterator = pool.imap_unordered(_one, largest_first, chunksize=1)
+    try:
+        for row in iterator:
+            results[(row["gpus"], row["method"])] = row
             if progress:
-                progress(f"{row['method']:>9} @ {gpus:>4} GPUs: normalized MFU fwd {row['normalized_mfu_fwd']:.3f}")
-        fcp = by_method.get(Planner.FCP.value)
-        for row in by_method.values():
-            if fcp:
-                row["fcp_speedup_fwd"] = fcp["normalized_mfu_fwd"] / row["normalized_mfu_fwd"]
-                row["fcp_speedup_bwd"] = fcp["normalized_mfu_bwd"] / row["normalized_mfu_bwd"]
+                progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: normalized MFU fwd "
+                         f"{row['normalized_mfu_fwd']:.3f}")
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    rows = [results[job] for job in order]
+    for gpus in scales:
+        fcp = results.get((gpus, Planner.FCP.value))
+        for row in (r for r in rows if r["gpus"] == gpus and fcp):
+            row["fcp_speedup_fwd"] = fcp["normalized_mfu_fwd"] / row["normalized_mfu_fwd"]
+            row["fcp_speedup_bwd"] = fcp["normalized_mfu_bwd"] / row["normalized_mfu_bwd"]
     return rows
 
 
