@@ -13,7 +13,7 @@ from fcp_compiler.ir import Assignment, TileSet
 
 
 # How far above the mean compute and the mean received volume the joint search lets a rank go.
-TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.07)
+TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.045)
 TWO_DIMENSIONAL_ROUNDS = 3
 # LPT sends a block to its user-layout rank when that rank is within this fraction of the mean of the least loaded.
 HOME_SLACK = 0.0
