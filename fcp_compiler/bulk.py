@@ -6,8 +6,6 @@ Resumable: a plan file is named by its step and inputs digest, and a step whose 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from pathlib import Path
 
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.inputs import BatchSpec, parse_batch
+from fcp_compiler.parallel import map_on_cores
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,27 +82,15 @@ def bulk_compile(batches: list[BatchSpec], out_dir: Path, gpus: int, jobs: int |
     for step, batch in enumerate(batches):
         if not (out_dir / _plan_name(step, plan_digest(batch, gpus, **options))).exists():
             todo.append((step, batch, gpus, options, str(out_dir)))
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
     results = []
     done = len(batches) - len(todo)
     if progress:
         progress(done, len(batches))
-    if jobs == 1:
-        iterator = map(_compile_one, todo)
-        pool = None
-    else:
-        pool = multiprocessing.get_context("fork").Pool(jobs)
-        iterator = pool.imap_unordered(_compile_one, todo, chunksize=1)
-    try:
-        for result in iterator:
-            results.append(result)
-            done += 1
-            if progress:
-                progress(done, len(batches))
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    for result in map_on_cores(_compile_one, todo, jobs):
+        results.append(result)
+        done += 1
+        if progress:
+            progress(done, len(batches))
     return BulkSummary(total=len(batches), compiled=len(results), skipped=len(batches) - len(todo),
                        wall_seconds=time.perf_counter() - start,
                        compile_seconds=sum(r[1] for r in results),

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 
 from fcp_compiler.baselines import Planner
+from fcp_compiler.parallel import map_on_cores
 from fcp_compiler.pipeline import compile_plan
 from fcp_compiler.simulate import simulate_plan
 
@@ -45,25 +44,11 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
     """
     order = [(gpus, Planner(method).value) for gpus in scales for method in methods]
     _CONTEXT.update(batch_for=batch_for, options=compile_options)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(order)))
     results: dict[tuple[int, str], dict] = {}
-    largest_first = sorted(order, key=lambda job: -job[0])
-    if jobs == 1:
-        iterator = map(_one, largest_first)
-        pool = None
-    else:
-        pool = multiprocessing.get_context("fork").Pool(jobs)
-        iterator = pool.imap_unordered(_one, largest_first, chunksize=1)
-    try:
-        for row in iterator:
-            results[(row["gpus"], row["method"])] = row
-            if progress:
-                progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: normalized MFU fwd "
-                         f"{row['normalized_mfu_fwd']:.3f}")
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    for row in map_on_cores(_one, sorted(order, key=lambda job: -job[0]), jobs):
+        results[(row["gpus"], row["method"])] = row
+        if progress:
+            progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: normalized MFU fwd {row['normalized_mfu_fwd']:.3f}")
     rows = [results[job] for job in order]
     for gpus in scales:
         fcp = results.get((gpus, Planner.FCP.value))
