@@ -228,6 +228,13 @@ class PlanReader:
         return [self.rank(rank) for rank in range(self.header.num_ranks)]
 
 
+def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate the integer ranges [starts[i], starts[i] + lengths[i]) (token runs to row indices)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return offsets + np.arange(int(lengths.sum()))
+
+
 def stack_ranks(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
     """One per-rank array concatenated over ranks, and the rank of each row."""
     values = [program.arrays[name] for program in programs]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.errors import PlanFormatError
-from fcp_compiler.plan_format import PlanReader, stack_ranks
+from fcp_compiler.plan_format import PlanReader, expand_ranges, stack_ranks
 
 INVARIANTS = {
     0: "well-formed blocks",
@@ -333,17 +333,17 @@ def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_st
         chunk = bounds[rank + 1] - bounds[rank]
         if (length <= 0).any() or (offset < 0).any() or (offset + length > chunk).any():
             _fail(5, f"rank {rank} sends a reshuffle run outside its {chunk}-token user chunk")
-        sent_global.append(_expand(bounds[rank] + offset, length))
+        sent_global.append(expand_ranges(bounds[rank] + offset, length))
         sent_key.append(np.repeat(a["reshuffle_send_peer"] * num_ranks + rank, length))
         # Plan side: the rank's blocks, segments in order, give the global token at each local position.
         segs = np.concatenate([np.arange(seg_ptr[b], seg_ptr[b + 1]) for b in a["blocks"].tolist()] or
                               [np.zeros(0, dtype=np.int64)])
-        local_global = _expand(seq_offset[seg_seq[segs]] + seg_start[segs], seg_end[segs] - seg_start[segs])
+        local_global = expand_ranges(seq_offset[seg_seq[segs]] + seg_start[segs], seg_end[segs] - seg_start[segs])
         length = a["reshuffle_recv_length"]
         offset = a["reshuffle_recv_offset"]
         if (length <= 0).any() or (offset < 0).any() or (offset + length > local_global.size).any():
             _fail(5, f"rank {rank} receives a reshuffle run outside its {local_global.size}-token plan layout")
-        positions = _expand(offset, length)
+        positions = expand_ranges(offset, length)
         if positions.size != local_global.size or (np.bincount(positions, minlength=local_global.size) != 1).any():
             _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
         received_global.append(local_global[positions])
@@ -364,11 +364,3 @@ def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_st
         key = int(sent_key_all[s_order][bad]) if sent.size else 0
         _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
                  f"where the plan layout puts them")
-
-
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate the ranges [starts[i], starts[i] + lengths[i])."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return offsets + np.arange(total)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcp_compiler.plan_format import PlanReader, RankProgram
+from fcp_compiler.plan_format import PlanReader, RankProgram, expand_ranges
 
 KIND_KV, KIND_Q = 0, 1
 
@@ -95,11 +95,6 @@ class RankPlan:
         return self._device_cache[key]
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    total = int(lengths.sum())
-    return np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + np.arange(total)
-
-
 def _splits(peers: np.ndarray, lengths: np.ndarray, num_ranks: int) -> list[int]:
     return np.bincount(peers, weights=lengths, minlength=num_ranks).astype(np.int64).tolist()
 
@@ -132,8 +127,8 @@ def from_program(program: RankProgram) -> RankPlan:
     # Runs between this rank and itself are sent and received in the same order (by global token).
     mine_send = a["reshuffle_send_peer"] == program.rank
     mine_recv = a["reshuffle_recv_peer"] == program.rank
-    self_user = _expand(a["reshuffle_send_offset"][mine_send], a["reshuffle_send_length"][mine_send])
-    self_plan = _expand(a["reshuffle_recv_offset"][mine_recv], a["reshuffle_recv_length"][mine_recv])
+    self_user = expand_ranges(a["reshuffle_send_offset"][mine_send], a["reshuffle_send_length"][mine_send])
+    self_plan = expand_ranges(a["reshuffle_recv_offset"][mine_recv], a["reshuffle_recv_length"][mine_recv])
     stays = np.zeros(row, dtype=bool)
     stays[self_plan] = True
     seg_stays = {seg: bool(stays[start:start + int(seg_end[seg] - seg_start[seg])].all())
@@ -151,9 +146,9 @@ def from_program(program: RankProgram) -> RankPlan:
         user_tokens=int(bounds[program.rank + 1] - bounds[program.rank]), plan_tokens=row,
         seg_seq=tables.seg_seq, seg_start=seg_start, seg_end=seg_end, seg_block=seg_block, block_segs=block_segs,
         local_blocks=frozenset(a["blocks"].tolist()), local_seg_row=local_seg_row,
-        user_gather=torch.from_numpy(_expand(a["reshuffle_send_offset"], a["reshuffle_send_length"])),
+        user_gather=torch.from_numpy(expand_ranges(a["reshuffle_send_offset"], a["reshuffle_send_length"])),
         send_splits=_splits(a["reshuffle_send_peer"], a["reshuffle_send_length"], num_ranks),
-        plan_scatter=torch.from_numpy(_expand(a["reshuffle_recv_offset"], a["reshuffle_recv_length"])),
+        plan_scatter=torch.from_numpy(expand_ranges(a["reshuffle_recv_offset"], a["reshuffle_recv_length"])),
         recv_splits=_splits(a["reshuffle_recv_peer"], a["reshuffle_recv_length"], num_ranks),
         pull_send=pulls("send"), pull_recv=pulls("recv"),
         tiles=list(zip(a["tile_stage"].tolist(), a["tile_q_block"].tolist(), a["tile_kv_block"].tolist())),
