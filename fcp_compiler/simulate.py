@@ -26,7 +26,7 @@ from fcp_compiler.inputs import HardwareProfile
 from fcp_compiler.ir import Batch, Sharding
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.passes.cost import cost, tile_efficiency
-from fcp_compiler.plan_format import PlanReader, stack_ranks
+from fcp_compiler.plan_format import PlanReader, stack_ranks, tiles_during_reshuffle
 from fcp_compiler.stats import LSE_BYTES
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
@@ -295,35 +295,6 @@ def _reshuffle_flows(programs, bytes_per_token: float):
             np.concatenate(nbytes).astype(np.float64))
 
 
-def _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage) -> np.ndarray:
-    """Stage-0 tiles whose blocks' tokens all stay on the rank through the reshuffle."""
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(int(tables.seg_block.max()) + 2))
-    seg_tokens = tables.seg_end - tables.seg_start
-    stays_block = {}
-    for program in programs:
-        a = program.arrays
-        mine = a["reshuffle_recv_peer"] == program.rank
-        offsets, lengths = a["reshuffle_recv_offset"][mine], a["reshuffle_recv_length"][mine]
-        total = int(seg_tokens[np.isin(tables.seg_block, a["blocks"])].sum())
-        stays = np.zeros(total + 1, dtype=np.int64)
-        np.add.at(stays, offsets, 1)
-        np.add.at(stays, offsets + lengths, -1)
-        stays = np.cumsum(stays)[:total] > 0
-        row = 0
-        for block in a["blocks"].tolist():
-            size = int(seg_tokens[seg_ptr[block]:seg_ptr[block + 1]].sum())
-            stays_block[block] = bool(stays[row:row + size].all())
-            row += size
-    owner_stays = np.zeros(len(seg_ptr) - 1, dtype=bool)
-    owner = np.full(len(seg_ptr) - 1, -1, dtype=np.int64)
-    for program in programs:
-        owner[program.arrays["blocks"]] = program.rank
-    for block, value in stays_block.items():
-        owner_stays[block] = value
-    return ((tile_stage == 0) & (owner[tile_q] == tile_rank) & (owner[tile_kv] == tile_rank)
-            & owner_stays[tile_q] & owner_stays[tile_kv])
-
-
 def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False) -> Simulation:
     """Simulate a plan on a hardware profile (default: the one it was compiled for).
 
@@ -357,7 +328,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     tile_kv, _ = stack_ranks(programs, "tile_kv_block")
     tile_stage, _ = stack_ranks(programs, "tile_stage")
     tile_idx = np.searchsorted(keys, tile_q * sharding.num_blocks + tile_kv)
-    early = _early_tiles(programs, tables, tile_rank, tile_q, tile_kv, tile_stage)
+    early = np.concatenate([tiles_during_reshuffle(program) for program in programs])
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
     tile_names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
 

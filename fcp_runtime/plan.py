@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcp_compiler.plan_format import PlanReader, RankProgram, expand_ranges
+from fcp_compiler.plan_format import PlanReader, RankProgram, expand_ranges, tiles_during_reshuffle
 
 KIND_KV, KIND_Q = 0, 1
 
@@ -129,16 +129,7 @@ def from_program(program: RankProgram) -> RankPlan:
     mine_recv = a["reshuffle_recv_peer"] == program.rank
     self_user = expand_ranges(a["reshuffle_send_offset"][mine_send], a["reshuffle_send_length"][mine_send])
     self_plan = expand_ranges(a["reshuffle_recv_offset"][mine_recv], a["reshuffle_recv_length"][mine_recv])
-    stays = np.zeros(row, dtype=bool)
-    stays[self_plan] = True
-    seg_stays = {seg: bool(stays[start:start + int(seg_end[seg] - seg_start[seg])].all())
-                 for seg, start in local_seg_row.items()}
-    local_blocks = set(a["blocks"].tolist())
-    early = frozenset(
-        idx for idx, (stage, q_block, kv_block) in enumerate(zip(a["tile_stage"].tolist(), a["tile_q_block"].tolist(),
-                                                                  a["tile_kv_block"].tolist()))
-        if stage == 0 and q_block in local_blocks and kv_block in local_blocks
-        and all(seg_stays[seg] for seg in block_segs[q_block] + block_segs[kv_block]))
+    early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
         coalesce=header.coalesce, num_fwd_stages=header.num_fwd_stages, num_bwd_stages=header.num_bwd_stages,
