@@ -269,14 +269,20 @@ def compare_command(
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
     profile: str = typer.Option("h100", "--profile"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
+                                                             "needs matplotlib)"),
 ) -> None:
     """FCP beside the baselines at each scale: balance, traffic, rounds, simulated normalized MFU, speedup."""
     from fcp_compiler.baselines import Planner
     from fcp_compiler.compare import compare
     from fcp_compiler.inputs import load_batch, load_profile
-    from fcp_compiler.report import human_bytes, table
+    from fcp_compiler.report import compare_rows
 
     scales = _int_list(gpus, "--gpus")
+    if plot:
+        from fcp_compiler.plots import check_plot_path, compare_figure
+
+        check_plot_path(plot)
     try:
         chosen = [Planner(m.strip()) for m in methods.split(",")]
     except ValueError:
@@ -293,12 +299,9 @@ def compare_command(
                    profile=load_profile(profile))
     if json_out:
         _write_json(json_out, {"results": rows})
-    typer.echo(table(["method", "gpus", "compute imb", "comm imb", "total bytes", "max rank bytes", "rounds",
-                      "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd"],
-                     [[r["method"], r["gpus"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
-                       human_bytes(r["total_comm_bytes"]), human_bytes(r["max_rank_comm_bytes"]), r["num_rounds"],
-                       f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}",
-                       f"{r.get('fcp_speedup_fwd', float('nan')):.2f}x"] for r in rows]))
+    if plot:
+        compare_figure(rows, plot, trace_spec or str(batch))
+    typer.echo(compare_rows(rows))
 
 
 @app.command("sweep")

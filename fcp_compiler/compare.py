@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fcp_compiler.baselines import Planner
+from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.parallel import map_on_cores
 from fcp_compiler.pipeline import compile_plan
 from fcp_compiler.simulate import simulate_plan
@@ -13,10 +14,19 @@ from fcp_compiler.simulate import simulate_plan
 _CONTEXT: dict = {}  # batch_for and compile options, inherited by forked workers
 
 
+FIGURES = ("compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_comm_bytes", "num_rounds",
+           "normalized_mfu_fwd", "normalized_mfu_bwd", "makespan_fwd_s", "makespan_bwd_s", "compile_seconds")
+
+
 def _one(job: tuple[int, str]) -> dict:
     gpus, method = job
     batch_for, compile_options = _CONTEXT["batch_for"], _CONTEXT["options"]
-    plan = compile_plan(batch_for(gpus), gpus, planner=method, **compile_options)
+    batch = batch_for(gpus)
+    try:
+        plan = compile_plan(batch, gpus, planner=method, **compile_options)
+    except InfeasibleError as error:
+        # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
+        return {"method": Planner(method).value, "gpus": gpus, **dict.fromkeys(FIGURES), "error": str(error)}
     figures = simulate_plan(plan).figures()
     stats = plan.stats
     return {"method": Planner(method).value, "gpus": gpus, "compute_imbalance": stats["compute_imbalance"],
@@ -40,7 +50,7 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
         compile_options: forwarded to compile_plan (block_size, profile, ...).
     Returns:
         one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
-        FCP's speedup over each.
+        FCP's speedup over each; a method that could not plan a scale has None figures and an "error" line.
     """
     order = [(gpus, Planner(method).value) for gpus in scales for method in methods]
     _CONTEXT.update(batch_for=batch_for, options=compile_options)
@@ -48,11 +58,15 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
     for row in map_on_cores(_one, sorted(order, key=lambda job: -job[0]), jobs):
         results[(row["gpus"], row["method"])] = row
         if progress:
-            progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: normalized MFU fwd {row['normalized_mfu_fwd']:.3f}")
+            progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: " + (
+                f"not planned: {row['error']}" if row.get("error") else
+                f"normalized MFU fwd {row['normalized_mfu_fwd']:.3f}"))
     rows = [results[job] for job in order]
     for gpus in scales:
         fcp = results.get((gpus, Planner.FCP.value))
-        for row in (r for r in rows if r["gpus"] == gpus and fcp):
+        if not fcp or fcp.get("error"):
+            continue
+        for row in (r for r in rows if r["gpus"] == gpus and not r.get("error")):
             row["fcp_speedup_fwd"] = fcp["normalized_mfu_fwd"] / row["normalized_mfu_fwd"]
             row["fcp_speedup_bwd"] = fcp["normalized_mfu_bwd"] / row["normalized_mfu_bwd"]
     return rows

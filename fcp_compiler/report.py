@@ -56,6 +56,22 @@ def compile_summary(stats: dict, path: str | None) -> str:
     return "\n".join(lines)
 
 
+def compare_rows(rows: Sequence[dict]) -> str:
+    """The table `fcp compare` prints; methods that could not plan a scale are listed under it with the reason."""
+    def speedup(row: dict) -> str:
+        return f"{row['fcp_speedup_fwd']:.2f}x" if row.get("fcp_speedup_fwd") else "-"
+
+    planned = [r for r in rows if not r.get("error")]
+    lines = [table(["method", "gpus", "compute imb", "comm imb", "total bytes", "max rank bytes", "rounds",
+                    "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd"],
+                   [[r["method"], r["gpus"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
+                     human_bytes(r["total_comm_bytes"]), human_bytes(r["max_rank_comm_bytes"]), r["num_rounds"],
+                     f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}", speedup(r)]
+                    for r in planned])]
+    lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines)
+
+
 def rank_rows(reader: PlanReader) -> list[dict]:
     """Per-rank figures of a plan: tokens held, blocks, tiles, pulls and pushes."""
     tables = reader.tables

@@ -5,8 +5,22 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile
 from fcp_compiler.ir import Sharding, TileSet
+
+
+# Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past this many pairs (~8 GB)
+# the plan is refused rather than left to exhaust memory. Only layouts that cut every sequence N ways (ring at
+# hundreds of GPUs on batches of thousands of sequences) come near it; FCP's blocks stay far below.
+MAX_SEGMENT_PAIRS = 64_000_000
+
+
+def count_segment_pairs(sharding: Sharding) -> int:
+    """How many (query segment, key segment) pairs of one sequence the tile set will hold: g(g+1)/2 causal or
+    g^2 full for a sequence cut into g segments."""
+    per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
+    return int((per_seq * (per_seq + 1) // 2).sum() if sharding.batch.causal else (per_seq * per_seq).sum())
 
 
 def tile_efficiency(profile: HardwareProfile, tokens: np.ndarray) -> np.ndarray:
@@ -35,7 +49,14 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
         profile: peak and efficiency curve.
     Returns:
         the TileSet, tiles sorted by (q_block, kv_block).
+    Raises:
+        InfeasibleError: when the layout has more than MAX_SEGMENT_PAIRS segment pairs.
     """
+    num_pairs = count_segment_pairs(sharding)
+    if num_pairs > MAX_SEGMENT_PAIRS:
+        raise InfeasibleError(
+            f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
+            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not cut every sequence into 2N chunks")
     # Segments of one sequence never overlap, so in start order a key segment before the query one is seen whole,
     # the same segment is a causal triangle, and (causal) a later one is not seen at all.
     seg_seq = sharding.seg_seq
