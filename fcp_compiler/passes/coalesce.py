@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.leveling import level_stages
 from fcp_compiler.ir import Rounds, Schedule, TransferKind
 
 
@@ -57,9 +58,10 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True) -> Schedule:
 
     Stage s carries rounds [s * degree, (s + 1) * degree): no rank sends or receives more than `degree` pulls in it.
     Local tiles run in stage 0 (hiding the first transfers); a tile that needs pulled data runs in the stage after
-    its last pull arrives, and within a stage tiles run in arrival order. A rank that ran tiles for another rank's
-    query block pushes the partial output back (forward) and the dQ partial (backward) in the stage after its last
-    such tile; every KV pull's dK, dV partial goes back along the same edge after the last tile that read it.
+    its last pull arrives or, where that levels the stages' busiest ranks (:func:`level_stages`), later; within a
+    stage tiles run in arrival order. A rank that ran tiles for another rank's query block pushes the partial
+    output back (forward) and the dQ partial (backward) in the stage after its last such tile; every KV pull's
+    dK, dV partial goes back along the same edge after the last tile that read it.
 
     Args:
         rounds: the congestion-free rounds.
@@ -81,7 +83,13 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True) -> Schedule:
     round_or_local = np.append(rounds.edge_round, -1)  # index -1 (no pull) reads -1 (local)
     arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
     tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
-    if not pipelined:
+    if pipelined:
+        # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
+        # level each stage's busiest rank. Local tiles stay in stage 0 (they hide the first transfers and the
+        # reshuffle), and tiles run for another rank stay put so that their partial outputs leave early.
+        tile_stage = level_stages(tile_stage, tile_rank, tiles.tile_seconds, assignment.num_ranks,
+                                  movable=(tile_stage > 0) & ~q_remote)
+    else:
         tile_stage = np.full(tiles.num_tiles, -(-rounds.num_rounds // degree), dtype=np.int64)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, tile_stage, tile_rank))
 

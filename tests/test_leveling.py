@@ -1,0 +1,55 @@
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fcp_compiler.algorithms.leveling import level_stages, stage_loads
+
+
+def _sum_of_stage_maxima(stage, rank, seconds, num_ranks):
+    return stage_loads(stage, rank, seconds, int(stage.max()) + 1, num_ranks).max(axis=1).sum()
+
+
+def test_early_rank_waits_for_the_late_one():
+    # Rank 0 could do all its work in stage 1; rank 1 only gets its data for stage 3. Stage-synchronous, the
+    # earliest placement costs 2 + 2; leveled, rank 0 runs beside rank 1 in stage 3 and the sum is 2.
+    earliest = np.array([1, 1, 3, 3])
+    rank = np.array([0, 0, 1, 1])
+    seconds = np.ones(4)
+    stage = level_stages(earliest, rank, seconds, 2)
+    assert stage.tolist() == [3, 3, 3, 3]
+    assert _sum_of_stage_maxima(stage, rank, seconds, 2) == 2.0
+
+
+def test_front_loaded_rank_spreads_to_the_level_of_the_other():
+    # Rank 0 has 4 units available in stage 1; rank 1 has 2 in stage 1 and 2 in stage 2: leveled, both run 2 + 2.
+    earliest = np.array([1, 1, 1, 1, 1, 2])
+    rank = np.array([0, 0, 0, 0, 1, 1])
+    seconds = np.array([1.0, 1.0, 1.0, 1.0, 2.0, 2.0])
+    stage = level_stages(earliest, rank, seconds, 2)
+    loads = stage_loads(stage, rank, seconds, 3, 2)
+    assert loads[1].tolist() == [2.0, 2.0] and loads[2].tolist() == [2.0, 2.0]
+
+
+def test_pinned_tiles_stay():
+    earliest = np.array([0, 0, 2])
+    rank = np.array([0, 0, 1])
+    seconds = np.ones(3)
+    movable = np.array([False, False, True])
+    assert level_stages(earliest, rank, seconds, 2, movable).tolist() == [0, 0, 2]
+
+
+@given(st.integers(1, 5), st.integers(1, 40), st.integers(0, 10_000))
+def test_never_earlier_never_past_the_last_stage_and_no_stage_gets_busier(num_ranks, num_tiles, seed):
+    rng = np.random.default_rng(seed)
+    earliest = rng.integers(0, 6, size=num_tiles)
+    rank = rng.integers(0, num_ranks, size=num_tiles)
+    seconds = rng.uniform(0.1, 3.0, size=num_tiles)
+    movable = rng.random(num_tiles) < 0.8
+    stage = level_stages(earliest, rank, seconds, num_ranks, movable)
+    assert (stage >= earliest).all()
+    assert stage.max() == earliest.max()
+    assert np.array_equal(stage[~movable], earliest[~movable])
+    num_stages = int(earliest.max()) + 1
+    before = stage_loads(earliest, rank, seconds, num_stages, num_ranks).max(axis=1)
+    after = stage_loads(stage, rank, seconds, num_stages, num_ranks).max(axis=1)
+    assert (after <= before + 1e-9).all()
