@@ -23,7 +23,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     arrives). No tile goes past the last stage that already holds one, so the number of stages is unchanged.
 
     Objective: sum over stages of max over ranks of work (greedy, not optimal with indivisible tiles; never worse
-    than the earliest placement). O(T log T + S * N log T) for T tiles, S stages, N ranks.
+    than the earliest placement). O(T log T + S * N log T) for T tiles, S stages, N ranks, vectorised over ranks.
 
     Args:
         earliest: int64 [T], the first stage each tile may run in.
@@ -41,29 +41,27 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
     load = stage_loads(stage, rank, seconds, num_stages, num_ranks)
     # Per rank, its movable tiles by earliest stage: the candidates for stage s are a prefix (earliest < s), and
-    # taking from the latest stages first keeps the unmoved ones a prefix too.
+    # taking from the latest stages first keeps the unmoved ones a prefix too. Every stage handles all ranks at once.
     candidates = np.flatnonzero(movable)
     order = candidates[np.lexsort((candidates, earliest[candidates], rank[candidates]))]
-    rank_bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
+    order_key = rank[order] * (num_stages + 1) + earliest[order]
+    ranks = np.arange(num_ranks)
+    first = np.searchsorted(order_key, ranks * (num_stages + 1))
     prefix = np.concatenate(([0.0], np.cumsum(seconds[order])))
-    ordered_earliest = earliest[order]
-    unmoved_end = rank_bounds[1:].copy()  # per rank, candidates [rank_bounds[r], unmoved_end[r]) are unmoved
+    unmoved_end = np.searchsorted(order_key, (ranks + 1) * (num_stages + 1))  # per rank, [first, end) unmoved
     for target in range(num_stages - 1, 0, -1):
-        level = load[target].max()
-        gaps = level - load[target]
-        for r in np.flatnonzero(gaps > 0).tolist():
-            first = rank_bounds[r]
-            # Unmoved candidates of rank r with earliest stage < target.
-            end = first + int(np.searchsorted(ordered_earliest[first:unmoved_end[r]], target))
-            if end == first:
-                continue
-            # The longest run ending at `end` that fits the gap.
-            begin = max(first, int(np.searchsorted(prefix, prefix[end] - gaps[r], side="left")))
-            if begin == end:
-                continue
-            moved = order[begin:end]
-            np.subtract.at(load[:, r], stage[moved], seconds[moved])
-            load[target, r] += prefix[end] - prefix[begin]
-            stage[moved] = target
-            unmoved_end[r] = begin
+        gaps = load[target].max() - load[target]
+        # Unmoved candidates with earliest stage < target, then the longest run ending there that fits the gap.
+        end = np.minimum(unmoved_end, np.searchsorted(order_key, ranks * (num_stages + 1) + target))
+        begin = np.maximum(first, np.searchsorted(prefix, prefix[end] - gaps, side="left"))
+        begin = np.where(gaps > 0, np.minimum(begin, end), end)
+        counts = end - begin
+        if not counts.any():
+            continue
+        moved = order[np.repeat(begin - np.cumsum(np.concatenate(([0], counts[:-1]))), counts)
+                      + np.arange(int(counts.sum()))]
+        np.subtract.at(load, (stage[moved], rank[moved]), seconds[moved])
+        load[target] += prefix[end] - prefix[begin]
+        stage[moved] = target
+        unmoved_end = np.where(counts > 0, begin, unmoved_end)
     return stage

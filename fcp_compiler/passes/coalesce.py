@@ -43,13 +43,22 @@ def schedule_pushes(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, c
     stage = np.empty(ready_stage.size, dtype=np.int64)
     sends: dict[tuple[int, int], int] = {}
     recvs: dict[tuple[int, int], int] = {}
+    # Pushes come in ready order, so per rank the stages before its first one with room never matter again.
+    send_room: dict[int, int] = {}
+    recv_room: dict[int, int] = {}
     for push in np.lexsort((np.arange(ready_stage.size), ready_stage)).tolist():
-        s, a, b = int(ready_stage[push]), int(src[push]), int(dst[push])
+        a, b = int(src[push]), int(dst[push])
+        s = max(int(ready_stage[push]), send_room.get(a, 0), recv_room.get(b, 0))
         while sends.get((a, s), 0) >= capacity or recvs.get((b, s), 0) >= capacity:
             s += 1
         sends[(a, s)] = sends.get((a, s), 0) + 1
         recvs[(b, s)] = recvs.get((b, s), 0) + 1
         stage[push] = s
+        for room, counts, end in ((send_room, sends, a), (recv_room, recvs, b)):
+            first = max(room.get(end, 0), int(ready_stage[push]))
+            while counts.get((end, first), 0) >= capacity:
+                first += 1
+            room[end] = first
     return stage
 
 
