@@ -58,3 +58,51 @@ def test_compare_and_sweep_commands(tmp_path, capsys):
     batch.write_text(json.dumps(LENGTHS))
     assert main(["sweep", str(batch), "--gpus", "16", "--block-size", "2048,4096"]) == 0
     assert main(["compare", str(batch), "--gpus", "4", "--methods", "fcp,nope"]) == 2
+
+
+def test_segment_pair_count_is_exact_and_guards_memory(monkeypatch):
+    from fcp_compiler.errors import InfeasibleError
+    from fcp_compiler.passes import cost as cost_pass
+
+    for planner in ("fcp", "ring"):
+        tiles = compile_valid([5000, 300, 20000], 4, planner=planner).ir.schedule.rounds.transfers.assignment.tiles
+        assert cost_pass.count_segment_pairs(tiles.sharding) == tiles.pair_tile.size
+    monkeypatch.setattr(cost_pass, "MAX_SEGMENT_PAIRS", 20)
+    with pytest.raises(InfeasibleError, match="segment pairs, over the 20 a plan may hold"):
+        compile_valid([5000, 300, 20000], 4, planner="ring")
+
+
+def test_compare_reports_a_method_that_cannot_plan_and_goes_on(tmp_path, capsys, monkeypatch):
+    import json
+
+    from fcp_compiler.passes import cost as cost_pass
+
+    # Ring cuts these sequences 2N ways: over the limit at 8 GPUs, under it at 4; FCP's blocks stay far below.
+    batch = tmp_path / "b.json"
+    batch.write_text(json.dumps([20000, 9000, 3000, 3000]))
+    monkeypatch.setattr(cost_pass, "MAX_SEGMENT_PAIRS", 200)
+    out = tmp_path / "cmp.json"
+    assert main(["compare", str(batch), "--gpus", "4,8", "--methods", "fcp,ring", "--json", str(out)]) == 0
+    rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["results"]}
+    assert rows[("ring", 8)]["normalized_mfu_fwd"] is None and "segment pairs" in rows[("ring", 8)]["error"]
+    assert "fcp_speedup_fwd" not in rows[("ring", 8)]
+    assert rows[("ring", 4)]["normalized_mfu_fwd"] > 0 and rows[("ring", 4)]["fcp_speedup_fwd"] > 0
+    assert "not planned: ring at 8 GPUs" in capsys.readouterr().out
+
+
+def test_compare_plot(tmp_path, capsys, monkeypatch):
+    import sys
+
+    pytest.importorskip("matplotlib")
+    batch = tmp_path / "b.json"
+    batch.write_text("[20000, 9000, 3000, 3000]")
+    figure = tmp_path / "cmp.png"
+    assert main(["compare", str(batch), "--gpus", "2,4", "--methods", "fcp,magi", "--plot", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    bad = tmp_path / "cmp.gif"
+    assert main(["compare", str(batch), "--gpus", "2", "--plot", str(bad)]) == 2
+    assert ".png, .pdf, .svg" in capsys.readouterr().err and not bad.exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    assert main(["compare", str(batch), "--gpus", "2", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'fcp[plot]'" in capsys.readouterr().err
