@@ -1,0 +1,17 @@
+import numpy as np
+import pytest
+
+from fcp_compiler.algorithms import keys as keys_module
+from fcp_compiler.algorithms.keys import unique_keys
+
+
+@pytest.mark.parametrize("num_keys, space", [(1000, 50), (1000, 1 << 20), (50, 1 << 24), (0, 10)])
+def test_unique_keys_equals_numpy_unique_by_counting_and_by_sorting(num_keys, space, monkeypatch):
+    rng = np.random.default_rng(num_keys + space)
+    keys = rng.integers(0, space, size=num_keys)
+    expected, expected_inverse = np.unique(keys, return_inverse=True)
+    for limit in (keys_module.COUNTING_LIMIT, 0):  # as configured, then forced to sort
+        monkeypatch.setattr(keys_module, "COUNTING_LIMIT", limit)
+        unique, inverse = unique_keys(keys, space, return_inverse=True)
+        assert np.array_equal(unique, expected) and np.array_equal(inverse, expected_inverse.ravel())
+        assert np.array_equal(unique_keys(keys, space), expected)
