@@ -162,178 +162,178 @@ class _Executor:
                     continue
                 yield qs, ks
 
-    # --- forward ------------------------------------------------------------------------------------------------
-    def forward_local_store(self, q, k, v) -> _Store:
-        """The plan-layout store with empty output accumulators."""
-        return self.local_store(q=q, k=k, v=v, out=torch.zeros(q.shape, dtype=self.acc_dtype, device=self.device),
-                                lse=torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=self.acc_dtype,
-                                               device=self.device))
-
-    def forward(self, local: _Store, done: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the forward stages on a filled local store, skipping the tiles already run (indices in done)."""
+    # --- the stage loop, shared by both passes -----------------------------------------------------------------
+    def run_stages(self, phase, local: _Store, num_stages: int, skip: frozenset[int] = frozenset()) -> None:
+        """Replay the stages of one pass: per stage, post its pulls and pushes as one batch, run its tiles (which
+        read only data of earlier stages: the plan guarantees it), then make the arrived pulls usable and fold the
+        returned pushes into this rank's own rows. Tiles whose indices are in `skip` already ran."""
         plan = self.plan
-        q, k = local.tensors["q"], local.tensors["k"]
-        remote_kv: dict[int, _Store] = {}
-        remote_q: dict[int, _Store] = {}
-        hq, hkv = q.shape[1], k.shape[1]
-        for stage in range(plan.num_fwd_stages):
+        remote: dict[int, dict[int, _Store]] = {KIND_KV: {}, KIND_Q: {}}
+        for stage in range(num_stages):
             sends, recvs, arrived, returned = [], [], [], []
             for pull in plan.pull_send:
                 if pull.round // plan.coalesce == stage:
-                    names = ("k", "v") if pull.kind == KIND_KV else ("q",)
-                    sends.append((pull.peer, _tag(pull.block, pull.kind, 0),
-                                  [self.gather_rows(local, n, pull.segs) for n in names]))
+                    sends.append((pull.peer, _tag(pull.block, pull.kind, 0), phase.pull_payload(local, pull)))
             for pull in plan.pull_recv:
                 if pull.round // plan.coalesce == stage:
                     store = self.new_store(pull.segs)
-                    if pull.kind == KIND_KV:
-                        store.tensors = {"k": self.empty(store.rows, hkv), "v": self.empty(store.rows, hkv)}
-                        recvs.append((pull.peer, _tag(pull.block, KIND_KV, 0), [store.tensors["k"],
-                                                                                 store.tensors["v"]]))
-                    else:
-                        store.tensors = {"q": self.empty(store.rows, hq)}
-                        recvs.append((pull.peer, _tag(pull.block, KIND_Q, 0), [store.tensors["q"]]))
+                    store.tensors = phase.pull_buffers(pull, store.rows)
+                    recvs.append((pull.peer, _tag(pull.block, pull.kind, 0), list(store.tensors.values())))
                     arrived.append((pull, store))
-            for push in plan.fwd_push_send:
+            # A push goes back along its pull (code 2 + the pull's kind): partial O and LSE forward, dK dV or dQ
+            # backward.
+            for push in phase.push_send:
                 if push.stage == stage:
                     pull = plan.pull_recv[push.pull]
-                    store = remote_q[pull.block]
-                    sends.append((pull.peer, _tag(pull.block, 3, 0),
-                                  [store.tensors["out"].contiguous(), store.tensors["lse"].contiguous()]))
-            for push in plan.fwd_push_recv:
+                    sends.append((pull.peer, _tag(pull.block, 2 + pull.kind, 0),
+                                  phase.push_payload(remote[pull.kind][pull.block], pull)))
+            for push in phase.push_recv:
                 if push.stage == stage:
                     pull = plan.pull_send[push.pull]
-                    rows = sum(plan.seg_len(s) for s in pull.segs)
-                    out = torch.empty((rows, hq, self.head_dim), dtype=self.acc_dtype, device=self.device)
-                    lse = torch.empty((hq, rows), dtype=self.acc_dtype, device=self.device)
-                    recvs.append((pull.peer, _tag(pull.block, 3, 0), [out, lse]))
-                    returned.append((pull, out, lse))
-            self.exchange(sends, recvs)
-            # Tiles of this stage read only data of earlier stages (the plan guarantees it).
-            for idx, (tile_stage, q_block, kv_block) in enumerate(plan.tiles):
-                if tile_stage == stage and idx not in done:
-                    self.forward_tile(q_block, kv_block, local, remote_q, remote_kv)
-            for pull, store in arrived:
-                if pull.kind == KIND_KV:
-                    remote_kv[pull.block] = store
-                else:
-                    store.tensors["out"] = torch.zeros((store.rows, hq, self.head_dim), dtype=self.acc_dtype,
-                                                       device=self.device)
-                    store.tensors["lse"] = torch.full((hq, store.rows), float("-inf"), dtype=self.acc_dtype,
-                                                      device=self.device)
-                    remote_q[pull.block] = store
-            for pull, out, lse in returned:
-                row = 0
-                for seg in pull.segs:
-                    length = plan.seg_len(seg)
-                    merge(local.tensors["out"], local.tensors["lse"], self.rows(local, seg), out[row:row + length],
-                          lse[:, row:row + length])
-                    row += length
-        return local.tensors["out"].to(self.dtype), local.tensors["lse"]
-
-    def forward_tile(self, q_block, kv_block, local, remote_q, remote_kv) -> None:
-        plan = self.plan
-        q_store = local if q_block in plan.local_blocks else remote_q[q_block]
-        kv_store = local if kv_block in plan.local_blocks else remote_kv[kv_block]
-        for qs, ks in self.pairs(q_block, kv_block, q_store, kv_store):
-            q_rows, k_rows = self.rows(q_store, qs), self.rows(kv_store, ks)
-            out, lse = forward_pair(q_store.tensors["q"][q_rows], kv_store.tensors["k"][k_rows],
-                                    kv_store.tensors["v"][k_rows], plan.positions(qs).to(self.device),
-                                    plan.positions(ks).to(self.device), plan.causal, self.scale)
-            merge(q_store.tensors["out"], q_store.tensors["lse"], q_rows, out, lse)
-
-    # --- backward -----------------------------------------------------------------------------------------------
-    def backward(self, q, k, v, out, lse, d_out):
-        plan = self.plan
-        delta = (d_out.to(self.acc_dtype) * out.to(self.acc_dtype)).sum(-1).transpose(0, 1).contiguous()
-        zeros = dict(dtype=self.acc_dtype, device=self.device)
-        local = self.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, delta=delta,
-                                 dq=torch.zeros(q.shape, **zeros),
-                                 dk=torch.zeros(k.shape, **zeros), dv=torch.zeros(v.shape, **zeros))
-        remote_kv: dict[int, _Store] = {}
-        remote_q: dict[int, _Store] = {}
-        hq, hkv = q.shape[1], k.shape[1]
-        for stage in range(plan.num_bwd_stages):
-            sends, recvs, arrived, returned = [], [], [], []
-            for pull in plan.pull_send:
-                if pull.round // plan.coalesce == stage:
-                    if pull.kind == KIND_KV:
-                        tensors = [self.gather_rows(local, "k", pull.segs), self.gather_rows(local, "v", pull.segs)]
-                    else:
-                        tensors = [self.gather_rows(local, "q", pull.segs), self.gather_rows(local, "do", pull.segs),
-                                   self.gather_rows(local, "out", pull.segs),
-                                   self.gather_rows(local, "lse", pull.segs, heads_first=True)]
-                    sends.append((pull.peer, _tag(pull.block, pull.kind, 0), tensors))
-            for pull in plan.pull_recv:
-                if pull.round // plan.coalesce == stage:
-                    store = self.new_store(pull.segs)
-                    rows = store.rows
-                    if pull.kind == KIND_KV:
-                        store.tensors = {"k": self.empty(rows, hkv), "v": self.empty(rows, hkv)}
-                        tensors = [store.tensors["k"], store.tensors["v"]]
-                    else:
-                        store.tensors = {"q": self.empty(rows, hq), "do": self.empty(rows, hq),
-                                         "out": self.empty(rows, hq), "lse": torch.empty((hq, rows), **zeros)}
-                        tensors = [store.tensors[n] for n in ("q", "do", "out", "lse")]
-                    recvs.append((pull.peer, _tag(pull.block, pull.kind, 0), tensors))
-                    arrived.append((pull, store))
-            for push in plan.bwd_push_send:
-                if push.stage == stage:
-                    pull = plan.pull_recv[push.pull]
-                    if pull.kind == KIND_KV:
-                        store = remote_kv[pull.block]
-                        tensors = [store.tensors["dk"].contiguous(), store.tensors["dv"].contiguous()]
-                    else:
-                        tensors = [remote_q[pull.block].tensors["dq"].contiguous()]
-                    sends.append((pull.peer, _tag(pull.block, 2 + pull.kind, 0), tensors))
-            for push in plan.bwd_push_recv:
-                if push.stage == stage:
-                    pull = plan.pull_send[push.pull]
-                    rows = sum(plan.seg_len(s) for s in pull.segs)
-                    heads = hkv if pull.kind == KIND_KV else hq
-                    tensors = [self.empty(rows, heads, self.acc_dtype)
-                               for _ in range(2 if pull.kind == KIND_KV else 1)]
+                    tensors = phase.push_buffers(pull, sum(plan.seg_len(s) for s in pull.segs))
                     recvs.append((pull.peer, _tag(pull.block, 2 + pull.kind, 0), tensors))
                     returned.append((pull, tensors))
             self.exchange(sends, recvs)
-            for tile_stage, q_block, kv_block in plan.tiles:
-                if tile_stage == stage:
-                    self.backward_tile(q_block, kv_block, local, remote_q, remote_kv)
+            for idx, (tile_stage, q_block, kv_block) in enumerate(plan.tiles):
+                if tile_stage == stage and idx not in skip:
+                    phase.tile(q_block, kv_block, local, remote)
             for pull, store in arrived:
-                if pull.kind == KIND_KV:
-                    store.tensors["dk"] = torch.zeros((store.rows, hkv, self.head_dim), **zeros)
-                    store.tensors["dv"] = torch.zeros((store.rows, hkv, self.head_dim), **zeros)
-                    remote_kv[pull.block] = store
-                else:
-                    store.tensors["dq"] = torch.zeros((store.rows, hq, self.head_dim), **zeros)
-                    store.tensors["delta"] = (store.tensors["do"].to(self.acc_dtype) * store.tensors["out"].to(
-                        self.acc_dtype)).sum(-1).transpose(0, 1).contiguous()
-                    remote_q[pull.block] = store
+                phase.accumulators(pull, store)
+                remote[pull.kind][pull.block] = store
             for pull, tensors in returned:
-                names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
                 row = 0
                 for seg in pull.segs:
                     length = plan.seg_len(seg)
-                    for name, tensor in zip(names, tensors):
-                        local.tensors[name][self.rows(local, seg)] += tensor[row:row + length]
+                    phase.land(local, self.rows(local, seg), pull.kind, tensors, slice(row, row + length))
                     row += length
-        return (local.tensors["dq"].to(self.dtype), local.tensors["dk"].to(self.dtype),
-                local.tensors["dv"].to(self.dtype))
 
-    def backward_tile(self, q_block, kv_block, local, remote_q, remote_kv) -> None:
-        plan = self.plan
-        q_store = local if q_block in plan.local_blocks else remote_q[q_block]
-        kv_store = local if kv_block in plan.local_blocks else remote_kv[kv_block]
-        for qs, ks in self.pairs(q_block, kv_block, q_store, kv_store):
-            q_rows, k_rows = self.rows(q_store, qs), self.rows(kv_store, ks)
+    def stores_of(self, q_block: int, kv_block: int, local: _Store, remote) -> tuple[_Store, _Store]:
+        """Where a tile's query rows and key/value rows are: this rank's own store or a pulled one."""
+        owned = self.plan.local_blocks
+        return (local if q_block in owned else remote[KIND_Q][q_block],
+                local if kv_block in owned else remote[KIND_KV][kv_block])
+
+
+class _ForwardPass:
+    """What the forward pass moves and computes: K,V or Q pulled, partial O and LSE pushed back and merged."""
+
+    def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
+        self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
+        self.push_send, self.push_recv = executor.plan.fwd_push_send, executor.plan.fwd_push_recv
+
+    def local_store(self, q, k, v) -> _Store:
+        """The plan-layout store with empty output accumulators."""
+        ex = self.ex
+        return ex.local_store(q=q, k=k, v=v, out=torch.zeros(q.shape, dtype=ex.acc_dtype, device=ex.device),
+                              lse=torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=ex.acc_dtype,
+                                             device=ex.device))
+
+    def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
+        return [self.ex.gather_rows(local, n, pull.segs) for n in (("k", "v") if pull.kind == KIND_KV else ("q",))]
+
+    def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
+        if pull.kind == KIND_KV:
+            return {"k": self.ex.empty(rows, self.hkv), "v": self.ex.empty(rows, self.hkv)}
+        return {"q": self.ex.empty(rows, self.hq)}
+
+    def accumulators(self, pull, store: _Store) -> None:
+        if pull.kind == KIND_Q:
+            ex = self.ex
+            store.tensors["out"] = torch.zeros((store.rows, self.hq, ex.head_dim), dtype=ex.acc_dtype,
+                                               device=ex.device)
+            store.tensors["lse"] = torch.full((self.hq, store.rows), float("-inf"), dtype=ex.acc_dtype,
+                                              device=ex.device)
+
+    def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
+        return [store.tensors["out"].contiguous(), store.tensors["lse"].contiguous()]
+
+    def push_buffers(self, pull, rows: int) -> list[torch.Tensor]:
+        ex = self.ex
+        return [ex.empty(rows, self.hq, ex.acc_dtype),
+                torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)]
+
+    def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
+        out, lse = tensors
+        merge(local.tensors["out"], local.tensors["lse"], rows, out[part], lse[:, part])
+
+    def tile(self, q_block: int, kv_block: int, local: _Store, remote) -> None:
+        ex = self.ex
+        q_store, kv_store = ex.stores_of(q_block, kv_block, local, remote)
+        for qs, ks in ex.pairs(q_block, kv_block, q_store, kv_store):
+            q_rows, k_rows = ex.rows(q_store, qs), ex.rows(kv_store, ks)
+            out, lse = forward_pair(q_store.tensors["q"][q_rows], kv_store.tensors["k"][k_rows],
+                                    kv_store.tensors["v"][k_rows], ex.plan.positions(qs).to(ex.device),
+                                    ex.plan.positions(ks).to(ex.device), ex.plan.causal, ex.scale)
+            merge(q_store.tensors["out"], q_store.tensors["lse"], q_rows, out, lse)
+
+
+class _BackwardPass:
+    """What the backward pass moves and computes: K,V or (Q, dO, O, LSE) pulled, dK dV or dQ pushed back and
+    summed; each tile recomputed from the final O and LSE."""
+
+    def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
+        self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
+        self.push_send, self.push_recv = executor.plan.bwd_push_send, executor.plan.bwd_push_recv
+
+    def local_store(self, q, k, v, out, lse, d_out) -> _Store:
+        """The plan-layout store with D = rowsum(dO * O) and empty gradient accumulators."""
+        zeros = dict(dtype=self.ex.acc_dtype, device=self.ex.device)
+        return self.ex.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, delta=self.delta(d_out, out),
+                                   dq=torch.zeros(q.shape, **zeros), dk=torch.zeros(k.shape, **zeros),
+                                   dv=torch.zeros(v.shape, **zeros))
+
+    def delta(self, d_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        acc = self.ex.acc_dtype
+        return (d_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1).contiguous()
+
+    def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
+        ex = self.ex
+        if pull.kind == KIND_KV:
+            return [ex.gather_rows(local, "k", pull.segs), ex.gather_rows(local, "v", pull.segs)]
+        return [ex.gather_rows(local, "q", pull.segs), ex.gather_rows(local, "do", pull.segs),
+                ex.gather_rows(local, "out", pull.segs), ex.gather_rows(local, "lse", pull.segs, heads_first=True)]
+
+    def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
+        ex = self.ex
+        if pull.kind == KIND_KV:
+            return {"k": ex.empty(rows, self.hkv), "v": ex.empty(rows, self.hkv)}
+        return {"q": ex.empty(rows, self.hq), "do": ex.empty(rows, self.hq), "out": ex.empty(rows, self.hq),
+                "lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)}
+
+    def accumulators(self, pull, store: _Store) -> None:
+        ex = self.ex
+        if pull.kind == KIND_KV:
+            store.tensors["dk"] = ex.empty(store.rows, self.hkv, ex.acc_dtype).zero_()
+            store.tensors["dv"] = ex.empty(store.rows, self.hkv, ex.acc_dtype).zero_()
+        else:
+            store.tensors["dq"] = ex.empty(store.rows, self.hq, ex.acc_dtype).zero_()
+            store.tensors["delta"] = self.delta(store.tensors["do"], store.tensors["out"])
+
+    def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
+        names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
+        return [store.tensors[name].contiguous() for name in names]
+
+    def push_buffers(self, pull, rows: int) -> list[torch.Tensor]:
+        heads, count = (self.hkv, 2) if pull.kind == KIND_KV else (self.hq, 1)
+        return [self.ex.empty(rows, heads, self.ex.acc_dtype) for _ in range(count)]
+
+    def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
+        for name, tensor in zip(("dk", "dv") if kind == KIND_KV else ("dq",), tensors):
+            local.tensors[name][rows] += tensor[part]
+
+    def tile(self, q_block: int, kv_block: int, local: _Store, remote) -> None:
+        ex = self.ex
+        q_store, kv_store = ex.stores_of(q_block, kv_block, local, remote)
+        for qs, ks in ex.pairs(q_block, kv_block, q_store, kv_store):
+            q_rows, k_rows = ex.rows(q_store, qs), ex.rows(kv_store, ks)
             t = q_store.tensors
             dq, dk, dv = backward_pair(t["q"][q_rows], kv_store.tensors["k"][k_rows], kv_store.tensors["v"][k_rows],
                                        t["do"][q_rows], t["out"][q_rows], t["lse"][:, q_rows], t["delta"][:, q_rows],
-                                       plan.positions(qs).to(self.device), plan.positions(ks).to(self.device),
-                                       plan.causal, self.scale)
-            t["dq"][q_rows] += dq.to(self.acc_dtype)
-            kv_store.tensors["dk"][k_rows] += dk.to(self.acc_dtype)
-            kv_store.tensors["dv"][k_rows] += dv.to(self.acc_dtype)
+                                       ex.plan.positions(qs).to(ex.device), ex.plan.positions(ks).to(ex.device),
+                                       ex.plan.causal, ex.scale)
+            t["dq"][q_rows] += dq.to(ex.acc_dtype)
+            kv_store.tensors["dk"][k_rows] += dk.to(ex.acc_dtype)
+            kv_store.tensors["dv"][k_rows] += dv.to(ex.acc_dtype)
 
 
 class _FcpAttention(torch.autograd.Function):
@@ -346,12 +346,14 @@ class _FcpAttention(torch.autograd.Function):
         q_p = packed[:, :hq * dim].reshape(-1, hq, dim)
         k_p = packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim)
         v_p = packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim)
-        local = executor.forward_local_store(q_p, k_p, v_p)
+        forward = _ForwardPass(executor, hq, hkv)
+        local = forward.local_store(q_p, k_p, v_p)
         # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
         for idx in plan.early_tiles:
-            executor.forward_tile(plan.tiles[idx][1], plan.tiles[idx][2], local, {}, {})
+            forward.tile(plan.tiles[idx][1], plan.tiles[idx][2], local, {KIND_KV: {}, KIND_Q: {}})
         finish()
-        out_p, lse_p = executor.forward(local, done=plan.early_tiles)
+        executor.run_stages(forward, local, plan.num_fwd_stages, skip=plan.early_tiles)
+        out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
         ctx.executor = executor
         return executor.reshuffle(out_p, to_plan=False)
@@ -361,8 +363,11 @@ class _FcpAttention(torch.autograd.Function):
         executor = ctx.executor
         q_p, k_p, v_p, out_p, lse_p = ctx.saved_tensors
         d_out_p = executor.reshuffle(d_out.contiguous(), to_plan=True)
-        dq_p, dk_p, dv_p = executor.backward(q_p, k_p, v_p, out_p, lse_p, d_out_p)
         hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
+        backward = _BackwardPass(executor, hq, hkv)
+        local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
+        executor.run_stages(backward, local, executor.plan.num_bwd_stages)
+        dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
         packed = executor.reshuffle(torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1),
                                     to_plan=False)
         dq = packed[:, :hq * dim].reshape(-1, hq, dim)
