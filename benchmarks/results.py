@@ -271,9 +271,13 @@ def main() -> None:
         " 256 GPUs: 269M) a plan is refused rather than left to exhaust memory.",
         "- Each scale draws its own batch, and tails differ a lot between draws: one seed's curve is not monotone"
         " even when the mean is; the mean over seeds is the fairer reading of figure 11.",
-        "- On short-dominated batches (ProLong), the rank holding a block of an n-block sequence must pull the rest"
-        " of it, and compute balance caps how many it may hold: the traffic floor the issue 2 note measured keeps"
-        " FCP's communication imbalance near 0.2 there (`python benchmarks/balance.py` prints that floor).",
+        "- ProLong + tail: FCP's communication imbalance stays near 0.2. Each rank holding a block of an n-block"
+        " sequence pulls the rest of that sequence, and compute balance makes many ranks combine blocks of two long"
+        " sequences (a tail sequence's zig-zag block carries about half the mean load), so those ranks pull both."
+        " The single-sequence floor of `benchmarks/balance.py` is about 0 on these batches, so this is not shown"
+        " to be structural: running part of a block's tiles on a rank that already pulls its sequence (a Q pull and"
+        " an O push, 8x a K,V block) instead of giving it a second sequence's block would lower the most-loaded"
+        " ranks; the placement does not try that yet.",
         "- Absolute MFU is lower than the seed's: the input and output reshuffles move about 87% of Q, K, V and O"
         " across ranks in this model (one all-to-all each way, only tiles whose tokens stay home overlap it).",
         "",
