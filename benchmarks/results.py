@@ -9,7 +9,7 @@ Figure 11: normalized attention MFU, weak scaling, on the paper-like trace (one 
 Figure 12: normalized attention MFU vs block size (FCP, 128 GPUs).
 Also: the same comparison on ProLong lengths with a long tail (30% of tokens in 128K-512K sequences), read from
 --eval-data when it is there. Each claim of issue 5 is checked against the numbers and stated as met or not.
-About 4 minutes on 2 cores with three seeds. Plots need matplotlib (pip install 'fcp[plot]'); tables are written
+About 2.5 minutes on 2 cores with three seeds. Plots need matplotlib (pip install 'fcp[plot]'); tables are written
 without it.
 """
 
