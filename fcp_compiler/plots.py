@@ -41,10 +41,18 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    # Temporary name, then rename: an interrupted save leaves no half-written figure.
+    # Temporary name, then rename: an interrupted save leaves no half-written figure. Like every output of fcp,
+    # the folder is made if it is missing.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidInputError(f"cannot write {str(path)!r}: {error.strerror}") from None
     temporary = path.with_name(f".{path.name}.tmp")
-    fig.savefig(temporary, dpi=110, format=path.suffix.lstrip(".").lower())
-    os.replace(temporary, path)
+    try:
+        fig.savefig(temporary, dpi=110, format=path.suffix.lstrip(".").lower())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _draw(ax, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str, xlabel: str, ylabel: str,
