@@ -17,8 +17,8 @@ MAX_SEGMENT_PAIRS = 64_000_000
 
 
 def count_segment_pairs(sharding: Sharding) -> int:
-    """How many (query segment, key segment) pairs of one sequence the tile set will hold: g(g+1)/2 causal or
-    g^2 full for a sequence cut into g segments."""
+    """How many (query segment, key segment) pairs of the same sequence the tile set will hold: per sequence cut
+    into g segments, g(g+1)/2 causal or g^2 full."""
     per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
     return int((per_seq * (per_seq + 1) // 2).sum() if sharding.batch.causal else (per_seq * per_seq).sum())
 
@@ -56,7 +56,8 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
     if num_pairs > MAX_SEGMENT_PAIRS:
         raise InfeasibleError(
             f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
-            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not cut every sequence into 2N chunks")
+            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
+            f"cut every sequence into 2N chunks")
     # Segments of one sequence never overlap, so in start order a key segment before the query one is seen whole,
     # the same segment is a causal triangle, and (causal) a later one is not seen at all.
     seg_seq = sharding.seg_seq
