@@ -40,25 +40,36 @@ def schedule_pushes(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, c
     recv_load = np.bincount(dst * num_stages + ready_stage)
     if send_load.max() <= capacity and recv_load.max() <= capacity:
         return ready_stage.astype(np.int64)
-    stage = np.empty(ready_stage.size, dtype=np.int64)
-    sends: dict[tuple[int, int], int] = {}
-    recvs: dict[tuple[int, int], int] = {}
-    # Pushes come in ready order, so per rank the stages before its first one with room never matter again.
-    send_room: dict[int, int] = {}
-    recv_room: dict[int, int] = {}
+    # The greedy runs on Python ints (no numpy scalars in the loop) with one int key per (rank, stage).
+    src_list, dst_list, ready_list = src.tolist(), dst.tolist(), ready_stage.tolist()
+    stride = num_stages + ready_stage.size // capacity + 2  # no push can be delayed past this
+    sends: dict[int, int] = {}
+    recvs: dict[int, int] = {}
+    # Pushes come in ready order, so per rank the stages before its first one with room never matter again: these
+    # lower bounds on it only save scanning.
+    num_ranks = int(max(src.max(), dst.max())) + 1
+    send_room = [0] * num_ranks
+    recv_room = [0] * num_ranks
+    placed = [0] * ready_stage.size
     for push in np.lexsort((np.arange(ready_stage.size), ready_stage)).tolist():
-        a, b = int(src[push]), int(dst[push])
-        s = max(int(ready_stage[push]), send_room.get(a, 0), recv_room.get(b, 0))
-        while sends.get((a, s), 0) >= capacity or recvs.get((b, s), 0) >= capacity:
+        a, b, ready = src_list[push], dst_list[push], ready_list[push]
+        s = max(ready, send_room[a], recv_room[b])
+        send_key, recv_key = a * stride, b * stride
+        while sends.get(send_key + s, 0) >= capacity or recvs.get(recv_key + s, 0) >= capacity:
             s += 1
-        sends[(a, s)] = sends.get((a, s), 0) + 1
-        recvs[(b, s)] = recvs.get((b, s), 0) + 1
-        stage[push] = s
-        for room, counts, end in ((send_room, sends, a), (recv_room, recvs, b)):
-            first = max(room.get(end, 0), int(ready_stage[push]))
-            while counts.get((end, first), 0) >= capacity:
-                first += 1
-            room[end] = first
+        sent = sends[send_key + s] = sends.get(send_key + s, 0) + 1
+        received = recvs[recv_key + s] = recvs.get(recv_key + s, 0) + 1
+        placed[push] = s
+        if sent >= capacity and s == max(send_room[a], ready):
+            while sends.get(send_key + s, 0) >= capacity:
+                s += 1
+            send_room[a] = s
+        s = placed[push]
+        if received >= capacity and s == max(recv_room[b], ready):
+            while recvs.get(recv_key + s, 0) >= capacity:
+                s += 1
+            recv_room[b] = s
+    stage = np.array(placed, dtype=np.int64)
     return stage
 
 
