@@ -311,16 +311,26 @@ def sweep_command(
     block_size: str = typer.Option("1024,2048,4096,8192", "--block-size"),
     profile: str = typer.Option("h100", "--profile"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="normalized MFU vs block size (.png/.pdf/.svg; needs "
+                                                             "matplotlib)"),
 ) -> None:
     """FCP at several block sizes: balance and simulated normalized MFU."""
     from fcp_compiler.compare import sweep_block_sizes
     from fcp_compiler.inputs import load_batch, load_profile
     from fcp_compiler.report import table
 
-    rows = sweep_block_sizes(load_batch(batch), gpus, _int_list(block_size, "--block-size"),
-                             profile=load_profile(profile))
+    sizes = _int_list(block_size, "--block-size")
+    if plot:
+        from fcp_compiler.plots import check_plot_path, line_plot
+
+        check_plot_path(plot)
+    rows = sweep_block_sizes(load_batch(batch), gpus, sizes, profile=load_profile(profile))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "results": rows})
+    if plot:
+        line_plot(plot, f"FCP normalized MFU vs block size ({batch}, {gpus} GPUs)", "normalized MFU",
+                  {pass_name: ([r["block_size"] for r in rows], [r[f"normalized_mfu_{key}"] for r in rows])
+                   for pass_name, key in (("forward", "fwd"), ("backward", "bwd"))}, xlabel="block size")
     typer.echo(table(["block", "compute imb", "comm imb", "rounds", "norm MFU fwd", "norm MFU bwd"],
                      [[r["block_size"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
                        r["num_rounds"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}"]

@@ -100,6 +100,9 @@ def test_compare_plot(tmp_path, capsys, monkeypatch):
     assert main(["compare", str(batch), "--gpus", "2,4", "--methods", "fcp,magi", "--plot", str(figure)]) == 0
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    sweep_figure = tmp_path / "sweep.svg"
+    assert main(["sweep", str(batch), "--gpus", "4", "--block-size", "2048,4096", "--plot", str(sweep_figure)]) == 0
+    assert sweep_figure.read_text().lstrip().startswith("<?xml") and "<svg" in sweep_figure.read_text()
     bad = tmp_path / "cmp.gif"
     assert main(["compare", str(batch), "--gpus", "2", "--plot", str(bad)]) == 2
     assert ".png, .pdf, .svg" in capsys.readouterr().err and not bad.exists()
