@@ -77,10 +77,12 @@ def line_plot(path: str | Path, title: str, ylabel: str, series: dict[str, tuple
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    _draw(ax, series, title, xlabel, ylabel, log_x)
-    fig.tight_layout()
-    _save(fig, Path(path))
-    plt.close(fig)
+    try:
+        _draw(ax, series, title, xlabel, ylabel, log_x)
+        fig.tight_layout()
+        _save(fig, Path(path))
+    finally:
+        plt.close(fig)
 
 
 def series_by_method(rows: Sequence[dict], key: str) -> dict[str, tuple[list, list]]:
@@ -103,10 +105,12 @@ def compare_figure(rows: Sequence[dict], path: str | Path, title: str) -> None:
     """
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(9, 6.4))
-    for ax, (key, panel) in zip(axes.ravel(), COMPARE_PANELS):
-        _draw(ax, series_by_method(rows, key), panel, "GPUs", "imbalance" if "imbalance" in key else "normalized MFU",
-              log_x=len({row["gpus"] for row in rows}) > 1)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    _save(fig, Path(path))
-    plt.close(fig)
+    try:
+        for ax, (key, panel) in zip(axes.ravel(), COMPARE_PANELS):
+            _draw(ax, series_by_method(rows, key), panel, "GPUs",
+                  "imbalance" if "imbalance" in key else "normalized MFU", log_x=len({row["gpus"] for row in rows}) > 1)
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        _save(fig, Path(path))
+    finally:
+        plt.close(fig)
