@@ -321,16 +321,14 @@ def sweep_command(
 
     sizes = _int_list(block_size, "--block-size")
     if plot:
-        from fcp_compiler.plots import check_plot_path, line_plot
+        from fcp_compiler.plots import check_plot_path, sweep_figure
 
         check_plot_path(plot)
     rows = sweep_block_sizes(load_batch(batch), gpus, sizes, profile=load_profile(profile))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "results": rows})
     if plot:
-        line_plot(plot, f"FCP normalized MFU vs block size ({batch}, {gpus} GPUs)", "normalized MFU",
-                  {pass_name: ([r["block_size"] for r in rows], [r[f"normalized_mfu_{key}"] for r in rows])
-                   for pass_name, key in (("forward", "fwd"), ("backward", "bwd"))}, xlabel="block size")
+        sweep_figure(rows, plot, f"FCP normalized MFU vs block size ({batch}, {gpus} GPUs)")
     typer.echo(table(["block", "compute imb", "comm imb", "rounds", "norm MFU fwd", "norm MFU bwd"],
                      [[r["block_size"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
                        r["num_rounds"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}"]

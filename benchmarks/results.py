@@ -23,7 +23,7 @@ from fcp_compiler.baselines import Planner
 from fcp_compiler.compare import compare, sweep_block_sizes
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.inputs import load_batch
-from fcp_compiler.plots import compare_figure, line_plot, series_by_method
+from fcp_compiler.plots import compare_figure, line_plot, series_by_method, sweep_figure
 from fcp_compiler.traces import empirical_batch, lognormal_batch, read_lengths_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,11 +170,7 @@ def main() -> None:
                  "normalized MFU (fwd)", series_by_method(paper_mean, "normalized_mfu_fwd"))):
             line_plot(args.out / name, title, ylabel, data)
             plotted.append(name)
-        line_plot(args.out / "fig12_block_size.png", "Fig. 12: FCP normalized MFU vs block size (128 GPUs)",
-                  "normalized MFU", {"forward": ([r["block_size"] for r in sweep],
-                                                 [r["normalized_mfu_fwd"] for r in sweep]),
-                                     "backward": ([r["block_size"] for r in sweep],
-                                                  [r["normalized_mfu_bwd"] for r in sweep])}, xlabel="block size")
+        sweep_figure(sweep, args.out / "fig12_block_size.png", "Fig. 12: FCP normalized MFU vs block size (128 GPUs)")
         plotted.append("fig12_block_size.png")
         if prolong:
             compare_figure(prolong, args.out / "prolong_tail.png",

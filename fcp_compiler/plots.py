@@ -85,6 +85,18 @@ def line_plot(path: str | Path, title: str, ylabel: str, series: dict[str, tuple
         plt.close(fig)
 
 
+def sweep_figure(rows: Sequence[dict], path: str | Path, title: str) -> None:
+    """The `fcp sweep` figure: normalized MFU, forward and backward, against block size.
+
+    Raises:
+        InvalidInputError: when matplotlib is not installed.
+    """
+    sizes = [row["block_size"] for row in rows]
+    line_plot(path, title, "normalized MFU",
+              {name: (sizes, [row[f"normalized_mfu_{key}"] for row in rows])
+               for name, key in (("forward", "fwd"), ("backward", "bwd"))}, xlabel="block size")
+
+
 def series_by_method(rows: Sequence[dict], key: str) -> dict[str, tuple[list, list]]:
     """{method: (gpus, values of key)} over the rows that have a value (methods that could not plan are left out)."""
     out: dict[str, tuple[list, list]] = {}
