@@ -18,6 +18,13 @@ from fcp_compiler.errors import InvalidInputError
 SCHEMA_VERSION = 1
 
 
+class Layout(str, enum.Enum):
+    """Where tokens live outside attention."""
+
+    PLAN = "plan"  # dispatched once per step into the plan's layout; attention moves only blocks
+    USER = "user"  # contiguous user-layout chunks; attention reshuffles Q, K, V in and O out
+
+
 class MaskKind(str, enum.Enum):
     """Which keys a query token sees inside its own sequence."""
 

@@ -195,28 +195,53 @@ class Rounds:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
-    """Rounds coalesced into stages, with the tiles and pushes of the forward and backward programs.
+class PassSchedule:
+    """One pass's program: its pulls in rounds, its tiles in stages, its pushes in rounds.
 
-    A stage posts its pulls and pushes, computes its tiles, then waits for its transfers. A tile runs in a stage
-    after every pull it needs; a push leaves in a stage after every tile that made it.
+    In every round each rank sends at most one message and receives at most one, pulls and pushes together. Stage s
+    holds rounds [s * coalesce, (s + 1) * coalesce): it posts their messages, runs its tiles (which read only what
+    earlier stages delivered), then waits. A push leaves in a stage after every tile that made it.
     """
+
+    coalesce: int
+    edge_round: np.ndarray  # int64 [num_edges], the round of each pull
+    tile_stage: np.ndarray  # int64 [num_tiles]
+    push_edge: np.ndarray  # the pull edges a result returns along (from the puller to the owner) ...
+    push_round: np.ndarray  # ... and the round it does
+
+    @property
+    def edge_stage(self) -> np.ndarray:
+        return self.edge_round // self.coalesce
+
+    @property
+    def push_stage(self) -> np.ndarray:
+        return self.push_round // self.coalesce
+
+    @property
+    def num_rounds(self) -> int:
+        """Rounds that carry a message."""
+        return max([int(a.max()) + 1 for a in (self.edge_round, self.push_round) if a.size] + [0])
+
+    @property
+    def num_stages(self) -> int:
+        return max([int(a.max()) + 1 for a in (self.edge_stage, self.tile_stage, self.push_stage) if a.size] + [1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """The forward and backward programs, and which pull each tile reads."""
 
     rounds: Rounds
     coalesce: int
-    edge_stage: np.ndarray  # int64 [num_edges]
-    tile_stage: np.ndarray  # int64 [num_tiles] (forward and backward use the same stages)
-    tile_order: np.ndarray  # tiles in pipeline order: by rank, stage, arrival round, index
-    fwd_push_edge: np.ndarray  # Q edges whose partial output is pushed back, and when
-    fwd_push_stage: np.ndarray
-    bwd_push_edge: np.ndarray  # every pull edge pushes its gradient (dK dV, or dQ) back, and when
-    bwd_push_stage: np.ndarray
-    num_fwd_stages: int
-    num_bwd_stages: int
+    forward: PassSchedule  # pushes: partial O and LSE back along Q pulls
+    backward: PassSchedule  # pushes: dK, dV (or dQ) back along every pull
+    tile_kv_edge: np.ndarray  # int64 [num_tiles], the KV pull each tile reads, -1 where its K,V are local
+    tile_q_edge: np.ndarray  # the Q pull, -1 where its queries are local
+    tile_order: np.ndarray  # tiles in forward pipeline order: by rank, stage, arrival round, index
 
     @property
     def num_comm_stages(self) -> int:
-        """Stages that carry pulls: ceil(num_rounds / coalesce)."""
+        """Stages that carry forward pulls: ceil(num_rounds / coalesce)."""
         return -(-self.rounds.num_rounds // self.coalesce)
 
 

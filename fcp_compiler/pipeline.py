@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.inputs import (PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile, MaskKind, parse_batch)
+from fcp_compiler.inputs import (PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile, Layout, MaskKind,
+                                 parse_batch)
 from fcp_compiler.baselines import BASELINES, Planner
 from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.passes.assign import assign, default_token_cap
-from fcp_compiler.passes.coalesce import coalesce
+from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens
 from fcp_compiler.passes.cost import cost
 from fcp_compiler.passes.encode import encode
 from fcp_compiler.passes.localize import localize
@@ -42,6 +43,7 @@ class CompileOptions:
     coalesce: int = 16
     token_cap: int | None = None  # None: mean tokens per rank + one block
     zigzag: ZigzagMode = ZigzagMode.AUTO
+    layout: Layout = Layout.PLAN
     shape: AttentionShape = field(default_factory=AttentionShape)
     profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
     # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
@@ -117,6 +119,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner
         "format_version": FORMAT_VERSION, "planner": planner, "lengths": batch.lengths.tolist(),
         "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.block_size,
         "coalesce": options.coalesce, "token_cap": token_cap, "zigzag": options.zigzag.value,
+        "layout": options.layout.value,
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
@@ -145,7 +148,7 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
 
 
 def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int = 16, token_cap: int | None = None,
-             zigzag: ZigzagMode | str = "auto", shape: AttentionShape | None = None,
+             zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan", shape: AttentionShape | None = None,
              profile: HardwareProfile | str = "h100", mask: MaskKind | str | None = None, pipelined: bool = True,
              matching_rounds: bool = True, reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
     """Check and normalise compile_plan's arguments: (options, planner, batch, token cap)."""
@@ -156,8 +159,12 @@ def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int =
         zigzag_mode = ZigzagMode(zigzag)
     except ValueError:
         raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
+    try:
+        the_layout = Layout(layout)
+    except ValueError:
+        raise InvalidInputError(f"layout {layout!r} must be one of plan, user") from None
     options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             zigzag=zigzag_mode, shape=shape or AttentionShape(), profile=profile,
+                             zigzag=zigzag_mode, layout=the_layout, shape=shape or AttentionShape(), profile=profile,
                              pipelined=pipelined, matching_rounds=matching_rounds,
                              reshuffle_overlap=reshuffle_overlap)
     options.check()
@@ -182,7 +189,8 @@ def plan_digest(batch, gpus: int, **compile_options) -> str:
 
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
                  coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
-                 shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
+                 layout: Layout | str = "plan", shape: AttentionShape | None = None,
+                 profile: HardwareProfile | str = "h100",
                  mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
                  reshuffle_overlap: bool = True, planner: Planner | str = "fcp") -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
@@ -196,6 +204,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         coalesce_degree: rounds per stage.
         token_cap: most tokens per rank (default: mean + one block).
         zigzag: "auto" (on for causal batches with a sequence of two blocks or more), "on" or "off".
+        layout: "plan" (the default: tokens are dispatched once into the plan's layout and every layer works there)
+            or "user" (attention reshuffles from and to contiguous user-layout chunks); recorded in the header.
         shape: attention shape (default: 64 query heads, 8 KV heads, head_dim 128, bf16).
         profile: a preset name or a HardwareProfile.
         mask: override of the batch's mask kind.
@@ -213,8 +223,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     timer = _PassTimer()
     options, planner, the_batch, cap = timer.run(
         "parse", _prepare, batch, gpus, block_size=block_size, coalesce_degree=coalesce_degree, token_cap=token_cap,
-        zigzag=zigzag, shape=shape, profile=profile, mask=mask, pipelined=pipelined, matching_rounds=matching_rounds,
-        reshuffle_overlap=reshuffle_overlap, planner=planner)
+        zigzag=zigzag, layout=layout, shape=shape, profile=profile, mask=mask, pipelined=pipelined,
+        matching_rounds=matching_rounds, reshuffle_overlap=reshuffle_overlap, planner=planner)
     zigzag_mode = options.zigzag
 
     if planner is Planner.FCP:
@@ -253,14 +263,17 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
     sharding = transfers.assignment.tiles.sharding
     recv_buffer = 0
     if transfers.num_edges:
-        num_stages = int(schedule.edge_stage.max()) + 1
-        per_stage = np.bincount(transfers.edge_dst * num_stages + schedule.edge_stage, weights=transfers.edge_tokens)
+        edge_stage = schedule.forward.edge_stage
+        num_stages = int(edge_stage.max()) + 1
+        per_stage = np.bincount(transfers.edge_dst * num_stages + edge_stage, weights=transfers.edge_tokens)
         recv_buffer = int(per_stage.max())
     return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=sharding.block_size,
                 coalesce=options.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
-                num_rounds=rounds.num_rounds, num_fwd_stages=schedule.num_fwd_stages,
-                num_bwd_stages=schedule.num_bwd_stages, recv_buffer_tokens=recv_buffer, pipelined=options.pipelined,
+                layout=options.layout, num_rounds=rounds.num_rounds, num_fwd_rounds=schedule.forward.num_rounds,
+                num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,
+                num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
+                max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,
                 rounds_kind="matching" if options.matching_rounds else "arbitrary",
                 reshuffle_overlap=options.reshuffle_overlap)

@@ -21,26 +21,27 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fcp_compiler.errors import PlanFormatError
-from fcp_compiler.inputs import AttentionShape, HardwareProfile, MaskKind
+from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 
 MAGIC = b"FCPPLAN\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _ARRAY_DTYPE = np.dtype("<i4")
 
 # Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; row i carries
-# *_seg_count[i] segments, listed in order in *_segs. A push returns a partial result along a pull: the sender's row
-# points into its pull_recv rows, the receiver's row into its pull_send rows.
+# *_seg_count[i] segments, listed in order in *_segs, and travels in round *_round of the forward pass and
+# *_bwd_round of the backward pass. A push returns a partial result along a pull: the sender's row points into its
+# pull_recv rows, the receiver's row into its pull_send rows. Stage = round // coalesce.
 RANK_ARRAYS = (
     "blocks",  # block ids this rank holds, in plan-layout order
     "reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length",  # user layout -> peer's plan layout
     "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length",  # peer's user layout -> plan layout
-    "pull_send_round", "pull_send_kind", "pull_send_block", "pull_send_peer", "pull_send_seg_count",
-    "pull_send_segs",
-    "pull_recv_round", "pull_recv_kind", "pull_recv_block", "pull_recv_peer", "pull_recv_seg_count",
-    "pull_recv_segs",
-    "tile_stage", "tile_q_block", "tile_kv_block",  # in pipeline order; the backward program runs the same tiles
-    "fwd_push_send_stage", "fwd_push_send_pull", "fwd_push_recv_stage", "fwd_push_recv_pull",
-    "bwd_push_send_stage", "bwd_push_send_pull", "bwd_push_recv_stage", "bwd_push_recv_pull",
+    "pull_send_round", "pull_send_bwd_round", "pull_send_kind", "pull_send_block", "pull_send_peer",
+    "pull_send_seg_count", "pull_send_segs",
+    "pull_recv_round", "pull_recv_bwd_round", "pull_recv_kind", "pull_recv_block", "pull_recv_peer",
+    "pull_recv_seg_count", "pull_recv_segs",
+    "tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block",  # in forward pipeline order
+    "fwd_push_send_round", "fwd_push_send_pull", "fwd_push_recv_round", "fwd_push_recv_pull",
+    "bwd_push_send_round", "bwd_push_send_pull", "bwd_push_recv_round", "bwd_push_recv_pull",
 )
 GLOBAL_ARRAYS = ("seq_lengths", "seg_block", "seg_seq", "seg_start", "seg_end")
 
@@ -51,7 +52,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[2] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1)
@@ -65,10 +66,16 @@ class PlanHeader(BaseModel):
     num_blocks: int = Field(..., ge=1)
     shape: AttentionShape
     profile: HardwareProfile
-    num_rounds: int = Field(..., ge=0)
+    layout: Layout = Field(..., description="plan: every layer holds tokens in the plan layout (dispatched once); "
+                                           "user: attention reshuffles to and from the user layout")
+    num_rounds: int = Field(..., ge=0, description="rounds of the forward pulls (their largest degree)")
+    num_fwd_rounds: int = Field(..., ge=0, description="rounds of the forward pass, pulls and pushes")
+    num_bwd_rounds: int = Field(..., ge=0, description="rounds of the backward pass, pulls and pushes")
     num_fwd_stages: int = Field(..., ge=1)
     num_bwd_stages: int = Field(..., ge=1)
     recv_buffer_tokens: int = Field(..., ge=0, description="most pulled tokens a rank receives in one stage")
+    max_buffer_tokens: int = Field(..., ge=0, description="most tokens of live received buffers (pulls, pushes, "
+                                                          "the stage in flight) on any rank in any stage")
     pipelined: bool = Field(True, description="tiles run in the stage after their data (False: after all pulls)")
     rounds_kind: Literal["matching", "arbitrary"] = Field(
         "matching", description="matching: congestion-free rounds; arbitrary: pulls in edge order (ablation only)")
@@ -237,8 +244,11 @@ def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:
     """Which of a rank's tiles may run while the input reshuffle is in flight: stage-0 tiles whose query and key
-    blocks the rank holds and whose tokens all stay on it (a run from the rank to itself). Bool per tile row."""
+    blocks the rank holds and whose tokens all stay on it (a run from the rank to itself). Bool per tile row; all
+    False in the plan layout, which has no reshuffle."""
     a, tables = program.arrays, program.tables
+    if program.header.layout is Layout.PLAN:
+        return np.zeros(a["tile_stage"].size, dtype=bool)
     seg_ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
     block_tokens = np.add.reduceat(tables.seg_end - tables.seg_start, seg_ptr[:-1])
     held = a["blocks"]

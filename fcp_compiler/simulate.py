@@ -1,7 +1,8 @@
 """Cost-model simulation of a plan, rank by rank and stage by stage, forward and backward.
 
 Model (per rank: one compute stream, and a send and a receive link for each of NVLink and the NIC):
-- The input reshuffle starts at time 0; tiles whose tokens stay on the rank run while it is in flight (when the
+- Plan layout (the default): tokens were dispatched once per step, so attention starts with stage 0. User layout:
+  the input reshuffle starts at time 0; tiles whose tokens stay on the rank run while it is in flight (when the
   plan allows the overlap), and stage 0 starts when both are done.
 - A stage's messages (pulls of its rounds, pushes posted in it) launch together; a message starts when both ends
   have begun the stage, pays the per-message latency, and ends when the busier of its two link ends has drained:
@@ -10,9 +11,9 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
   because a rank starts stage s + 1 only after its stage-s messages are done.
 - The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
   the rank's messages are in flight; each stage that runs tiles pays one kernel launch.
-- The next stage starts when both the tiles and the messages of this one are done; the output reshuffle starts when
-  both ends have finished their last stage.
-Backward is the same with 2.5x the tile work and the backward messages.
+- The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
+  reshuffle starts when both ends have finished their last stage.
+Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fcp_compiler.inputs import HardwareProfile
+from fcp_compiler.inputs import HardwareProfile, Layout
 from fcp_compiler.ir import Batch, Sharding
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.passes.cost import cost, tile_efficiency
@@ -327,13 +328,16 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
     tile_kv, _ = stack_ranks(programs, "tile_kv_block")
     tile_stage, _ = stack_ranks(programs, "tile_stage")
+    tile_bwd_stage, _ = stack_ranks(programs, "tile_bwd_stage")
     tile_idx = np.searchsorted(keys, tile_q * sharding.num_blocks + tile_kv)
     early = np.concatenate([tiles_during_reshuffle(program) for program in programs])
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
+    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile)
     tile_names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
 
     seg_tokens = tables.seg_end - tables.seg_start
     r_round, r_me = stack_ranks(programs, "pull_recv_round")
+    r_bwd_round, _ = stack_ranks(programs, "pull_recv_bwd_round")
     r_kind, _ = stack_ranks(programs, "pull_recv_kind")
     r_block, _ = stack_ranks(programs, "pull_recv_block")
     r_peer, _ = stack_ranks(programs, "pull_recv_peer")
@@ -343,16 +347,19 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                            minlength=r_round.size)
     recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
-    pull_stage = r_round // header.coalesce
     pull_names = [f"{'KV' if k == KIND_KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
         if record else None
 
     def pushes(prefix):
-        stage, sender = stack_ranks(programs, f"{prefix}_push_send_stage")
+        push_round, sender = stack_ranks(programs, f"{prefix}_push_send_round")
         pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
-        return stage, pull + recv_base[sender]
+        return push_round // header.coalesce, pull + recv_base[sender]
 
-    def pass_input(prefix, pull_bytes, push_bytes_of, work, num_stages, shuffle_in, shuffle_out):
+    no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
+    in_user_layout = header.layout is Layout.USER
+
+    def pass_input(prefix, pull_bytes, pull_round, push_bytes_of, stages, seconds_of_tiles, num_stages, shuffle_in,
+                   shuffle_out):
         push_stage, push_row = pushes(prefix)
         names = None
         if record:
@@ -362,21 +369,23 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             num_ranks=n, num_stages=num_stages,
             flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
             flow_bytes=np.concatenate((pull_bytes, push_bytes_of(push_row))),
-            flow_stage=np.concatenate((pull_stage, push_stage)), flow_name=names,
-            tile_rank=tile_rank, tile_stage=tile_stage, tile_seconds=seconds * work, tile_early=early,
-            tile_name=tile_names, reshuffle_in=_reshuffle_flows(programs, shuffle_in),
-            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)))
+            flow_stage=np.concatenate((pull_round // header.coalesce, push_stage)), flow_name=names,
+            tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
+            tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
+            reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
+            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows)
 
     fwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, 3 * q_bytes + lse_bytes)
     links = LinkModel.from_profile(profile, n)
-    forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
-                                       1.0, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
+    forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, r_round,
+                                       lambda rows: r_tokens[rows] * (q_bytes + lse_bytes), tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
                             links, header.reshuffle_overlap, record, 0.0, "fwd")
-    backward = simulate_pass(pass_input("bwd", bwd_pull_bytes,
+    backward = simulate_pass(pass_input("bwd", bwd_pull_bytes, r_bwd_round,
                                         lambda rows: r_tokens[rows] * np.where(r_kind[rows] == KIND_KV, kv_bytes,
                                                                                q_bytes),
-                                        BACKWARD_WORK, header.num_bwd_stages, q_bytes, q_bytes + kv_bytes),
+                                        tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
+                                        q_bytes + kv_bytes),
                              links, header.reshuffle_overlap, record, forward.makespan, "bwd")
     lengths = tables.seq_lengths.astype(np.float64)
     pairs = lengths * (lengths + 1) / 2 if header.mask.value == "causal" else lengths ** 2

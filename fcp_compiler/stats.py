@@ -7,7 +7,8 @@ import hashlib
 import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
-from fcp_compiler.ir import Reshuffle, TransferKind
+from fcp_compiler.ir import PassSchedule, Reshuffle, TransferKind, Transfers
+from fcp_compiler.passes.coalesce import max_buffer_tokens
 
 LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output
 
@@ -25,6 +26,17 @@ def forward_comm_bytes(final: Reshuffle) -> tuple[np.ndarray, np.ndarray]:
     sent = (np.bincount(transfers.edge_src, weights=pull_bytes, minlength=num_ranks)
             + np.bincount(transfers.edge_dst[is_q], weights=push_bytes, minlength=num_ranks))
     return received, sent
+
+
+def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
+    """Largest number of messages (pulls and the pass's pushes) any rank sends or receives in one pass: the fewest
+    rounds that pass could take if pushes did not have to wait for their tiles."""
+    num_ranks = transfers.assignment.num_ranks
+    senders = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
+    receivers = np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge]))
+    if senders.size == 0:
+        return 0
+    return int(max(np.bincount(senders, minlength=num_ranks).max(), np.bincount(receivers, minlength=num_ranks).max()))
 
 
 def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float]) -> dict:
@@ -54,8 +66,13 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "max_degree": rounds.max_degree,
         "num_rounds": rounds.num_rounds,
         "num_stages": schedule.num_comm_stages,
-        "num_fwd_stages": schedule.num_fwd_stages,
-        "num_bwd_stages": schedule.num_bwd_stages,
+        "num_fwd_rounds": schedule.forward.num_rounds,
+        "num_bwd_rounds": schedule.backward.num_rounds,
+        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward),
+        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward),
+        "num_fwd_stages": schedule.forward.num_stages,
+        "num_bwd_stages": schedule.backward.num_stages,
+        "max_buffer_tokens": max_buffer_tokens(schedule),
         "compute_imbalance": imbalance_ratio(compute),
         "comm_imbalance": imbalance_ratio(received),
         "comm_sent_imbalance": imbalance_ratio(sent),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.plan_format import PlanReader, expand_ranges, stack_ranks
 
@@ -45,6 +46,7 @@ class ValidationReport:
     max_degree: int
     num_pushes_fwd: int
     num_pushes_bwd: int
+    max_buffer_tokens: int
 
 
 def _fail(invariant: int, message: str) -> None:
@@ -195,26 +197,19 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     if np.unique(pull_key).size != pull_key.size:
         _fail(3, "a rank pulls the same block twice")
 
-    # 3. Congestion freedom: in a round no rank sends or receives twice; rounds == Delta.
+    # 3. The forward pulls take exactly Delta rounds (Konig's optimum).
     num_rounds = header.num_rounds
-    if num_pulls:
-        if r_round.min() < 0 or r_round.max() >= num_rounds:
-            _fail(3, f"a pull is in round {int(r_round.max())}, outside the plan's {num_rounds} rounds")
-        for side, who in (("sends", s_me), ("receives", r_me)):
-            per_round = np.bincount(who * num_rounds + (s_round if side == "sends" else r_round))
-            if per_round.max() > 1:
-                bad = int(np.argmax(per_round))
-                _fail(3, f"in round {bad % num_rounds} rank {bad // num_rounds} {side} "
-                         f"{int(per_round[bad])} pulls")
     max_degree = int(max(np.bincount(s_me, minlength=num_ranks).max(), np.bincount(r_me, minlength=num_ranks).max())) \
         if num_pulls else 0
     if num_rounds != max_degree:
         _fail(3, f"the plan uses {num_rounds} rounds but its largest degree is {max_degree}")
+    if num_pulls and (r_round.min() < 0 or r_round.max() >= num_rounds):
+        _fail(3, f"a pull is in round {int(r_round.max())}, outside the plan's {num_rounds} pull rounds")
 
-    # Receive buffers: tokens pulled into a rank within one stage stay within the stated bound.
-    if num_pulls:
-        r_tokens = np.bincount(np.repeat(np.arange(num_pulls), r_count), weights=(seg_end - seg_start)[r_segs],
-                               minlength=num_pulls)
+    # Receive buffers: tokens pulled into a rank within one forward stage stay within the stated bound.
+    r_tokens = np.bincount(np.repeat(np.arange(num_pulls), r_count), weights=(seg_end - seg_start)[r_segs],
+                           minlength=num_pulls).astype(np.int64)
+    if num_pulls and r_round.min() >= 0:
         stage_of_pull = r_round // coalesce
         num_stages = int(stage_of_pull.max()) + 1
         per_stage = np.bincount(r_me * num_stages + stage_of_pull, weights=r_tokens)
@@ -226,96 +221,246 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
         _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds coalesce x block size "
                  f"({coalesce * block_size})")
 
-    # 2. Data before use: every tile's remote Q and K,V arrive (with the segments it reads) in an earlier stage.
-    pull_key = np.sort(pull_key)
-    pull_order = np.argsort(r_kind * num_blocks * num_ranks + r_block * num_ranks + r_me, kind="stable")
-    last_use = np.full(num_pulls, -1, dtype=np.int64)  # per received pull row: last stage a tile used it
-    tile_sorted = np.argsort(tile_key, kind="stable")
-    pair_tile = tile_sorted[np.searchsorted(tile_key[tile_sorted], seg_block[q_seg] * num_blocks + seg_block[k_seg])]
-    carried = np.unique(np.repeat(r_kind, r_count) * num_segments * num_ranks + r_segs * num_ranks
-                        + np.repeat(r_me, r_count)) if num_pulls else np.zeros(0, dtype=np.int64)
-    for kind, what, tile_block, needed_seg in ((KIND_Q, "Q", tile_q, q_seg), (KIND_KV, "K,V", tile_kv, k_seg)):
-        remote = owner[tile_block] != tile_rank
-        key = kind * num_blocks * num_ranks + tile_block * num_ranks + tile_rank
-        pos = np.minimum(np.searchsorted(pull_key, key), max(num_pulls - 1, 0))
-        found = (pull_key[pos] == key) if num_pulls else np.zeros(key.size, dtype=bool)
+    pulls = _Pulls(kind=r_kind, block=r_block, me=r_me, peer=r_peer, count=r_count, segs=r_segs, tokens=r_tokens,
+                   send_me=s_me, send_kind=s_kind, send_block=s_block, send_peer=s_peer)
+    tiles = _Tiles(q=tile_q, kv=tile_kv, rank=tile_rank, q_seg=q_seg, k_seg=k_seg, key=tile_key)
+    context = _Context(programs=programs, num_ranks=num_ranks, num_blocks=num_blocks, num_segments=num_segments,
+                       coalesce=coalesce, owner=owner, seg_block=seg_block)
+    peaks = []
+    num_pushes = {}
+    for label, pull_round_name, send_round_name, tile_stage_name, kinds, num_pass_rounds, num_pass_stages in (
+            ("fwd", "pull_recv_round", "pull_send_round", "tile_stage", (KIND_Q,), header.num_fwd_rounds,
+             header.num_fwd_stages),
+            ("bwd", "pull_recv_bwd_round", "pull_send_bwd_round", "tile_bwd_stage", (KIND_Q, KIND_KV),
+             header.num_bwd_rounds, header.num_bwd_stages)):
+        program = _PassProgram(label=label, recv_round=stack_ranks(programs, pull_round_name)[0],
+                               send_round=stack_ranks(programs, send_round_name)[0],
+                               tile_stage=stack_ranks(programs, tile_stage_name)[0], push_kinds=kinds,
+                               num_rounds=num_pass_rounds, num_stages=num_pass_stages)
+        peak, num_pushes[label] = _check_pass(context, pulls, tiles, program)
+        peaks.append(peak)
+    stated = header.max_buffer_tokens
+    worst = max(peaks)
+    if worst > stated:
+        _fail(4, f"a rank holds {worst} tokens of live buffers, more than the header's max_buffer_tokens {stated}")
+    _check_reshuffle(programs, header.total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr)
+    return ValidationReport(num_ranks=num_ranks, num_blocks=num_blocks, num_tiles=int(tile_q.size),
+                            num_pulls=int(num_pulls), num_rounds=num_rounds, max_degree=max_degree,
+                            num_pushes_fwd=num_pushes["fwd"], num_pushes_bwd=num_pushes["bwd"],
+                            max_buffer_tokens=worst)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pulls:
+    """Every received pull row, stacked over ranks (and the sent rows' endpoints)."""
+
+    kind: np.ndarray
+    block: np.ndarray
+    me: np.ndarray
+    peer: np.ndarray
+    count: np.ndarray
+    segs: np.ndarray
+    tokens: np.ndarray
+    send_me: np.ndarray
+    send_kind: np.ndarray
+    send_block: np.ndarray
+    send_peer: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Tiles:
+    """Every tile row stacked over ranks, and the visible segment pairs of the batch."""
+
+    q: np.ndarray
+    kv: np.ndarray
+    rank: np.ndarray
+    q_seg: np.ndarray
+    k_seg: np.ndarray
+    key: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Context:
+    programs: list
+    num_ranks: int
+    num_blocks: int
+    num_segments: int
+    coalesce: int
+    owner: np.ndarray
+    seg_block: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PassProgram:
+    """One pass's rounds and stages, as the ranks state them."""
+
+    label: str
+    recv_round: np.ndarray
+    send_round: np.ndarray
+    tile_stage: np.ndarray
+    push_kinds: tuple[int, ...]
+    num_rounds: int
+    num_stages: int
+
+
+def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgram) -> tuple[int, int]:
+    """Invariants 2, 3 and 4 for one pass; returns (peak live buffer tokens, number of pushes)."""
+    label, coalesce = program.label, ctx.coalesce
+    num_pulls = pulls.kind.size
+    stages = program.tile_stage
+    if stages.size and (stages.min() < 0 or stages.max() >= program.num_stages):
+        bad = int(stages.min() if stages.min() < 0 else stages.max())
+        _fail(2, f"{label}: a tile runs in stage {bad}, outside the plan's {program.num_stages} stages")
+    for rounds in (program.recv_round, program.send_round):
+        if rounds.size and (rounds.min() < 0 or rounds.max() >= program.num_rounds):
+            bad = int(rounds.min() if rounds.min() < 0 else rounds.max())
+            _fail(3, f"{label}: a pull is in round {bad}, outside the pass's {program.num_rounds} rounds")
+    # The sender and the receiver of each pull agree on its round in this pass.
+    s_key = np.lexsort((pulls.send_block, pulls.send_kind, pulls.send_peer, pulls.send_me))
+    r_key = np.lexsort((pulls.block, pulls.kind, pulls.me, pulls.peer))
+    if not np.array_equal(program.send_round[s_key], program.recv_round[r_key]):
+        _fail(3, f"{label}: a pull's sender and receiver disagree on its round")
+    last_use = _check_data_before_use(ctx, pulls, tiles, program)
+    push = _check_pushes(ctx, pulls, program, last_use)
+    # 3. Congestion freedom: in each round a rank sends at most one message and receives at most one, pulls and
+    # pushes together.
+    senders = np.concatenate((pulls.peer, push.sender))
+    receivers = np.concatenate((pulls.me, push.receiver))
+    rounds = np.concatenate((program.recv_round, push.round))
+    if rounds.size:
+        width = program.num_rounds
+        for side, who in (("sends", senders), ("receives", receivers)):
+            per_round = np.bincount(who * width + rounds)
+            if per_round.max() > 1:
+                bad = int(np.argmax(per_round))
+                _fail(3, f"{label}: in round {bad % width} rank {bad // width} {side} {int(per_round[bad])} "
+                         f"messages (pulls and pushes together)")
+        if int(rounds.max()) + 1 != program.num_rounds:
+            _fail(3, f"{label}: the header states {program.num_rounds} rounds, the messages use "
+                     f"{int(rounds.max()) + 1}")
+    if max(int(rounds.max(initial=-1)) // coalesce, int(stages.max(initial=0))) >= program.num_stages:
+        _fail(2, f"{label}: a message lies outside the plan's {program.num_stages} stages")
+    # 4. Live buffers under the liveness rule: each pull from its stage to its last use or push, each push landing
+    # for its stage.
+    last = np.maximum(np.maximum(last_use, program.recv_round // coalesce), push.last_stage)
+    peak = peak_live_tokens(np.concatenate((pulls.me, push.receiver)),
+                            np.concatenate((program.recv_round // coalesce, push.round // coalesce)),
+                            np.concatenate((last, push.round // coalesce)),
+                            np.concatenate((pulls.tokens, push.tokens)), ctx.num_ranks)
+    return int(peak.max(initial=0)), int(push.round.size)
+def _check_data_before_use(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgram) -> np.ndarray:
+    """2. Every tile's remote Q and K,V arrive (with the segments it reads) in an earlier stage of the pass.
+
+    Returns:
+        per received pull row, the last stage a tile uses it.
+    """
+    num_blocks, num_ranks, num_segments = ctx.num_blocks, ctx.num_ranks, ctx.num_segments
+    num_pulls = pulls.kind.size
+    pull_key = pulls.kind * num_blocks * num_ranks + pulls.block * num_ranks + pulls.me
+    pull_order = np.argsort(pull_key, kind="stable")
+    sorted_key = pull_key[pull_order]
+    last_use = np.full(num_pulls, -1, dtype=np.int64)
+    check_segments = program.label == "fwd"  # which segments a pull carries is the same in both passes
+    if check_segments:
+        tile_sorted = np.argsort(tiles.key, kind="stable")
+        pair_key = ctx.seg_block[tiles.q_seg] * num_blocks + ctx.seg_block[tiles.k_seg]
+        pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
+        carried = np.unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
+                            + np.repeat(pulls.me, pulls.count)) if num_pulls else np.zeros(0, dtype=np.int64)
+    for kind, what, tile_block, needed_seg in ((KIND_Q, "Q", tiles.q, tiles.q_seg),
+                                               (KIND_KV, "K,V", tiles.kv, tiles.k_seg)):
+        remote = ctx.owner[tile_block] != tiles.rank
+        key = kind * num_blocks * num_ranks + tile_block * num_ranks + tiles.rank
+        pos = np.minimum(np.searchsorted(sorted_key, key), max(num_pulls - 1, 0))
+        found = (sorted_key[pos] == key) if num_pulls else np.zeros(key.size, dtype=bool)
         missing = remote & ~found
         if missing.any():
             t = int(np.flatnonzero(missing)[0])
-            _fail(2, f"rank {int(tile_rank[t])} runs tile (q {int(tile_q[t])}, kv {int(tile_kv[t])}) without pulling "
-                     f"the {what} of block {int(tile_block[t])}")
+            _fail(2, f"rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv {int(tiles.kv[t])}) without "
+                     f"pulling the {what} of block {int(tile_block[t])}")
         rows = pull_order[pos[remote]]
-        arrival = r_round[rows] // coalesce
-        late = arrival >= tile_stage[remote]
+        arrival = program.recv_round[rows] // ctx.coalesce
+        late = arrival >= program.tile_stage[remote]
         if late.any():
             t = int(np.flatnonzero(remote)[np.argmax(late)])
-            _fail(2, f"rank {int(tile_rank[t])} runs tile (q {int(tile_q[t])}, kv {int(tile_kv[t])}) in stage "
-                     f"{int(tile_stage[t])}, but the {what} of block {int(tile_block[t])} arrives in stage "
-                     f"{int(arrival[np.argmax(late)])}")
-        np.maximum.at(last_use, rows, tile_stage[remote])
+            _fail(2, f"{program.label}: rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv "
+                     f"{int(tiles.kv[t])}) in stage {int(program.tile_stage[t])}, but the {what} of block "
+                     f"{int(tile_block[t])} arrives in stage {int(arrival[np.argmax(late)])}")
+        np.maximum.at(last_use, rows, program.tile_stage[remote])
+        if not check_segments:
+            continue
         # Every segment a remote tile reads must be among those its pull carries.
-        pair_rank = tile_rank[pair_tile]
-        pair_remote = owner[seg_block[needed_seg]] != pair_rank
+        pair_rank = tiles.rank[pair_tile]
+        pair_remote = ctx.owner[ctx.seg_block[needed_seg]] != pair_rank
         needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
         lacking = ~np.isin(needed, carried)
         if lacking.any():
             bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
             _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
-                     f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
+                     f"{int(ctx.seg_block[needed_seg[bad]])} but no pull brings it")
     if (last_use < 0).any():
         bad = int(np.argmax(last_use < 0))
-        _fail(2, f"rank {int(r_me[bad])} pulls block {int(r_block[bad])} but no tile there uses it")
+        _fail(2, f"rank {int(pulls.me[bad])} pulls block {int(pulls.block[bad])} but no tile there uses it")
+    return last_use
 
-    # Pushes: partial outputs (forward) and gradients (backward) return along their pull after the last tile.
-    def check_pushes(prefix: str, kinds: tuple[int, ...]) -> int:
-        send_stage, sender = stack_ranks(programs, f"{prefix}_push_send_stage")
-        send_pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
-        recv_stage, receiver = stack_ranks(programs, f"{prefix}_push_recv_stage")
-        recv_pull, _ = stack_ranks(programs, f"{prefix}_push_recv_pull")
-        recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
-        send_base = np.concatenate(([0], np.cumsum([p.arrays["pull_send_round"].size for p in programs])))
-        if send_stage.size != recv_stage.size:
-            _fail(2, f"{prefix}: {send_stage.size} pushes leave but {recv_stage.size} arrive")
-        if send_pull.size and ((send_pull < 0).any() or (send_pull + recv_base[sender] >= recv_base[sender + 1]).any()
-                               or (recv_pull < 0).any()
-                               or (recv_pull + send_base[receiver] >= send_base[receiver + 1]).any()):
-            _fail(2, f"{prefix}: a push points at a pull its rank does not have")
-        # The pull a push returns along, as (kind, block, puller, owner).
-        g_recv = send_pull + recv_base[sender]  # row in the stacked pull_recv table (unsorted order)
-        sent = np.stack([r_kind[g_recv], r_block[g_recv], r_me[g_recv], r_peer[g_recv], send_stage])
-        g_send = recv_pull + send_base[receiver]
-        arrived = np.stack([s_kind[g_send], s_block[g_send], s_peer[g_send], s_me[g_send], recv_stage])
-        sent = sent[:, np.lexsort(sent[::-1])]
-        arrived = arrived[:, np.lexsort(arrived[::-1])]
-        if not np.array_equal(sent, arrived):
-            _fail(2, f"{prefix}: a push leaves and arrives differently")
-        # Each pull of these kinds returns exactly once, after the last tile that used it.
-        returned = np.bincount(g_recv, minlength=num_pulls) if num_pulls else np.zeros(0, dtype=np.int64)
-        expects = np.isin(r_kind, kinds)
-        wrong = (returned != expects.astype(np.int64))
-        if wrong.any():
-            bad = int(np.argmax(wrong))
-            what = {KIND_Q: "partial output" if prefix == "fwd" else "dQ partial", KIND_KV: "dK, dV partial"}
-            _fail(2, f"{prefix}: rank {int(r_me[bad])} pushes the {what[int(r_kind[bad])]} of block "
-                     f"{int(r_block[bad])} back {int(returned[bad])} times (expected {int(expects[bad])})")
-        early = send_stage <= last_use[g_recv]
-        if early.any():
-            bad = int(np.argmax(early))
-            _fail(2, f"{prefix}: rank {int(sender[bad])} pushes the result for block {int(r_block[g_recv[bad]])} in "
-                     f"stage {int(send_stage[bad])}, not after its last tile in stage {int(last_use[g_recv[bad]])}")
-        for who, stages in ((sender, send_stage), (receiver, recv_stage)):
-            if stages.size:
-                per_stage = np.bincount(who * (int(stages.max()) + 1) + stages)
-                if per_stage.max() > coalesce:
-                    _fail(3, f"{prefix}: a rank has {int(per_stage.max())} pushes in one stage, over {coalesce}")
-        return int(send_stage.size)
 
-    num_pushes_fwd = check_pushes("fwd", (KIND_Q,))
-    num_pushes_bwd = check_pushes("bwd", (KIND_Q, KIND_KV))
-    _check_reshuffle(programs, header.total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr)
-    return ValidationReport(num_ranks=num_ranks, num_blocks=num_blocks, num_tiles=int(tile_q.size),
-                            num_pulls=int(num_pulls), num_rounds=num_rounds, max_degree=max_degree,
-                            num_pushes_fwd=num_pushes_fwd, num_pushes_bwd=num_pushes_bwd)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pushes:
+    sender: np.ndarray
+    receiver: np.ndarray
+    round: np.ndarray
+    tokens: np.ndarray
+    last_stage: np.ndarray  # per received pull row: the stage its result leaves in (-1: none)
+
+
+def _check_pushes(ctx: _Context, pulls: _Pulls, program: _PassProgram, last_use: np.ndarray) -> _Pushes:
+    """2. Partial outputs (forward) and gradients (backward) return along their pull after its last tile."""
+    programs, prefix = ctx.programs, program.label
+    num_pulls = pulls.kind.size
+    send_round, sender = stack_ranks(programs, f"{prefix}_push_send_round")
+    send_pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
+    recv_round, receiver = stack_ranks(programs, f"{prefix}_push_recv_round")
+    recv_pull, _ = stack_ranks(programs, f"{prefix}_push_recv_pull")
+    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+    send_base = np.concatenate(([0], np.cumsum([p.arrays["pull_send_round"].size for p in programs])))
+    if send_round.size != recv_round.size:
+        _fail(2, f"{prefix}: {send_round.size} pushes leave but {recv_round.size} arrive")
+    if send_pull.size and ((send_pull < 0).any() or (send_pull + recv_base[sender] >= recv_base[sender + 1]).any()
+                           or (recv_pull < 0).any()
+                           or (recv_pull + send_base[receiver] >= send_base[receiver + 1]).any()):
+        _fail(2, f"{prefix}: a push points at a pull its rank does not have")
+    if send_round.size and (send_round.min() < 0 or send_round.max() >= program.num_rounds):
+        _fail(3, f"{prefix}: a push is in round {int(send_round.max())}, outside the pass's {program.num_rounds} "
+                 f"rounds")
+    # The pull a push returns along, as (kind, block, puller, owner), and its round.
+    g_recv = send_pull + recv_base[sender]  # row in the stacked pull_recv table
+    sent = np.stack([pulls.kind[g_recv], pulls.block[g_recv], pulls.me[g_recv], pulls.peer[g_recv], send_round])
+    g_send = recv_pull + send_base[receiver]
+    arrived = np.stack([pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send],
+                        pulls.send_me[g_send], recv_round])
+    sent = sent[:, np.lexsort(sent[::-1])]
+    arrived = arrived[:, np.lexsort(arrived[::-1])]
+    if not np.array_equal(sent, arrived):
+        _fail(2, f"{prefix}: a push leaves and arrives differently")
+    # Each pull of these kinds returns exactly once, after the last tile that used it.
+    returned = np.bincount(g_recv, minlength=num_pulls) if num_pulls else np.zeros(0, dtype=np.int64)
+    expects = np.isin(pulls.kind, program.push_kinds)
+    wrong = returned != expects.astype(np.int64)
+    if wrong.any():
+        bad = int(np.argmax(wrong))
+        what = {KIND_Q: "partial output" if prefix == "fwd" else "dQ partial", KIND_KV: "dK, dV partial"}
+        _fail(2, f"{prefix}: rank {int(pulls.me[bad])} pushes the {what[int(pulls.kind[bad])]} of block "
+                 f"{int(pulls.block[bad])} back {int(returned[bad])} times (expected {int(expects[bad])})")
+    send_stage = send_round // ctx.coalesce
+    early = send_stage <= last_use[g_recv]
+    if early.any():
+        bad = int(np.argmax(early))
+        _fail(2, f"{prefix}: rank {int(sender[bad])} pushes the result for block {int(pulls.block[g_recv[bad]])} in "
+                 f"stage {int(send_stage[bad])}, not after its last tile in stage {int(last_use[g_recv[bad]])}")
+    last_stage = np.full(num_pulls, -1, dtype=np.int64)
+    last_stage[g_recv] = send_stage
+    return _Pushes(sender=sender, receiver=pulls.peer[g_recv], round=send_round, tokens=pulls.tokens[g_recv],
+                   last_stage=last_stage)
 
 
 def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr) -> None:

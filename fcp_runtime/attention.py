@@ -1,18 +1,22 @@
 """fcp_attn_func: distributed attention that replays one rank's plan, forward and backward.
 
 One code path for every backend: torch.distributed collectives and batched point-to-point messages (gloo on CPU,
-NCCL on CUDA), and the kernels of :mod:`fcp_runtime.kernels`.
+NCCL on CUDA), and the varlen kernels of :mod:`fcp_runtime.kernels`. Each stage posts its messages as one batch,
+runs its tiles (which read only buffers of earlier stages), then waits; received buffers are freed by the plan's
+liveness rule, and :func:`recording` logs every post, tile, wait, allocation and free.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.kernels import backward_pair, forward_pair, merge
-from fcp_runtime.plan import KIND_KV, KIND_Q, RankPlan
+from fcp_runtime.kernels import default_kernels, merge
+from fcp_runtime.plan import KIND_KV, KIND_Q, LAYOUTS, Message, PassProgram, RankPlan
+from fcp_runtime.stage_calls import LOCAL, KernelCall, stage_calls
 
 
 class PlanMismatchError(RuntimeError):
@@ -20,6 +24,28 @@ class PlanMismatchError(RuntimeError):
 
 
 _CHECKED: set[tuple[int, int, str]] = set()
+_EVENT_LOG: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Log what the runtime does, in order, while the block runs; yields the list of events.
+
+    Events are tuples: ("post", pass, stage, num_messages), ("tile", pass, stage, tile_row, pull rows it reads),
+    ("wait", pass, stage), ("alloc", pass, stage, tokens, live_tokens) and ("free", pass, stage, tokens,
+    live_tokens), where live_tokens counts received buffers under the plan's liveness rule.
+    """
+    global _EVENT_LOG
+    previous, _EVENT_LOG = _EVENT_LOG, []
+    try:
+        yield _EVENT_LOG
+    finally:
+        _EVENT_LOG = previous
+
+
+def _log(*event) -> None:
+    if _EVENT_LOG is not None:
+        _EVENT_LOG.append(event)
 
 
 def check_plan(plan: RankPlan, group=None) -> None:
@@ -54,11 +80,6 @@ def check_plan(plan: RankPlan, group=None) -> None:
     _CHECKED.add(key)
 
 
-def _tag(block: int, code: int, part: int) -> int:
-    """Message tag: code 0/1 a KV/Q pull, 2/3 a push back along a KV/Q pull; part numbers a message's tensors."""
-    return (block * 4 + code) * 8 + part
-
-
 @dataclass
 class _Store:
     """Rows of some segments: where each segment starts, and named tensors [rows, ...] (or [heads, rows])."""
@@ -69,50 +90,20 @@ class _Store:
 
 
 class _Executor:
+    """Replays one pass of a rank's plan: messages, tiles and buffers, stage by stage."""
+
     def __init__(self, plan: RankPlan, group, scale: float, device: torch.device, dtype: torch.dtype,
-                 head_dim: int):
+                 head_dim: int, kernels=None):
         self.plan, self.group, self.scale, self.head_dim = plan, group, scale, head_dim
         self.device, self.dtype = device, dtype
         self.acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        self.kernels = kernels if kernels is not None else default_kernels(device)
+        self.live_tokens = 0
+        self.peak_tokens = 0
 
     # --- layout -------------------------------------------------------------------------------------------------
     def peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def reshuffle(self, x: torch.Tensor, to_plan: bool) -> torch.Tensor:
-        """Move rows between the user layout and the plan layout with one all_to_all_single."""
-        plan = self.plan
-        gather, scatter = plan.indices_on(x.device)
-        flat = x.flatten(1)
-        if to_plan:
-            send, recv_rows, split_in, split_out, where = gather, plan.plan_tokens, plan.send_splits, \
-                plan.recv_splits, scatter
-        else:
-            send, recv_rows, split_in, split_out, where = scatter, plan.user_tokens, plan.recv_splits, \
-                plan.send_splits, gather
-        out = torch.empty((sum(split_out), flat.shape[1]), dtype=flat.dtype, device=flat.device)
-        dist.all_to_all_single(out, flat.index_select(0, send).contiguous(), output_split_sizes=split_out,
-                               input_split_sizes=split_in, group=self.group)
-        result = torch.empty((recv_rows, flat.shape[1]), dtype=flat.dtype, device=flat.device)
-        result[where] = out
-        return result.view(recv_rows, *x.shape[1:])
-
-    def reshuffle_async(self, x: torch.Tensor):
-        """Start moving user-layout rows [T, F] to the plan layout; return the plan-layout buffer, already holding
-        the rows that stay on this rank, and a function that waits for the rest and puts them in place."""
-        plan = self.plan
-        gather, scatter = plan.indices_on(x.device)
-        out = torch.empty((sum(plan.recv_splits), x.shape[1]), dtype=x.dtype, device=x.device)
-        work = dist.all_to_all_single(out, x.index_select(0, gather).contiguous(), output_split_sizes=plan.recv_splits,
-                                      input_split_sizes=plan.send_splits, group=self.group, async_op=True)
-        result = torch.empty((plan.plan_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-        self_user, self_plan = plan.self_rows_on(x.device)
-        result[self_plan] = x[self_user]
-
-        def finish() -> None:
-            work.wait()
-            result[scatter] = out
-        return result, finish
 
     def local_store(self, **tensors: torch.Tensor) -> _Store:
         return _Store(seg_row=self.plan.local_seg_row, rows=self.plan.plan_tokens, tensors=tensors)
@@ -121,8 +112,14 @@ class _Executor:
         start = store.seg_row[seg]
         return slice(start, start + self.plan.seg_len(seg))
 
-    def gather_rows(self, store: _Store, name: str, segs, heads_first: bool = False) -> torch.Tensor:
+    def payload_rows(self, store: _Store, name: str, segs, heads_first: bool = False) -> torch.Tensor:
+        """A message's rows of one tensor: a view where the segments are contiguous rows, else a gathered copy."""
         tensor = store.tensors[name]
+        first, total = store.seg_row[segs[0]], sum(self.plan.seg_len(s) for s in segs)
+        contiguous = all(store.seg_row[s] == store.seg_row[segs[0]] + sum(self.plan.seg_len(t) for t in segs[:i])
+                         for i, s in enumerate(segs))
+        if contiguous and not heads_first:
+            return tensor.narrow(0, first, total).contiguous()  # a view unless the layout is strided
         parts = [tensor[:, self.rows(store, s)] if heads_first else tensor[self.rows(store, s)] for s in segs]
         return torch.cat(parts, dim=1 if heads_first else 0).contiguous()
 
@@ -133,85 +130,93 @@ class _Executor:
             row += self.plan.seg_len(seg)
         return _Store(seg_row=seg_row, rows=row)
 
-    # --- messages -----------------------------------------------------------------------------------------------
-    def exchange(self, sends: list[tuple[int, int, list[torch.Tensor]]],
-                 recvs: list[tuple[int, int, list[torch.Tensor]]]) -> None:
-        """Post every send and receive of a stage as one batch and wait for all of them."""
-        ops = []
-        for peer, tag, tensors in sends:
-            ops += [dist.P2POp(dist.isend, t, self.peer(peer), self.group, tag + i) for i, t in enumerate(tensors)]
-        for peer, tag, tensors in recvs:
-            ops += [dist.P2POp(dist.irecv, t, self.peer(peer), self.group, tag + i) for i, t in enumerate(tensors)]
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-
     def empty(self, rows: int, heads: int, dtype=None) -> torch.Tensor:
         return torch.empty((rows, heads, self.head_dim), dtype=dtype or self.dtype, device=self.device)
 
-    def pairs(self, q_block: int, kv_block: int, q_store: _Store, kv_store: _Store):
-        """Segment pairs of a tile with visible tokens, restricted to the segments the stores hold."""
-        plan = self.plan
-        for qs in plan.block_segs[q_block]:
-            if qs not in q_store.seg_row:
-                continue
-            for ks in plan.block_segs[kv_block]:
-                if ks not in kv_store.seg_row or plan.seg_seq[ks] != plan.seg_seq[qs]:
-                    continue
-                if plan.causal and plan.seg_start[ks] >= plan.seg_end[qs]:
-                    continue
-                yield qs, ks
+    # --- buffers ------------------------------------------------------------------------------------------------
+    def allocate(self, name: str, stage: int, tokens: int) -> None:
+        self.live_tokens += tokens
+        self.peak_tokens = max(self.peak_tokens, self.live_tokens)
+        _log("alloc", name, stage, tokens, self.live_tokens)
+
+    def release(self, name: str, stage: int, tokens: int) -> None:
+        self.live_tokens -= tokens
+        _log("free", name, stage, tokens, self.live_tokens)
 
     # --- the stage loop, shared by both passes -----------------------------------------------------------------
-    def run_stages(self, phase, local: _Store, num_stages: int, skip: frozenset[int] = frozenset()) -> None:
-        """Replay the stages of one pass: per stage, post its pulls and pushes as one batch, run its tiles (which
-        read only data of earlier stages: the plan guarantees it), then make the arrived pulls usable and fold the
-        returned pushes into this rank's own rows. Tiles whose indices are in `skip` already ran."""
+    def run_stages(self, phase, program: PassProgram, local: _Store, skip: frozenset[int] = frozenset()) -> None:
+        """Replay one pass: per stage, post its messages as one batch (in round order, the order the peer posts
+        them too), run its tiles, wait, make the arrived pulls usable, fold the returned pushes into this rank's
+        rows, and free the buffers whose last use was this stage. Tiles whose rows are in `skip` already ran."""
         plan = self.plan
-        remote: dict[int, dict[int, _Store]] = {KIND_KV: {}, KIND_Q: {}}
-        for stage in range(num_stages):
-            sends, recvs, arrived, returned = [], [], [], []
-            for pull in plan.pull_send:
-                if pull.round // plan.coalesce == stage:
-                    sends.append((pull.peer, _tag(pull.block, pull.kind, 0), phase.pull_payload(local, pull)))
-            for pull in plan.pull_recv:
-                if pull.round // plan.coalesce == stage:
-                    store = self.new_store(pull.segs)
-                    store.tensors = phase.pull_buffers(pull, store.rows)
-                    recvs.append((pull.peer, _tag(pull.block, pull.kind, 0), list(store.tensors.values())))
-                    arrived.append((pull, store))
-            # A push goes back along its pull (code 2 + the pull's kind): partial O and LSE forward, dK dV or dQ
-            # backward.
-            for push in phase.push_send:
-                if push.stage == stage:
-                    pull = plan.pull_recv[push.pull]
-                    sends.append((pull.peer, _tag(pull.block, 2 + pull.kind, 0),
-                                  phase.push_payload(remote[pull.kind][pull.block], pull)))
-            for push in phase.push_recv:
-                if push.stage == stage:
-                    pull = plan.pull_send[push.pull]
-                    tensors = phase.push_buffers(pull, sum(plan.seg_len(s) for s in pull.segs))
-                    recvs.append((pull.peer, _tag(pull.block, 2 + pull.kind, 0), tensors))
-                    returned.append((pull, tensors))
-            self.exchange(sends, recvs)
-            for idx, (tile_stage, q_block, kv_block) in enumerate(plan.tiles):
-                if tile_stage == stage and idx not in skip:
-                    phase.tile(q_block, kv_block, local, remote)
-            for pull, store in arrived:
-                phase.accumulators(pull, store)
-                remote[pull.kind][pull.block] = store
+        remote: dict[int, _Store] = {}  # pull_recv row -> its store, from arrival to free
+        for stage in range(program.num_stages):
+            ops, arrived, returned = [], [], []
+            for message in program.messages[stage]:
+                ops += self.post(phase, program.name, stage, message, local, remote, arrived, returned)
+            requests = dist.batch_isend_irecv(ops) if ops else []
+            _log("post", program.name, stage, len(program.messages[stage]))
+            tiles = [idx for idx in program.tiles[stage] if idx not in skip]
+            for call in stage_calls(plan, program.name, stage, tiles, self.device):
+                _log("tile", program.name, stage, call.tile_rows, call.pull_rows)
+                phase.run_call(call, local, remote)
+            for request in requests:
+                request.wait()
+            _log("wait", program.name, stage)
+            for row, store in arrived:
+                phase.accumulators(plan.pull_recv[row], store)
+                remote[row] = store
             for pull, tensors in returned:
-                row = 0
+                offset = 0
                 for seg in pull.segs:
                     length = plan.seg_len(seg)
-                    phase.land(local, self.rows(local, seg), pull.kind, tensors, slice(row, row + length))
-                    row += length
+                    phase.land(local, self.rows(local, seg), pull.kind, tensors, slice(offset, offset + length))
+                    offset += length
+                self.release(program.name, stage, plan.pull_tokens(pull))
+            for row in program.free_after[stage]:
+                del remote[row]
+                self.release(program.name, stage, plan.pull_tokens(plan.pull_recv[row]))
 
-    def stores_of(self, q_block: int, kv_block: int, local: _Store, remote) -> tuple[_Store, _Store]:
-        """Where a tile's query rows and key/value rows are: this rank's own store or a pulled one."""
-        owned = self.plan.local_blocks
-        return (local if q_block in owned else remote[KIND_Q][q_block],
-                local if kv_block in owned else remote[KIND_KV][kv_block])
+    def post(self, phase, name: str, stage: int, message: Message, local: _Store, remote: dict[int, _Store],
+             arrived: list, returned: list) -> list:
+        """The point-to-point ops of one message; buffers it receives into are allocated here."""
+        plan = self.plan
+        if message.what == "pull_send":
+            pull = plan.pull_send[message.pull]
+            return self.ops(dist.isend, pull.peer, pull.block, pull.kind, phase.pull_payload(local, pull))
+        if message.what == "pull_recv":
+            pull = plan.pull_recv[message.pull]
+            store = self.new_store(pull.segs)
+            store.tensors = phase.pull_buffers(pull, store.rows)
+            self.allocate(name, stage, store.rows)
+            arrived.append((message.pull, store))
+            return self.ops(dist.irecv, pull.peer, pull.block, pull.kind, list(store.tensors.values()))
+        if message.what == "push_send":  # back along a pull this rank received: its partial results
+            pull = plan.pull_recv[message.pull]
+            return self.ops(dist.isend, pull.peer, pull.block, 2 + pull.kind,
+                            phase.push_payload(remote[message.pull], pull))
+        pull = plan.pull_send[message.pull]  # push_recv: results of a pull this rank sent
+        tensors = phase.push_buffers(pull, plan.pull_tokens(pull))
+        self.allocate(name, stage, plan.pull_tokens(pull))
+        returned.append((pull, tensors))
+        return self.ops(dist.irecv, pull.peer, pull.block, 2 + pull.kind, tensors)
+
+    def ops(self, operation, peer: int, block: int, code: int, tensors: list[torch.Tensor]) -> list:
+        """One P2POp per tensor; tags (block, code, part) keep gloo's matching exact, and NCCL, which matches by
+        posting order, sees the same order on both ends."""
+        return [dist.P2POp(operation, t, self.peer(peer), self.group, (block * 4 + code) * 8 + i)
+                for i, t in enumerate(tensors)]
+
+    def store_of(self, source: int, local: _Store, remote: dict[int, _Store]) -> _Store:
+        return local if source == LOCAL else remote[source]
+
+    def gather(self, call: KernelCall, parts, name: str, local: _Store, remote: dict[int, _Store]) -> torch.Tensor:
+        """The rows of `parts` ((source, segment) pairs) of one tensor, packed in order."""
+        pieces = []
+        for source, seg in parts:
+            store = self.store_of(source, local, remote)
+            pieces.append(store.tensors[name][self.rows(store, seg)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class _ForwardPass:
@@ -219,7 +224,6 @@ class _ForwardPass:
 
     def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
         self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
-        self.push_send, self.push_recv = executor.plan.fwd_push_send, executor.plan.fwd_push_recv
 
     def local_store(self, q, k, v) -> _Store:
         """The plan-layout store with empty output accumulators."""
@@ -229,7 +233,8 @@ class _ForwardPass:
                                              device=ex.device))
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
-        return [self.ex.gather_rows(local, n, pull.segs) for n in (("k", "v") if pull.kind == KIND_KV else ("q",))]
+        names = ("k", "v") if pull.kind == KIND_KV else ("q",)
+        return [self.ex.payload_rows(local, name, pull.segs) for name in names]
 
     def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
         if pull.kind == KIND_KV:
@@ -256,15 +261,20 @@ class _ForwardPass:
         out, lse = tensors
         merge(local.tensors["out"], local.tensors["lse"], rows, out[part], lse[:, part])
 
-    def tile(self, q_block: int, kv_block: int, local: _Store, remote) -> None:
+    def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
+        """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
         ex = self.ex
-        q_store, kv_store = ex.stores_of(q_block, kv_block, local, remote)
-        for qs, ks in ex.pairs(q_block, kv_block, q_store, kv_store):
-            q_rows, k_rows = ex.rows(q_store, qs), ex.rows(kv_store, ks)
-            out, lse = forward_pair(q_store.tensors["q"][q_rows], kv_store.tensors["k"][k_rows],
-                                    kv_store.tensors["v"][k_rows], ex.plan.positions(qs).to(ex.device),
-                                    ex.plan.positions(ks).to(ex.device), ex.plan.causal, ex.scale)
-            merge(q_store.tensors["out"], q_store.tensors["lse"], q_rows, out, lse)
+        q = ex.gather(call, call.q_parts, "q", local, remote)
+        k = ex.gather(call, call.kv_parts, "k", local, remote)
+        v = ex.gather(call, call.kv_parts, "v", local, remote)
+        out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal)
+        offset = 0
+        for source, seg in call.q_parts:
+            store = ex.store_of(source, local, remote)
+            length = ex.plan.seg_len(seg)
+            merge(store.tensors["out"], store.tensors["lse"], ex.rows(store, seg), out[offset:offset + length],
+                  lse[:, offset:offset + length])
+            offset += length
 
 
 class _BackwardPass:
@@ -273,25 +283,19 @@ class _BackwardPass:
 
     def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
         self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
-        self.push_send, self.push_recv = executor.plan.bwd_push_send, executor.plan.bwd_push_recv
 
     def local_store(self, q, k, v, out, lse, d_out) -> _Store:
-        """The plan-layout store with D = rowsum(dO * O) and empty gradient accumulators."""
+        """The plan-layout store with empty gradient accumulators."""
         zeros = dict(dtype=self.ex.acc_dtype, device=self.ex.device)
-        return self.ex.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, delta=self.delta(d_out, out),
-                                   dq=torch.zeros(q.shape, **zeros), dk=torch.zeros(k.shape, **zeros),
-                                   dv=torch.zeros(v.shape, **zeros))
-
-    def delta(self, d_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        acc = self.ex.acc_dtype
-        return (d_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1).contiguous()
+        return self.ex.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, dq=torch.zeros(q.shape, **zeros),
+                                   dk=torch.zeros(k.shape, **zeros), dv=torch.zeros(v.shape, **zeros))
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
         ex = self.ex
         if pull.kind == KIND_KV:
-            return [ex.gather_rows(local, "k", pull.segs), ex.gather_rows(local, "v", pull.segs)]
-        return [ex.gather_rows(local, "q", pull.segs), ex.gather_rows(local, "do", pull.segs),
-                ex.gather_rows(local, "out", pull.segs), ex.gather_rows(local, "lse", pull.segs, heads_first=True)]
+            return [ex.payload_rows(local, "k", pull.segs), ex.payload_rows(local, "v", pull.segs)]
+        return [ex.payload_rows(local, "q", pull.segs), ex.payload_rows(local, "do", pull.segs),
+                ex.payload_rows(local, "out", pull.segs), ex.payload_rows(local, "lse", pull.segs, heads_first=True)]
 
     def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
         ex = self.ex
@@ -302,12 +306,10 @@ class _BackwardPass:
 
     def accumulators(self, pull, store: _Store) -> None:
         ex = self.ex
-        if pull.kind == KIND_KV:
-            store.tensors["dk"] = ex.empty(store.rows, self.hkv, ex.acc_dtype).zero_()
-            store.tensors["dv"] = ex.empty(store.rows, self.hkv, ex.acc_dtype).zero_()
-        else:
-            store.tensors["dq"] = ex.empty(store.rows, self.hq, ex.acc_dtype).zero_()
-            store.tensors["delta"] = self.delta(store.tensors["do"], store.tensors["out"])
+        names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
+        heads = self.hkv if pull.kind == KIND_KV else self.hq
+        for name in names:
+            store.tensors[name] = ex.empty(store.rows, heads, ex.acc_dtype).zero_()
 
     def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
         names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
@@ -321,85 +323,169 @@ class _BackwardPass:
         for name, tensor in zip(("dk", "dv") if kind == KIND_KV else ("dq",), tensors):
             local.tensors[name][rows] += tensor[part]
 
-    def tile(self, q_block: int, kv_block: int, local: _Store, remote) -> None:
+    def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
+        """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
         ex = self.ex
-        q_store, kv_store = ex.stores_of(q_block, kv_block, local, remote)
-        for qs, ks in ex.pairs(q_block, kv_block, q_store, kv_store):
-            q_rows, k_rows = ex.rows(q_store, qs), ex.rows(kv_store, ks)
-            t = q_store.tensors
-            dq, dk, dv = backward_pair(t["q"][q_rows], kv_store.tensors["k"][k_rows], kv_store.tensors["v"][k_rows],
-                                       t["do"][q_rows], t["out"][q_rows], t["lse"][:, q_rows], t["delta"][:, q_rows],
-                                       ex.plan.positions(qs).to(ex.device), ex.plan.positions(ks).to(ex.device),
-                                       ex.plan.causal, ex.scale)
-            t["dq"][q_rows] += dq.to(ex.acc_dtype)
-            kv_store.tensors["dk"][k_rows] += dk.to(ex.acc_dtype)
-            kv_store.tensors["dv"][k_rows] += dv.to(ex.acc_dtype)
+        q, d_out, out = (ex.gather(call, call.q_parts, name, local, remote) for name in ("q", "do", "out"))
+        lse = torch.cat([ex.store_of(source, local, remote).tensors["lse"][:, ex.rows(
+            ex.store_of(source, local, remote), seg)] for source, seg in call.q_parts], dim=1)
+        k = ex.gather(call, call.kv_parts, "k", local, remote)
+        v = ex.gather(call, call.kv_parts, "v", local, remote)
+        dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                                         ex.scale, call.causal)
+        for parts, grads in ((call.q_parts, (("dq", dq),)), (call.kv_parts, (("dk", dk), ("dv", dv)))):
+            offset = 0
+            for source, seg in parts:
+                store = ex.store_of(source, local, remote)
+                length = ex.plan.seg_len(seg)
+                for name, grad in grads:
+                    store.tensors[name][ex.rows(store, seg)] += grad[offset:offset + length].to(ex.acc_dtype)
+                offset += length
+
+
+def _reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:
+    """Move per-token rows between the user layout and the plan layout with one all_to_all_single."""
+    gather, scatter = plan.indices_on(x.device)
+    flat = x.flatten(1)
+    if to_plan:
+        send, recv_rows, split_in, split_out, where = gather, plan.plan_tokens, plan.send_splits, \
+            plan.recv_splits, scatter
+    else:
+        send, recv_rows, split_in, split_out, where = scatter, plan.user_tokens, plan.recv_splits, \
+            plan.send_splits, gather
+    out = torch.empty((sum(split_out), flat.shape[1]), dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(out, flat.index_select(0, send).contiguous(), output_split_sizes=split_out,
+                           input_split_sizes=split_in, group=group)
+    result = torch.empty((recv_rows, flat.shape[1]), dtype=flat.dtype, device=flat.device)
+    result[where] = out
+    return result.view(recv_rows, *x.shape[1:])
+
+
+def _reshuffle_async(plan: RankPlan, x: torch.Tensor, group):
+    """Start moving user-layout rows [T, F] to the plan layout; return the plan-layout buffer, already holding the
+    rows that stay on this rank, and a function that waits for the rest and puts them in place."""
+    gather, scatter = plan.indices_on(x.device)
+    out = torch.empty((sum(plan.recv_splits), x.shape[1]), dtype=x.dtype, device=x.device)
+    work = dist.all_to_all_single(out, x.index_select(0, gather).contiguous(), output_split_sizes=plan.recv_splits,
+                                  input_split_sizes=plan.send_splits, group=group, async_op=True)
+    result = torch.empty((plan.plan_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+    self_user, self_plan = plan.self_rows_on(x.device)
+    result[self_plan] = x[self_user]
+
+    def finish() -> None:
+        work.wait()
+        result[scatter] = out
+    return result, finish
+
+
+def _split_heads(packed: torch.Tensor, hq: int, hkv: int, dim: int):
+    return (packed[:, :hq * dim].reshape(-1, hq, dim), packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim),
+            packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim))
 
 
 class _FcpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RankPlan, group, scale: float):
-        executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2])
-        hq, hkv = q.shape[1], k.shape[1]
-        packed, finish = executor.reshuffle_async(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1))
-        dim = q.shape[2]
-        q_p = packed[:, :hq * dim].reshape(-1, hq, dim)
-        k_p = packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim)
-        v_p = packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim)
+    def forward(ctx, q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels):
+        executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
+        hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
         forward = _ForwardPass(executor, hq, hkv)
-        local = forward.local_store(q_p, k_p, v_p)
-        # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
-        for idx in plan.early_tiles:
-            forward.tile(plan.tiles[idx][1], plan.tiles[idx][2], local, {KIND_KV: {}, KIND_Q: {}})
-        finish()
-        executor.run_stages(forward, local, plan.num_fwd_stages, skip=plan.early_tiles)
+        skip: frozenset[int] = frozenset()
+        if layout == "plan":
+            q_p, k_p, v_p = q, k, v
+            local = forward.local_store(q_p, k_p, v_p)
+        else:
+            packed, finish = _reshuffle_async(plan, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1),
+                                              group)
+            q_p, k_p, v_p = _split_heads(packed, hq, hkv, dim)
+            local = forward.local_store(q_p, k_p, v_p)
+            # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
+            skip = plan.early_tiles
+            for call in stage_calls(plan, "fwd", 0, sorted(skip), q.device):
+                _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
+                forward.run_call(call, local, {})
+            finish()
+        executor.run_stages(forward, plan.forward, local, skip=skip)
         out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
-        ctx.executor = executor
-        return executor.reshuffle(out_p, to_plan=False)
+        ctx.executor, ctx.layout = executor, layout
+        return out_p if layout == "plan" else _reshuffle(plan, out_p, False, group)
 
     @staticmethod
     def backward(ctx, d_out):
         executor = ctx.executor
+        plan = executor.plan
         q_p, k_p, v_p, out_p, lse_p = ctx.saved_tensors
-        d_out_p = executor.reshuffle(d_out.contiguous(), to_plan=True)
+        d_out = d_out.contiguous()
+        d_out_p = d_out if ctx.layout == "plan" else _reshuffle(plan, d_out, True, executor.group)
         hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
         backward = _BackwardPass(executor, hq, hkv)
         local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
-        executor.run_stages(backward, local, executor.plan.num_bwd_stages)
+        executor.run_stages(backward, plan.backward, local)
         dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
-        packed = executor.reshuffle(torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1),
-                                    to_plan=False)
-        dq = packed[:, :hq * dim].reshape(-1, hq, dim)
-        dk = packed[:, hq * dim:(hq + hkv) * dim].reshape(-1, hkv, dim)
-        dv = packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim)
-        return dq, dk, dv, None, None, None
+        if ctx.layout == "plan":
+            return dq_p, dk_p, dv_p, None, None, None, None, None
+        packed = _reshuffle(plan, torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1), False,
+                            executor.group)
+        return (*_split_heads(packed, hq, hkv, dim), None, None, None, None, None)
 
 
 def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None,
-                  softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention over the whole batch, each rank holding its user-layout slice; autograd gives dq, dk, dv.
+                  softmax_scale: float | None = None, layout: str | None = None, kernels=None) -> torch.Tensor:
+    """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
 
     Args:
-        q: [local_tokens, q_heads, head_dim]; k, v: [local_tokens, kv_heads, head_dim], the rows
-            [floor(r*T/N), floor((r+1)*T/N)) of the concatenated batch on rank r.
+        q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. In the plan layout (the default for
+            plans compiled with --layout plan) the rows are this rank's plan-layout tokens, in the order of
+            `plan.token_index` (see :func:`fcp_runtime.dispatch`): no all-to-all runs, only the plan's blocks
+            move. In the user layout they are rows [floor(r*T/N), floor((r+1)*T/N)) of the concatenated batch on
+            rank r, and attention reshuffles them in and the output back.
         plan: this rank's plan (:func:`fcp_runtime.load_rank_plan`).
         group: the process group (default: the world); its size must be the plan's.
         softmax_scale: default head_dim ** -0.5.
+        layout: "plan" or "user"; default the layout the plan was compiled for.
+        kernels: the varlen kernels (default: flash-attn on CUDA, the exact kernels elsewhere).
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
-        ValueError: shapes that do not fit the plan.
+        ValueError: shapes that do not fit the plan, or an unknown layout.
     """
     check_plan(plan, group)
+    layout = plan.layout if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}")
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D] with equal T and D, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[0] != plan.user_tokens:
-        raise ValueError(f"rank {plan.rank} holds {q.shape[0]} tokens but the plan's user layout gives it "
-                         f"{plan.user_tokens}")
+    expected = plan.plan_tokens if layout == "plan" else plan.user_tokens
+    if q.shape[0] != expected:
+        raise ValueError(f"rank {plan.rank} holds {q.shape[0]} tokens but the plan's {layout} layout gives it "
+                         f"{expected}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    return _FcpAttention.apply(q, k, v, plan, group, scale)
+    return _FcpAttention.apply(q, k, v, plan, group, scale, layout, kernels)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan: RankPlan, group, to_plan: bool):
+        ctx.plan, ctx.group, ctx.to_plan = plan, group, to_plan
+        return _reshuffle(plan, x.contiguous(), to_plan, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reshuffle(ctx.plan, grad.contiguous(), not ctx.to_plan, ctx.group), None, None, None
+
+
+def dispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+    """Move a per-token tensor [user_tokens, ...] from the user layout to this rank's plan layout
+    [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way)."""
+    check_plan(plan, group)
+    return _Dispatch.apply(x, plan, group, True)
+
+
+def undispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+    """The inverse of :func:`dispatch`: plan layout [plan_tokens, ...] back to the user layout [user_tokens, ...]."""
+    check_plan(plan, group)
+    return _Dispatch.apply(x, plan, group, False)

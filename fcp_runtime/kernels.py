@@ -1,8 +1,14 @@
-"""Attention on one (query segment, key segment) pair, forward and backward, and log-sum-exp merging.
+"""Varlen attention kernels behind one contract, and log-sum-exp merging.
 
-Two backends with one interface: an exact CPU kernel in plain torch (fp32, fp64) with the mask built from absolute
-token positions, and flash-attn's varlen kernels on CUDA (bf16, fp16). Shapes: q [Lq, Hq, D], k and v [Lk, Hkv, D],
-out [Lq, Hq, D], lse [Hq, Lq] (fp32 on CUDA, the input dtype on CPU).
+The contract is flash-attn 2.8's varlen interface: a batch of entries packed along the token axis, entry i pairing
+query rows [cu_q[i], cu_q[i+1]) with key rows [cu_k[i], cu_k[i+1]); a causal entry aligns its mask bottom-right
+(query i sees keys j <= i + Lk - Lq); the forward returns out [Tq, Hq, D] and lse [Hq, Tq]; the backward, given the
+final out and lse of the query rows, returns this call's share of dq, dk, dv (D = rowsum(dO * out) is computed from
+the out it is given, so calls over disjoint key sets sum to the full gradient).
+
+Backends: :class:`ExactKernels`, an exact implementation in plain torch (any dtype, any device; the CPU path and the
+tests), and :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
+and fp16) or any module that implements the same contract.
 """
 
 from __future__ import annotations
@@ -14,80 +20,105 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def _scores(q, k, q_pos, k_pos, causal, scale):
+def _entry_scores(q, k, scale: float, causal: bool):
     group = q.shape[1] // k.shape[1]
     scores = torch.einsum("qhd,khd->hqk", q, _expand_kv(k, group)) * scale
     if causal:
-        visible = k_pos[None, :] <= q_pos[:, None]
+        lq, lk = q.shape[0], k.shape[0]
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
         scores = scores.masked_fill(~visible[None], float("-inf"))
     return scores
 
 
-def cpu_forward(q, k, v, q_pos, k_pos, causal: bool, scale: float):
-    """Exact attention of one segment pair: (out, lse); rows that see no key get out 0 and lse -inf."""
-    scores = _scores(q, k, q_pos, k_pos, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    group = q.shape[1] // k.shape[1]
-    out = torch.einsum("hqk,khd->qhd", probs, _expand_kv(v, group))
-    return out, lse
+def _bounds(cu: torch.Tensor) -> list[int]:
+    return cu.tolist()
 
 
-def cpu_backward(q, k, v, d_out, out, lse, delta, q_pos, k_pos, causal: bool, scale: float):
-    """Gradients of one segment pair given the final out, lse and delta = rowsum(dO * O) of its query rows.
+class ExactKernels:
+    """The varlen contract in plain torch, entry by entry: exact in fp32 and fp64."""
 
-    Returns (dq, dk, dv) for this pair alone; the caller sums pairs.
+    name = "exact"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+        """Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] in q's dtype, fp32 for half types)."""
+        lse_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=lse_dtype, device=q.device)
+        bq, bk = _bounds(cu_q), _bounds(cu_k)
+        for i in range(len(bq) - 1):
+            qs, ks, vs = q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]
+            scores = _entry_scores(qs.to(lse_dtype), ks.to(lse_dtype), scale, causal)
+            entry_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - entry_lse[..., None])
+            group = qs.shape[1] // ks.shape[1]
+            out[bq[i]:bq[i + 1]] = torch.einsum("hqk,khd->qhd", probs, _expand_kv(vs.to(lse_dtype), group))
+            lse[:, bq[i]:bq[i + 1]] = entry_lse
+        return out, lse
+
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+        """Returns (dq, dk, dv) of this call, in the inputs' dtype."""
+        acc = lse.dtype
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        bq, bk = _bounds(cu_q), _bounds(cu_k)
+        for i in range(len(bq) - 1):
+            rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+            qs, ks, vs, dos, outs = (x.to(acc) for x in (q[rq], k[rk], v[rk], d_out[rq], out[rq]))
+            group = qs.shape[1] // ks.shape[1]
+            probs = torch.exp(_entry_scores(qs, ks, scale, causal) - lse[:, rq][..., None])
+            delta = (dos * outs).sum(-1).transpose(0, 1)
+            d_probs = torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group))
+            d_scores = probs * (d_probs - delta[..., None])
+            lk, hkv, dim = ks.shape
+            dq[rq] = torch.einsum("hqk,khd->qhd", d_scores, _expand_kv(ks, group)) * scale
+            dk[rk] = (torch.einsum("hqk,qhd->khd", d_scores, qs) * scale).view(lk, hkv, group, dim).sum(2)
+            dv[rk] = torch.einsum("hqk,qhd->khd", probs, dos).view(lk, hkv, group, dim).sum(2)
+        return dq, dk, dv
+
+
+class FlashAttnKernels:
+    """flash-attn's varlen forward and backward, called as flash-attn 2.8 defines them.
+
+    Args:
+        varlen_func: flash_attn.flash_attn_varlen_func (or a stand-in with its contract).
+        varlen_backward: flash_attn.flash_attn_interface._flash_attn_varlen_backward (writes dq, dk, dv in place).
     """
-    group = q.shape[1] // k.shape[1]
-    k_rep, v_rep = _expand_kv(k, group), _expand_kv(v, group)
-    scores = _scores(q, k, q_pos, k_pos, causal, scale)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    dv_rep = torch.einsum("hqk,qhd->khd", probs, d_out)
-    d_probs = torch.einsum("qhd,khd->hqk", d_out, v_rep)
-    d_scores = probs * (d_probs - delta[..., None])
-    dq = torch.einsum("hqk,khd->qhd", d_scores, k_rep) * scale
-    dk_rep = torch.einsum("hqk,qhd->khd", d_scores, q) * scale
-    lk, hkv, dim = k.shape
-    return dq, dk_rep.view(lk, hkv, group, dim).sum(2), dv_rep.view(lk, hkv, group, dim).sum(2)
+
+    name = "flash"
+
+    def __init__(self, varlen_func, varlen_backward):
+        self.varlen_func, self.varlen_backward = varlen_func, varlen_backward
+
+    @classmethod
+    def installed(cls) -> "FlashAttnKernels":  # pragma: no cover - needs flash-attn
+        """The installed flash-attn package's kernels."""
+        from flash_attn import flash_attn_varlen_func
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        return cls(flash_attn_varlen_func, _flash_attn_varlen_backward)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+        out, lse, _ = self.varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                       causal=causal, return_attn_probs=True)
+        return out, lse
+
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        #  dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+        #  deterministic, rng_state)
+        self.varlen_backward(d_out.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), dq, dk, dv,
+                             cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, 0.0, None, False, None)
+        return dq, dk, dv
 
 
-def cuda_forward(q, k, v, q_pos, k_pos, causal: bool, scale: float):  # pragma: no cover - needs a GPU
-    """flash-attn varlen on one segment pair. Segments of one sequence never overlap, so a visible pair either has
-    all keys before all queries (no mask) or is the same range (causal, where top-left and bottom-right agree)."""
-    from flash_attn import flash_attn_varlen_func
-
-    same_range = bool(causal) and int(q_pos[0]) == int(k_pos[0])
-    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], softmax_scale=scale,
-                                         causal=same_range, return_attn_probs=True)
-    return out, lse
-
-
-def cuda_backward(q, k, v, d_out, out, lse, delta, q_pos, k_pos, causal: bool, scale: float):  # pragma: no cover
-    """flash-attn varlen backward of one segment pair. Given the final out and lse of the query rows, the kernel's
-    P = exp(S - lse) and D = rowsum(dO * out) are those of the whole attention, so pairs sum to the gradient."""
-    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
-
-    same_range = bool(causal) and int(q_pos[0]) == int(k_pos[0])
-    q, k, v, d_out, out = (x.contiguous() for x in (q, k, v, d_out, out.to(q.dtype)))
-    lse = lse.float().contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-    _flash_attn_varlen_backward(d_out, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, q.shape[0], k.shape[0], 0.0,
-                                scale, same_range, -1, -1, 0.0, None, False, None)
-    return dq, dk, dv
-
-
-def forward_pair(*args):
-    """Dispatch on the device of q."""
-    return (cuda_forward if args[0].is_cuda else cpu_forward)(*args)
-
-
-def backward_pair(*args):
-    return (cuda_backward if args[0].is_cuda else cpu_backward)(*args)
+def default_kernels(device: torch.device):
+    """flash-attn on CUDA when it is installed, the exact kernels everywhere else."""
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        try:
+            return FlashAttnKernels.installed()
+        except ImportError:
+            pass
+    return ExactKernels()
 
 
 def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:

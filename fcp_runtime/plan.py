@@ -14,13 +14,16 @@ import torch
 from fcp_compiler.plan_format import PlanReader, RankProgram, expand_ranges, tiles_during_reshuffle
 
 KIND_KV, KIND_Q = 0, 1
+LAYOUTS = ("plan", "user")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pull:
-    """One pull row: a block's segments moving from its owner to a rank that needs them."""
+    """One pull row: a block's segments moving from its owner to a rank that needs them, and its round in each
+    pass."""
 
     round: int
+    bwd_round: int
     kind: int
     block: int
     peer: int
@@ -28,11 +31,30 @@ class Pull:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Push:
-    """A partial result returning along a pull (index into this rank's pull_recv or pull_send rows)."""
+class Message:
+    """One message of a pass as this rank posts it: a pull (sent or received) or a push back along a pull.
 
-    stage: int
+    `pull` indexes this rank's pull_send rows (a pull sent, a push received) or pull_recv rows (a pull received, a
+    push sent)."""
+
+    round: int
+    what: str  # "pull_send", "pull_recv", "push_send" or "push_recv"
     pull: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassProgram:
+    """What one pass does stage by stage on this rank, and when each received buffer is freed.
+
+    The liveness rule (fcp_compiler.algorithms.liveness, which the compiler states in the header): a received pull
+    is allocated when its stage posts it and freed at the end of the stage of its last tile or of the push back
+    along it; a received push is allocated when posted and freed at the end of its stage, once folded in."""
+
+    name: str
+    num_stages: int
+    messages: list[list[Message]]  # per stage, in round order (the order both ends post them)
+    tiles: list[list[int]]  # per stage, tile rows in pipeline order
+    free_after: list[list[int]]  # per stage, pull_recv rows whose buffers are freed at its end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,32 +65,32 @@ class RankPlan:
     num_ranks: int
     digest: str
     causal: bool
+    layout: str  # the compiled layout: "plan" or "user"
     coalesce: int
-    num_fwd_stages: int
-    num_bwd_stages: int
     q_heads: int
     kv_heads: int
     head_dim: int
+    max_buffer_tokens: int  # the header's peak live buffer tokens (any rank, either pass)
     user_tokens: int  # rows this rank holds in the user layout
     plan_tokens: int  # rows this rank holds in the plan layout
     seg_seq: np.ndarray
     seg_start: np.ndarray
     seg_end: np.ndarray
-    seg_block: np.ndarray
     block_segs: dict[int, tuple[int, ...]]
     local_blocks: frozenset[int]
     local_seg_row: dict[int, int]  # segment -> first row in the plan layout (local segments)
+    token_index: torch.Tensor  # int64 [plan_tokens]: each plan-layout row's position in the concatenated batch
+    position_ids: torch.Tensor  # int64 [plan_tokens]: its position inside its own sequence (for RoPE)
+    sequence_ids: torch.Tensor  # int64 [plan_tokens]: its sequence's index in the batch
     user_gather: torch.Tensor  # user-layout rows, in the order the reshuffle sends them
     send_splits: list[int]
     plan_scatter: torch.Tensor  # plan-layout rows, in the order the reshuffle receives them
     recv_splits: list[int]
     pull_send: list[Pull]
     pull_recv: list[Pull]
-    tiles: list[tuple[int, int, int]]  # (stage, q block, kv block) in pipeline order
-    fwd_push_send: list[Push]
-    fwd_push_recv: list[Push]
-    bwd_push_send: list[Push]
-    bwd_push_recv: list[Push]
+    tiles: list[tuple[int, int]]  # (q block, kv block) in forward pipeline order
+    forward: PassProgram
+    backward: PassProgram
     self_user_rows: torch.Tensor  # rows that stay on this rank through the reshuffle: user-layout index ...
     self_plan_rows: torch.Tensor  # ... and plan-layout index
     early_tiles: frozenset[int]  # stage-0 tiles whose tokens all stay on this rank (run during the reshuffle)
@@ -77,53 +99,97 @@ class RankPlan:
     def seg_len(self, seg: int) -> int:
         return int(self.seg_end[seg] - self.seg_start[seg])
 
-    def positions(self, seg: int) -> torch.Tensor:
-        """Token positions of a segment inside its sequence."""
-        return torch.arange(int(self.seg_start[seg]), int(self.seg_end[seg]))
+    def pull_tokens(self, pull: Pull) -> int:
+        return sum(self.seg_len(seg) for seg in pull.segs)
+
+    def cached(self, key, build):
+        """A per-plan cache (index tensors on a device, kernel call lists) filled on first use."""
+        if key not in self._device_cache:
+            self._device_cache[key] = build()
+        return self._device_cache[key]
 
     def indices_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The reshuffle index tensors on a device (cached)."""
-        if device not in self._device_cache:
-            self._device_cache[device] = (self.user_gather.to(device), self.plan_scatter.to(device))
-        return self._device_cache[device]
+        return self.cached(("reshuffle", device), lambda: (self.user_gather.to(device), self.plan_scatter.to(device)))
 
     def self_rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows that stay on this rank (user-layout index, plan-layout index) on a device (cached)."""
-        key = ("self", device)
-        if key not in self._device_cache:
-            self._device_cache[key] = (self.self_user_rows.to(device), self.self_plan_rows.to(device))
-        return self._device_cache[key]
+        return self.cached(("self", device),
+                           lambda: (self.self_user_rows.to(device), self.self_plan_rows.to(device)))
 
 
 def _splits(peers: np.ndarray, lengths: np.ndarray, num_ranks: int) -> list[int]:
     return np.bincount(peers, weights=lengths, minlength=num_ranks).astype(np.int64).tolist()
 
 
+def _pass_program(name: str, a: dict[str, np.ndarray], pull_recv: list[Pull], tiles: list[tuple[int, int]],
+                  tile_stages: np.ndarray, num_stages: int, coalesce: int, pull_round_of) -> PassProgram:
+    """Group a pass's messages and tiles by stage and apply the liveness rule to its received buffers."""
+    messages: list[list[Message]] = [[] for _ in range(num_stages)]
+    for side, what in (("send", "pull_send"), ("recv", "pull_recv")):
+        rounds = a[f"pull_{side}_{'round' if name == 'fwd' else 'bwd_round'}"].tolist()
+        for row, rnd in enumerate(rounds):
+            messages[rnd // coalesce].append(Message(round=rnd, what=what, pull=row))
+    last_stage = [pull_round_of(pull) // coalesce for pull in pull_recv]
+    by_block = {(pull.kind, pull.block): row for row, pull in enumerate(pull_recv)}
+    stage_tiles: list[list[int]] = [[] for _ in range(num_stages)]
+    for idx, ((q_block, kv_block), stage) in enumerate(zip(tiles, tile_stages.tolist())):
+        stage_tiles[stage].append(idx)
+        for key in ((KIND_Q, q_block), (KIND_KV, kv_block)):
+            if key in by_block:
+                last_stage[by_block[key]] = max(last_stage[by_block[key]], stage)
+    for side, what in (("send", "push_send"), ("recv", "push_recv")):
+        for rnd, row in zip(a[f"{name}_push_{side}_round"].tolist(), a[f"{name}_push_{side}_pull"].tolist()):
+            messages[rnd // coalesce].append(Message(round=rnd, what=what, pull=row))
+            if what == "push_send":
+                last_stage[row] = max(last_stage[row], rnd // coalesce)
+    for stage_messages in messages:
+        stage_messages.sort(key=lambda m: (m.round, m.what, m.pull))
+    free_after: list[list[int]] = [[] for _ in range(num_stages)]
+    for row, stage in enumerate(last_stage):
+        free_after[stage].append(row)
+    return PassProgram(name=name, num_stages=num_stages, messages=messages, tiles=stage_tiles, free_after=free_after)
+
+
+def _plan_layout_rows(program: RankProgram, block_segs: dict[int, tuple[int, ...]]):
+    """Each plan-layout row's global token, position in its sequence and sequence, and each local segment's row."""
+    tables = program.tables
+    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths))).astype(np.int64)
+    segs = np.asarray([seg for block in program.arrays["blocks"].tolist() for seg in block_segs[block]],
+                      dtype=np.int64)
+    lengths = tables.seg_end[segs] - tables.seg_start[segs]
+    positions = expand_ranges(tables.seg_start[segs], lengths)
+    sequences = np.repeat(tables.seg_seq[segs], lengths)
+    rows = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) if segs.size else segs
+    local_seg_row = dict(zip(segs.tolist(), rows.tolist()))
+    return seq_offset[sequences] + positions, positions, sequences, local_seg_row
+
+
 def from_program(program: RankProgram) -> RankPlan:
     """Index a decoded rank program for execution."""
     header, tables, a = program.header, program.tables, program.arrays
-    num_ranks = header.num_ranks
+    num_ranks, coalesce = header.num_ranks, header.coalesce
     seg_block, seg_start, seg_end = tables.seg_block, tables.seg_start, tables.seg_end
     ptr = np.searchsorted(seg_block, np.arange(header.num_blocks + 1))
     block_segs = {b: tuple(range(int(ptr[b]), int(ptr[b + 1]))) for b in range(header.num_blocks)}
-    local_seg_row, row = {}, 0
-    for block in a["blocks"].tolist():
-        for seg in block_segs[block]:
-            local_seg_row[seg] = row
-            row += int(seg_end[seg] - seg_start[seg])
+    token_index, position_ids, sequence_ids, local_seg_row = _plan_layout_rows(program, block_segs)
     bounds = (np.arange(num_ranks + 1, dtype=np.int64) * header.total_tokens) // num_ranks
 
     def pulls(side: str) -> list[Pull]:
         counts = a[f"pull_{side}_seg_count"]
         offsets = np.concatenate(([0], np.cumsum(counts)))
         segs = a[f"pull_{side}_segs"]
-        return [Pull(round=int(a[f"pull_{side}_round"][i]), kind=int(a[f"pull_{side}_kind"][i]),
-                     block=int(a[f"pull_{side}_block"][i]), peer=int(a[f"pull_{side}_peer"][i]),
-                     segs=tuple(segs[offsets[i]:offsets[i + 1]].tolist())) for i in range(counts.size)]
+        return [Pull(round=int(a[f"pull_{side}_round"][i]), bwd_round=int(a[f"pull_{side}_bwd_round"][i]),
+                     kind=int(a[f"pull_{side}_kind"][i]), block=int(a[f"pull_{side}_block"][i]),
+                     peer=int(a[f"pull_{side}_peer"][i]), segs=tuple(segs[offsets[i]:offsets[i + 1]].tolist()))
+                for i in range(counts.size)]
 
-    def pushes(name: str) -> list[Push]:
-        return [Push(stage=int(s), pull=int(p)) for s, p in zip(a[f"{name}_stage"], a[f"{name}_pull"])]
-
+    pull_recv = pulls("recv")
+    tiles = list(zip(a["tile_q_block"].tolist(), a["tile_kv_block"].tolist()))
+    forward = _pass_program("fwd", a, pull_recv, tiles, a["tile_stage"], header.num_fwd_stages, coalesce,
+                            lambda pull: pull.round)
+    backward = _pass_program("bwd", a, pull_recv, tiles, a["tile_bwd_stage"], header.num_bwd_stages, coalesce,
+                             lambda pull: pull.bwd_round)
     # Runs between this rank and itself are sent and received in the same order (by global token).
     mine_send = a["reshuffle_send_peer"] == program.rank
     mine_recv = a["reshuffle_recv_peer"] == program.rank
@@ -132,19 +198,18 @@ def from_program(program: RankProgram) -> RankPlan:
     early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
-        coalesce=header.coalesce, num_fwd_stages=header.num_fwd_stages, num_bwd_stages=header.num_bwd_stages,
-        q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads, head_dim=header.shape.head_dim,
-        user_tokens=int(bounds[program.rank + 1] - bounds[program.rank]), plan_tokens=row,
-        seg_seq=tables.seg_seq, seg_start=seg_start, seg_end=seg_end, seg_block=seg_block, block_segs=block_segs,
+        layout=header.layout.value, coalesce=coalesce, q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
+        head_dim=header.shape.head_dim, max_buffer_tokens=header.max_buffer_tokens,
+        user_tokens=int(bounds[program.rank + 1] - bounds[program.rank]), plan_tokens=int(token_index.size),
+        seg_seq=tables.seg_seq, seg_start=seg_start, seg_end=seg_end, block_segs=block_segs,
         local_blocks=frozenset(a["blocks"].tolist()), local_seg_row=local_seg_row,
+        token_index=torch.from_numpy(token_index), position_ids=torch.from_numpy(position_ids),
+        sequence_ids=torch.from_numpy(sequence_ids),
         user_gather=torch.from_numpy(expand_ranges(a["reshuffle_send_offset"], a["reshuffle_send_length"])),
         send_splits=_splits(a["reshuffle_send_peer"], a["reshuffle_send_length"], num_ranks),
         plan_scatter=torch.from_numpy(expand_ranges(a["reshuffle_recv_offset"], a["reshuffle_recv_length"])),
         recv_splits=_splits(a["reshuffle_recv_peer"], a["reshuffle_recv_length"], num_ranks),
-        pull_send=pulls("send"), pull_recv=pulls("recv"),
-        tiles=list(zip(a["tile_stage"].tolist(), a["tile_q_block"].tolist(), a["tile_kv_block"].tolist())),
-        fwd_push_send=pushes("fwd_push_send"), fwd_push_recv=pushes("fwd_push_recv"),
-        bwd_push_send=pushes("bwd_push_send"), bwd_push_recv=pushes("bwd_push_recv"),
+        pull_send=pulls("send"), pull_recv=pull_recv, tiles=tiles, forward=forward, backward=backward,
         self_user_rows=torch.from_numpy(self_user), self_plan_rows=torch.from_numpy(self_plan), early_tiles=early)
 
 

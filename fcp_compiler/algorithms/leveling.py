@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+
 import numpy as np
+
+from fcp_compiler.algorithms.liveness import live_tokens
 
 
 def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_stages: int,
@@ -12,18 +17,37 @@ def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_st
                        minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferLimit:
+    """What delaying a tile costs in memory: the received buffer it reads stays live until it runs.
+
+    Buffer b lives on rank buffer_rank[b] from stage buffer_first[b] to its last reader's stage plus buffer_hold[b]
+    (1 where a result is pushed back along it in the stage after its last tile): the rule of
+    :mod:`fcp_compiler.algorithms.liveness`. No delay may lift a rank's live tokens in any stage above `budget`.
+    """
+
+    tile_buffer: np.ndarray  # int64 [T], the buffer each tile reads, -1 for none
+    buffer_rank: np.ndarray
+    buffer_first: np.ndarray
+    buffer_tokens: np.ndarray
+    buffer_hold: np.ndarray
+    budget: int
+
+
 def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_ranks: int,
-                 movable: np.ndarray | None = None) -> np.ndarray:
+                 movable: np.ndarray | None = None, limit: BufferLimit | None = None) -> np.ndarray:
     """Stages for tiles, each at or after its earliest stage, that lower the sum over stages of the busiest rank.
 
     Ranks exchange data every stage, so a stage lasts about as long as its busiest rank computes; a rank whose data
     arrives early would otherwise front-load its work while another waits for late data, and the pipeline pays
-    both. Going from the last stage back, the stage's level is its busiest rank's forced work; every other rank
-    fills up to that level with tiles from its latest earlier stages (a tile may always run later than its data
-    arrives). No tile goes past the last stage that already holds one, so the number of stages is unchanged.
+    both. Going from the last stage back, the stage's level is its busiest rank's work; every other rank fills up
+    to that level with tiles from its latest earlier stages (a tile may always run later than its data arrives),
+    stopping at the first that does not fit the gap or, under `limit`, would keep a buffer live past the budget. No
+    tile goes past the last stage that already holds one, so the number of stages is unchanged.
 
     Objective: sum over stages of max over ranks of work (greedy, not optimal with indivisible tiles; never worse
-    than the earliest placement). O(T log T + S * N log T) for T tiles, S stages, N ranks, vectorised over ranks.
+    than the earliest placement), subject to the buffer budget. O(T log T + S * N + T * S) for T tiles, S stages,
+    N ranks (the last term only for buffer checks).
 
     Args:
         earliest: int64 [T], the first stage each tile may run in.
@@ -31,6 +55,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         seconds: float64 [T], its work.
         num_ranks: N.
         movable: bool [T], tiles that may be delayed (default all).
+        limit: the buffers tiles read and the budget on live tokens (default: no limit).
     Returns:
         int64 [T] stage of each tile.
     """
@@ -40,28 +65,60 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     num_stages = int(stage.max()) + 1
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
     load = stage_loads(stage, rank, seconds, num_stages, num_ranks)
-    # Per rank, its movable tiles by earliest stage: the candidates for stage s are a prefix (earliest < s), and
-    # taking from the latest stages first keeps the unmoved ones a prefix too. Every stage handles all ranks at once.
+    buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
     candidates = np.flatnonzero(movable)
     order = candidates[np.lexsort((candidates, earliest[candidates], rank[candidates]))]
-    order_key = rank[order] * (num_stages + 1) + earliest[order]
-    ranks = np.arange(num_ranks)
-    first = np.searchsorted(order_key, ranks * (num_stages + 1))
-    prefix = np.concatenate(([0.0], np.cumsum(seconds[order])))
-    unmoved_end = np.searchsorted(order_key, (ranks + 1) * (num_stages + 1))  # per rank, [first, end) unmoved
+    bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
+    # Per rank, its unmoved movable tiles by earliest stage; the latest ones go first.
+    pending = [order[bounds[r]:bounds[r + 1]].tolist() for r in range(num_ranks)]
+    pending_earliest = [earliest[tiles].tolist() for tiles in pending]
+    seconds_list = seconds.tolist()
     for target in range(num_stages - 1, 0, -1):
-        gaps = load[target].max() - load[target]
-        # Unmoved candidates with earliest stage < target, then the longest run ending there that fits the gap.
-        end = np.minimum(unmoved_end, np.searchsorted(order_key, ranks * (num_stages + 1) + target))
-        begin = np.maximum(first, np.searchsorted(prefix, prefix[end] - gaps, side="left"))
-        begin = np.where(gaps > 0, np.minimum(begin, end), end)
-        counts = end - begin
-        if not counts.any():
-            continue
-        moved = order[np.repeat(begin - np.cumsum(np.concatenate(([0], counts[:-1]))), counts)
-                      + np.arange(int(counts.sum()))]
-        np.subtract.at(load, (stage[moved], rank[moved]), seconds[moved])
-        load[target] += prefix[end] - prefix[begin]
-        stage[moved] = target
-        unmoved_end = np.where(counts > 0, begin, unmoved_end)
+        level = load[target].max()
+        for r in np.flatnonzero(load[target] < level).tolist():
+            gap = level - load[target, r]
+            tiles, firsts = pending[r], pending_earliest[r]
+            idx = bisect.bisect_left(firsts, target) - 1
+            while idx >= 0 and seconds_list[tiles[idx]] <= gap:
+                tile = tiles[idx]
+                if buffers is not None and not buffers.extend(tile, target):
+                    break
+                gap -= seconds_list[tile]
+                load[stage[tile], r] -= seconds_list[tile]
+                load[target, r] += seconds_list[tile]
+                stage[tile] = target
+                del tiles[idx], firsts[idx]
+                idx -= 1
     return stage
+
+
+class _LiveBuffers:
+    """Live tokens per rank and stage, and each buffer's last stage of use, as Python lists: each check touches a
+    few stages of one rank, where list slices beat numpy calls."""
+
+    def __init__(self, limit: BufferLimit, stage: np.ndarray, num_ranks: int, num_stages: int):
+        reads = limit.tile_buffer >= 0
+        last = limit.buffer_first.astype(np.int64).copy()
+        np.maximum.at(last, limit.tile_buffer[reads], stage[reads])
+        end = last + limit.buffer_hold
+        self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
+                                int(max(end.max(initial=0), num_stages)) + 2).tolist()
+        self.last = last.tolist()
+        self.tile_buffer = limit.tile_buffer.tolist()
+        self.rank, self.tokens = limit.buffer_rank.tolist(), limit.buffer_tokens.tolist()
+        self.hold, self.budget = limit.buffer_hold.tolist(), limit.budget
+
+    def extend(self, tile: int, target: int) -> bool:
+        """Keep the tile's buffer live until `target` if the budget allows; False (and no change) if not."""
+        buffer = self.tile_buffer[tile]
+        if buffer < 0 or self.last[buffer] >= target:
+            return True
+        row = self.live[self.rank[buffer]]
+        hold, tokens = self.hold[buffer], self.tokens[buffer]
+        begin, end = self.last[buffer] + hold + 1, target + hold + 1
+        if max(row[begin:end], default=0) + tokens > self.budget:
+            return False
+        for stage in range(begin, end):
+            row[stage] += tokens
+        self.last[buffer] = target
+        return True

@@ -1,11 +1,13 @@
-"""Pass 6: pipeline order and coalescing of rounds into stages, for the forward and backward programs."""
+"""Pass 6: the forward and backward programs: rounds coalesced into stages, tiles pipelined, pushes placed."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.leveling import level_stages
-from fcp_compiler.ir import Rounds, Schedule, TransferKind
+from fcp_compiler.algorithms.exchange import place_messages
+from fcp_compiler.algorithms.leveling import BufferLimit, level_stages
+from fcp_compiler.algorithms.liveness import peak_live_tokens
+from fcp_compiler.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
 
 def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -21,115 +23,139 @@ def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.nd
     return np.where(hit, of_kind[pos] if found else -1, -1)
 
 
-def schedule_pushes(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, capacity: int) -> np.ndarray:
-    """Give each push the earliest stage >= its ready stage in which neither end exceeds `capacity` pushes.
+def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndarray, tile_kv_edge: np.ndarray,
+                 tile_q_edge: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The received buffers of one pass under the liveness rule (:mod:`fcp_compiler.algorithms.liveness`).
 
-    The pushes of a plan are usually the reverse of one stage's pulls and fit as they are; only when they do not
-    does a greedy pass (by ready stage, then index) delay some. O(P) plus O(P * delay) in the greedy case.
-
-    Args:
-        ready_stage, src, dst: per push.
-        capacity: most pushes a rank may send, and receive, in one stage (the coalescing degree).
     Returns:
-        int64 stage of each push.
+        (rank, first stage, last stage, tokens) per buffer: each pull on its receiver, from its stage to its last
+        tile or the push back along it, and each push on the owner it lands on, for its stage.
     """
-    if ready_stage.size == 0:
-        return ready_stage.astype(np.int64)
-    num_stages = int(ready_stage.max()) + 1
-    send_load = np.bincount(src * num_stages + ready_stage)
-    recv_load = np.bincount(dst * num_stages + ready_stage)
-    if send_load.max() <= capacity and recv_load.max() <= capacity:
-        return ready_stage.astype(np.int64)
-    # The greedy runs on Python ints (no numpy scalars in the loop) with one int key per (rank, stage).
-    src_list, dst_list, ready_list = src.tolist(), dst.tolist(), ready_stage.tolist()
-    stride = num_stages + ready_stage.size // capacity + 2  # no push can be delayed past this
-    sends: dict[int, int] = {}
-    recvs: dict[int, int] = {}
-    # Pushes come in ready order, so per rank the stages before its first one with room never matter again: these
-    # lower bounds on it only save scanning.
-    num_ranks = int(max(src.max(), dst.max())) + 1
-    send_room = [0] * num_ranks
-    recv_room = [0] * num_ranks
-    placed = [0] * ready_stage.size
-    for push in np.lexsort((np.arange(ready_stage.size), ready_stage)).tolist():
-        a, b, ready = src_list[push], dst_list[push], ready_list[push]
-        s = max(ready, send_room[a], recv_room[b])
-        send_key, recv_key = a * stride, b * stride
-        while sends.get(send_key + s, 0) >= capacity or recvs.get(recv_key + s, 0) >= capacity:
-            s += 1
-        sent = sends[send_key + s] = sends.get(send_key + s, 0) + 1
-        received = recvs[recv_key + s] = recvs.get(recv_key + s, 0) + 1
-        placed[push] = s
-        if sent >= capacity and s == max(send_room[a], ready):
-            while sends.get(send_key + s, 0) >= capacity:
-                s += 1
-            send_room[a] = s
-        s = placed[push]
-        if received >= capacity and s == max(recv_room[b], ready):
-            while recvs.get(recv_key + s, 0) >= capacity:
-                s += 1
-            recv_room[b] = s
-    stage = np.array(placed, dtype=np.int64)
-    return stage
+    edge_stage = program.edge_stage
+    last = edge_stage.copy()
+    for edge in (tile_kv_edge, tile_q_edge):
+        reads = edge >= 0
+        np.maximum.at(last, edge[reads], program.tile_stage[reads])
+    push_stage = program.push_stage
+    np.maximum.at(last, program.push_edge, push_stage)
+    tokens = transfers.edge_tokens
+    return (np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge])),
+            np.concatenate((edge_stage, push_stage)), np.concatenate((last, push_stage)),
+            np.concatenate((tokens, tokens[program.push_edge])))
 
 
-def coalesce(rounds: Rounds, degree: int, pipelined: bool = True) -> Schedule:
-    """Merge `degree` consecutive rounds into a stage and place every tile and push in the pipeline.
+def max_buffer_tokens(schedule: Schedule) -> int:
+    """The most live buffer tokens any rank holds in any stage of either pass."""
+    transfers = schedule.rounds.transfers
+    tile_rank = transfers.assignment.tile_rank
+    return max(int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
+                                                  schedule.tile_q_edge), transfers.assignment.num_ranks).max())
+               for program in (schedule.forward, schedule.backward))
 
-    Stage s carries rounds [s * degree, (s + 1) * degree): no rank sends or receives more than `degree` pulls in it.
-    Local tiles run in stage 0 (hiding the first transfers); a tile that needs pulled data runs in the stage after
-    its last pull arrives or, where that levels the stages' busiest ranks (:func:`level_stages`), later; within a
-    stage tiles run in arrival order. A rank that ran tiles for another rank's query block pushes the partial
-    output back (forward) and the dQ partial (backward) in the stage after its last such tile; every KV pull's
-    dK, dV partial goes back along the same edge after the last tile that read it.
+
+def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, degree: int, pipelined: bool,
+                 tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int | None) -> np.ndarray:
+    """Each tile's stage: after its pulls arrive, levelled within the buffer budget (None: not levelled)."""
+    assignment = transfers.assignment
+    tiles = assignment.tiles
+    if not pipelined:
+        return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // degree + 1, dtype=np.int64)
+    round_or_local = np.append(pull_round, -1)  # index -1 (no pull) reads -1 (local)
+    arrival_round = np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+    tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
+    if budget is None:
+        return tile_stage
+    # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
+    # level each stage's busiest rank, as far as the buffers they read may stay live. Local tiles stay in stage 0
+    # (they hide the first transfers), and tiles run for another rank stay put so that their partial outputs leave
+    # early.
+    q_remote = tile_q_edge >= 0
+    pushed = np.zeros(transfers.num_edges, dtype=np.int64)
+    pushed[push_edge] = 1
+    limit = BufferLimit(tile_buffer=np.where(q_remote, -1, tile_kv_edge), buffer_rank=transfers.edge_dst,
+                        buffer_first=pull_round // degree, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
+                        budget=budget)
+    return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
+                        movable=(tile_stage > 0) & ~q_remote, limit=limit)
+
+
+def _push_ready_round(transfers: Transfers, tile_stage: np.ndarray, tile_kv_edge: np.ndarray,
+                      tile_q_edge: np.ndarray, degree: int) -> np.ndarray:
+    """Per edge, the first round of the stage after the last tile that reads it (when a push along it may leave)."""
+    ready_stage = np.zeros(transfers.num_edges, dtype=np.int64)
+    for edge in (tile_kv_edge, tile_q_edge):
+        reads = edge >= 0
+        np.maximum.at(ready_stage, edge[reads], tile_stage[reads] + 1)
+    return ready_stage * degree
+
+
+def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipelined: bool, tile_kv_edge: np.ndarray,
+             tile_q_edge: np.ndarray, budget: int) -> PassSchedule:
+    """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds."""
+    push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, budget)
+    ready = _push_ready_round(transfers, tile_stage, tile_kv_edge, tile_q_edge, degree)[push_edge]
+    push_round = place_messages(ready, transfers.edge_dst[push_edge], transfers.edge_src[push_edge],
+                                transfers.assignment.num_ranks, pull_round, transfers.edge_src, transfers.edge_dst)
+    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+                        push_round=push_round)
+
+
+def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipelined: bool,
+              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """Pulls in the even rounds (round 2r for forward round r), each gradient pushed back in the odd round
+    2r + 2c + 1 (two stages later: the reverse of a matching is a matching, so these rounds are too), or, where its
+    tiles run later than that, in the first free round after them. Every pulled block is then freed two or three
+    stages after it arrives. Tiles run as soon as their data is there: a later tile would hold its block longer."""
+    pull_round = 2 * forward_round
+    push_edge = np.arange(transfers.num_edges)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, None)
+    ready = _push_ready_round(transfers, tile_stage, tile_kv_edge, tile_q_edge, degree)
+    mirror = pull_round + 2 * degree + 1
+    fits = mirror >= ready
+    push_round = mirror.copy()
+    late = np.flatnonzero(~fits)
+    push_round[late] = place_messages(ready[late], transfers.edge_dst[late], transfers.edge_src[late],
+                                      transfers.assignment.num_ranks,
+                                      np.concatenate((pull_round, mirror[fits])),
+                                      np.concatenate((transfers.edge_src, transfers.edge_dst[fits])),
+                                      np.concatenate((transfers.edge_dst, transfers.edge_src[fits])))
+    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+                        push_round=push_round)
+
+
+def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
+    """Merge `degree` consecutive rounds into a stage and place every tile and push of both passes.
+
+    Forward: pulls in their matching rounds (stage s carries rounds [s * degree, (s + 1) * degree)); partial outputs
+    of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
+    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles and each pulled block is
+    freed a stage or two after it arrives. Pushes take the earliest round after their tiles in which both ends
+    are free, so every round stays a matching over all of the pass's messages. Local tiles run in stage 0 (hiding
+    the first transfers); a tile that needs pulled data runs in the stage after its pulls arrive or, where that
+    levels the stages' busiest ranks within the buffer budget (:func:`level_stages`), later.
 
     Args:
-        rounds: the congestion-free rounds.
+        rounds: the congestion-free rounds of the pulls.
         degree: c, rounds per stage (>= 1).
         pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
+        buffer_budget: most live buffer tokens levelling may make a rank hold (default 2 x degree x block size).
     Returns:
         the Schedule.
     """
     transfers = rounds.transfers
     assignment = transfers.assignment
     tiles = assignment.tiles
-    edge_stage = rounds.edge_round // degree
     tile_rank = assignment.tile_rank
     kv_edge = _edge_lookup(transfers, TransferKind.KV, tiles.tile_kv_block, tile_rank)
     q_edge = _edge_lookup(transfers, TransferKind.Q, tiles.tile_q_block, tile_rank)
-    kv_remote = assignment.block_rank[tiles.tile_kv_block] != tile_rank
-    q_remote = assignment.block_rank[tiles.tile_q_block] != tile_rank
-    assert ((kv_edge >= 0) == kv_remote).all() and ((q_edge >= 0) == q_remote).all()
-    round_or_local = np.append(rounds.edge_round, -1)  # index -1 (no pull) reads -1 (local)
+    assert ((kv_edge >= 0) == (assignment.block_rank[tiles.tile_kv_block] != tile_rank)).all()
+    assert ((q_edge >= 0) == (assignment.block_rank[tiles.tile_q_block] != tile_rank)).all()
+    budget = buffer_budget if buffer_budget is not None else 2 * degree * tiles.sharding.block_size
+    forward = _forward(transfers, rounds.edge_round, degree, pipelined, kv_edge, q_edge, budget)
+    backward = _backward(transfers, rounds.edge_round, degree, pipelined, kv_edge, q_edge)
+    round_or_local = np.append(rounds.edge_round, -1)
     arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
-    tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
-    if pipelined:
-        # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
-        # level each stage's busiest rank. Local tiles stay in stage 0 (they hide the first transfers and the
-        # reshuffle), and tiles run for another rank stay put so that their partial outputs leave early.
-        tile_stage = level_stages(tile_stage, tile_rank, tiles.tile_seconds, assignment.num_ranks,
-                                  movable=(tile_stage > 0) & ~q_remote)
-    else:
-        tile_stage = np.full(tiles.num_tiles, -(-rounds.num_rounds // degree), dtype=np.int64)
-    tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, tile_stage, tile_rank))
-
-    # A push is ready in the stage after the last tile that feeds it.
-    num_edges = transfers.num_edges
-    push_ready = np.zeros(num_edges, dtype=np.int64)
-    np.maximum.at(push_ready, kv_edge[kv_remote], tile_stage[kv_remote] + 1)
-    np.maximum.at(push_ready, q_edge[q_remote], tile_stage[q_remote] + 1)
-    q_edges = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
-    # Pushes travel from the pulling rank back to the owner.
-    fwd_push_stage = schedule_pushes(push_ready[q_edges], transfers.edge_dst[q_edges], transfers.edge_src[q_edges],
-                                     degree)
-    all_edges = np.arange(num_edges)
-    bwd_push_stage = schedule_pushes(push_ready, transfers.edge_dst, transfers.edge_src, degree)
-
-    def num_stages(*stage_arrays: np.ndarray) -> int:
-        return max([int(a.max()) + 1 for a in stage_arrays if a.size] + [1])
-
-    return Schedule(rounds=rounds, coalesce=degree, edge_stage=edge_stage, tile_stage=tile_stage,
-                    tile_order=tile_order, fwd_push_edge=q_edges, fwd_push_stage=fwd_push_stage,
-                    bwd_push_edge=all_edges, bwd_push_stage=bwd_push_stage,
-                    num_fwd_stages=num_stages(edge_stage, tile_stage, fwd_push_stage),
-                    num_bwd_stages=num_stages(edge_stage, tile_stage, bwd_push_stage))
+    tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
+    return Schedule(rounds=rounds, coalesce=degree, forward=forward, backward=backward, tile_kv_edge=kv_edge,
+                    tile_q_edge=q_edge, tile_order=tile_order)

@@ -28,7 +28,8 @@ class _RankSlicer:
 def encode(plan: Reshuffle, header_fields: dict) -> bytes:
     """Write the plan file bytes: header, batch-wide tables, then each rank's program.
 
-    Rows of each rank are in execution order: pulls by round, tiles in pipeline order, pushes by stage.
+    Rows of each rank are in execution order: pulls by forward round, tiles in forward pipeline order, pushes by
+    round.
 
     Args:
         plan: the last IR object (it holds all the earlier ones).
@@ -37,6 +38,7 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
         the plan file's bytes (deterministic for the same IR and header).
     """
     schedule = plan.schedule
+    forward, backward = schedule.forward, schedule.backward
     rounds = schedule.rounds
     transfers = rounds.transfers
     assignment = transfers.assignment
@@ -60,10 +62,10 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
     row_of_edge = {}
     for side, me, peer in (("send", transfers.edge_src, transfers.edge_dst),
                            ("recv", transfers.edge_dst, transfers.edge_src)):
-        order = np.lexsort((edge_ids, rounds.edge_round, me))
-        out.add(tuple(f"pull_{side}_{name}" for name in ("round", "kind", "block", "peer", "seg_count")), me[order],
-                rounds.edge_round[order], transfers.edge_kind[order], transfers.edge_block[order], peer[order],
-                seg_count[order])
+        order = np.lexsort((edge_ids, forward.edge_round, me))
+        out.add(tuple(f"pull_{side}_{name}" for name in ("round", "bwd_round", "kind", "block", "peer", "seg_count")),
+                me[order], forward.edge_round[order], backward.edge_round[order], transfers.edge_kind[order],
+                transfers.edge_block[order], peer[order], seg_count[order])
         counts = seg_count[order]
         starts = np.repeat(transfers.edge_seg_offsets[order] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
         segs = transfers.edge_segs[starts + np.arange(int(counts.sum()))]
@@ -75,21 +77,22 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
         row_of_edge[side] = row
 
     tile_order = schedule.tile_order
-    out.add(("tile_stage", "tile_q_block", "tile_kv_block"), assignment.tile_rank[tile_order],
-            schedule.tile_stage[tile_order], tiles.tile_q_block[tile_order], tiles.tile_kv_block[tile_order])
+    out.add(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"), assignment.tile_rank[tile_order],
+            forward.tile_stage[tile_order], backward.tile_stage[tile_order], tiles.tile_q_block[tile_order],
+            tiles.tile_kv_block[tile_order])
 
     # A push returns along its pull: it leaves the pull's receiver (pointing at its pull_recv row) and arrives at the
     # pull's sender (pointing at its pull_send row).
-    for prefix, push_edge, push_stage in (("fwd", schedule.fwd_push_edge, schedule.fwd_push_stage),
-                                          ("bwd", schedule.bwd_push_edge, schedule.bwd_push_stage)):
+    for prefix, program in (("fwd", forward), ("bwd", backward)):
+        push_edge, push_round = program.push_edge, program.push_round
         sender = transfers.edge_dst[push_edge]
         receiver = transfers.edge_src[push_edge]
-        by_sender = np.lexsort((row_of_edge["recv"][push_edge], push_stage, sender))
-        out.add((f"{prefix}_push_send_stage", f"{prefix}_push_send_pull"), sender[by_sender], push_stage[by_sender],
+        by_sender = np.lexsort((row_of_edge["recv"][push_edge], push_round, sender))
+        out.add((f"{prefix}_push_send_round", f"{prefix}_push_send_pull"), sender[by_sender], push_round[by_sender],
                 row_of_edge["recv"][push_edge[by_sender]])
-        by_receiver = np.lexsort((row_of_edge["send"][push_edge], push_stage, receiver))
-        out.add((f"{prefix}_push_recv_stage", f"{prefix}_push_recv_pull"), receiver[by_receiver],
-                push_stage[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
+        by_receiver = np.lexsort((row_of_edge["send"][push_edge], push_round, receiver))
+        out.add((f"{prefix}_push_recv_round", f"{prefix}_push_recv_pull"), receiver[by_receiver],
+                push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
 
     assert set(out.columns) == set(RANK_ARRAYS)
     global_arrays = {"seq_lengths": sharding.batch.lengths, "seg_block": sharding.seg_block,

@@ -1,0 +1,93 @@
+"""The varlen kernel calls of one stage: its tiles' segment pairs grouped by query segment.
+
+A stage runs at most two calls (one for a full mask): every query segment with visible keys in the stage is one
+entry whose keys are all of its key segments in the stage packed together. Under a causal mask a key segment of the
+same sequence is either wholly before the query segment (all visible) or the query segment itself; the diagonal one
+goes last, so the bottom-right-aligned causal mask of flash-attn is exactly right for the entry, and entries
+without a diagonal segment run in a second, unmasked call. Calls and their cu_seqlens tensors are built once per
+plan, stage and device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fcp_runtime.plan import KIND_KV, KIND_Q, RankPlan
+
+LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pull_recv row
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelCall:
+    """One varlen call: entry i's queries are q_parts[i]; its keys are the kv_parts in [kv_first[i], kv_first[i+1])."""
+
+    causal: bool
+    q_parts: tuple[tuple[int, int], ...]  # (source, segment) per entry
+    kv_parts: tuple[tuple[int, int], ...]  # (source, segment), entry by entry
+    cu_q: torch.Tensor  # int32 [entries + 1] on the device
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    tile_rows: tuple[int, ...]  # the plan tiles this call computes (for the event log)
+    pull_rows: tuple[int, ...]  # the received pulls it reads
+
+
+def _sources(plan: RankPlan) -> dict[tuple[int, int], int]:
+    return {(pull.kind, pull.block): row for row, pull in enumerate(plan.pull_recv)}
+
+
+def _entries(plan: RankPlan, tiles: list[int]):
+    """Per (query source, query segment): its (key source, key segment) pairs and the tiles they come from."""
+    sources = plan.cached("sources", lambda: _sources(plan))
+    entries: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for idx in tiles:
+        q_block, kv_block = plan.tiles[idx]
+        q_source = LOCAL if q_block in plan.local_blocks else sources[(KIND_Q, q_block)]
+        kv_source = LOCAL if kv_block in plan.local_blocks else sources[(KIND_KV, kv_block)]
+        q_segs = plan.block_segs[q_block] if q_source == LOCAL else plan.pull_recv[q_source].segs
+        kv_segs = plan.block_segs[kv_block] if kv_source == LOCAL else plan.pull_recv[kv_source].segs
+        for qs in q_segs:
+            for ks in kv_segs:
+                if plan.seg_seq[ks] != plan.seg_seq[qs] or (plan.causal and plan.seg_start[ks] >= plan.seg_end[qs]):
+                    continue
+                entries.setdefault((q_source, qs), []).append((kv_source, ks))
+    return entries
+
+
+def _call(plan: RankPlan, causal: bool, entries: list, tiles: tuple[int, ...], device) -> KernelCall:
+    q_parts, kv_parts, cu_q, cu_k = [], [], [0], [0]
+    pulls = set()
+    for (q_source, qs), keys in entries:
+        # Keys wholly before the queries first, the diagonal segment (the query segment itself) last.
+        keys = sorted(keys, key=lambda part: (part[1] == qs, plan.seg_start[part[1]]))
+        q_parts.append((q_source, qs))
+        kv_parts.extend(keys)
+        cu_q.append(cu_q[-1] + plan.seg_len(qs))
+        cu_k.append(cu_k[-1] + sum(plan.seg_len(ks) for _, ks in keys))
+        pulls.update(source for source, _ in [(q_source, qs), *keys] if source != LOCAL)
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return KernelCall(causal=causal, q_parts=tuple(q_parts), kv_parts=tuple(kv_parts),
+                      cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                      cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device), max_q=max(lengths_q),
+                      max_k=max(lengths_k), tile_rows=tiles, pull_rows=tuple(sorted(pulls)))
+
+
+def _build(plan: RankPlan, tiles: tuple[int, ...], device) -> list[KernelCall]:
+    entries = _entries(plan, list(tiles))
+    if not entries:
+        return []
+    if not plan.causal:
+        return [_call(plan, False, list(entries.items()), tiles, device)]
+    diagonal = [(key, keys) for key, keys in entries.items() if any(ks == key[1] for _, ks in keys)]
+    before = [(key, keys) for key, keys in entries.items() if all(ks != key[1] for _, ks in keys)]
+    return [_call(plan, causal, group, tiles, device) for causal, group in ((True, diagonal), (False, before))
+            if group]
+
+
+def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], device) -> list[KernelCall]:
+    """The kernel calls that compute `tiles` (rows of plan.tiles) of one stage (cached per plan)."""
+    key = ("calls", pass_name, stage, tuple(tiles), device)
+    return plan.cached(key, lambda: _build(plan, tuple(tiles), device))
