@@ -34,6 +34,8 @@ def compile_command(
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
+    layout: str = typer.Option("plan", "--layout",
+                               help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
     planner: str = typer.Option("fcp", "--planner", help="fcp, or a baseline: ring, bytescale, wlbllm, magi"),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
     arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
@@ -59,17 +61,13 @@ def compile_command(
     if mask is not None and mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
     options = dict(block_size=block_size, coalesce_degree=coalesce, token_cap=token_cap, zigzag=zigzag,
-                   shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=load_profile(profile), mask=mask,
-                   pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
+                   layout=layout, shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=load_profile(profile),
+                   mask=mask, pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
                    reshuffle_overlap=not no_reshuffle_overlap, planner=planner)
     if batch.suffix == ".jsonl":
         _bulk(batch, gpus, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
-    plan = compile_plan(load_batch(batch), gpus, block_size=block_size, coalesce_degree=coalesce,
-                        token_cap=token_cap, zigzag=zigzag, shape=make_shape(q_heads, kv_heads, head_dim, dtype),
-                        profile=load_profile(profile), mask=mask, pipelined=not no_pipeline,
-                        matching_rounds=not arbitrary_rounds, reshuffle_overlap=not no_reshuffle_overlap,
-                        planner=planner)
+    plan = compile_plan(load_batch(batch), gpus, **options)
     output = output or Path(batch.with_suffix(".fcp").name)
     plan.write(output)
     if stats:
@@ -222,9 +220,12 @@ def ablate_command(
     steps = run_ablation(load_batch(batch), gpus, profile=load_profile(profile))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "batch": str(batch), "steps": steps})
+    def seed(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     typer.echo(table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
-        [s["name"], f"{s['normalized_mfu_fwd']:.2f}", f"{s['seed_normalized_mfu_fwd']:.2f}",
-         f"{s['normalized_mfu_bwd']:.2f}", f"{s['seed_normalized_mfu_bwd']:.2f}", f"{s['makespan_fwd_s'] * 1e3:.1f}",
+        [s["name"], f"{s['normalized_mfu_fwd']:.2f}", seed(s["seed_normalized_mfu_fwd"]),
+         f"{s['normalized_mfu_bwd']:.2f}", seed(s["seed_normalized_mfu_bwd"]), f"{s['makespan_fwd_s'] * 1e3:.1f}",
          f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps]))
 
 

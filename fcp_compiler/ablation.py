@@ -7,13 +7,19 @@ from fcp_compiler.simulate import simulate_plan
 
 # Normalised attention MFU of the seed's Table 2 (128 GPUs, forward / backward).
 SEED_TABLE = {"base": (0.29, 0.37), "pipeline": (0.48, 0.46), "solver": (0.62, 0.59), "coalescer": (0.70, 0.69),
-              "reshuffler": (0.75, 0.74)}
+              "reshuffler": (0.75, 0.74), "plan layout": (None, None)}
+# The seed's steps run in the user layout (its transparent reshuffle); the last step dispatches tokens once into the
+# plan layout instead, as MagiAttention and DCP do, which is fcp's default.
 STEPS = [
-    ("base", dict(pipelined=False, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False)),
-    ("pipeline", dict(pipelined=True, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False)),
-    ("solver", dict(pipelined=True, matching_rounds=True, coalesce_degree=1, reshuffle_overlap=False)),
-    ("coalescer", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=False)),
-    ("reshuffler", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=True)),
+    ("base", dict(pipelined=False, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False, layout="user")),
+    ("pipeline", dict(pipelined=True, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False,
+                      layout="user")),
+    ("solver", dict(pipelined=True, matching_rounds=True, coalesce_degree=1, reshuffle_overlap=False, layout="user")),
+    ("coalescer", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=False,
+                       layout="user")),
+    ("reshuffler", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=True,
+                        layout="user")),
+    ("plan layout", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, layout="plan")),
 ]
 
 

@@ -255,13 +255,15 @@ SCHEMA_MODELS: dict[str, type[BaseModel]] = {
 
 def schema_documents() -> dict[str, str]:
     """Return ``{file name: JSON Schema text}`` for every boundary model, plan header included."""
-    from fcp_compiler.plan_format import PlanHeader  # the plan envelope lives with the format
+    from fcp_compiler.plan_format import FORMAT_VERSION, PlanHeader  # the plan envelope lives with the format
 
-    models = dict(SCHEMA_MODELS, plan_header=PlanHeader)
+    # The plan header's schema follows the plan format's version; the input models have their own.
+    models = {name: (model, SCHEMA_VERSION) for name, model in SCHEMA_MODELS.items()}
+    models["plan_header"] = (PlanHeader, FORMAT_VERSION)
     documents = {}
-    for name, model in models.items():
+    for name, (model, version) in models.items():
         schema = model.model_json_schema()
-        schema["$id"] = f"https://fcp.dev/schemas/{name}.v{SCHEMA_VERSION}.json"
+        schema["$id"] = f"https://fcp.dev/schemas/{name}.v{version}.json"
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-        documents[f"{name}.v{SCHEMA_VERSION}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+        documents[f"{name}.v{version}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     return documents

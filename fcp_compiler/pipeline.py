@@ -252,7 +252,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
                                    inputs_digest(the_batch, options, cap, planner.value), planner.value)
     data = timer.run("encode", encode, final, header_fields)
     compile_seconds = time.perf_counter() - total_start
-    stats = plan_stats(final, data, compile_seconds, timer.seconds)
+    stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 

@@ -36,10 +36,11 @@ def human_bytes(count: float) -> str:
 
 def compile_summary(stats: dict, path: str | None) -> str:
     """The table `fcp compile` prints."""
-    layout = "zigzag" if stats["zigzag"] else "plain"
+    blocks = "zigzag" if stats["zigzag"] else "plain"
     lines = [
         f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
-        f"{stats['gpus']} ranks, block {stats['block_size']} ({layout}), coalesce {stats['coalesce']}",
+        f"{stats['gpus']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}, "
+        f"{stats['layout']} layout",
         table(["blocks", "tiles", "offloaded", "transfers", "delta", "rounds", "stages", "compute imb", "comm imb",
                "LB ratio", "tokens/rank", "cap"],
               [[stats["num_blocks"], stats["num_tiles"], stats["num_offloaded_tiles"], stats["num_transfers"],
@@ -47,7 +48,9 @@ def compile_summary(stats: dict, path: str | None) -> str:
                 percent(stats["comm_imbalance"]), f"{stats['makespan_lower_bound_ratio']:.4f}",
                 stats["max_tokens_per_rank"], stats["token_cap"]]]),
         f"  traffic {human_bytes(stats['total_comm_bytes'])} forward, most received by one rank "
-        f"{human_bytes(stats['max_rank_recv_bytes'])}",
+        f"{human_bytes(stats['max_rank_recv_bytes'])}; exchange rounds fwd {stats['num_fwd_rounds']} "
+        f"(degree {stats['fwd_exchange_degree']}), bwd {stats['num_bwd_rounds']} (degree "
+        f"{stats['bwd_exchange_degree']}); live buffers <= {stats['max_buffer_tokens']} tokens",
         "  compile {:.3f} s: {}".format(stats["compile_seconds"], "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
     ]
@@ -86,31 +89,34 @@ def rank_rows(reader: PlanReader) -> list[dict]:
             "tiles": int(a["tile_q_block"].size), "tiles_for_others": offloaded,
             "pulls_sent": int(a["pull_send_round"].size), "pulls_received": int(a["pull_recv_round"].size),
             "tokens_received": int(seg_tokens[a["pull_recv_segs"]].sum()),
-            "fwd_pushes_sent": int(a["fwd_push_send_stage"].size),
-            "bwd_pushes_sent": int(a["bwd_push_send_stage"].size),
+            "fwd_pushes_sent": int(a["fwd_push_send_round"].size),
+            "bwd_pushes_sent": int(a["bwd_push_send_round"].size),
         })
     return rows
 
 
 def rank_program_text(program: RankProgram) -> str:
-    """Stage-by-stage view of one rank's program."""
+    """Stage-by-stage view of one rank's forward and backward programs."""
     a = program.arrays
     header = program.header
     coalesce = header.coalesce
-    num_stages = header.num_bwd_stages
     stage_rows = []
-    for stage in range(num_stages):
-        sends = int((a["pull_send_round"] // coalesce == stage).sum())
-        recvs = int((a["pull_recv_round"] // coalesce == stage).sum())
-        tiles = int((a["tile_stage"] == stage).sum())
-        fwd_push = int((a["fwd_push_send_stage"] == stage).sum())
-        bwd_push = int((a["bwd_push_send_stage"] == stage).sum())
-        if sends or recvs or tiles or fwd_push or bwd_push:
-            stage_rows.append([stage, sends, recvs, tiles, fwd_push, bwd_push])
+    for name, num_stages, pull_round, tile_stage in (
+            ("fwd", header.num_fwd_stages, "round", "tile_stage"),
+            ("bwd", header.num_bwd_stages, "bwd_round", "tile_bwd_stage")):
+        for stage in range(num_stages):
+            counts = [int((a[f"pull_send_{pull_round}"] // coalesce == stage).sum()),
+                      int((a[f"pull_recv_{pull_round}"] // coalesce == stage).sum()),
+                      int((a[tile_stage] == stage).sum()),
+                      int((a[f"{name}_push_send_round"] // coalesce == stage).sum()),
+                      int((a[f"{name}_push_recv_round"] // coalesce == stage).sum())]
+            if any(counts):
+                stage_rows.append([name, stage, *counts])
     return "\n".join([
         f"rank {program.rank}: {a['blocks'].size} blocks {a['blocks'].tolist()[:16]}"
         f"{' ...' if a['blocks'].size > 16 else ''}",
-        f"  reshuffle: sends {a['reshuffle_send_length'].sum()} tokens in {a['reshuffle_send_length'].size} runs, "
+        f"  reshuffle ({header.layout.value} layout: {'not run' if header.layout.value == 'plan' else 'per call'}): "
+        f"sends {a['reshuffle_send_length'].sum()} tokens in {a['reshuffle_send_length'].size} runs, "
         f"receives {a['reshuffle_recv_length'].sum()} tokens in {a['reshuffle_recv_length'].size} runs",
-        table(["stage", "pulls sent", "pulls recv", "tiles", "fwd pushes", "bwd pushes"], stage_rows),
+        table(["pass", "stage", "pulls sent", "pulls recv", "tiles", "pushes sent", "pushes recv"], stage_rows),
     ])

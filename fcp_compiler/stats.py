@@ -39,7 +39,8 @@ def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
     return int(max(np.bincount(senders, minlength=num_ranks).max(), np.bincount(receivers, minlength=num_ranks).max()))
 
 
-def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float]) -> dict:
+def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
+               layout: str) -> dict:
     """Every figure of the --stats JSON for a compiled plan."""
     schedule = final.schedule
     rounds = schedule.rounds
@@ -56,6 +57,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "block_size": sharding.block_size,
         "coalesce": schedule.coalesce,
         "zigzag": sharding.zigzag,
+        "layout": layout,
         "mask": sharding.batch.mask.value,
         "num_sequences": sharding.batch.num_sequences,
         "total_tokens": sharding.batch.total_tokens,

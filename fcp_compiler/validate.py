@@ -329,7 +329,7 @@ def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgr
     rounds = np.concatenate((program.recv_round, push.round))
     if rounds.size:
         width = program.num_rounds
-        for side, who in (("sends", senders), ("receives", receivers)):
+        for side, who in (("receives", receivers), ("sends", senders)):
             per_round = np.bincount(who * width + rounds)
             if per_round.max() > 1:
                 bad = int(np.argmax(per_round))

@@ -1,29 +1,93 @@
+"""The coalesce pass and its plain-array helpers: every round of a pass is a matching over pulls and pushes,
+pushes leave after their tiles, and levelling never lifts live buffers over the budget."""
+
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fcp_compiler.passes.coalesce import schedule_pushes
+from conftest import compile_valid
+from fcp_compiler.algorithms.exchange import place_messages
+from fcp_compiler.algorithms.liveness import live_tokens, peak_live_tokens
+from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens, pass_buffers
+from fcp_compiler.stats import exchange_degree
 
 
-def _within_caps(stage, src, dst, capacity):
-    return (np.unique(np.stack((src, stage)), axis=1, return_counts=True)[1].max() <= capacity
-            and np.unique(np.stack((dst, stage)), axis=1, return_counts=True)[1].max() <= capacity)
+def _is_matching(rounds, src, dst):
+    return (np.unique(np.stack((src, rounds)), axis=1, return_counts=True)[1].max(initial=0) <= 1
+            and np.unique(np.stack((dst, rounds)), axis=1, return_counts=True)[1].max(initial=0) <= 1)
 
 
-@given(st.integers(1, 4), st.integers(1, 6), st.integers(1, 60), st.integers(0, 10_000))
-def test_pushes_meet_both_caps_and_never_leave_early(capacity, num_ranks, num_pushes, seed):
+@given(st.integers(1, 6), st.integers(0, 40), st.integers(0, 40), st.integers(0, 10_000))
+def test_placed_messages_keep_every_round_a_matching_and_never_leave_early(num_ranks, num_fixed, num_new, seed):
     rng = np.random.default_rng(seed)
-    ready = rng.integers(0, 5, size=num_pushes)
-    src = rng.integers(0, num_ranks, size=num_pushes)
-    dst = rng.integers(0, num_ranks, size=num_pushes)
-    stage = schedule_pushes(ready, src, dst, capacity)
-    assert (stage >= ready).all()
-    assert _within_caps(stage, src, dst, capacity)
+    # Fixed messages: a random matching per round, built by taking each (sender, receiver) at most once a round.
+    fixed = [(r, a, b) for r in range(8) for a, b in zip(rng.permutation(num_ranks), rng.permutation(num_ranks))
+             if rng.random() < num_fixed / 60]
+    fixed_round, fixed_src, fixed_dst = (np.array([f[i] for f in fixed], dtype=np.int64) for i in range(3))
+    ready = rng.integers(0, 10, size=num_new)
+    src, dst = rng.integers(0, num_ranks, size=num_new), rng.integers(0, num_ranks, size=num_new)
+    placed = place_messages(ready, src, dst, num_ranks, fixed_round, fixed_src, fixed_dst)
+    assert (placed >= ready).all()
+    assert _is_matching(np.concatenate((fixed_round, placed)), np.concatenate((fixed_src, src)),
+                        np.concatenate((fixed_dst, dst)))
+    # Greedy in ready order: every earlier round from its ready one had one of its two ends taken.
+    taken_send = {(int(r), int(a)) for r, a in zip(np.concatenate((fixed_round, placed)),
+                                                   np.concatenate((fixed_src, src)))}
+    taken_recv = {(int(r), int(b)) for r, b in zip(np.concatenate((fixed_round, placed)),
+                                                   np.concatenate((fixed_dst, dst)))}
+    for m in range(num_new):
+        for r in range(int(ready[m]), int(placed[m])):
+            assert (r, int(src[m])) in taken_send or (r, int(dst[m])) in taken_recv
 
 
-def test_pushes_wait_only_for_room():
-    # Rank 0 sends three pushes ready in stage 0, one a stage: 0, 1, 2; rank 1's push ready at 1 is unaffected.
-    stage = schedule_pushes(np.array([0, 0, 0, 1]), np.array([0, 0, 0, 1]), np.array([1, 2, 3, 0]), 1)
-    assert stage.tolist() == [0, 1, 2, 1]
-    ready = np.array([0, 0, 1, 1])
-    assert schedule_pushes(ready, np.array([0, 1, 0, 1]), np.array([1, 0, 1, 0]), 1).tolist() == [0, 0, 1, 1]
+@given(st.integers(1, 4), st.integers(0, 30), st.integers(0, 10_000))
+def test_live_tokens_equal_a_brute_force_count(num_ranks, num_buffers, seed):
+    rng = np.random.default_rng(seed)
+    rank = rng.integers(0, num_ranks, size=num_buffers)
+    first = rng.integers(0, 6, size=num_buffers)
+    last = first + rng.integers(0, 4, size=num_buffers)
+    tokens = rng.integers(1, 100, size=num_buffers)
+    live = live_tokens(rank, first, last, tokens, num_ranks, 10)
+    for r in range(num_ranks):
+        for s in range(10):
+            assert live[r, s] == tokens[(rank == r) & (first <= s) & (s <= last)].sum()
+    if num_buffers:
+        assert np.array_equal(peak_live_tokens(rank, first, last, tokens, num_ranks), live.max(axis=1))
+
+
+@given(st.lists(st.integers(1, 9000), min_size=1, max_size=16), st.integers(2, 8), st.sampled_from([1, 2, 4]),
+       st.sampled_from(["causal", "full"]))
+def test_both_passes_are_congestion_free_exchanges_with_pushes_after_their_tiles(lengths, gpus, degree, mask):
+    plan = compile_valid(lengths, gpus, block_size=512, coalesce_degree=degree, mask=mask)
+    schedule = plan.ir.schedule
+    transfers = schedule.rounds.transfers
+    for program in (schedule.forward, schedule.backward):
+        rounds = np.concatenate((program.edge_round, program.push_round))
+        src = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
+        dst = np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge]))
+        assert _is_matching(rounds, src, dst)
+        assert program.num_rounds >= exchange_degree(transfers, program)
+        for edge in (schedule.tile_kv_edge, schedule.tile_q_edge):
+            reads = edge >= 0
+            assert (program.tile_stage[reads] > program.edge_stage[edge[reads]]).all()
+            pushed_at = np.full(transfers.num_edges, np.iinfo(np.int64).max)
+            pushed_at[program.push_edge] = program.push_stage
+            assert (pushed_at[edge[reads]] > program.tile_stage[reads]).all()
+    assert plan.header.max_buffer_tokens == max_buffer_tokens(schedule)
+
+
+def test_levelling_stays_within_the_buffer_budget_that_the_earliest_placement_meets(small_plan):
+    rounds = small_plan.ir.schedule.rounds
+    transfers = rounds.transfers
+    tile_rank = transfers.assignment.tile_rank
+    earliest = coalesce(rounds, 2, buffer_budget=0)  # a zero budget forbids every delay that holds a buffer
+    budget = max_buffer_tokens(earliest)
+    levelled = coalesce(rounds, 2, buffer_budget=budget)
+    assert max_buffer_tokens(levelled) <= budget
+    assert (levelled.forward.tile_stage != earliest.forward.tile_stage).any()
+    assert max_buffer_tokens(coalesce(rounds, 2, buffer_budget=10**9)) > budget  # the budget is what binds
+    # The levelled forward pass moves some tiles later, and holds no buffer past the budget doing it.
+    assert (levelled.forward.tile_stage >= earliest.forward.tile_stage).all()
+    peak = peak_live_tokens(*pass_buffers(levelled.forward, transfers, tile_rank, levelled.tile_kv_edge,
+                                          levelled.tile_q_edge), transfers.assignment.num_ranks)
+    assert peak.max() <= budget

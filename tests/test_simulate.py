@@ -106,8 +106,13 @@ def test_simulating_a_plan_is_consistent_with_its_stats():
 
 def test_ablation_never_loses_and_ends_at_least_twice_the_base():
     steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), 128)
-    assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler"]
-    for key in ("normalized_mfu_fwd", "normalized_mfu_bwd"):
-        values = [s[key] for s in steps]
-        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:])), values
+    assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler", "plan layout"]
+    forward = [s["normalized_mfu_fwd"] for s in steps]
+    assert all(b >= a - 1e-12 for a, b in zip(forward, forward[1:])), forward
+    # Backward pushes share the rounds with pulls (one message per rank and round), so with one round a stage the
+    # pipelined backward runs about twice the stages of the forward pass; from congestion-free rounds on every
+    # technique pays again.
+    backward = [s["normalized_mfu_bwd"] for s in steps]
+    assert all(b >= a - 1e-12 for a, b in zip(backward[2:], backward[3:])), backward
+    for values in (forward, backward):
         assert values[-1] >= 2 * values[0], values

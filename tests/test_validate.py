@@ -70,8 +70,8 @@ def test_a_tile_before_its_data_breaks_data_before_use(plan_bytes):
 
 def test_a_partial_output_pushed_before_its_tile_breaks_data_before_use(offload_bytes):
     def push_early(arrays):
-        a = arrays[rank_with(arrays, "fwd_push_send_stage")]
-        a["fwd_push_send_stage"][0] = 0
+        a = arrays[rank_with(arrays, "fwd_push_send_round")]
+        a["fwd_push_send_round"][0] = 0
     expect(edited(offload_bytes, push_early), 2)
 
 
@@ -87,7 +87,47 @@ def test_a_rank_sending_twice_in_a_round_breaks_congestion_freedom(plan_bytes):
                                      & (r["pull_recv_round"] == moved_round))[0]
                 r["pull_recv_round"][row] = first_round
                 return
-    expect(edited(plan_bytes, collide), 3, "sends 2 pulls")
+    expect(edited(plan_bytes, collide), 3, "(sends|receives) 2 messages")
+
+
+def _move_message_into_a_busy_round(arrays, prefix, coalesce):
+    """Move one push, within its stage or later, so that its receiver also receives a pull in that round (both ends
+    of the push edited)."""
+    for sender, a in enumerate(arrays):
+        for row in range(a[f"{prefix}_push_send_round"].size):
+            pull = a[f"{prefix}_push_send_pull"][row]
+            owner, block, kind = a["pull_recv_peer"][pull], a["pull_recv_block"][pull], a["pull_recv_kind"][pull]
+            o = arrays[owner]
+            busy = o["pull_recv_bwd_round" if prefix == "bwd" else "pull_recv_round"]
+            current = a[f"{prefix}_push_send_round"][row]
+            busy = busy[busy >= current // coalesce * coalesce]
+            if not busy.size:
+                continue
+            target = busy.min()
+            a[f"{prefix}_push_send_round"][row] = target
+            back = np.flatnonzero((o["pull_send_peer"] == sender) & (o["pull_send_block"] == block)
+                                  & (o["pull_send_kind"] == kind))[0]
+            recv_row = np.flatnonzero(o[f"{prefix}_push_recv_pull"] == back)[0]
+            o[f"{prefix}_push_recv_round"][recv_row] = target
+            return
+
+
+def test_a_push_into_a_rank_receiving_a_pull_in_the_same_round_breaks_congestion_freedom(plan_bytes):
+    coalesce = PlanReader(plan_bytes).header.coalesce
+    expect(edited(plan_bytes, lambda arrays: _move_message_into_a_busy_round(arrays, "bwd", coalesce)), 3,
+           "receives 2 messages")
+
+
+def test_a_header_that_understates_live_buffers_breaks_memory(plan_bytes):
+    stated = PlanReader(plan_bytes).header.max_buffer_tokens
+    assert validate_plan(plan_bytes).max_buffer_tokens == stated
+    expect(edited(plan_bytes, lambda arrays: None, max_buffer_tokens=stated - 1), 4, "max_buffer_tokens")
+
+
+def test_a_tile_outside_the_stages_is_caught(plan_bytes):
+    def far(arrays):
+        arrays[0]["tile_stage"][-1] = 99
+    expect(edited(plan_bytes, far), 2, "outside the plan's")
 
 
 def test_a_rank_over_the_token_cap_breaks_memory(plan_bytes):

@@ -26,7 +26,6 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
     recv_busy = [0] * num_ranks
     for rnd, a, b in zip(fixed_round.tolist(), fixed_src.tolist(), fixed_dst.tolist()):
         bit = 1 << rnd
-        assert not (send_busy[a] & bit or recv_busy[b] & bit), "fixed messages are not a matching"
         send_busy[a] |= bit
         recv_busy[b] |= bit
     placed = [0] * ready_round.size
