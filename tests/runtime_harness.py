@@ -31,7 +31,19 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
     """A rank task: run fcp_attn_func forward and backward on this rank's rows of seeded global Q, K, V (the
     plan layout takes rows at the plan's token_index, the user layout its contiguous chunk) and assert out, dq, dk
     and dv equal dense attention's at those rows (fp64 1e-10, else 1e-5). Returns the number of all-to-all calls
-    the runtime made."""
+    the runtime made, and the number of kernel calls when `kernels` counts them (a `num_calls` attribute). The
+    reference is computed once, here, and inherited by the forked ranks."""
+    total = sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype)
+    d_out = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
+    ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = reference_attention(lengths, ref_q, ref_k, ref_v, causal, head_dim ** -0.5)
+    ref.backward(d_out)
+    expected = (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad)
+
     def task(rank, world):
         import torch.distributed as dist
 
@@ -47,15 +59,6 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
         dist.all_to_all_single = counting
         try:
             plan = load_rank_plan(plan_bytes, rank)
-            total = sum(lengths)
-            generator = torch.Generator().manual_seed(0)
-            q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
-            k = torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype)
-            v = torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype)
-            d_out = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
-            ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
-            ref = reference_attention(lengths, ref_q, ref_k, ref_v, causal, head_dim ** -0.5)
-            ref.backward(d_out)
             rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
                                                                           (rank + 1) * total // world)
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
@@ -64,10 +67,9 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
         finally:
             dist.all_to_all_single = real
         tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out, ref[rows].detach(), **tolerance)
-        for got, want in zip(mine, (ref_q, ref_k, ref_v)):
-            torch.testing.assert_close(got.grad, want.grad[rows], **tolerance)
-        return len(calls)
+        for got, want in zip((out, *(x.grad for x in mine)), expected):
+            torch.testing.assert_close(got, want[rows], **tolerance)
+        return len(calls), getattr(kernels, "num_calls", None)
     return task
 
 
