@@ -31,7 +31,8 @@ _EVENT_LOG: list | None = None
 def recording():
     """Log what the runtime does, in order, while the block runs; yields the list of events.
 
-    Events are tuples: ("post", pass, stage, num_messages), ("tile", pass, stage, tile_row, pull rows it reads),
+    Events are tuples: ("post", pass, stage, num_messages, pull rows whose results it pushes back), ("tile", pass,
+    stage, tile rows of one kernel call, pull rows it reads),
     ("wait", pass, stage), ("alloc", pass, stage, tokens, live_tokens) and ("free", pass, stage, tokens,
     live_tokens), where live_tokens counts received buffers under the plan's liveness rule.
     """
@@ -155,7 +156,8 @@ class _Executor:
             for message in program.messages[stage]:
                 ops += self.post(phase, program.name, stage, message, local, remote, arrived, returned)
             requests = dist.batch_isend_irecv(ops) if ops else []
-            _log("post", program.name, stage, len(program.messages[stage]))
+            _log("post", program.name, stage, len(program.messages[stage]),
+                 tuple(m.pull for m in program.messages[stage] if m.what == "push_send"))
             tiles = [idx for idx in program.tiles[stage] if idx not in skip]
             for call in stage_calls(plan, program.name, stage, tiles, self.device):
                 _log("tile", program.name, stage, call.tile_rows, call.pull_rows)

@@ -2,19 +2,63 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from runtime_harness import run_ranks  # noqa: E402
+
+from fcp_compiler import compile_plan  # noqa: E402
 from fcp_runtime.loader import PlanningCollate  # noqa: E402
 
+DOCUMENTS = [torch.arange(n) + 10_000 * i for i, n in enumerate((700, 3000, 90, 1200))]
 
-def test_collate_in_dataloader_workers_gives_each_rank_its_slice_of_one_plan():
-    documents = [torch.arange(n) for n in (700, 3000, 90, 1200)]
-    slices, digests = [], set()
+
+def _batches(layout):
+    batches = []
     for rank in range(4):
-        loader = torch.utils.data.DataLoader(documents, batch_size=4, num_workers=1,
-                                             collate_fn=PlanningCollate(rank, 4, block_size=512),
+        loader = torch.utils.data.DataLoader(DOCUMENTS, batch_size=4, num_workers=1,
+                                             collate_fn=PlanningCollate(rank, 4, layout=layout, block_size=512),
                                              multiprocessing_context="fork")
         (batch,) = list(loader)
-        assert batch["plan"].rank == rank and batch["plan"].user_tokens == batch["tokens"].shape[0]
-        digests.add(batch["plan"].digest)
-        slices.append(batch["tokens"])
-    assert len(digests) == 1  # every rank compiled the same plan
-    assert torch.equal(torch.cat(slices), torch.cat(documents))
+        assert batch["plan"].rank == rank
+        batches.append(batch)
+    assert len({b["plan"].digest for b in batches}) == 1  # every rank compiled the same plan
+    return batches
+
+
+def test_collate_in_dataloader_workers_gives_each_rank_its_user_layout_slice():
+    batches = _batches("user")
+    assert all(b["plan"].user_tokens == b["tokens"].shape[0] for b in batches)
+    assert torch.equal(torch.cat([b["tokens"] for b in batches]), torch.cat(DOCUMENTS))
+
+
+def test_collate_in_plan_layout_gives_each_rank_its_plan_tokens_with_positions_and_no_communication():
+    batches = _batches("plan")
+    everything = torch.cat(DOCUMENTS)
+    for batch in batches:
+        assert batch["plan"].layout == "plan" and batch["plan"].plan_tokens == batch["tokens"].shape[0]
+        assert torch.equal(batch["tokens"], everything[batch["token_index"]])
+        # Token t of document i is 10000 i + t, so its position is its value modulo 10000.
+        assert torch.equal(batch["position_ids"], batch["tokens"] % 10_000)
+    assert torch.equal(torch.sort(torch.cat([b["token_index"] for b in batches])).values,
+                       torch.arange(everything.numel()))
+
+
+def test_dispatch_and_undispatch_move_any_per_token_tensor_and_their_gradients(tmp_path):
+    lengths = [700, 3000, 90, 1200]
+    plan_bytes = compile_plan(lengths, 4, block_size=512).to_bytes()
+    total = sum(lengths)
+
+    def task(rank, world):
+        from fcp_runtime import dispatch, load_rank_plan, undispatch
+
+        plan = load_rank_plan(plan_bytes, rank)
+        everything = torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor([1.0, -1.0], dtype=torch.float64)
+        lo, hi = rank * total // world, (rank + 1) * total // world
+        mine = everything[lo:hi].clone().requires_grad_()
+        dispatched = dispatch(mine, plan)
+        torch.testing.assert_close(dispatched, everything[plan.token_index], rtol=0, atol=0)
+        back = undispatch(dispatched * 3, plan)
+        torch.testing.assert_close(back, 3 * everything[lo:hi], rtol=0, atol=0)
+        back.sum().backward()  # d/dx of sum(3 x) through both moves
+        torch.testing.assert_close(mine.grad, torch.full_like(mine, 3.0), rtol=0, atol=0)
+        return True
+
+    assert all(run_ranks(4, task))
