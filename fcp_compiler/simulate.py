@@ -10,7 +10,8 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
   two senders into one receiver each get half its rate. Messages of different stages never share a link end,
   because a rank starts stage s + 1 only after its stage-s messages are done.
 - The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
-  the rank's messages are in flight; each stage that runs tiles pays one kernel launch.
+  the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
+  for a full mask and up to two under a causal one (query segments with their diagonal, and those without).
 - The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
   reshuffle starts when both ends have finished their last stage.
 Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
@@ -55,6 +56,7 @@ class PassInput:
     tile_name: list[str] | None
     reshuffle_in: tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, bytes)
     reshuffle_out: tuple[np.ndarray, np.ndarray, np.ndarray]
+    stage_calls: np.ndarray | None = None  # kernel calls per (stage, rank); None: one per stage that runs tiles
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +85,7 @@ class PassResult:
     end: np.ndarray
     busy: np.ndarray
     compute: np.ndarray  # tile work at full speed per rank
+    calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
     events: list[dict] = field(default_factory=list)
 
     @property
@@ -178,7 +181,8 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         np.maximum.at(comm_end, src, ends)
         np.maximum.at(comm_end, dst, ends)
         has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
-        work = work_by[stage] + np.where(has_tiles[stage], links.launch_s, 0.0)
+        launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
+        work = work_by[stage] + launches * links.launch_s
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
         busy += compute_end - start
         if record:
@@ -196,7 +200,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     if record:
         emit_messages(t0, ends, src, dst, None, "reshuffle out")
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
-    return PassResult(end=end, busy=busy, compute=compute, events=events)
+    return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls, events=events)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -281,6 +285,31 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     return np.bincount(pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
 
 
+def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
+                 num_ranks: int, causal: bool) -> np.ndarray:
+    """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
+    query segment; under a causal mask entries holding their diagonal segment form one call, the rest another.
+
+    Returns:
+        int64 [num_stages, num_ranks].
+    """
+    plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
+    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
+    pair_plan_tile = plan_tile_of[tiles.pair_tile]
+    q_seg = tiles.pair_q_seg
+    slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
+    if not causal:
+        return (np.bincount(slot, minlength=num_stages * num_ranks) > 0).astype(np.int64).reshape(num_stages, -1)
+    num_segments = tiles.sharding.num_segments
+    entries, entry = unique_keys(slot * num_segments + q_seg, num_stages * num_ranks * num_segments,
+                                 return_inverse=True)
+    diagonal = np.bincount(entry, weights=q_seg == tiles.pair_kv_seg, minlength=entries.size) > 0
+    entry_slot = entries // num_segments
+    calls = (np.bincount(entry_slot[diagonal], minlength=num_stages * num_ranks) > 0).astype(np.int64)
+    calls += np.bincount(entry_slot[~diagonal], minlength=num_stages * num_ranks) > 0
+    return calls.reshape(num_stages, num_ranks)
+
+
 def _reshuffle_flows(programs, bytes_per_token: float):
     src, dst, nbytes = [], [], []
     for program in programs:
@@ -360,6 +389,10 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
 
     def pass_input(prefix, pull_bytes, pull_round, push_bytes_of, stages, seconds_of_tiles, num_stages, shuffle_in,
                    shuffle_out):
+        # Tiles that run during the input reshuffle are not a stage's calls.
+        in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
+        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n,
+                             header.mask.value == "causal")[:num_stages]
         push_stage, push_row = pushes(prefix)
         names = None
         if record:
@@ -373,7 +406,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
             tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
             reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
-            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows)
+            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
+            stage_calls=calls)
 
     fwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, 3 * q_bytes + lse_bytes)

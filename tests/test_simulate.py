@@ -116,3 +116,22 @@ def test_ablation_never_loses_and_ends_at_least_twice_the_base():
     assert all(b >= a - 1e-12 for a, b in zip(backward[2:], backward[3:])), backward
     for values in (forward, backward):
         assert values[-1] >= 2 * values[0], values
+
+
+@pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan")])
+def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout):
+    pytest.importorskip("torch")
+    from fcp_runtime import load_rank_plan
+    from fcp_runtime.stage_calls import stage_calls
+
+    plan = compile_valid([3000, 700, 90, 1500, 260, 1200], 4, block_size=256, coalesce_degree=2, mask=mask,
+                         layout=layout)
+    simulation = simulate_plan(plan)
+    for rank in range(4):
+        rank_plan = load_rank_plan(plan.to_bytes(), rank)
+        for name, program, result in (("fwd", rank_plan.forward, simulation.forward),
+                                      ("bwd", rank_plan.backward, simulation.backward)):
+            skip = rank_plan.early_tiles if name == "fwd" else frozenset()
+            for stage in range(program.num_stages):
+                tiles = [t for t in program.tiles[stage] if t not in skip]
+                assert result.calls[stage, rank] == len(stage_calls(rank_plan, name, stage, tiles, "cpu"))
