@@ -53,3 +53,22 @@ def test_never_earlier_never_past_the_last_stage_and_no_stage_gets_busier(num_ra
     before = stage_loads(earliest, rank, seconds, num_stages, num_ranks).max(axis=1)
     after = stage_loads(stage, rank, seconds, num_stages, num_ranks).max(axis=1)
     assert (after <= before + 1e-9).all()
+
+
+def test_a_delay_that_would_hold_buffers_past_the_budget_is_not_made():
+    # Rank 0: tile 0 reads buffer 0 (from stage 0) and could run in stage 1; tile 2 reads buffer 1, live in stages
+    # 2-3. Rank 1's work is in stage 3. Delaying tile 0 to stage 3 keeps buffer 0 live beside buffer 1: 20 tokens.
+    from fcp_compiler.algorithms.leveling import BufferLimit
+
+    earliest = np.array([1, 3, 3])
+    rank = np.array([0, 1, 0])
+    seconds = np.array([1.0, 2.0, 1.0])
+
+    def limit(budget):
+        return BufferLimit(tile_buffer=np.array([0, -1, 1]), buffer_rank=np.array([0, 0]),
+                           buffer_first=np.array([0, 2]), buffer_tokens=np.array([10, 10]),
+                           buffer_hold=np.array([0, 0]), budget=budget)
+
+    assert level_stages(earliest, rank, seconds, 2).tolist() == [3, 3, 3]
+    assert level_stages(earliest, rank, seconds, 2, limit=limit(20)).tolist() == [3, 3, 3]
+    assert level_stages(earliest, rank, seconds, 2, limit=limit(15)).tolist() == [1, 3, 3]

@@ -17,6 +17,9 @@ def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_st
                        minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
 
 
+MAX_SKIPS = 8  # per rank and target stage, candidates passed over (too long for the gap, or over the budget)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BufferLimit:
     """What delaying a tile costs in memory: the received buffer it reads stays live until it runs.
@@ -42,8 +45,9 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     arrives early would otherwise front-load its work while another waits for late data, and the pipeline pays
     both. Going from the last stage back, the stage's level is its busiest rank's work; every other rank fills up
     to that level with tiles from its latest earlier stages (a tile may always run later than its data arrives),
-    stopping at the first that does not fit the gap or, under `limit`, would keep a buffer live past the budget. No
-    tile goes past the last stage that already holds one, so the number of stages is unchanged.
+    passing over (up to MAX_SKIPS times) those that do not fit the remaining gap or, under `limit`, would keep a
+    buffer live past the budget. No tile goes past the last stage that already holds one, so the number of stages
+    is unchanged.
 
     Objective: sum over stages of max over ranks of work (greedy, not optimal with indivisible tiles; never worse
     than the earliest placement), subject to the buffer budget. O(T log T + S * N + T * S) for T tiles, S stages,
@@ -79,10 +83,13 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             gap = level - load[target, r]
             tiles, firsts = pending[r], pending_earliest[r]
             idx = bisect.bisect_left(firsts, target) - 1
-            while idx >= 0 and seconds_list[tiles[idx]] <= gap:
+            skips = 0  # tiles that do not fit are passed over, a few per rank and stage (bounded scan)
+            while idx >= 0 and skips < MAX_SKIPS:
                 tile = tiles[idx]
-                if buffers is not None and not buffers.extend(tile, target):
-                    break
+                if seconds_list[tile] > gap or (buffers is not None and not buffers.extend(tile, target)):
+                    skips += 1
+                    idx -= 1
+                    continue
                 gap -= seconds_list[tile]
                 load[stage[tile], r] -= seconds_list[tile]
                 load[target, r] += seconds_list[tile]
