@@ -119,7 +119,8 @@ def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None
         raise typer.Exit(1)
     typer.echo(f"{plan}: valid. {report.num_ranks} ranks, {report.num_blocks} blocks, {report.num_tiles} tiles, "
                f"{report.num_pulls} pulls in {report.num_rounds} rounds (= max degree {report.max_degree}), "
-               f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes")
+               f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, every round a matching "
+               f"over pulls and pushes, live buffers <= {report.max_buffer_tokens} tokens as stated")
 
 
 @app.command("inspect")

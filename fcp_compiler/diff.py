@@ -9,11 +9,11 @@ from fcp_compiler.plan_format import PlanReader, stack_ranks
 
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
-           "max_rank_recv_bytes": True, "num_rounds": True, "normalized_mfu_fwd": False,
-           "normalized_mfu_bwd": False}
-PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "mask", "num_sequences",
-              "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind", "reshuffle_overlap",
-              "format_version")
+           "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
+           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False}
+PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
+              "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
+              "reshuffle_overlap", "format_version")
 
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
@@ -36,8 +36,9 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     figures = {"compute_imbalance": imbalance_ratio(compute), "comm_imbalance": imbalance_ratio(received),
                "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
                "total_comm_bytes": int(received.sum()), "max_rank_recv_bytes": int(received.max()),
-               "num_rounds": header.num_rounds, "num_fwd_stages": header.num_fwd_stages,
-               "num_bwd_stages": header.num_bwd_stages}
+               "num_rounds": header.num_rounds, "num_fwd_rounds": header.num_fwd_rounds,
+               "num_bwd_rounds": header.num_bwd_rounds, "num_fwd_stages": header.num_fwd_stages,
+               "num_bwd_stages": header.num_bwd_stages, "max_buffer_tokens": header.max_buffer_tokens}
     if simulate:
         sim = simulation.figures()
         figures.update(normalized_mfu_fwd=sim["normalized_mfu_fwd"], normalized_mfu_bwd=sim["normalized_mfu_bwd"],
