@@ -91,3 +91,26 @@ def test_levelling_stays_within_the_buffer_budget_that_the_earliest_placement_me
     peak = peak_live_tokens(*pass_buffers(levelled.forward, transfers, tile_rank, levelled.tile_kv_edge,
                                           levelled.tile_q_edge), transfers.assignment.num_ranks)
     assert peak.max() <= budget
+
+
+def test_round_order_is_a_permutation_that_pairs_complementary_rounds():
+    from fcp_compiler.algorithms.round_order import order_rounds
+
+    # Rounds 0 and 1 load rank 0, rounds 2 and 3 rank 1. In their own order, stages of two rounds cost 2 + 2;
+    # pairing a rank-0 round with a rank-1 round costs 1 + 1.
+    work = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    position = order_rounds(work, 2)
+    assert sorted(position.tolist()) == [0, 1, 2, 3]
+    stage = position // 2
+    loads = np.zeros((2, 2))
+    np.add.at(loads, stage, work)
+    assert loads.max(axis=1).sum() == 2.0
+
+
+@given(st.integers(1, 12), st.integers(1, 4), st.integers(1, 4), st.integers(0, 10_000))
+def test_round_order_fills_every_stage_but_the_last(num_rounds, num_ranks, per_stage, seed):
+    from fcp_compiler.algorithms.round_order import order_rounds
+
+    work = np.random.default_rng(seed).random((num_rounds, num_ranks))
+    position = order_rounds(work, per_stage)
+    assert np.array_equal(np.sort(position), np.arange(num_rounds))

@@ -68,35 +68,40 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         return stage
     num_stages = int(stage.max()) + 1
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
-    load = stage_loads(stage, rank, seconds, num_stages, num_ranks)
     buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
     candidates = np.flatnonzero(movable)
     order = candidates[np.lexsort((candidates, earliest[candidates], rank[candidates]))]
     bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
-    # Per rank, its unmoved movable tiles by earliest stage; the latest ones go first.
+    # Per rank, its unmoved movable tiles by earliest stage; the latest ones go first. The loop runs on Python
+    # lists: it touches one tile at a time, where numpy scalars cost more than the work.
     pending = [order[bounds[r]:bounds[r + 1]].tolist() for r in range(num_ranks)]
     pending_earliest = [earliest[tiles].tolist() for tiles in pending]
-    seconds_list = seconds.tolist()
+    load = stage_loads(stage, rank, seconds, num_stages, num_ranks).tolist()
+    stage_list, seconds_list = stage.tolist(), seconds.tolist()
     for target in range(num_stages - 1, 0, -1):
-        level = load[target].max()
-        for r in np.flatnonzero(load[target] < level).tolist():
-            gap = level - load[target, r]
+        row = load[target]
+        level = max(row)
+        for r in range(num_ranks):
+            gap = level - row[r]
+            if gap <= 0:
+                continue
             tiles, firsts = pending[r], pending_earliest[r]
             idx = bisect.bisect_left(firsts, target) - 1
             skips = 0  # tiles that do not fit are passed over, a few per rank and stage (bounded scan)
             while idx >= 0 and skips < MAX_SKIPS:
                 tile = tiles[idx]
-                if seconds_list[tile] > gap or (buffers is not None and not buffers.extend(tile, target)):
+                work = seconds_list[tile]
+                if work > gap or (buffers is not None and not buffers.extend(tile, target)):
                     skips += 1
                     idx -= 1
                     continue
-                gap -= seconds_list[tile]
-                load[stage[tile], r] -= seconds_list[tile]
-                load[target, r] += seconds_list[tile]
-                stage[tile] = target
+                gap -= work
+                load[stage_list[tile]][r] -= work
+                row[r] += work
+                stage_list[tile] = target
                 del tiles[idx], firsts[idx]
                 idx -= 1
-    return stage
+    return np.asarray(stage_list, dtype=np.int64)
 
 
 class _LiveBuffers:

@@ -7,6 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.exchange import place_messages
 from fcp_compiler.algorithms.leveling import BufferLimit, level_stages
 from fcp_compiler.algorithms.liveness import peak_live_tokens
+from fcp_compiler.algorithms.round_order import order_rounds
 from fcp_compiler.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
 
@@ -124,10 +125,24 @@ def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipe
                         push_round=push_round)
 
 
+def _round_work(rounds: Rounds, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Work each round makes runnable on each rank: a tile counts in the round of its later pull."""
+    transfers = rounds.transfers
+    assignment = transfers.assignment
+    round_or_local = np.append(rounds.edge_round, -1)
+    arrival = np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+    remote = arrival >= 0
+    num_ranks = assignment.num_ranks
+    work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
+                       weights=assignment.tiles.tile_seconds[remote], minlength=rounds.num_rounds * num_ranks)
+    return work.reshape(rounds.num_rounds, num_ranks)
+
+
 def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
     """Merge `degree` consecutive rounds into a stage and place every tile and push of both passes.
 
-    Forward: pulls in their matching rounds (stage s carries rounds [s * degree, (s + 1) * degree)); partial outputs
+    Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
+    carries rounds [s * degree, (s + 1) * degree)); partial outputs
     of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
     that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles and each pulled block is
     freed a stage or two after it arrives. Pushes take the earliest round after their tiles in which both ends
@@ -152,8 +167,15 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
     assert ((kv_edge >= 0) == (assignment.block_rank[tiles.tile_kv_block] != tile_rank)).all()
     assert ((q_edge >= 0) == (assignment.block_rank[tiles.tile_q_block] != tile_rank)).all()
     budget = buffer_budget if buffer_budget is not None else 2 * degree * tiles.sharding.block_size
-    forward = _forward(transfers, rounds.edge_round, degree, pipelined, kv_edge, q_edge, budget)
-    backward = _backward(transfers, rounds.edge_round, degree, pipelined, kv_edge, q_edge)
+    forward_round, backward_round = rounds.edge_round, rounds.edge_round
+    if pipelined:
+        # Any order of the matchings is congestion-free; choose, per pass, the one whose stages carry even work
+        # (the backward pass has half as many pull rounds a stage).
+        work = _round_work(rounds, kv_edge, q_edge)
+        forward_round = order_rounds(work, degree)[rounds.edge_round]
+        backward_round = order_rounds(work, max(degree // 2, 1))[rounds.edge_round]
+    forward = _forward(transfers, forward_round, degree, pipelined, kv_edge, q_edge, budget)
+    backward = _backward(transfers, backward_round, degree, pipelined, kv_edge, q_edge)
     round_or_local = np.append(rounds.edge_round, -1)
     arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
