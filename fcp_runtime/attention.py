@@ -212,13 +212,23 @@ class _Executor:
     def store_of(self, source: int, local: _Store, remote: dict[int, _Store]) -> _Store:
         return local if source == LOCAL else remote[source]
 
-    def gather(self, call: KernelCall, parts, name: str, local: _Store, remote: dict[int, _Store]) -> torch.Tensor:
-        """The rows of `parts` ((source, segment) pairs) of one tensor, packed in order."""
-        pieces = []
-        for source, seg in parts:
-            store = self.store_of(source, local, remote)
-            pieces.append(store.tensors[name][self.rows(store, seg)])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    def gather(self, index, name: str, local: _Store, remote: dict[int, _Store], heads_first: bool = False):
+        """One tensor's rows of a call, packed: one index_select and one index_copy_ per source."""
+        pieces = [(entry, self.store_of(entry.source, local, remote).tensors[name]) for entry in index]
+        dim = 1 if heads_first else 0
+        total = sum(entry.positions.numel() for entry, _ in pieces)
+        shape = list(pieces[0][1].shape)
+        shape[dim] = total
+        packed = torch.empty(shape, dtype=pieces[0][1].dtype, device=self.device)
+        for entry, tensor in pieces:
+            packed.index_copy_(dim, entry.positions, tensor.index_select(dim, entry.rows))
+        return packed
+
+    def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store]) -> None:
+        """Add a call's packed results into the rows they belong to (index_add_: repeated rows sum)."""
+        for entry in index:
+            target = self.store_of(entry.source, local, remote).tensors[name]
+            target.index_add_(0, entry.rows, values.index_select(0, entry.positions).to(target.dtype))
 
 
 class _ForwardPass:
@@ -266,17 +276,14 @@ class _ForwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
         ex = self.ex
-        q = ex.gather(call, call.q_parts, "q", local, remote)
-        k = ex.gather(call, call.kv_parts, "k", local, remote)
-        v = ex.gather(call, call.kv_parts, "v", local, remote)
+        q = ex.gather(call.q_index, "q", local, remote)
+        k = ex.gather(call.kv_index, "k", local, remote)
+        v = ex.gather(call.kv_index, "v", local, remote)
         out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal)
-        offset = 0
-        for source, seg in call.q_parts:
-            store = ex.store_of(source, local, remote)
-            length = ex.plan.seg_len(seg)
-            merge(store.tensors["out"], store.tensors["lse"], ex.rows(store, seg), out[offset:offset + length],
-                  lse[:, offset:offset + length])
-            offset += length
+        for entry in call.q_index:
+            store = ex.store_of(entry.source, local, remote)
+            merge(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
+                  lse.index_select(1, entry.positions))
 
 
 class _BackwardPass:
@@ -328,21 +335,15 @@ class _BackwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
         ex = self.ex
-        q, d_out, out = (ex.gather(call, call.q_parts, name, local, remote) for name in ("q", "do", "out"))
-        lse = torch.cat([ex.store_of(source, local, remote).tensors["lse"][:, ex.rows(
-            ex.store_of(source, local, remote), seg)] for source, seg in call.q_parts], dim=1)
-        k = ex.gather(call, call.kv_parts, "k", local, remote)
-        v = ex.gather(call, call.kv_parts, "v", local, remote)
+        q, d_out, out = (ex.gather(call.q_index, name, local, remote) for name in ("q", "do", "out"))
+        lse = ex.gather(call.q_index, "lse", local, remote, heads_first=True)
+        k = ex.gather(call.kv_index, "k", local, remote)
+        v = ex.gather(call.kv_index, "v", local, remote)
         dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
                                          ex.scale, call.causal)
-        for parts, grads in ((call.q_parts, (("dq", dq),)), (call.kv_parts, (("dk", dk), ("dv", dv)))):
-            offset = 0
-            for source, seg in parts:
-                store = ex.store_of(source, local, remote)
-                length = ex.plan.seg_len(seg)
-                for name, grad in grads:
-                    store.tensors[name][ex.rows(store, seg)] += grad[offset:offset + length].to(ex.acc_dtype)
-                offset += length
+        ex.scatter_add(call.q_index, "dq", dq, local, remote)
+        ex.scatter_add(call.kv_index, "dk", dk, local, remote)
+        ex.scatter_add(call.kv_index, "dv", dv, local, remote)
 
 
 def _reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:

@@ -20,12 +20,23 @@ LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pul
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RowIndex:
+    """Where one source's rows go in a call's packed tensor: packed[positions] = source rows[rows]."""
+
+    source: int
+    positions: torch.Tensor  # int64, on the device
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KernelCall:
-    """One varlen call: entry i's queries are q_parts[i]; its keys are the kv_parts in [kv_first[i], kv_first[i+1])."""
+    """One varlen call: entry i's queries are q_parts[i]; its keys are the kv_parts of cu_k's entry i, packed."""
 
     causal: bool
     q_parts: tuple[tuple[int, int], ...]  # (source, segment) per entry
     kv_parts: tuple[tuple[int, int], ...]  # (source, segment), entry by entry
+    q_index: tuple[RowIndex, ...]  # per source: the packed query rows, to gather inputs and scatter results
+    kv_index: tuple[RowIndex, ...]
     cu_q: torch.Tensor  # int32 [entries + 1] on the device
     cu_k: torch.Tensor
     max_q: int
@@ -56,6 +67,34 @@ def _entries(plan: RankPlan, tiles: list[int]):
     return entries
 
 
+def _store_rows(plan: RankPlan, source: int) -> dict[int, int]:
+    """Segment -> first row in a source's store: the plan layout, or a pulled block's segments in pull order."""
+    if source == LOCAL:
+        return plan.local_seg_row
+
+    def build() -> dict[int, int]:
+        rows, row = {}, 0
+        for seg in plan.pull_recv[source].segs:
+            rows[seg] = row
+            row += plan.seg_len(seg)
+        return rows
+    return plan.cached(("store rows", source), build)
+
+
+def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
+    positions: dict[int, list[torch.Tensor]] = {}
+    rows: dict[int, list[torch.Tensor]] = {}
+    offset = 0
+    for source, seg in parts:
+        length = plan.seg_len(seg)
+        start = _store_rows(plan, source)[seg]
+        positions.setdefault(source, []).append(torch.arange(offset, offset + length))
+        rows.setdefault(source, []).append(torch.arange(start, start + length))
+        offset += length
+    return tuple(RowIndex(source=source, positions=torch.cat(positions[source]).to(device),
+                          rows=torch.cat(rows[source]).to(device)) for source in sorted(positions))
+
+
 def _call(plan: RankPlan, causal: bool, entries: list, tiles: tuple[int, ...], device) -> KernelCall:
     q_parts, kv_parts, cu_q, cu_k = [], [], [0], [0]
     pulls = set()
@@ -70,6 +109,7 @@ def _call(plan: RankPlan, causal: bool, entries: list, tiles: tuple[int, ...], d
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
     return KernelCall(causal=causal, q_parts=tuple(q_parts), kv_parts=tuple(kv_parts),
+                      q_index=_row_index(plan, q_parts, device), kv_index=_row_index(plan, kv_parts, device),
                       cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
                       cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device), max_q=max(lengths_q),
                       max_k=max(lengths_k), tile_rows=tiles, pull_rows=tuple(sorted(pulls)))
