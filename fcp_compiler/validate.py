@@ -128,7 +128,6 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
     tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
     tile_kv, _ = stack_ranks(programs, "tile_kv_block")
-    tile_stage, _ = stack_ranks(programs, "tile_stage")
     if tile_q.size and (min(tile_q.min(), tile_kv.min()) < 0 or max(tile_q.max(), tile_kv.max()) >= num_blocks):
         _fail(1, "a tile names a block that does not exist")
     tile_key = tile_q * num_blocks + tile_kv
@@ -306,7 +305,6 @@ class _PassProgram:
 def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgram) -> tuple[int, int]:
     """Invariants 2, 3 and 4 for one pass; returns (peak live buffer tokens, number of pushes)."""
     label, coalesce = program.label, ctx.coalesce
-    num_pulls = pulls.kind.size
     stages = program.tile_stage
     if stages.size and (stages.min() < 0 or stages.max() >= program.num_stages):
         bad = int(stages.min() if stages.min() < 0 else stages.max())

@@ -99,8 +99,7 @@ class _Executor:
         self.device, self.dtype = device, dtype
         self.acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         self.kernels = kernels if kernels is not None else default_kernels(device)
-        self.live_tokens = 0
-        self.peak_tokens = 0
+        self.live_tokens = 0  # received buffers under the plan's liveness rule (logged by recording())
 
     # --- layout -------------------------------------------------------------------------------------------------
     def peer(self, rank: int) -> int:
@@ -137,7 +136,6 @@ class _Executor:
     # --- buffers ------------------------------------------------------------------------------------------------
     def allocate(self, name: str, stage: int, tokens: int) -> None:
         self.live_tokens += tokens
-        self.peak_tokens = max(self.peak_tokens, self.live_tokens)
         _log("alloc", name, stage, tokens, self.live_tokens)
 
     def release(self, name: str, stage: int, tokens: int) -> None:
