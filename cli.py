@@ -182,15 +182,21 @@ def simulate_command(
     profile: Optional[str] = typer.Option(None, "--profile", help="hardware to simulate on [the plan's]"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto)"),
+    model: Optional[str] = typer.Option(None, "--model",
+                                        help="add a whole layer's linear parts: llama3-8b or llama3-70b"),
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
     from fcp_compiler.inputs import load_profile
+    from fcp_compiler.models import load_model
     from fcp_compiler.report import table
     from fcp_compiler.simulate import simulate_plan, write_trace
 
+    layer_model = load_model(model) if model else None
     data = _plan_or_batch(source, gpus, profile)
     simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None)
     figures = simulation.figures()
+    if layer_model:
+        figures.update(simulation.layer_figures(layer_model))
     if json_out:
         _write_json(json_out, figures)
     if trace:
@@ -204,6 +210,13 @@ def simulate_command(
     typer.echo(f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
                f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
                + (f"; trace in {trace}" if trace else ""))
+    if layer_model:
+        typer.echo(f"  one {layer_model.name} layer, {figures['layout']} layout:")
+        typer.echo(table(["pass", "linear ms", "reshuffle ms", "attention ms", "layer ms"], [
+            [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
+             f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}"]
+            for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
+        typer.echo(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}")
 
 
 @app.command("ablate")

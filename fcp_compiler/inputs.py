@@ -164,6 +164,19 @@ PRESET_PROFILES: dict[str, HardwareProfile] = {
         comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
         source="NVIDIA DGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU, NVLink 5 1.8 TB/s (900 per direction); "
                "ConnectX-7 400 Gb/s = 50 GB/s per GPU"),
+    # The seed's two anonymous GPUs, by the compute/network ratios of its Table 1 (BF16 tensor throughput over
+    # network bandwidth): 5920 and 2500 FLOP per byte. Peaks are assumed (a Hopper- and a Blackwell-class GPU);
+    # the network bandwidth follows from the ratio.
+    "seed-x": HardwareProfile(
+        name="seed-x", peak_tflops=989.0, network_gbps=989.0 / 5.920, nvlink_gbps=450.0, gpus_per_node=8,
+        latency_us=10.0, comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        source="seed Table 1 GPU-X: 5920 FLOP/byte; 989 TFLOP/s assumed (Hopper class), so 167 GB/s per GPU; "
+               "6 SMs for communication (seed)"),
+    "seed-y": HardwareProfile(
+        name="seed-y", peak_tflops=2250.0, network_gbps=2250.0 / 2.500, nvlink_gbps=900.0, gpus_per_node=8,
+        latency_us=8.0, comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
+        source="seed Table 1 GPU-Y: 2500 FLOP/byte; 2.25 PFLOP/s assumed (Blackwell class), so 900 GB/s per GPU; "
+               "8 SMs for communication (seed)"),
 }
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fcp_compiler.inputs import HardwareProfile, Layout
+from fcp_compiler.models import ModelPreset
 from fcp_compiler.ir import Batch, Sharding
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.passes.cost import cost, tile_efficiency
@@ -32,6 +33,7 @@ from fcp_compiler.plan_format import PlanReader, stack_ranks, tiles_during_reshu
 from fcp_compiler.stats import LSE_BYTES
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
 # Trace tracks (Chrome trace thread ids) of each rank's process.
 TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
           ("bwd", "recv"): 5}
@@ -86,6 +88,7 @@ class PassResult:
     busy: np.ndarray
     compute: np.ndarray  # tile work at full speed per rank
     calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
+    reshuffle: float = 0.0  # seconds the input and output reshuffles take (their slowest rank each; user layout)
     events: list[dict] = field(default_factory=list)
 
     @property
@@ -169,6 +172,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         emit_messages(np.zeros(src.size), ends, src, dst, None, "reshuffle in")
         emit_compute(np.zeros(n), compute_end, early, "reshuffle")
     start = np.maximum(comm_end, compute_end)
+    reshuffle_in = float(comm_end.max()) if src.size else 0.0
 
     order = np.argsort(data.flow_stage, kind="stable")
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
@@ -200,7 +204,9 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     if record:
         emit_messages(t0, ends, src, dst, None, "reshuffle out")
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
-    return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls, events=events)
+    reshuffle_out = float((ends - t0).max()) if src.size else 0.0
+    return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
+                      reshuffle=reshuffle_in + reshuffle_out, events=events)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,6 +220,28 @@ class Simulation:
     peak_flops: float
     num_ranks: int
     planned_compute: np.ndarray  # per rank, the compiler's tile-by-tile cost (what its balance figures use)
+    layout: str = "plan"
+    rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
+
+    def layer_figures(self, model: ModelPreset) -> dict:
+        """One transformer layer of `model` around this attention: the linear layers' time per rank from the tokens
+        it holds (the plan layout's, or the user layout's even chunks), the attention as simulated (with its
+        reshuffles in the user layout), and MFU over the whole layer, forward and backward.
+
+        A layer's makespan is its slowest rank's linear time plus the attention makespan: attention's exchange
+        makes every rank wait for its partners, so a rank with more tokens delays them all.
+        """
+        linear_fwd = self.rank_tokens * model.linear_flops_per_token / (self.peak_flops * model.linear_efficiency)
+        linear_fwd_s, linear_bwd_s = float(linear_fwd.max()), float(linear_fwd.max()) * BACKWARD_LINEAR_WORK
+        layer_fwd = linear_fwd_s + self.forward.makespan
+        layer_bwd = linear_bwd_s + self.backward.makespan
+        useful = (float(self.rank_tokens.sum()) * model.linear_flops_per_token * (1 + BACKWARD_LINEAR_WORK)
+                  + self.flops_fwd * (1 + BACKWARD_WORK))
+        total = layer_fwd + layer_bwd
+        return {"model": model.name, "layout": self.layout, "reshuffle_fwd_s": self.forward.reshuffle,
+                "reshuffle_bwd_s": self.backward.reshuffle, "linear_fwd_s": linear_fwd_s,
+                "linear_bwd_s": linear_bwd_s, "layer_makespan_fwd_s": layer_fwd, "layer_makespan_bwd_s": layer_bwd,
+                "layer_mfu": useful / (self.num_ranks * self.peak_flops * total) if total > 0 else 0.0}
 
     def figures(self) -> dict:
         """The --json of fcp simulate."""
@@ -425,9 +453,15 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     pairs = lengths * (lengths + 1) / 2 if header.mask.value == "causal" else lengths ** 2
     single = float(pairs.sum() / (pairs / tile_efficiency(profile, lengths)).sum())
     planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
+    if in_user_layout:
+        rank_tokens = np.diff((np.arange(n + 1) * header.total_tokens) // n).astype(np.float64)
+    else:
+        held, held_rank = stack_ranks(programs, "blocks")
+        block_tokens = np.bincount(tables.seg_block, weights=seg_tokens, minlength=header.num_blocks)
+        rank_tokens = np.bincount(held_rank, weights=block_tokens[held], minlength=n)
     return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
                       single_gpu_efficiency=single, peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
-                      planned_compute=planned)
+                      planned_compute=planned, layout=header.layout.value, rank_tokens=rank_tokens)
 
 
 def _swap(flows):

@@ -13,19 +13,55 @@ from fcp_compiler.passes.coalesce import max_buffer_tokens
 LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output
 
 
-def forward_comm_bytes(final: Reshuffle) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes each rank receives and sends in the forward pass: pulls, and partial outputs pushed back."""
+def forward_messages(final: Reshuffle) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every forward message as (sender, receiver, bytes): pulls, and partial outputs pushed back along Q pulls."""
     transfers = final.schedule.rounds.transfers
-    num_ranks = transfers.assignment.num_ranks
     shape = transfers.assignment.tiles.shape
-    pull_bytes = transfers.edge_bytes
     is_q = transfers.edge_kind == TransferKind.Q
     push_bytes = transfers.edge_tokens[is_q] * (shape.q_bytes_per_token + LSE_BYTES * shape.q_heads)
-    received = (np.bincount(transfers.edge_dst, weights=pull_bytes, minlength=num_ranks)
-                + np.bincount(transfers.edge_src[is_q], weights=push_bytes, minlength=num_ranks))
-    sent = (np.bincount(transfers.edge_src, weights=pull_bytes, minlength=num_ranks)
-            + np.bincount(transfers.edge_dst[is_q], weights=push_bytes, minlength=num_ranks))
-    return received, sent
+    return (np.concatenate((transfers.edge_src, transfers.edge_dst[is_q])),
+            np.concatenate((transfers.edge_dst, transfers.edge_src[is_q])),
+            np.concatenate((transfers.edge_bytes, push_bytes)).astype(np.float64))
+
+
+def forward_comm_bytes(final: Reshuffle) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each rank receives and sends in the forward pass: pulls, and partial outputs pushed back."""
+    num_ranks = final.schedule.rounds.transfers.assignment.num_ranks
+    sender, receiver, nbytes = forward_messages(final)
+    return (np.bincount(receiver, weights=nbytes, minlength=num_ranks),
+            np.bincount(sender, weights=nbytes, minlength=num_ranks))
+
+
+def link_figures(final: Reshuffle) -> dict:
+    """Forward traffic per link type (the NIC across nodes, NVLink inside one) and direction, and each rank's
+    busiest link time against its compute time (DESIGN section 5, exposure)."""
+    assignment = final.schedule.rounds.transfers.assignment
+    num_ranks, profile = assignment.num_ranks, assignment.tiles.profile
+    sender, receiver, nbytes = forward_messages(final)
+    node = np.arange(num_ranks) // profile.gpus_per_node
+    across = node[sender] != node[receiver]
+
+    def per_rank(who: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.bincount(who[mask], weights=nbytes[mask], minlength=num_ranks)
+
+    nic_send, nic_recv = per_rank(sender, across), per_rank(receiver, across)
+    nvlink_send, nvlink_recv = per_rank(sender, ~across), per_rank(receiver, ~across)
+    link_seconds = np.maximum(np.maximum(nic_send, nic_recv) / (profile.network_gbps * 1e9),
+                              np.maximum(nvlink_send, nvlink_recv) / (profile.nvlink_gbps * 1e9))
+    compute = assignment.rank_seconds
+    ratio = np.divide(link_seconds, compute, out=np.where(link_seconds > 0, np.inf, 0.0), where=compute > 0)
+    return {"nic_bytes": int(nbytes[across].sum()), "nvlink_bytes": int(nbytes[~across].sum()),
+            "max_rank_nic_send_bytes": int(nic_send.max()), "max_rank_nic_recv_bytes": int(nic_recv.max()),
+            "max_link_to_compute": float(ratio.max()) if num_ranks else 0.0}
+
+
+def rank_visible_pairs(final: Reshuffle) -> np.ndarray:
+    """Visible (query, key) token pairs each rank computes: its compute load free of any efficiency model."""
+    assignment = final.schedule.rounds.transfers.assignment
+    tiles = assignment.tiles
+    pairs_per_flop = 1.0 / (4 * tiles.shape.q_heads * tiles.shape.head_dim)
+    return np.bincount(assignment.tile_rank, weights=tiles.tile_flops * pairs_per_flop,
+                       minlength=assignment.num_ranks)
 
 
 def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
@@ -76,6 +112,8 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_bwd_stages": schedule.backward.num_stages,
         "max_buffer_tokens": max_buffer_tokens(schedule),
         "compute_imbalance": imbalance_ratio(compute),
+        "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
+        "token_imbalance": imbalance_ratio(assignment.rank_tokens),
         "comm_imbalance": imbalance_ratio(received),
         "comm_sent_imbalance": imbalance_ratio(sent),
         "max_tokens_per_rank": int(assignment.rank_tokens.max()),
@@ -86,6 +124,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "total_comm_bytes": int(received.sum()),
         "max_rank_recv_bytes": int(received.max()),
         "max_rank_sent_bytes": int(sent.max()),
+        **link_figures(final),
         "plan_bytes": len(data),
         "compile_seconds": compile_seconds,
         "pass_seconds": dict(pass_seconds),

@@ -99,3 +99,26 @@ def test_same_inputs_give_byte_identical_plans_across_hash_seeds(tmp_path):
     assert outputs[0] == outputs[1]
     assert outputs[0] == compile_plan(load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json"), 64,
                                       block_size=2048).to_bytes()
+
+
+def test_pair_token_and_link_figures_agree_with_the_plan(small_plan):
+    import numpy as np
+
+    stats = small_plan.stats
+    ir = small_plan.ir
+    assignment = ir.schedule.rounds.transfers.assignment
+    # Visible pairs per rank, counted token by token from the tiles' segment pairs (causal: key position <= query).
+    sharding = assignment.tiles.sharding
+    pairs = np.zeros(assignment.num_ranks)
+    tiles = assignment.tiles
+    for pair in range(tiles.pair_tile.size):
+        q, k = tiles.pair_q_seg[pair], tiles.pair_kv_seg[pair]
+        q_pos = np.arange(sharding.seg_start[q], sharding.seg_end[q])
+        k_pos = np.arange(sharding.seg_start[k], sharding.seg_end[k])
+        pairs[assignment.tile_rank[tiles.pair_tile[pair]]] += (k_pos[None, :] <= q_pos[:, None]).sum()
+    assert stats["pair_imbalance"] == pytest.approx((pairs.max() - pairs.mean()) / pairs.max())
+    tokens = assignment.rank_tokens
+    assert stats["token_imbalance"] == pytest.approx((tokens.max() - tokens.mean()) / tokens.max())
+    assert stats["nic_bytes"] + stats["nvlink_bytes"] == stats["total_comm_bytes"]
+    assert 0 <= stats["max_rank_nic_recv_bytes"] <= stats["max_rank_recv_bytes"]
+    assert stats["max_link_to_compute"] > 0

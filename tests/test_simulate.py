@@ -138,3 +138,46 @@ def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout)
             for stage in range(program.num_stages):
                 tiles = [t for t in program.tiles[stage] if t not in skip]
                 assert result.calls[stage, rank] == len(stage_calls(rank_plan, name, stage, tiles, "cpu"))
+
+
+def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
+    from fcp_compiler.models import MODEL_PRESETS
+
+    lengths = [3000, 700, 90, 1500, 260, 1200]
+    model = MODEL_PRESETS["llama3-8b"]
+    # Q, K, V, O projections (4096 x (32 + 16) x 128 and 32 x 128 x 4096) and three 4096 x 14336 MLP matrices.
+    assert model.linear_flops_per_token == 2 * (4096 * 48 * 128 + 4096 * 4096 + 3 * 4096 * 14336)
+    for layout in ("plan", "user"):
+        plan = compile_valid(lengths, 4, block_size=256, coalesce_degree=2, layout=layout)
+        simulation = simulate_plan(plan)
+        figures = simulation.layer_figures(model)
+        tokens = (plan.stats["max_tokens_per_rank"] if layout == "plan"
+                  else -(-sum(lengths) // 4))  # the user layout's largest even chunk
+        peak = plan.header.profile.peak_tflops * 1e12
+        assert figures["linear_fwd_s"] == pytest.approx(tokens * model.linear_flops_per_token
+                                                        / (peak * model.linear_efficiency))
+        assert figures["layer_makespan_fwd_s"] == pytest.approx(figures["linear_fwd_s"]
+                                                                + simulation.forward.makespan)
+        assert (figures["reshuffle_fwd_s"] > 0) == (layout == "user")
+        assert 0 < figures["layer_mfu"] < 1
+
+
+def test_seed_profiles_keep_the_seeds_compute_to_network_ratios():
+    from fcp_compiler.inputs import PRESET_PROFILES
+
+    for name, ratio in (("seed-x", 5920), ("seed-y", 2500)):
+        profile = PRESET_PROFILES[name]
+        assert profile.peak_tflops * 1e12 / (profile.network_gbps * 1e9) == pytest.approx(ratio)
+
+
+def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_path, capsys):
+    plan = tmp_path / "p.fcp"
+    compile_valid([3000, 700, 90, 1500], 4, block_size=256).write(plan)
+    out = tmp_path / "figures.json"
+    assert main(["simulate", str(plan), "--model", "llama3-70b", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert {"layout", "reshuffle_fwd_s", "reshuffle_bwd_s", "linear_fwd_s", "linear_bwd_s", "layer_makespan_fwd_s",
+            "layer_makespan_bwd_s", "layer_mfu"} <= set(figures)
+    assert "layer MFU" in capsys.readouterr().out
+    assert main(["simulate", str(plan), "--model", "gpt-9"]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""Transformer layer presets for whole-layer simulation: the linear layers around attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fcp_compiler.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPreset:
+    """One decoder layer's shapes (Llama-style: grouped-query attention, SwiGLU MLP).
+
+    linear_efficiency is the fraction of dense peak the layer's GEMMs reach at these sizes; 0.75 is the usual
+    figure for bf16 GEMMs of this size on Hopper (an assumption, not a measurement of ours).
+    """
+
+    name: str
+    hidden: int
+    ffn: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    num_layers: int
+    linear_efficiency: float = 0.75
+    source: str = ""
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs of one layer's linear parts per token: Q, K, V and O projections and the three MLP
+        matrices, 2 FLOPs per weight."""
+        attention = self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
+        attention += self.q_heads * self.head_dim * self.hidden
+        return 2 * (attention + 3 * self.hidden * self.ffn)
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    "llama3-8b": ModelPreset(name="llama3-8b", hidden=4096, ffn=14336, q_heads=32, kv_heads=8, head_dim=128,
+                             num_layers=32, source="Meta Llama 3 8B config: hidden 4096, FFN 14336, 32/8 heads"),
+    "llama3-70b": ModelPreset(name="llama3-70b", hidden=8192, ffn=28672, q_heads=64, kv_heads=8, head_dim=128,
+                              num_layers=80, source="Meta Llama 3 70B config: hidden 8192, FFN 28672, 64/8 heads "
+                                                    "(the seed's attention shape)"),
+}
+
+
+def load_model(name: str) -> ModelPreset:
+    """A model preset by name.
+
+    Raises:
+        InvalidInputError: an unknown name (the presets are listed).
+    """
+    if name not in MODEL_PRESETS:
+        raise InvalidInputError(f"unknown model {name!r}; presets are {', '.join(sorted(MODEL_PRESETS))}")
+    return MODEL_PRESETS[name]
