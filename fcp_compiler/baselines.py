@@ -7,6 +7,7 @@ validated, simulated and replayed by the same code as FCP. Every tile runs on it
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 
@@ -77,6 +78,7 @@ def ring(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
 
     The rank's block reads every other rank's block; the rounds become N-1 shifts (one block per rank per round),
     the traffic of a ring, though each round's message comes from its owner rather than the previous neighbour.
+    Kept from the real system: every sequence sharded over all ranks, zig-zag pairing, equal tokens per rank.
     """
     pieces = []
     for seq, length in enumerate(batch.lengths.tolist()):
@@ -87,7 +89,8 @@ def ring(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
 
 def bytescale(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:
     """ByteScale-like: a sequence longer than a rank's share gets the fewest ranks that fit it (zig-zag ring in the
-    group); shorter ones go whole, best fit by tokens. Balances memory, not compute."""
+    group); shorter ones go whole, best fit by tokens. Balances memory, not compute. Kept from the real system:
+    the fewest ranks per long sequence, whole short sequences, balance by tokens only."""
     total = batch.total_tokens
     share = -(-total // num_ranks)
     room = [share] * num_ranks
@@ -112,7 +115,9 @@ def bytescale(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> 
 
 def wlbllm(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:
     """WLB-LLM-like: per document, shard it zig-zag over all ranks when its work outweighs a rank's share (or it
-    does not fit one), else pack it whole onto the least-loaded rank by work, within a token cap."""
+    does not fit one), else pack it whole onto the least-loaded rank by work, within a token cap. Kept from the
+    real system: the per-document choice between packing and sharding by a cost estimate, and work-balanced
+    packing."""
     causal = batch.causal
     lengths = batch.lengths.tolist()
     work = [_visible_pairs(length, causal) for length in lengths]
@@ -149,18 +154,42 @@ def wlbllm(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tup
 
 
 def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple[Sharding, np.ndarray]:
-    """MagiAttention-like: fixed-size query chunks dispatched by a min-heap greedy on compute area only (no zig-zag,
-    no refinement, communication not considered), within the token cap."""
-    from fcp_compiler.inputs import PRESET_PROFILES, AttentionShape
-    from fcp_compiler.passes.cost import cost
-
-    sharding = shard(batch, block_size, zigzag=False)
-    tiles = cost(sharding, AttentionShape(q_heads=1, kv_heads=1, head_dim=1), PRESET_PROFILES["h100"])
-    block_area = np.bincount(tiles.tile_q_block, weights=tiles.tile_flops, minlength=sharding.num_blocks)
-    block_rank = lpt_with_cap(block_area, sharding.block_tokens, num_ranks, token_cap)
-    if (block_rank == UNPLACED).any():
-        raise InfeasibleError(f"magi: token cap {token_cap} leaves a block without a rank")
-    return sharding, block_rank
+    """MagiAttention-like, as its dispatch solver works: the packed sequence (all documents concatenated) is cut into
+    fixed slices of block_size tokens, across document boundaries; the slices go by a min-heap greedy on
+    attention area (visible pairs of their queries), largest first, to the rank with the least area among those
+    still short of their slice count, and every rank gets the same number of slices (one more for the first
+    ranks when they do not divide). Kept from the real system: fixed slices of the packed sequence, area-only
+    balance, an equal slice count per rank (so equal tokens); communication is not considered. Its own kernels
+    and collectives are not modelled: it runs on FCP's execution, like every baseline."""
+    offsets = batch.seq_offsets
+    total = batch.total_tokens
+    num_slices = -(-total // block_size)
+    pieces, area = [], np.zeros(num_slices)
+    for idx in range(num_slices):
+        lo, hi = idx * block_size, min((idx + 1) * block_size, total)
+        first = int(np.searchsorted(offsets, lo, side="right")) - 1
+        last = int(np.searchsorted(offsets, hi, side="left")) - 1
+        for seq in range(first, last + 1):
+            base = int(offsets[seq])
+            start, end = max(lo, base) - base, min(hi, int(offsets[seq + 1])) - base
+            if end > start:
+                pieces.append((idx, -1, seq, start, end))
+                # Queries [start, end) see [0, q] (causal) or the whole document (full).
+                area[idx] += (_visible_pairs(end, True) - _visible_pairs(start, True) if batch.causal
+                              else (end - start) * int(batch.lengths[seq]))
+    quota = [num_slices // num_ranks + (1 if r < num_slices % num_ranks else 0) for r in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks) if quota[r]]
+    heapq.heapify(heap)
+    slice_rank = np.zeros(num_slices, dtype=np.int64)
+    for idx in sorted(range(num_slices), key=lambda i: (-area[i], i)):
+        load, rank = heapq.heappop(heap)
+        slice_rank[idx] = rank
+        quota[rank] -= 1
+        if quota[rank]:
+            heapq.heappush(heap, (load + area[idx], rank))
+    pieces = [(idx, int(slice_rank[idx]), seq, start, end) for idx, _, seq, start, end in pieces]
+    sharding, block_rank = _assemble(batch, pieces, block_size)
+    return dataclasses.replace(sharding, zigzag=False), block_rank
 
 
 BASELINES = {Planner.RING: ring, Planner.BYTESCALE: bytescale, Planner.WLBLLM: wlbllm, Planner.MAGI: magi}

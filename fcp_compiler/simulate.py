@@ -441,7 +441,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     bwd_pull_bytes = r_tokens * np.where(r_kind == KIND_KV, kv_bytes, 3 * q_bytes + lse_bytes)
     links = LinkModel.from_profile(profile, n)
     forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, r_round,
-                                       lambda rows: r_tokens[rows] * (q_bytes + lse_bytes), tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
+                                       lambda rows: r_tokens[rows] * (q_bytes + lse_bytes), tile_stage, seconds,
+                                       header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
                             links, header.reshuffle_overlap, record, 0.0, "fwd")
     backward = simulate_pass(pass_input("bwd", bwd_pull_bytes, r_bwd_round,
                                         lambda rows: r_tokens[rows] * np.where(r_kind[rows] == KIND_KV, kv_bytes,

@@ -109,3 +109,23 @@ def test_compare_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
     assert main(["compare", str(batch), "--gpus", "2", "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install 'fcp[plot]'" in capsys.readouterr().err
+
+
+def test_magi_cuts_fixed_slices_of_the_packed_sequence_and_gives_every_rank_as_many():
+    import numpy as np
+
+    lengths = [5000, 300, 70000, 12, 4096, 8192, 20000, 999]
+    block = 1024
+    plan = compile_valid(lengths, 4, block_size=block, planner="magi")
+    sharding = plan.ir.schedule.rounds.transfers.assignment.tiles.sharding
+    block_rank = plan.ir.schedule.rounds.transfers.assignment.block_rank
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    # Block b holds exactly the global tokens [b * block, (b + 1) * block), in order, across document boundaries.
+    starts = offsets[sharding.seg_seq] + sharding.seg_start
+    ends = offsets[sharding.seg_seq] + sharding.seg_end
+    for b in range(sharding.num_blocks):
+        mine = sharding.seg_block == b
+        assert starts[mine].min() == b * block and ends[mine].max() == min((b + 1) * block, sum(lengths))
+        assert (ends[mine] - starts[mine]).sum() == ends[mine].max() - starts[mine].min()
+    counts = np.bincount(block_rank, minlength=4)
+    assert counts.max() - counts.min() <= 1

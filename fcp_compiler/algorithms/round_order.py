@@ -12,7 +12,8 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int) -> np.ndarray:
     Each round is a matching, so any order of the rounds keeps every round congestion-free; what the order changes
     is which work becomes runnable together. Objective: sum over stages of max over ranks of the summed work of the
     stage's rounds (NP-hard in general). Greedy: rounds by decreasing largest work, each into the unfilled stage
-    whose busiest rank grows least (ties: the one whose busiest rank ends lowest, then the earliest); then, within each stage, rounds in their old order.
+    whose busiest rank grows least (ties: the one whose busiest rank ends lowest, then the earliest); then, within
+    each stage, rounds in their old order.
     O(R * S * N) for R rounds, S stages, N ranks, vectorised over stages and ranks.
 
     Args:
