@@ -259,9 +259,11 @@ def main() -> None:
         "",
         "## Where we differ, and why",
         "",
-        "- MagiAttention-like is our own LPT on compute area over 4K chunks, run by FCP's runtime model (pipelined,"
-        " congestion-free, coalesced, stage-levelled): it gets every FCP technique but traffic balance and"
-        " zig-zag, so it stays close at small scale; the seed's MagiAttention has its own kernels and communication.",
+        "- MagiAttention-like follows MagiAttention's dispatch solver (fixed 4K slices of the packed sequence across"
+        " document boundaries, min-heap on attention area, an equal slice count per rank, so equal tokens), run by"
+        " FCP's execution (pipelined, congestion-free, ordered, coalesced, stage-levelled): it gets every FCP"
+        " technique but traffic balance and zig-zag, so it stays close at small scale; the seed's MagiAttention has"
+        " its own kernels and communication.",
         "- Ring is expressed as N-1 shift rounds from each block's owner (the traffic of a ring, not its"
         " neighbour-only pattern); its plans grow as sequences x N^2 segment pairs, and past 64M pairs (ProLong at"
         " 256 GPUs: 269M) a plan is refused rather than left to exhaust memory.",
@@ -274,7 +276,8 @@ def main() -> None:
         " to be structural: running part of a block's tiles on a rank that already pulls its sequence (a Q pull and"
         " an O push, 8x a K,V block) instead of giving it a second sequence's block would lower the most-loaded"
         " ranks; the placement does not try that yet.",
-        "- Every method runs in the plan layout (tokens dispatched once per step; no per-layer reshuffle) and under"
+        "- Every baseline runs in the plan layout (tokens dispatched once per step, as their systems do; no"
+        " per-layer reshuffle); FCP runs in it too, and in the user layout as `fcp-user`. All run under"
         " the same schedule rules: every round a matching over pulls and pushes, and live received buffers within"
         " 2 x c x B tokens per rank. The buffer bound limits stage levelling (forward) and rules it out backward,"
         " and backward pushes sharing the rounds with pulls roughly double the backward pass's rounds; ordering"

@@ -12,6 +12,7 @@ from fcp_compiler.simulate import simulate_plan
 
 
 _CONTEXT: dict = {}  # batch_for and compile options, inherited by forked workers
+FCP_USER = "fcp-user"  # FCP compiled for the user layout (reshuffle around attention), beside its plan layout
 
 
 FIGURES = ("compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_comm_bytes", "num_rounds",
@@ -22,14 +23,15 @@ def _one(job: tuple[int, str]) -> dict:
     gpus, method = job
     batch_for, compile_options = _CONTEXT["batch_for"], _CONTEXT["options"]
     batch = batch_for(gpus)
+    planner, layout = (Planner.FCP, "user") if method == FCP_USER else (Planner(method), "plan")
     try:
-        plan = compile_plan(batch, gpus, planner=method, **compile_options)
+        plan = compile_plan(batch, gpus, planner=planner, layout=layout, **compile_options)
     except InfeasibleError as error:
         # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
-        return {"method": Planner(method).value, "gpus": gpus, **dict.fromkeys(FIGURES), "error": str(error)}
+        return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}
     figures = simulate_plan(plan).figures()
     stats = plan.stats
-    return {"method": Planner(method).value, "gpus": gpus, "compute_imbalance": stats["compute_imbalance"],
+    return {"method": method, "gpus": gpus, "layout": layout, "compute_imbalance": stats["compute_imbalance"],
             "comm_imbalance": stats["comm_imbalance"], "total_comm_bytes": stats["total_comm_bytes"],
             "max_rank_comm_bytes": stats["max_rank_recv_bytes"], "num_rounds": stats["num_rounds"],
             "normalized_mfu_fwd": figures["normalized_mfu_fwd"], "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
@@ -40,6 +42,9 @@ def _one(job: tuple[int, str]) -> dict:
 def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],
             progress: Callable[[str], None] | None = None, jobs: int | None = None, **compile_options) -> list[dict]:
     """Compile and simulate every method at every scale, on every core.
+
+    Every baseline runs in the plan layout, as its real system dispatches tokens once per step; FCP runs in the plan
+    layout (method "fcp") and in the user layout (method "fcp-user", the seed's reshuffle around attention).
 
     Args:
         batch_for: gpus -> batch (the same batch for every scale, or one generated per scale; deterministic).
@@ -52,7 +57,10 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
         one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
         FCP's speedup over each; a method that could not plan a scale has None figures and an "error" line.
     """
-    order = [(gpus, Planner(method).value) for gpus in scales for method in methods]
+    names = [Planner(method).value for method in methods]
+    if Planner.FCP.value in names:
+        names.insert(names.index(Planner.FCP.value) + 1, FCP_USER)
+    order = [(gpus, name) for gpus in scales for name in names]
     _CONTEXT.update(batch_for=batch_for, options=compile_options)
     results: dict[tuple[int, str], dict] = {}
     for row in map_on_cores(_one, sorted(order, key=lambda job: -job[0]), jobs):

@@ -72,6 +72,8 @@ def compare_rows(rows: Sequence[dict]) -> str:
                      f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}", speedup(r)]
                     for r in planned])]
     lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
+    lines.append("  every baseline in the plan layout (tokens dispatched once, as their systems do); fcp in the plan "
+                 "layout and, as fcp-user, in the user layout (reshuffles around attention)")
     return "\n".join(lines)
 
 

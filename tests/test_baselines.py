@@ -50,8 +50,10 @@ def test_compare_and_sweep_commands(tmp_path, capsys):
                  "16384", "--json", str(out)]) == 0
     import json
     rows = json.loads(out.read_text())["results"]
-    assert {(r["method"], r["gpus"]) for r in rows} == {(m, g) for m in ("fcp", "ring", "bytescale", "wlbllm", "magi")
-                                                        for g in (4, 8)}
+    # Baselines in the plan layout, as their real systems dispatch once; FCP in both layouts.
+    assert {(r["method"], r["gpus"], r["layout"]) for r in rows} == {
+        (m, g, "user" if m == "fcp-user" else "plan")
+        for m in ("fcp", "fcp-user", "ring", "bytescale", "wlbllm", "magi") for g in (4, 8)}
     assert all({"compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_comm_bytes", "num_rounds",
                 "normalized_mfu_fwd", "normalized_mfu_bwd"} <= set(r) for r in rows)
     batch = tmp_path / "b.json"
