@@ -114,6 +114,8 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "compute_imbalance": imbalance_ratio(compute),
         "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
         "token_imbalance": imbalance_ratio(assignment.rank_tokens),
+        "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()
+                                      / max(sharding.batch.total_tokens, 1)),
         "comm_imbalance": imbalance_ratio(received),
         "comm_sent_imbalance": imbalance_ratio(sent),
         "max_tokens_per_rank": int(assignment.rank_tokens.max()),

@@ -120,5 +120,16 @@ def test_pair_token_and_link_figures_agree_with_the_plan(small_plan):
     tokens = assignment.rank_tokens
     assert stats["token_imbalance"] == pytest.approx((tokens.max() - tokens.mean()) / tokens.max())
     assert stats["nic_bytes"] + stats["nvlink_bytes"] == stats["total_comm_bytes"]
+    # Tokens that stay on their user-layout rank, counted token by token from the plan layout.
+    total = sum(int(x) for x in sharding.batch.lengths)
+    bounds = [(r * total) // assignment.num_ranks for r in range(assignment.num_ranks + 1)]
+    offsets = np.concatenate(([0], np.cumsum(sharding.batch.lengths)))
+    home = 0
+    for seg in range(sharding.num_segments):
+        rank = assignment.block_rank[sharding.seg_block[seg]]
+        first = offsets[sharding.seg_seq[seg]] + sharding.seg_start[seg]
+        last = offsets[sharding.seg_seq[seg]] + sharding.seg_end[seg]
+        home += max(0, min(last, bounds[rank + 1]) - max(first, bounds[rank]))
+    assert stats["tokens_home_fraction"] == pytest.approx(home / total)
     assert 0 <= stats["max_rank_nic_recv_bytes"] <= stats["max_rank_recv_bytes"]
     assert stats["max_link_to_compute"] > 0
