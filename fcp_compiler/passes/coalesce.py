@@ -54,6 +54,12 @@ def max_buffer_tokens(schedule: Schedule) -> int:
                for program in (schedule.forward, schedule.backward))
 
 
+def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local."""
+    round_or_local = np.append(pull_round, -1)  # index -1 (no pull) reads -1 (local)
+    return np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+
+
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, degree: int, pipelined: bool,
                  tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int | None) -> np.ndarray:
     """Each tile's stage: after its pulls arrive, levelled within the buffer budget (None: not levelled)."""
@@ -61,8 +67,7 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
     tiles = assignment.tiles
     if not pipelined:
         return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // degree + 1, dtype=np.int64)
-    round_or_local = np.append(pull_round, -1)  # index -1 (no pull) reads -1 (local)
-    arrival_round = np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+    arrival_round = _arrival_round(pull_round, tile_kv_edge, tile_q_edge)
     tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
     if budget is None:
         return tile_stage
@@ -129,8 +134,7 @@ def _round_work(rounds: Rounds, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarra
     """Work each round makes runnable on each rank: a tile counts in the round of its later pull."""
     transfers = rounds.transfers
     assignment = transfers.assignment
-    round_or_local = np.append(rounds.edge_round, -1)
-    arrival = np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+    arrival = _arrival_round(rounds.edge_round, tile_kv_edge, tile_q_edge)
     remote = arrival >= 0
     num_ranks = assignment.num_ranks
     work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
@@ -176,8 +180,7 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
         backward_round = order_rounds(work, max(degree // 2, 1))[rounds.edge_round]
     forward = _forward(transfers, forward_round, degree, pipelined, kv_edge, q_edge, budget)
     backward = _backward(transfers, backward_round, degree, pipelined, kv_edge, q_edge)
-    round_or_local = np.append(rounds.edge_round, -1)
-    arrival_round = np.maximum(round_or_local[kv_edge], round_or_local[q_edge])
+    arrival_round = _arrival_round(rounds.edge_round, kv_edge, q_edge)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
     return Schedule(rounds=rounds, coalesce=degree, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
