@@ -115,9 +115,12 @@ class _Executor:
     def payload_rows(self, store: _Store, name: str, segs, heads_first: bool = False) -> torch.Tensor:
         """A message's rows of one tensor: a view where the segments are contiguous rows, else a gathered copy."""
         tensor = store.tensors[name]
-        first, total = store.seg_row[segs[0]], sum(self.plan.seg_len(s) for s in segs)
-        contiguous = all(store.seg_row[s] == store.seg_row[segs[0]] + sum(self.plan.seg_len(t) for t in segs[:i])
-                         for i, s in enumerate(segs))
+        first = row = store.seg_row[segs[0]]
+        contiguous = True
+        for seg in segs:
+            contiguous = contiguous and store.seg_row[seg] == row
+            row += self.plan.seg_len(seg)
+        total = row - first
         if contiguous and not heads_first:
             return tensor.narrow(0, first, total).contiguous()  # a view unless the layout is strided
         parts = [tensor[:, self.rows(store, s)] if heads_first else tensor[self.rows(store, s)] for s in segs]

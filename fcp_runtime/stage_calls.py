@@ -30,11 +30,10 @@ class RowIndex:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelCall:
-    """One varlen call: entry i's queries are q_parts[i]; its keys are the kv_parts of cu_k's entry i, packed."""
+    """One varlen call: entry i's query rows are [cu_q[i], cu_q[i+1]) of the packed queries, its key rows
+    [cu_k[i], cu_k[i+1]) of the packed keys; the index tensors say where each packed row comes from."""
 
     causal: bool
-    q_parts: tuple[tuple[int, int], ...]  # (source, segment) per entry
-    kv_parts: tuple[tuple[int, int], ...]  # (source, segment), entry by entry
     q_index: tuple[RowIndex, ...]  # per source: the packed query rows, to gather inputs and scatter results
     kv_index: tuple[RowIndex, ...]
     cu_q: torch.Tensor  # int32 [entries + 1] on the device
@@ -108,8 +107,8 @@ def _call(plan: RankPlan, causal: bool, entries: list, tiles: tuple[int, ...], d
         pulls.update(source for source, _ in [(q_source, qs), *keys] if source != LOCAL)
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    return KernelCall(causal=causal, q_parts=tuple(q_parts), kv_parts=tuple(kv_parts),
-                      q_index=_row_index(plan, q_parts, device), kv_index=_row_index(plan, kv_parts, device),
+    return KernelCall(causal=causal, q_index=_row_index(plan, q_parts, device),
+                      kv_index=_row_index(plan, kv_parts, device),
                       cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
                       cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device), max_q=max(lengths_q),
                       max_k=max(lengths_k), tile_rows=tiles, pull_rows=tuple(sorted(pulls)))
