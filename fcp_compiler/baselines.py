@@ -13,10 +13,8 @@ import heapq
 
 import numpy as np
 
-from fcp_compiler.algorithms.lpt import UNPLACED, lpt_with_cap
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.ir import Batch, Sharding
-from fcp_compiler.passes.shard import shard
 
 
 class Planner(str, enum.Enum):
