@@ -33,6 +33,9 @@ def compile_command(
     coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage"),
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
+    token_tolerance: Optional[float] = typer.Option(
+        None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
+                                        "(plan layout's linear layers; costs some traffic) [off]"),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
     layout: str = typer.Option("plan", "--layout",
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
@@ -60,7 +63,8 @@ def compile_command(
 
     if mask is not None and mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
-    options = dict(block_size=block_size, coalesce_degree=coalesce, token_cap=token_cap, zigzag=zigzag,
+    options = dict(block_size=block_size, coalesce_degree=coalesce, token_cap=token_cap,
+                   token_tolerance=token_tolerance, zigzag=zigzag,
                    layout=layout, shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=load_profile(profile),
                    mask=mask, pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
                    reshuffle_overlap=not no_reshuffle_overlap, planner=planner)

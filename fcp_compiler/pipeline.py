@@ -42,6 +42,9 @@ class CompileOptions:
     block_size: int = 4096
     coalesce: int = 16
     token_cap: int | None = None  # None: mean tokens per rank + one block
+    # Relative excess over the mean tokens a rank may hold, where whole blocks allow (None: the cap alone). In the
+    # plan layout every other layer works on a rank's own tokens; tighter token balance costs attention traffic.
+    token_tolerance: float | None = None
     zigzag: ZigzagMode = ZigzagMode.AUTO
     layout: Layout = Layout.PLAN
     shape: AttentionShape = field(default_factory=AttentionShape)
@@ -62,6 +65,11 @@ class CompileOptions:
             raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer >= 1")
         if self.token_cap is not None and (not isinstance(self.token_cap, int) or self.token_cap < 1):
             raise InvalidInputError(f"--token-cap {self.token_cap!r} must be a positive integer")
+        if self.token_tolerance is not None and (
+                isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
+                or not 0.0 < self.token_tolerance < 1.0):
+            raise InvalidInputError(f"--token-tolerance {self.token_tolerance!r} must be a number in (0, 1), "
+                                    f"e.g. 0.02")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +132,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
     }
+    if options.token_tolerance is not None:  # absent by default, so earlier plans keep their digest
+        canonical["token_tolerance"] = options.token_tolerance
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -148,7 +158,7 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
 
 
 def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int = 16, token_cap: int | None = None,
-             zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan", shape: AttentionShape | None = None,
+             token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan", shape: AttentionShape | None = None,
              profile: HardwareProfile | str = "h100", mask: MaskKind | str | None = None, pipelined: bool = True,
              matching_rounds: bool = True, reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
     """Check and normalise compile_plan's arguments: (options, planner, batch, token cap)."""
@@ -164,7 +174,7 @@ def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int =
     except ValueError:
         raise InvalidInputError(f"layout {layout!r} must be one of plan, user") from None
     options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             zigzag=zigzag_mode, layout=the_layout, shape=shape or AttentionShape(), profile=profile,
+                             token_tolerance=token_tolerance, zigzag=zigzag_mode, layout=the_layout, shape=shape or AttentionShape(), profile=profile,
                              pipelined=pipelined, matching_rounds=matching_rounds,
                              reshuffle_overlap=reshuffle_overlap)
     options.check()
@@ -188,7 +198,8 @@ def plan_digest(batch, gpus: int, **compile_options) -> str:
 
 
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
-                 coalesce_degree: int = 16, token_cap: int | None = None, zigzag: ZigzagMode | str = "auto",
+                 coalesce_degree: int = 16, token_cap: int | None = None,
+                 token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto",
                  layout: Layout | str = "plan", shape: AttentionShape | None = None,
                  profile: HardwareProfile | str = "h100",
                  mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
@@ -203,6 +214,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         block_size: tokens per block, a positive multiple of 64.
         coalesce_degree: rounds per stage.
         token_cap: most tokens per rank (default: mean + one block).
+        token_tolerance: keep every rank within (1 + token_tolerance) x the mean tokens where whole blocks allow
+            (default: only the cap); for the plan layout's linear layers, at some cost in attention traffic.
         zigzag: "auto" (on for causal batches with a sequence of two blocks or more), "on" or "off".
         layout: "plan" (the default: tokens are dispatched once into the plan's layout and every layer works there)
             or "user" (attention reshuffles from and to contiguous user-layout chunks); recorded in the header.
@@ -223,6 +236,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     timer = _PassTimer()
     options, planner, the_batch, cap = timer.run(
         "parse", _prepare, batch, gpus, block_size=block_size, coalesce_degree=coalesce_degree, token_cap=token_cap,
+        token_tolerance=token_tolerance,
         zigzag=zigzag, layout=layout, shape=shape, profile=profile, mask=mask, pipelined=pipelined,
         matching_rounds=matching_rounds, reshuffle_overlap=reshuffle_overlap, planner=planner)
     zigzag_mode = options.zigzag
@@ -235,7 +249,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
             zigzag_mode is ZigzagMode.AUTO and the_batch.causal and bool((the_batch.lengths >= 2 * block_size).any()))
         sharding = timer.run("shard", shard, the_batch, block_size, zigzag_on)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
-        assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE)
+        assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE, options.token_tolerance)
     else:
         sharding, block_rank = timer.run("shard", BASELINES[planner], the_batch, gpus, block_size, cap)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)

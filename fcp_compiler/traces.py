@@ -64,9 +64,7 @@ def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: i
     With tail_fraction > 0, that share of the tokens first goes to long sequences drawn log-uniformly in
     [tail_min, tail_max] (a long tail added to a short-dominated distribution); the sequences are then shuffled.
     """
-    if not 0.0 <= tail_fraction < 1.0 or not 1 <= tail_min <= tail_max:
-        raise InvalidInputError(f"tail fraction {tail_fraction} must be in [0, 1) and 1 <= tail_min {tail_min} "
-                                f"<= tail_max {tail_max}")
+    _check_tail(tail_fraction, tail_min, tail_max)
     values = np.asarray(values, dtype=np.int64)
     values = values[values > 0]
     if values.size == 0:
@@ -74,25 +72,41 @@ def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: i
     if max_len is not None:
         values = np.minimum(values, max_len)
     rng = np.random.default_rng(seed)
+    return _with_tail(rng, lambda count: values[rng.integers(0, values.size, size=count)], total_tokens,
+                      tail_fraction, tail_min, tail_max)
+
+
+def _check_tail(tail_fraction: float, tail_min: int, tail_max: int) -> None:
+    if not 0.0 <= tail_fraction < 1.0 or not 1 <= tail_min <= tail_max:
+        raise InvalidInputError(f"tail fraction {tail_fraction} must be in [0, 1) and 1 <= tail_min {tail_min} "
+                                f"<= tail_max {tail_max}")
+
+
+def _with_tail(rng: np.random.Generator, draw, total_tokens: int, tail_fraction: float, tail_min: int,
+               tail_max: int) -> list[int]:
+    """Fill total_tokens from `draw`, after a share tail_fraction of them went to long sequences drawn
+    log-uniformly in [tail_min, tail_max]; with a tail, the sequences are then shuffled."""
     tail_tokens = int(total_tokens * tail_fraction)
     tail = []
     if tail_tokens:
         log_lo, log_hi = np.log(tail_min), np.log(tail_max)
         tail = _fill(lambda count: np.floor(np.exp(rng.uniform(log_lo, log_hi, size=count))).astype(np.int64),
                      tail_tokens)
-    rest = _fill(lambda count: values[rng.integers(0, values.size, size=count)], total_tokens - tail_tokens) \
-        if total_tokens > tail_tokens else []
+    rest = _fill(draw, total_tokens - tail_tokens) if total_tokens > tail_tokens else []
     lengths = tail + rest
     return [lengths[i] for i in rng.permutation(len(lengths)).tolist()] if tail else lengths
 
 
-def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int, seed: int) -> list[int]:
+def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int, seed: int,
+                    tail_fraction: float = 0.0, tail_min: int = 131072, tail_max: int = 524288) -> list[int]:
     """Lengths from a histogram: a bin by its count, then a length log-uniform inside [low, high).
 
     Args:
         bin_edges: num_bins + 1 increasing positive edges.
         counts: num_bins non-negative counts.
+        tail_fraction, tail_min, tail_max: an added long tail, as in :func:`empirical_batch`.
     """
+    _check_tail(tail_fraction, tail_min, tail_max)
     bin_edges = np.asarray(bin_edges, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.float64)
     if bin_edges.size != counts.size + 1 or (np.diff(bin_edges) <= 0).any() or bin_edges[0] < 1:
@@ -109,7 +123,7 @@ def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int
         log_len = rng.uniform(log_edges[bins], log_edges[bins + 1])
         return np.maximum(np.floor(np.exp(log_len)), 1).astype(np.int64)
 
-    return _fill(draw, total_tokens)
+    return _with_tail(rng, draw, total_tokens, tail_fraction, tail_min, tail_max)
 
 
 def read_lengths_file(path: str | Path) -> np.ndarray:

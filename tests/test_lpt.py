@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from fcp_compiler.algorithms.lpt import UNPLACED, lpt_with_cap, refine_moves_swaps
+from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
 
 
 def optimum_makespan(weights, sizes, num_bins, capacity):
@@ -73,3 +73,31 @@ def test_refine_reaches_optimum_on_a_case_lpt_misses():
 def test_unplaceable_item_is_reported():
     placed = lpt_with_cap(np.array([1.0, 1.0]), np.array([3, 3]), 1, 4)
     assert (placed == UNPLACED).sum() == 1
+
+
+def over_cap(assignment, sizes, num_bins, capacity):
+    used = np.bincount(assignment, sizes, minlength=num_bins)
+    return np.maximum(used - capacity, 0)
+
+
+@given(st.integers(2, 4), st.lists(st.integers(0, 9), min_size=3, max_size=9), st.integers(0, 2**32 - 1))
+def test_level_sizes_never_pushes_a_bin_over_and_only_shrinks_excess(num_bins, sizes, seed):
+    sizes = np.array(sizes)
+    weights = np.random.default_rng(seed).uniform(1, 5, size=sizes.size)
+    start = np.random.default_rng(seed).integers(0, num_bins, size=sizes.size)
+    capacity = max(-(-int(sizes.sum()) // num_bins), int(sizes.max()), 1)
+    levelled = level_sizes(weights, sizes, start, num_bins, capacity)
+    before, after = over_cap(start, sizes, num_bins, capacity), over_cap(levelled, sizes, num_bins, capacity)
+    assert (after[before == 0] == 0).all()  # a bin within the cap stays within it
+    assert (after <= before).all() and after.sum() <= before.sum()
+    assert np.array_equal(np.sort(levelled[sizes == 0]), np.sort(start[sizes == 0]))
+
+
+def test_level_sizes_swaps_when_no_bin_has_room_for_a_move():
+    # Bin 0 holds 4 + 4 = 8 > 7; no bin has room for a 4, but swapping a 4 with bin 1's 2 fits both.
+    sizes = np.array([4, 4, 2, 3, 5, 2])
+    weights = np.ones(6)
+    start = np.array([0, 0, 1, 1, 2, 2])
+    levelled = level_sizes(weights, sizes, start, 3, 7)
+    assert over_cap(levelled, sizes, 3, 7).sum() == 0
+    assert levelled[2] == 0 and sorted(levelled[:2].tolist()) == [0, 1] and levelled[5] == 2

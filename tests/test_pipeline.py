@@ -84,6 +84,19 @@ def test_bad_parameters_are_named():
         compile_plan([10, 0], 2)
     with pytest.raises(InfeasibleError, match="token cap 10"):
         compile_plan([4096, 4096], 2, token_cap=10)
+    with pytest.raises(InvalidInputError, match="--token-tolerance 1.5"):
+        compile_plan([10], 1, token_tolerance=1.5)
+
+
+def test_token_tolerance_brings_ranks_near_the_mean_tokens():
+    from fcp_compiler.traces import lognormal_batch
+
+    lengths = lognormal_batch(16 * 32768, 4096, 1.8, 64, 131072, seed=0)
+    loose = compile_valid(lengths, 16).stats
+    tight = compile_valid(lengths, 16, token_tolerance=0.02).stats
+    assert loose["token_imbalance"] > 0.1  # the default cap, mean + one block, is where ranks sit
+    assert tight["token_imbalance"] <= 0.02 and tight["max_tokens_per_rank"] <= tight["token_cap"] <= 33424
+    assert tight["compute_imbalance"] <= 0.02
 
 
 def test_same_inputs_give_byte_identical_plans_across_hash_seeds(tmp_path):

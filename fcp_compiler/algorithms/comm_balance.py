@@ -18,20 +18,20 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                             need_seg: np.ndarray, num_ranks: int, token_cap: int, compute_tolerance: float,
                             received_tolerance: float, num_partner_ranks: int = 8,
                             affinity_per_sequence: int = 3, fixed_compute: np.ndarray | None = None,
-                            max_steps: int | None = None) -> np.ndarray:
+                            token_tolerance: float | None = None, max_steps: int | None = None) -> np.ndarray:
     """Balance compute and received volume together by moving and swapping blocks within the token cap.
 
     Objective: minimise max_r F_r with F_r = max((C_r / C_mean - 1) / compute_tolerance,
-    (R_r / R_mean - 1) / received_tolerance): each rank's excess over the mean compute C and the mean received
-    volume R (both as on entry), in units of what each may exceed it by, so F <= 1 means both within their
-    tolerance. R_r counts the
+    (R_r / R_mean - 1) / received_tolerance[, (T_r / T_mean - 1) / token_tolerance]): each rank's excess over the
+    mean compute C, the mean received volume R (both as on entry) and, when token_tolerance is given, the mean
+    tokens T, in units of what each may exceed it by, so F <= 1 means all within their tolerance. R_r counts the
     tokens of the distinct segments that r's blocks read and r does not hold (a rank pulls a segment once however
     many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
     x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
     that hold segments A pulls, a few per sequence (swaps). Both touched ranks' new volumes are exact for every
     candidate at once. The best action is applied if both end below A's old F; a rank with no such action is
-    left as it is and the search goes on with the next worst over the compute tolerance, so the largest F never
-    rises.
+    left as it is and the search goes on with the next worst over the compute (or token) tolerance, so the largest
+    F never rises.
     Stops when every rank has F <= 1 or is stuck, or after max_steps. O(k * (P + S)) a step for k blocks on A,
     P need pairs of the candidates and S segments.
 
@@ -45,6 +45,8 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         num_partner_ranks: how many of the least loaded ranks are tried as partners.
         affinity_per_sequence: how many blocks holding segments A pulls are tried per sequence.
         fixed_compute: per-rank work that does not move (tiles run for other ranks' blocks).
+        token_tolerance: relative excess over the mean tokens a rank may hold (None: tokens only within the cap),
+            for the plan layout, where every other layer works on a rank's own tokens.
         max_steps: step limit (default 4 * num_ranks).
     Returns:
         a new block_rank array; its largest F (with the entry means) is never above the input's.
@@ -63,11 +65,21 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         compute = compute + fixed_compute
     tokens = np.bincount(block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
     mean_compute = max(float(compute.mean()), 1e-300)
+    mean_tokens = max(float(tokens.mean()), 1.0)
     steps = max_steps if max_steps is not None else 4 * num_ranks
 
-    def excess(compute_value, received_value, mean_received):
-        return np.maximum((compute_value / mean_compute - 1.0) / compute_tolerance,
-                          (received_value / mean_received - 1.0) / received_tolerance)
+    def excess(compute_value, received_value, mean_received, tokens_value):
+        worst = np.maximum((compute_value / mean_compute - 1.0) / compute_tolerance,
+                           (received_value / mean_received - 1.0) / received_tolerance)
+        if token_tolerance is None:
+            return worst
+        return np.maximum(worst, (tokens_value / mean_tokens - 1.0) / token_tolerance)
+
+    def over_hard_limits(rank_compute, rank_tokens):
+        over = (rank_compute / mean_compute - 1.0) / compute_tolerance > 1.0
+        if token_tolerance is not None:
+            over |= (rank_tokens / mean_tokens - 1.0) / token_tolerance > 1.0
+        return over
 
     def needs_of(block: int) -> np.ndarray:
         return need_seg[need_ptr[block]:need_ptr[block + 1]]
@@ -91,13 +103,13 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     mean_received = max(float(received.mean()), 1.0)
     stuck = np.zeros(num_ranks, dtype=bool)
     for _ in range(steps):
-        rank_excess = excess(compute, received, mean_received)
+        rank_excess = excess(compute, received, mean_received, tokens)
         # The worst rank not yet found stuck; a stuck rank keeps its F, and others still improve below it. Once a
         # rank is stuck, traffic is as balanced as this search gets, so only ranks over the compute tolerance are
         # taken up.
         open_excess = np.where(stuck, -np.inf, rank_excess)
         if stuck.any():
-            open_excess = np.where((compute / mean_compute - 1.0) / compute_tolerance > 1.0, open_excess, -np.inf)
+            open_excess = np.where(over_hard_limits(compute, tokens), open_excess, -np.inf)
         top = int(np.argmax(open_excess))
         top_excess = open_excess[top]
         if top_excess <= 1.0:
@@ -161,10 +173,11 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             move_ok = tokens[partners] + block_tokens[x] <= token_cap
             movable = partners[move_ok]
             if movable.size:
-                top_after = excess(compute[top] - block_weight[x], volume_without_x, mean_received)
+                top_after = excess(compute[top] - block_weight[x], volume_without_x, mean_received,
+                                   tokens[top] - block_tokens[x])
                 partner_volume = received[movable] + x_adds[partners_idx[move_ok]]
                 score = np.maximum(top_after, excess(compute[movable] + block_weight[x], partner_volume,
-                                                     mean_received))
+                                                     mean_received, tokens[movable] + block_tokens[x]))
                 keep = score < top_excess
                 found.append((score[keep], np.full(keep.sum(), x), np.full(keep.sum(), -1), movable[keep],
                               np.full(keep.sum(), volume_without_x), partner_volume[keep]))
@@ -196,10 +209,12 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                                                                 seg_tokens[own_seg], 0),
                                     minlength=partner_blocks.size)
             partner_volume = received[y_rank] + x_adds[y_rank_idx] - y_saves + kept + y_unlocal
+            token_change = block_tokens[partner_blocks] - block_tokens[x]
             score = np.maximum(
-                excess(compute[top] - block_weight[x] + block_weight[partner_blocks], new_top, mean_received),
+                excess(compute[top] - block_weight[x] + block_weight[partner_blocks], new_top, mean_received,
+                       tokens[top] + token_change),
                 excess(compute[y_rank] - block_weight[partner_blocks] + block_weight[x], partner_volume,
-                       mean_received))
+                       mean_received, tokens[y_rank] - token_change))
             keep = np.flatnonzero(swap_ok & (score < top_excess))
             found.append((score[keep], np.full(keep.size, x), partner_blocks[keep], y_rank[keep], new_top[keep],
                           partner_volume[keep]))

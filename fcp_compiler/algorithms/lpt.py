@@ -140,3 +140,59 @@ def _move(item: int, source: int, target: int, bin_of: np.ndarray, loads: np.nda
     loads[target] += weights[item]
     used[source] -= sizes[item]
     used[target] += sizes[item]
+
+
+def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_bins: int,
+                capacity: int) -> np.ndarray:
+    """Move and swap items off bins above `capacity` until they fit, disturbing the weights little.
+
+    Objective: every bin's total size within `capacity` (a tighter cap than the one the assignment was made
+    under), shifting as little weight between bins as possible; the weights are rebalanced afterwards (by swaps
+    within the cap). A bin above the cap takes, of the moves of one of its items to a bin with room and the swaps
+    of one of its items with a smaller item elsewhere that bring it within the cap (or, failing that, lower it
+    most), the one that shifts the least weight, ties to the least-weighted target. Bins no move or swap can lower
+    stay above the cap. O(steps * k * K) for k items on the bin.
+
+    Args:
+        weights, sizes: per-item work and tokens.
+        bin_of: a full assignment (every item placed).
+        num_bins: number of bins.
+        capacity: the size cap to reach.
+    Returns:
+        a new assignment array.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    bin_of = np.array(bin_of, dtype=np.int64)
+    loads = np.bincount(bin_of, weights=weights, minlength=num_bins)
+    used = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
+    for source in np.flatnonzero(used > capacity).tolist():
+        while used[source] > capacity:
+            mine = np.flatnonzero((bin_of == source) & (sizes > 0))
+            # Candidates (x, y): y = -1 moves x to bin `target`; else x and y swap. Size leaving the source: gap.
+            others = np.flatnonzero((bin_of != source) & (sizes > 0))  # items of no size never move
+            gap = sizes[mine][:, None] - sizes[others][None, :]
+            fits = (gap > 0) & (used[bin_of[others]][None, :] + gap <= capacity)
+            x_idx, y_idx = np.nonzero(fits)
+            swap_gap = gap[x_idx, y_idx]
+            swap_shift = np.abs(weights[mine[x_idx]] - weights[others[y_idx]])
+            swap_target = bin_of[others[y_idx]]
+            room = used[None, :] + sizes[mine][:, None] <= capacity
+            mx, mt = np.nonzero(room)
+            gaps = np.concatenate((sizes[mine[mx]], swap_gap))
+            if gaps.size == 0:
+                break
+            shifts = np.concatenate((weights[mine[mx]], swap_shift))
+            targets = np.concatenate((mt, swap_target))
+            # Prefer actions that bring the bin within the cap; among them the one that leaves its target the
+            # least room (best fit: large gaps stay for the bins that need them), then the least weight shifted.
+            short = (used[source] - gaps > capacity).astype(np.int64)
+            room_left = capacity - used[targets] - gaps
+            best = int(np.lexsort((loads[targets], shifts, room_left, short * -gaps))[0])
+            x = int(mine[np.concatenate((mx, x_idx))[best]])
+            target = int(targets[best])
+            _move(x, source, target, bin_of, loads, used, weights, sizes)
+            if best >= mx.size:
+                y = int(others[y_idx[best - mx.size]])
+                _move(y, target, source, bin_of, loads, used, weights, sizes)
+    return bin_of

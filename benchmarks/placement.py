@@ -1,0 +1,152 @@
+"""Placement quality on real length distributions: balance under every measure, exposure, MFU, NIC hot spots.
+
+Usage: python benchmarks/placement.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
+       [--token-tolerance T] [--baselines] [--user-layout] [--write figures.json]
+       [--reference benchmarks/reference/placement_main.json]
+
+The batches: the paper-like lognormal trace, and each length file in --eval-data with and without a 20% long tail
+(128K-512K), 32768 tokens per GPU, three seeds, block 4096, coalesce 16, h100 profile, plan layout. For each batch
+it prints compute, pair and token imbalance, rounds against the largest degree, simulated exposed communication as
+a share of each pass's makespan, normalized MFU, the busiest rank's NIC send and receive bytes (beside the
+reference run's, when given), the best baseline's MFU (--baselines) and, in the user layout, the share of tokens
+that stay home (--user-layout). Alongside each figure it prints a floor computed from the batch alone where one
+stops a target: token_floor is the least token imbalance any placement of these blocks can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fcp_compiler import compile_plan
+from fcp_compiler.baselines import Planner
+from fcp_compiler.report import table
+from fcp_compiler.simulate import simulate_plan
+from fcp_compiler.traces import empirical_batch, histogram_batch, read_histogram_csv, read_lengths_file
+
+TOKENS_PER_GPU = 32768
+TAIL_FRACTION = 0.2
+BASELINES = (Planner.RING, Planner.BYTESCALE, Planner.WLBLLM, Planner.MAGI)
+
+
+def batches(eval_data: Path) -> dict:
+    """Name -> function(total_tokens, seed) giving lengths."""
+    from fcp_compiler.traces import lognormal_batch
+
+    out = {"paper": lambda total, seed: lognormal_batch(total, 4096, 1.8, 64, 524288, seed)}
+    files = {"wlbllm": "distca/dist_wlbllm.json", "prolong": "distca/dist_prolong.json",
+             "wikipedia": "flexsp/wikipedia.txt"}
+    for name, relative in files.items():
+        if (eval_data / relative).exists():
+            values = read_lengths_file(eval_data / relative)
+            for tail in (0.0, TAIL_FRACTION):
+                label = name + ("+tail" if tail else "")
+                out[label] = lambda total, seed, values=values, tail=tail: empirical_batch(
+                    values, total, seed, max_len=524288, tail_fraction=tail)
+    histogram = eval_data / "magiattention/doc_length_distribution.csv"
+    if histogram.exists():
+        edges, counts = read_histogram_csv(histogram)
+        for tail in (0.0, TAIL_FRACTION):
+            out["magi" + ("+tail" if tail else "")] = lambda total, seed, tail=tail: histogram_batch(
+                edges, counts, total, seed, tail_fraction=tail)
+    return out
+
+
+def token_floor(plan) -> float:
+    """A floor on the token imbalance of any placement of this plan's blocks, from the batch alone: the largest
+    rank holds at least the mean, at least the largest block, and, by pigeonhole, ceil(F / N) full blocks of the F."""
+    sharding = plan.ir.schedule.rounds.transfers.assignment.tiles.sharding
+    gpus = plan.stats["gpus"]
+    mean = sharding.batch.total_tokens / gpus
+    num_full = int((sharding.block_tokens == sharding.block_size).sum())
+    least_max = max(mean, float(sharding.block_tokens.max()), -(-num_full // gpus) * sharding.block_size)
+    return 1.0 - mean / least_max
+
+
+def measure(name: str, lengths: list[int], gpus: int, seed: int, args) -> dict:
+    plan = compile_plan(lengths, gpus, token_tolerance=args.token_tolerance)
+    stats, figures = plan.stats, simulate_plan(plan).figures()
+    row = {"batch": name, "gpus": gpus, "seed": seed, **{key: stats[key] for key in (
+        "compute_imbalance", "pair_imbalance", "token_imbalance", "num_rounds", "max_degree",
+        "max_rank_nic_send_bytes", "max_rank_nic_recv_bytes", "max_link_to_compute", "compile_seconds")},
+        "exposed_fwd": figures["exposed_comm_fwd_s"] / figures["makespan_fwd_s"],
+        "exposed_bwd": figures["exposed_comm_bwd_s"] / figures["makespan_bwd_s"],
+        "mfu_fwd": figures["normalized_mfu_fwd"], "mfu_bwd": figures["normalized_mfu_bwd"],
+        "token_floor": token_floor(plan)}
+    if args.baselines:
+        row["best_baseline_mfu_fwd"] = max(
+            simulate_plan(compile_plan(lengths, gpus, planner=method)).figures()["normalized_mfu_fwd"]
+            for method in BASELINES)
+    if args.user_layout:
+        user = compile_plan(lengths, gpus, layout="user").stats
+        row["home_fraction"] = user["tokens_home_fraction"]
+        row["user_compute_imbalance"] = user["compute_imbalance"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="64,256")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--token-tolerance", type=float, help="compile with this token tolerance")
+    parser.add_argument("--baselines", action="store_true", help="also the best baseline's MFU (slower)")
+    parser.add_argument("--user-layout", action="store_true", help="also the user layout's tokens at home")
+    parser.add_argument("--write", type=Path, help="write the figures as JSON (a later run's --reference)")
+    parser.add_argument("--reference", type=Path, help="figures of an earlier run, for the NIC columns")
+    args = parser.parse_args()
+    reference = {}
+    if args.reference:
+        for row in json.loads(args.reference.read_text()):
+            reference[(row["batch"], row["gpus"], row["seed"])] = row
+    rows = []
+    for name, make in batches(args.eval_data).items():
+        for gpus in [int(g) for g in args.gpus.split(",")]:
+            for seed in range(args.seeds):
+                rows.append(measure(name, make(gpus * TOKENS_PER_GPU, seed), gpus, seed, args))
+                print(f"  {name} @ {gpus} seed {seed}: compiled and simulated", flush=True)
+    if args.write:
+        args.write.write_text(json.dumps(rows, indent=1))
+
+    def nic(row, key):
+        ref = reference.get((row["batch"], row["gpus"], row["seed"]))
+        mib = row[key] / 2**20
+        return f"{mib:.0f}" + (f" ({row[key] / ref[key]:.2f}x)" if ref and ref[key] else "")
+
+    header = ["batch", "gpus", "seed", "compute", "pairs", "tokens", "token floor", "rounds/delta", "exposed fwd",
+              "exposed bwd", "MFU fwd", "MFU bwd", "NIC send MiB", "NIC recv MiB", "link/compute", "compile s"]
+    body = []
+    for row in rows:
+        line = [row["batch"], row["gpus"], row["seed"], f"{row['compute_imbalance']:.4f}",
+                f"{row['pair_imbalance']:.4f}", f"{row['token_imbalance']:.4f}", f"{row['token_floor']:.4f}",
+                f"{row['num_rounds']}/{row['max_degree']}", f"{row['exposed_fwd']:.3f}", f"{row['exposed_bwd']:.3f}",
+                f"{row['mfu_fwd']:.3f}", f"{row['mfu_bwd']:.3f}", nic(row, "max_rank_nic_send_bytes"),
+                nic(row, "max_rank_nic_recv_bytes"), f"{row['max_link_to_compute']:.2f}",
+                f"{row['compile_seconds']:.2f}"]
+        if args.baselines:
+            line.append(f"{row['mfu_fwd'] / row['best_baseline_mfu_fwd']:.2f}")
+        if args.user_layout:
+            line += [f"{row['home_fraction']:.3f}", f"{row['user_compute_imbalance']:.4f}"]
+        body.append(line)
+    header += (["vs best baseline"] if args.baselines else []) + (
+        ["home (user)", "compute (user)"] if args.user_layout else [])
+    print(table(header, body))
+    worst = {key: max(row[key] for row in rows) for key in ("compute_imbalance", "pair_imbalance", "token_imbalance",
+                                                              "exposed_fwd", "exposed_bwd")}
+    print("worst: " + ", ".join(f"{key} {value:.4f}" for key, value in worst.items())
+          + f", MFU fwd {min(r['mfu_fwd'] for r in rows):.3f}, MFU bwd {min(r['mfu_bwd'] for r in rows):.3f}")
+    means = {key: float(np.mean([row[key] for row in rows])) for key in (
+        "compute_imbalance", "pair_imbalance", "token_imbalance", "mfu_fwd", "mfu_bwd")}
+    print("mean: " + ", ".join(f"{key} {value:.4f}" for key, value in means.items()))
+    for key, label in (("max_rank_nic_send_bytes", "NIC send"), ("max_rank_nic_recv_bytes", "NIC recv")):
+        ratios = [row[key] / ref[key] for row in rows
+                  if (ref := reference.get((row["batch"], row["gpus"], row["seed"]))) and ref[key]]
+        if ratios:
+            print(f"{label} against the reference: median {np.median(ratios):.2f}x, worst {max(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
