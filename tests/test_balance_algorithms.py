@@ -34,8 +34,8 @@ def brute_received(block_rank, seg_block, seg_tokens, need_block, need_seg, num_
     return out
 
 
-@given(st.integers(2, 4), st.integers(0, 10_000))
-def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed):
+@given(st.integers(2, 4), st.integers(0, 10_000), st.booleans())
+def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed, with_tokens_and_pairs):
     rng = np.random.default_rng(seed)
     num_blocks = 4 * num_ranks
     seg_block = np.sort(rng.integers(0, num_blocks, size=2 * num_blocks))
@@ -59,13 +59,22 @@ def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed):
 
     entry_received = brute_received(start, seg_block, seg_tokens, need_block, need_seg, num_ranks).mean()
 
+    pairs = rng.uniform(1, 5, size=num_blocks)
+    fixed_pairs = rng.uniform(0, 2, size=num_ranks)
+    extra = dict(token_tolerance=0.05, block_pairs=pairs, fixed_pairs=fixed_pairs, pair_tolerance=0.05) \
+        if with_tokens_and_pairs else {}
+
     def worst(block_rank):  # the search's objective, with the means as on entry
         compute = np.bincount(block_rank, weights=weights, minlength=num_ranks)
         received = brute_received(block_rank, seg_block, seg_tokens, need_block, need_seg, num_ranks)
-        return max(((compute / compute.mean() - 1) / 0.05).max(),
-                   ((received / max(entry_received, 1) - 1) / 0.1).max())
+        terms = [((compute / compute.mean() - 1) / 0.05).max(), ((received / max(entry_received, 1) - 1) / 0.1).max()]
+        if with_tokens_and_pairs:
+            held = np.bincount(block_rank, weights=tokens, minlength=num_ranks)
+            rank_pairs = np.bincount(block_rank, weights=pairs, minlength=num_ranks) + fixed_pairs
+            terms += [((held / held.mean() - 1) / 0.05).max(), ((rank_pairs / rank_pairs.mean() - 1) / 0.05).max()]
+        return max(terms)
 
     result = balance_two_dimensional(start, weights, tokens, seg_block, seg_seq, seg_tokens, need_block, need_seg,
-                                     num_ranks, cap, 0.05, 0.1, num_partner_ranks=num_ranks)
+                                     num_ranks, cap, 0.05, 0.1, num_partner_ranks=num_ranks, **extra)
     assert np.bincount(result, weights=tokens, minlength=num_ranks).max() <= cap
     assert worst(result) <= worst(start) + 1e-9

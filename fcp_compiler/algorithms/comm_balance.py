@@ -18,13 +18,16 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                             need_seg: np.ndarray, num_ranks: int, token_cap: int, compute_tolerance: float,
                             received_tolerance: float, num_partner_ranks: int = 8,
                             affinity_per_sequence: int = 3, fixed_compute: np.ndarray | None = None,
-                            token_tolerance: float | None = None, max_steps: int | None = None) -> np.ndarray:
+                            token_tolerance: float | None = None, block_pairs: np.ndarray | None = None,
+                            fixed_pairs: np.ndarray | None = None, pair_tolerance: float | None = None,
+                            max_steps: int | None = None) -> np.ndarray:
     """Balance compute and received volume together by moving and swapping blocks within the token cap.
 
     Objective: minimise max_r F_r with F_r = max((C_r / C_mean - 1) / compute_tolerance,
     (R_r / R_mean - 1) / received_tolerance[, (T_r / T_mean - 1) / token_tolerance]): each rank's excess over the
-    mean compute C, the mean received volume R (both as on entry) and, when token_tolerance is given, the mean
-    tokens T, in units of what each may exceed it by, so F <= 1 means all within their tolerance. R_r counts the
+    mean compute C, the mean received volume R (both as on entry) and, when their tolerances are given, the mean
+    tokens T and the mean visible (q, k) pairs P (compute free of the efficiency model), in units of what each may
+    exceed it by, so F <= 1 means all within their tolerance. R_r counts the
     tokens of the distinct segments that r's blocks read and r does not hold (a rank pulls a segment once however
     many of its blocks read it). Local search: each step takes the rank A with the largest F and tries every block
     x of A against the num_partner_ranks ranks with the smallest F (moves) and against their blocks and the blocks
@@ -47,6 +50,8 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         fixed_compute: per-rank work that does not move (tiles run for other ranks' blocks).
         token_tolerance: relative excess over the mean tokens a rank may hold (None: tokens only within the cap),
             for the plan layout, where every other layer works on a rank's own tokens.
+        block_pairs, fixed_pairs, pair_tolerance: visible pairs of each block's own tiles, per-rank pairs that do
+            not move, and their relative excess over the mean (None: pairs not balanced).
         max_steps: step limit (default 4 * num_ranks).
     Returns:
         a new block_rank array; its largest F (with the entry means) is never above the input's.
@@ -66,20 +71,25 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     tokens = np.bincount(block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
     mean_compute = max(float(compute.mean()), 1e-300)
     mean_tokens = max(float(tokens.mean()), 1.0)
+    if pair_tolerance is None:
+        block_pairs = np.zeros(num_blocks)
+    pairs = np.bincount(block_rank, weights=block_pairs, minlength=num_ranks)
+    if fixed_pairs is not None:
+        pairs = pairs + fixed_pairs
+    mean_pairs = max(float(pairs.mean()), 1e-300)
     steps = max_steps if max_steps is not None else 4 * num_ranks
 
-    def excess(compute_value, received_value, mean_received, tokens_value):
-        worst = np.maximum((compute_value / mean_compute - 1.0) / compute_tolerance,
-                           (received_value / mean_received - 1.0) / received_tolerance)
-        if token_tolerance is None:
-            return worst
-        return np.maximum(worst, (tokens_value / mean_tokens - 1.0) / token_tolerance)
+    def excess(compute_value, received_value, mean_received, tokens_value, pairs_value):
+        return np.maximum(hard_excess(compute_value, tokens_value, pairs_value),
+                          (received_value / mean_received - 1.0) / received_tolerance)
 
-    def over_hard_limits(rank_compute, rank_tokens):
-        over = (rank_compute / mean_compute - 1.0) / compute_tolerance > 1.0
+    def hard_excess(compute_value, tokens_value, pairs_value):
+        worst = (compute_value / mean_compute - 1.0) / compute_tolerance
         if token_tolerance is not None:
-            over |= (rank_tokens / mean_tokens - 1.0) / token_tolerance > 1.0
-        return over
+            worst = np.maximum(worst, (tokens_value / mean_tokens - 1.0) / token_tolerance)
+        if pair_tolerance is not None:
+            worst = np.maximum(worst, (pairs_value / mean_pairs - 1.0) / pair_tolerance)
+        return worst
 
     def needs_of(block: int) -> np.ndarray:
         return need_seg[need_ptr[block]:need_ptr[block + 1]]
@@ -103,13 +113,13 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     mean_received = max(float(received.mean()), 1.0)
     stuck = np.zeros(num_ranks, dtype=bool)
     for _ in range(steps):
-        rank_excess = excess(compute, received, mean_received, tokens)
+        rank_excess = excess(compute, received, mean_received, tokens, pairs)
         # The worst rank not yet found stuck; a stuck rank keeps its F, and others still improve below it. Once a
         # rank is stuck, traffic is as balanced as this search gets, so only ranks over the compute tolerance are
         # taken up.
         open_excess = np.where(stuck, -np.inf, rank_excess)
         if stuck.any():
-            open_excess = np.where(over_hard_limits(compute, tokens), open_excess, -np.inf)
+            open_excess = np.where(hard_excess(compute, tokens, pairs) > 1.0, open_excess, -np.inf)
         top = int(np.argmax(open_excess))
         top_excess = open_excess[top]
         if top_excess <= 1.0:
@@ -174,10 +184,11 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             movable = partners[move_ok]
             if movable.size:
                 top_after = excess(compute[top] - block_weight[x], volume_without_x, mean_received,
-                                   tokens[top] - block_tokens[x])
+                                   tokens[top] - block_tokens[x], pairs[top] - block_pairs[x])
                 partner_volume = received[movable] + x_adds[partners_idx[move_ok]]
                 score = np.maximum(top_after, excess(compute[movable] + block_weight[x], partner_volume,
-                                                     mean_received, tokens[movable] + block_tokens[x]))
+                                                     mean_received, tokens[movable] + block_tokens[x],
+                                                     pairs[movable] + block_pairs[x]))
                 keep = score < top_excess
                 found.append((score[keep], np.full(keep.sum(), x), np.full(keep.sum(), -1), movable[keep],
                               np.full(keep.sum(), volume_without_x), partner_volume[keep]))
@@ -210,11 +221,12 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                                     minlength=partner_blocks.size)
             partner_volume = received[y_rank] + x_adds[y_rank_idx] - y_saves + kept + y_unlocal
             token_change = block_tokens[partner_blocks] - block_tokens[x]
+            pair_change = block_pairs[partner_blocks] - block_pairs[x]
             score = np.maximum(
                 excess(compute[top] - block_weight[x] + block_weight[partner_blocks], new_top, mean_received,
-                       tokens[top] + token_change),
+                       tokens[top] + token_change, pairs[top] + pair_change),
                 excess(compute[y_rank] - block_weight[partner_blocks] + block_weight[x], partner_volume,
-                       mean_received, tokens[y_rank] - token_change))
+                       mean_received, tokens[y_rank] - token_change, pairs[y_rank] - pair_change))
             keep = np.flatnonzero(swap_ok & (score < top_excess))
             found.append((score[keep], np.full(keep.size, x), partner_blocks[keep], y_rank[keep], new_top[keep],
                           partner_volume[keep]))
@@ -238,5 +250,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             compute[target] += block_weight[block]
             tokens[source] -= block_tokens[block]
             tokens[target] += block_tokens[block]
+            pairs[source] -= block_pairs[block]
+            pairs[target] += block_pairs[block]
         received[top], received[partner] = new_top, new_partner
     return block_rank

@@ -15,6 +15,9 @@ from fcp_compiler.ir import Assignment, TileSet
 # How far above the mean compute and the mean received volume the joint search lets a rank go.
 TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.045)
 TWO_DIMENSIONAL_ROUNDS = 3
+# How far above the mean visible (q, k) pairs the joint search lets a rank go: balance that holds without trusting
+# the efficiency curve.
+PAIR_TOLERANCE = 0.025
 # LPT sends a block to its user-layout rank when that rank is within this fraction of the mean of the least loaded.
 HOME_SLACK = 0.0
 # Work a heavy block's owner keeps, and the most work per batch of its other tiles, as a share of the mean.
@@ -132,6 +135,11 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
                                         token_tolerance)
     block_rank, batch_rank = item_rank[:num_blocks], item_rank[num_blocks:]
     batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
+    # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
+    own = tile_batch < 0
+    block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=num_blocks)
+    batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
+        if batch_rank.size else np.zeros(num_ranks)
     need_block, need_seg = block_needs(tiles)
     for _ in range(TWO_DIMENSIONAL_ROUNDS):
         # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
@@ -139,6 +147,8 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
         moved = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
                                         sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
                                         fixed_compute=batch_compute, token_tolerance=token_tolerance,
+                                        block_pairs=block_pairs, fixed_pairs=batch_pairs,
+                                        pair_tolerance=PAIR_TOLERANCE,
                                         **TWO_DIMENSIONAL_SEARCH)
         if np.array_equal(moved, block_rank):
             break
