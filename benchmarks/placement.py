@@ -1,7 +1,7 @@
 """Placement quality on real length distributions: balance under every measure, exposure, MFU, NIC hot spots.
 
 Usage: python benchmarks/placement.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
-       [--token-tolerance T] [--baselines] [--user-layout] [--write figures.json]
+       [--batches paper,magi] [--token-tolerance T] [--baselines] [--user-layout] [--write figures.json]
        [--reference benchmarks/reference/placement_main.json]
 
 The batches: the paper-like lognormal trace, and each length file in --eval-data with and without a 20% long tail
@@ -92,8 +92,10 @@ def main() -> None:
     parser.add_argument("--gpus", default="64,256")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
     parser.add_argument("--token-tolerance", type=float, help="compile with this token tolerance")
-    parser.add_argument("--baselines", action="store_true", help="also the best baseline's MFU (slower)")
+    parser.add_argument("--baselines", action="store_true",
+                        help="also the best baseline's MFU (slow: ring and wlbllm take about a minute a batch)")
     parser.add_argument("--user-layout", action="store_true", help="also the user layout's tokens at home")
     parser.add_argument("--write", type=Path, help="write the figures as JSON (a later run's --reference)")
     parser.add_argument("--reference", type=Path, help="figures of an earlier run, for the NIC columns")
@@ -103,7 +105,10 @@ def main() -> None:
         for row in json.loads(args.reference.read_text()):
             reference[(row["batch"], row["gpus"], row["seed"])] = row
     rows = []
+    chosen = set(args.batches.split(",")) if args.batches else None
     for name, make in batches(args.eval_data).items():
+        if chosen is not None and name not in chosen:
+            continue
         for gpus in [int(g) for g in args.gpus.split(",")]:
             for seed in range(args.seeds):
                 rows.append(measure(name, make(gpus * TOKENS_PER_GPU, seed), gpus, seed, args))
@@ -134,6 +139,18 @@ def main() -> None:
     header += (["vs best baseline"] if args.baselines else []) + (
         ["home (user)", "compute (user)"] if args.user_layout else [])
     print(table(header, body))
+    print("\nBy batch and scale (over seeds: worst imbalances and exposure, mean MFU):")
+    summary = []
+    for name in dict.fromkeys(row["batch"] for row in rows):
+        for gpus in dict.fromkeys(row["gpus"] for row in rows):
+            group = [row for row in rows if row["batch"] == name and row["gpus"] == gpus]
+            if group:
+                summary.append([name, gpus] + [f"{max(row[key] for row in group):.3f}" for key in (
+                    "compute_imbalance", "pair_imbalance", "token_imbalance", "exposed_fwd", "exposed_bwd")]
+                    + [f"{np.mean([row[key] for row in group]):.2f}" for key in ("mfu_fwd", "mfu_bwd")]
+                    + [f"{max(row['max_link_to_compute'] for row in group):.2f}"])
+    print(table(["batch", "gpus", "compute", "pairs", "tokens", "exposed fwd", "exposed bwd", "MFU fwd", "MFU bwd",
+                 "link/compute"], summary))
     worst = {key: max(row[key] for row in rows) for key in ("compute_imbalance", "pair_imbalance", "token_imbalance",
                                                               "exposed_fwd", "exposed_bwd")}
     print("worst: " + ", ".join(f"{key} {value:.4f}" for key, value in worst.items())

@@ -5,8 +5,74 @@ from __future__ import annotations
 import numpy as np
 
 
+class RankNeeds:
+    """How many of each rank's blocks read each segment, stored sparsely: per rank, the sorted segments its blocks
+    read and their counts (> 0). Memory and updates grow with the needs, not with ranks x segments, so that the
+    search scales with the batch rather than quadratically."""
+
+    def __init__(self, need_rank: np.ndarray, need_seg: np.ndarray, num_ranks: int, num_segments: int) -> None:
+        """need_rank, need_seg: one entry per (reading block, segment) pair, the block's rank and the segment."""
+        key, count = np.unique(need_rank * num_segments + need_seg, return_counts=True)
+        bounds = np.searchsorted(key, np.arange(num_ranks + 1) * num_segments).tolist()
+        self.num_segments = num_segments
+        self.segs = [key[bounds[r]:bounds[r + 1]] - r * num_segments for r in range(num_ranks)]
+        self.counts = [count[bounds[r]:bounds[r + 1]].astype(np.int64) for r in range(num_ranks)]
+
+    def row(self, rank: int) -> np.ndarray:
+        """The segments `rank`'s blocks read, sorted."""
+        return self.segs[rank]
+
+    def get(self, rank: int, segs: np.ndarray) -> np.ndarray:
+        """How many of `rank`'s blocks read each of `segs` (0 where none)."""
+        return _lookup(self.segs[rank], self.counts[rank], segs)
+
+    def table(self, ranks: np.ndarray):
+        """A lookup (rank position in `ranks`, segment) -> count over several ranks at once (arrays broadcast)."""
+        rank_list = ranks.tolist()
+        keys = np.concatenate([self.segs[r] + i * self.num_segments for i, r in enumerate(rank_list)] + [[]])
+        counts = np.concatenate([self.counts[r] for r in rank_list] + [[]])
+        keys, counts = keys.astype(np.int64), counts.astype(np.int64)
+        return lambda rank_idx, segs: _lookup(keys, counts, rank_idx * self.num_segments + segs)
+
+    def add(self, rank: int, segs: np.ndarray, delta: int) -> None:
+        """Count `segs` (distinct) read by one more (delta 1) or one fewer (delta -1) block of `rank`."""
+        merged, inverse = np.unique(np.concatenate((self.segs[rank], segs)), return_inverse=True)
+        total = np.bincount(inverse, weights=np.concatenate((self.counts[rank], np.full(segs.size, delta))),
+                            minlength=merged.size).astype(np.int64)
+        assert (total >= 0).all()
+        self.segs[rank], self.counts[rank] = merged[total > 0], total[total > 0]
+
+    def received(self, seg_rank: np.ndarray, seg_tokens: np.ndarray) -> np.ndarray:
+        """Tokens each rank pulls: the segments its blocks read that another rank holds."""
+        return np.array([int(seg_tokens[segs[seg_rank[segs] != rank]].sum()) for rank, segs in enumerate(self.segs)],
+                        dtype=np.int64)
+
+
+class _Marks:
+    """Membership of segments in a small set, by a scratch flag per segment that is set and cleared around each
+    query: O(query) rather than a sort per query as np.isin."""
+
+    def __init__(self, num_segments: int) -> None:
+        self.flags = np.zeros(num_segments, dtype=bool)
+
+    def among(self, segs: np.ndarray, members: np.ndarray) -> np.ndarray:
+        """Whether each of `segs` is one of `members`."""
+        self.flags[members] = True
+        found = self.flags[segs]
+        self.flags[members] = False
+        return found
+
+
+def _lookup(keys: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """counts at the positions of `wanted` in the sorted `keys`, 0 where absent (any shape)."""
+    if keys.size == 0:
+        return np.zeros(np.shape(wanted), dtype=np.int64)
+    pos = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
+    return np.where(keys[pos] == wanted, counts[pos], 0)
+
+
 def received_tokens(need_count: np.ndarray, seg_rank: np.ndarray, seg_tokens: np.ndarray) -> np.ndarray:
-    """Tokens each rank pulls: the segments its blocks need (count > 0) that another rank holds."""
+    """Tokens each rank pulls, from a dense ranks x segments count (a reference for the sparse RankNeeds)."""
     needed = need_count > 0
     needed[seg_rank, np.arange(seg_rank.size)] = False
     return needed @ seg_tokens
@@ -61,10 +127,13 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     seg_tokens = np.asarray(seg_tokens, dtype=np.int64)
     need_ptr = np.searchsorted(need_block, np.arange(num_blocks + 1))
     seg_ptr = np.searchsorted(seg_block, np.arange(num_blocks + 1))
-    need_count = np.bincount(block_rank[need_block] * num_segments + need_seg,
-                             minlength=num_ranks * num_segments).astype(np.int32).reshape(num_ranks, num_segments)
+    needs = RankNeeds(block_rank[need_block], need_seg, num_ranks, num_segments)
     seg_rank = block_rank[seg_block]
-    received = received_tokens(need_count, seg_rank, seg_tokens).astype(np.float64)
+    received = needs.received(seg_rank, seg_tokens).astype(np.float64)
+    marks = _Marks(num_segments)
+    rank_blocks = [set() for _ in range(num_ranks)]
+    for block, rank in enumerate(block_rank.tolist()):
+        rank_blocks[rank].add(block)
     compute = np.bincount(block_rank, weights=block_weight, minlength=num_ranks)
     if fixed_compute is not None:
         compute = compute + fixed_compute
@@ -99,15 +168,17 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
 
     def volume_after(rank: int, leaving: int, arriving: int) -> int:
         """Exact received tokens of `rank` after block `leaving` goes (-1: none) and `arriving` comes (-1: none)."""
-        count = need_count[rank].copy()
-        local = seg_rank == rank
+        gone = needs_of(leaving) if leaving >= 0 else np.zeros(0, dtype=np.int64)
+        come = needs_of(arriving) if arriving >= 0 else np.zeros(0, dtype=np.int64)
+        segs, inverse = np.unique(np.concatenate((needs.row(rank), gone, come)), return_inverse=True)
+        count = np.bincount(inverse, weights=np.concatenate((needs.counts[rank], np.full(gone.size, -1),
+                                                             np.ones(come.size))), minlength=segs.size)
+        local = seg_rank[segs] == rank
         if leaving >= 0:
-            count[needs_of(leaving)] -= 1
-            local[segs_of(leaving)] = False
+            local[np.isin(segs, segs_of(leaving))] = False
         if arriving >= 0:
-            count[needs_of(arriving)] += 1
-            local[segs_of(arriving)] = True
-        return int(seg_tokens[(count > 0) & ~local].sum())
+            local[np.isin(segs, segs_of(arriving))] = True
+        return int(seg_tokens[segs[(count > 0) & ~local]].sum())
 
     # The received normaliser stays the entry mean, so that the largest F can only fall (moves change the mean).
     mean_received = max(float(received.mean()), 1.0)
@@ -128,14 +199,15 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         partners = partners[partners != top]
         # Swap partners: the blocks of the least loaded ranks, and the blocks that hold segments the top rank pulls
         # (bringing one over makes its segments local).
-        pulled = np.flatnonzero((need_count[top] > 0) & (seg_rank != top))
+        pulled = needs.row(top)[seg_rank[needs.row(top)] != top]
         # ... a few per sequence (its blocks are alike), from the least loaded ranks in the lower half.
         pulled_excess = rank_excess[seg_rank[pulled]]
         pulled = pulled[pulled_excess <= np.median(rank_excess)]
         pulled = pulled[np.lexsort((pulled, rank_excess[seg_rank[pulled]], seg_seq[pulled]))]
         first_of_seq = np.searchsorted(seg_seq[pulled], seg_seq[pulled], side="left")
         pulled_from = seg_block[pulled[np.arange(pulled.size) - first_of_seq < affinity_per_sequence]]
-        partner_blocks = np.union1d(np.flatnonzero(np.isin(block_rank, partners)), pulled_from)
+        on_partners = [block for rank in partners.tolist() for block in rank_blocks[rank]]
+        partner_blocks = np.union1d(np.array(on_partners, dtype=np.int64), pulled_from)
         pb_need_start, pb_need_end = need_ptr[partner_blocks], need_ptr[partner_blocks + 1]
         pb_need_count = pb_need_end - pb_need_start
         pair_owner = np.repeat(np.arange(partner_blocks.size), pb_need_count)
@@ -148,37 +220,42 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         y_rank = block_rank[partner_blocks]
         # What a partner block y would add to A as A is now; removing x changes it only where x's leaving
         # changes a segment's state (x was its only reader on A, or it is one of x's own segments).
-        top_count = need_count[top]
-        top_local = seg_rank == top
         pair_tokens = seg_tokens[pair_seg]
-        fresh_now = (top_count[pair_seg] == 0) & ~top_local[pair_seg]
+        pair_top_count = needs.get(top, pair_seg)
+        fresh_now = (pair_top_count == 0) & (seg_rank[pair_seg] != top)
         gained_now = np.bincount(pair_owner, weights=np.where(fresh_now, pair_tokens, 0), minlength=partner_blocks.size)
-        volume_now = int(seg_tokens[(top_count > 0) & ~top_local].sum())
+        volume_now = int(received[top])
         # What y's leaving saves its own rank B: the segments only y reads there (corrected per x below), and
         # which of y's own segments B's other blocks read (they become remote).
-        only_reader = (need_count[y_rank[pair_owner], pair_seg] == 1) & (seg_rank[pair_seg] != y_rank[pair_owner])
+        partner_ranks, partner_idx = np.unique(np.concatenate((y_rank, partners)), return_inverse=True)
+        y_rank_idx = partner_idx[:y_rank.size]
+        partners_idx = partner_idx[y_rank.size:]
+        partner_count = needs.table(partner_ranks)
+        only_reader = ((partner_count(y_rank_idx[pair_owner], pair_seg) == 1)
+                       & (seg_rank[pair_seg] != y_rank[pair_owner]))
         only_reader_pairs = np.flatnonzero(only_reader)
         only_reader_owner = pair_owner[only_reader_pairs]
         only_reader_seg = pair_seg[only_reader_pairs]
         only_reader_tokens = pair_tokens[only_reader_pairs]
         y_saves = np.bincount(only_reader_owner, weights=only_reader_tokens, minlength=partner_blocks.size)
-        own_read_on_b = need_count[y_rank[own_owner], own_seg]
-        partner_ranks, partner_idx = np.unique(np.concatenate((y_rank, partners)), return_inverse=True)
-        y_rank_idx = partner_idx[:y_rank.size]
-        partners_idx = partner_idx[y_rank.size:]
+        own_read_on_b = partner_count(y_rank_idx[own_owner], own_seg)
+        own_top_count = needs.get(top, own_seg)
+        every_partner = np.arange(partner_ranks.size)[:, None]
         # Candidate actions as parallel arrays: exact score, x, y (-1: a move), partner, A's and B's new volumes.
         found: list[tuple[np.ndarray, ...]] = []
-        for x in np.flatnonzero(block_rank == top).tolist():
+        for x in sorted(rank_blocks[top]):
             x_needs, x_segs = needs_of(x), segs_of(x)
-            dropped = x_needs[top_count[x_needs] == 1]  # no longer read on A once x leaves
-            unlocal = x_segs[top_count[x_segs] > 0]  # x's own segments that A's other blocks read
-            volume_without_x = (volume_now - int(seg_tokens[dropped[~top_local[dropped]]].sum())
+            x_needs_count, x_segs_count = needs.get(top, x_needs), needs.get(top, x_segs)
+            dropped = x_needs[x_needs_count == 1]  # no longer read on A once x leaves
+            dropped_remote = dropped[seg_rank[dropped] != top]
+            unlocal = x_segs[x_segs_count > 0]  # x's own segments that A's other blocks read
+            volume_without_x = (volume_now - int(seg_tokens[dropped_remote].sum())
                                 + int(seg_tokens[unlocal].sum()))
             # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
             # segments that B reads local.
-            x_adds = (((need_count[np.ix_(partner_ranks, x_needs)] == 0)
+            x_adds = (((partner_count(every_partner, x_needs[None, :]) == 0)
                        & (seg_rank[x_needs][None, :] != partner_ranks[:, None])) @ seg_tokens[x_needs]
-                      - (need_count[np.ix_(partner_ranks, x_segs)] > 0) @ seg_tokens[x_segs])
+                      - (partner_count(every_partner, x_segs[None, :]) > 0) @ seg_tokens[x_segs])
             # Moves of x to a partner with room.
             move_ok = tokens[partners] + block_tokens[x] <= token_cap
             movable = partners[move_ok]
@@ -199,24 +276,20 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
                 continue
             # Segments x leaves unread on A (and not x's own) become fresh for a y that reads them; x's own
             # segments are never read by x, so they stay fresh exactly when A's other blocks do not read them.
-            became_fresh = np.zeros(num_segments, dtype=bool)
-            became_fresh[dropped[~top_local[dropped]]] = True
-            became_fresh[x_segs[top_count[x_segs] == 0]] = True
-            flips = np.flatnonzero(became_fresh[pair_seg])
+            became_fresh = np.concatenate((dropped_remote, x_segs[x_segs_count == 0]))
+            flips = np.flatnonzero(marks.among(pair_seg, became_fresh))
             gained = gained_now + np.bincount(pair_owner[flips], weights=pair_tokens[flips],
                                               minlength=partner_blocks.size)
-            x_reads = np.zeros(num_segments, dtype=np.int32)
-            x_reads[x_needs] = 1
-            freed = np.bincount(own_owner, weights=np.where(top_count[own_seg] - x_reads[own_seg] > 0,
+            own_read_by_x = marks.among(own_seg, x_needs).astype(np.int64)
+            freed = np.bincount(own_owner, weights=np.where(own_top_count - own_read_by_x > 0,
                                                             seg_tokens[own_seg], 0), minlength=partner_blocks.size)
             new_top = volume_without_x + gained - freed
             # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
             # remote for B if B's other blocks or x read them.
-            x_touches = x_reads.astype(bool)
-            x_touches[x_segs] = True
-            kept = np.bincount(only_reader_owner, weights=np.where(x_touches[only_reader_seg], only_reader_tokens, 0),
+            x_touches = marks.among(only_reader_seg, np.concatenate((x_needs, x_segs)))
+            kept = np.bincount(only_reader_owner, weights=np.where(x_touches, only_reader_tokens, 0),
                                minlength=partner_blocks.size)
-            y_unlocal = np.bincount(own_owner, weights=np.where(own_read_on_b + x_reads[own_seg] > 0,
+            y_unlocal = np.bincount(own_owner, weights=np.where(own_read_on_b + own_read_by_x > 0,
                                                                 seg_tokens[own_seg], 0),
                                     minlength=partner_blocks.size)
             partner_volume = received[y_rank] + x_adds[y_rank_idx] - y_saves + kept + y_unlocal
@@ -243,8 +316,10 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
             if block < 0:
                 continue
             block_rank[block] = target
-            np.subtract.at(need_count[source], needs_of(block), 1)
-            np.add.at(need_count[target], needs_of(block), 1)
+            rank_blocks[source].remove(block)
+            rank_blocks[target].add(block)
+            needs.add(source, needs_of(block), -1)
+            needs.add(target, needs_of(block), 1)
             seg_rank[segs_of(block)] = target
             compute[source] -= block_weight[block]
             compute[target] += block_weight[block]

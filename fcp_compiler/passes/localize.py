@@ -8,21 +8,20 @@ from fcp_compiler.ir import Assignment
 from fcp_compiler.passes.reshuffle import user_layout_bounds
 
 
-def match_ranks(overlap: np.ndarray) -> np.ndarray:
-    """A permutation perm with plan rank p becoming rank perm[p], greedily maximising the summed overlap[p, perm[p]].
+def match_ranks(plan_rank: np.ndarray, user_rank: np.ndarray, overlap: np.ndarray, num_ranks: int) -> np.ndarray:
+    """A permutation perm with plan rank p becoming rank perm[p], greedily maximising the summed overlap.
 
-    Greedy on the entries by decreasing overlap (ties by index), then the unmatched in order: at least half the
-    optimum of the assignment problem, O(N^2 log N) on the dense matrix.
+    The overlap is sparse: entry i says plan rank plan_rank[i] and user rank user_rank[i] share overlap[i] > 0
+    tokens (pairs unique). Greedy on the entries by decreasing overlap (ties by plan rank, then user rank), then the
+    unmatched in order: at least half the optimum of the assignment problem, O(E log E + N) for E entries.
     """
-    num = overlap.shape[0]
-    flat = np.lexsort((np.arange(overlap.size), -overlap.ravel()))
-    perm = np.full(num, -1, dtype=np.int64)
-    taken = np.zeros(num, dtype=bool)
-    for index in flat[overlap.ravel()[flat] > 0].tolist():
-        plan_rank, user_rank = divmod(index, num)
-        if perm[plan_rank] < 0 and not taken[user_rank]:
-            perm[plan_rank] = user_rank
-            taken[user_rank] = True
+    perm = np.full(num_ranks, -1, dtype=np.int64)
+    taken = np.zeros(num_ranks, dtype=bool)
+    order = np.lexsort((user_rank, plan_rank, -overlap))
+    for plan, user in zip(plan_rank[order].tolist(), user_rank[order].tolist()):
+        if perm[plan] < 0 and not taken[user]:
+            perm[plan] = user
+            taken[user] = True
     perm[perm < 0] = np.flatnonzero(~taken)
     return perm
 
@@ -30,7 +29,7 @@ def match_ranks(overlap: np.ndarray) -> np.ndarray:
 def localize(assignment: Assignment) -> Assignment:
     """Renumber the ranks of a placement (loads, balance and traffic volume are unchanged) so that the tokens a
     rank holds in the plan layout overlap most with those it holds in the user layout: the reshuffle moves less and
-    more tiles can run while it is in flight. O(S + N^2 log N) for S segments."""
+    more tiles can run while it is in flight. O(S log S + N) for S segments."""
     sharding = assignment.tiles.sharding
     num_ranks = assignment.num_ranks
     bounds = user_layout_bounds(sharding.batch.total_tokens, num_ranks)
@@ -43,8 +42,9 @@ def localize(assignment: Assignment) -> Assignment:
     user = first[seg] + np.arange(seg.size) - np.repeat(np.concatenate(([0], np.cumsum(pieces)[:-1])), pieces)
     tokens = np.minimum(end[seg], bounds[user + 1]) - np.maximum(start[seg], bounds[user])
     plan = assignment.block_rank[sharding.seg_block[seg]]
-    overlap = np.bincount(plan * num_ranks + user, weights=np.maximum(tokens, 0),
-                          minlength=num_ranks * num_ranks).reshape(num_ranks, num_ranks)
-    perm = match_ranks(overlap)
+    shared = tokens > 0
+    key, inverse = np.unique(plan[shared] * num_ranks + user[shared], return_inverse=True)
+    overlap = np.bincount(inverse, weights=tokens[shared], minlength=key.size)
+    perm = match_ranks(key // num_ranks, key % num_ranks, overlap, num_ranks)
     return Assignment(tiles=assignment.tiles, num_ranks=num_ranks, token_cap=assignment.token_cap,
                       block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
