@@ -22,7 +22,7 @@ from fcp_compiler.passes.assign import assign, default_token_cap
 from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens
 from fcp_compiler.passes.cost import cost
 from fcp_compiler.passes.encode import encode
-from fcp_compiler.passes.localize import localize
+from fcp_compiler.passes.localize import group_nodes, localize
 from fcp_compiler.passes.reshuffle import reshuffle
 from fcp_compiler.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.passes.shard import shard
@@ -257,7 +257,10 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         assignment = timer.run("assign", Assignment, tiles=tiles, num_ranks=gpus,
                                token_cap=max(cap, int(rank_tokens.max())), block_rank=block_rank,
                                tile_rank=block_rank[tiles.tile_q_block])
-    assignment = timer.run("localize", localize, assignment)
+    if planner is Planner.FCP and options.layout is Layout.PLAN:
+        assignment = timer.run("localize", group_nodes, assignment)
+    else:
+        assignment = timer.run("localize", localize, assignment)
     transfers = timer.run("plan_transfers", plan_transfers, assignment)
     rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
     schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)

@@ -1,9 +1,11 @@
-"""Pass 3b: renumber ranks so that as many tokens as possible stay where the user layout has them."""
+"""Pass 3b: renumber ranks: in the user layout so that tokens stay where it has them, in the plan layout so that
+the heaviest traffic stays inside a node."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.node_groups import group_into_nodes
 from fcp_compiler.ir import Assignment
 from fcp_compiler.passes.reshuffle import user_layout_bounds
 
@@ -47,4 +49,18 @@ def localize(assignment: Assignment) -> Assignment:
     overlap = np.bincount(inverse, weights=tokens[shared], minlength=key.size)
     perm = match_ranks(key // num_ranks, key % num_ranks, overlap, num_ranks)
     return Assignment(tiles=assignment.tiles, num_ranks=num_ranks, token_cap=assignment.token_cap,
+                      block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
+
+
+def group_nodes(assignment: Assignment) -> Assignment:
+    """Renumber the ranks of a placement (loads, balance and traffic volume are unchanged) so that ranks that
+    exchange the most data share a node, where it moves over NVLink rather than the NIC: the blocks of one long
+    sequence, and the ranks that read them, end up together where a node can hold them. For the plan layout,
+    where no rank's tokens need to stay where the user layout has them. O(E log E + N) for E pulls."""
+    from fcp_compiler.passes.transfers import plan_transfers
+
+    transfers = plan_transfers(assignment)
+    perm = group_into_nodes(transfers.edge_src, transfers.edge_dst, transfers.edge_bytes.astype(np.float64),
+                            assignment.num_ranks, assignment.tiles.profile.gpus_per_node)
+    return Assignment(tiles=assignment.tiles, num_ranks=assignment.num_ranks, token_cap=assignment.token_cap,
                       block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
