@@ -34,13 +34,32 @@ class RankNeeds:
         keys, counts = keys.astype(np.int64), counts.astype(np.int64)
         return lambda rank_idx, segs: _lookup(keys, counts, rank_idx * self.num_segments + segs)
 
+    def matrix(self, ranks: np.ndarray, segs: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """counts[i, j]: how many of rank ranks[i]'s blocks read segs[j]. `scratch` is an all-zero array of one
+        entry per segment, left as it was found (each rank's row is spread into it and gathered from)."""
+        out = np.empty((ranks.size, segs.size), dtype=np.int64)
+        for i, rank in enumerate(ranks.tolist()):
+            scratch[self.segs[rank]] = self.counts[rank]
+            out[i] = scratch[segs]
+            scratch[self.segs[rank]] = 0
+        return out
+
     def add(self, rank: int, segs: np.ndarray, delta: int) -> None:
-        """Count `segs` (distinct) read by one more (delta 1) or one fewer (delta -1) block of `rank`."""
-        merged, inverse = np.unique(np.concatenate((self.segs[rank], segs)), return_inverse=True)
-        total = np.bincount(inverse, weights=np.concatenate((self.counts[rank], np.full(segs.size, delta))),
-                            minlength=merged.size).astype(np.int64)
-        assert (total >= 0).all()
-        self.segs[rank], self.counts[rank] = merged[total > 0], total[total > 0]
+        """Count `segs` (distinct, sorted) read by one more (delta 1) or one fewer (delta -1) block of `rank`."""
+        row, counts = self.segs[rank], self.counts[rank]
+        pos = np.searchsorted(row, segs)
+        present = pos < row.size
+        present[present] = row[pos[present]] == segs[present]
+        counts = counts.copy()
+        counts[pos[present]] += delta
+        if delta < 0:
+            assert present.all() and (counts >= 0).all()
+            keep = counts > 0
+            self.segs[rank], self.counts[rank] = row[keep], counts[keep]
+        else:
+            fresh = ~present
+            self.segs[rank] = np.insert(row, pos[fresh], segs[fresh])
+            self.counts[rank] = np.insert(counts, pos[fresh], 1)
 
     def received(self, seg_rank: np.ndarray, seg_tokens: np.ndarray) -> np.ndarray:
         """Tokens each rank pulls: the segments its blocks read that another rank holds."""
@@ -48,19 +67,33 @@ class RankNeeds:
                         dtype=np.int64)
 
 
-class _Marks:
-    """Membership of segments in a small set, by a scratch flag per segment that is set and cleared around each
-    query: O(query) rather than a sort per query as np.isin."""
+def _ranges(ptr: np.ndarray, items: np.ndarray, values: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The entries ptr[i]:ptr[i + 1] of each item i in `items` (of `values`, or the positions themselves), with the
+    position in `items` each comes from."""
+    counts = ptr[items + 1] - ptr[items]
+    owner = np.repeat(np.arange(items.size), counts)
+    positions = np.repeat(ptr[items] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
+        int(counts.sum()))
+    return owner, (values[positions] if values is not None else positions)
 
-    def __init__(self, num_segments: int) -> None:
-        self.flags = np.zeros(num_segments, dtype=bool)
 
-    def among(self, segs: np.ndarray, members: np.ndarray) -> np.ndarray:
-        """Whether each of `segs` is one of `members`."""
-        self.flags[members] = True
-        found = self.flags[segs]
-        self.flags[members] = False
-        return found
+def _same_segment(query_owner: np.ndarray, query_seg: np.ndarray,
+                  target_seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (query, target) with the same segment, as (the query's owner, the target's position); queries are
+    distinct per owner. O((Q + T) log T + hits)."""
+    order = np.argsort(target_seg, kind="stable")
+    ordered = target_seg[order]
+    low = np.searchsorted(ordered, query_seg, side="left")
+    counts = np.searchsorted(ordered, query_seg, side="right") - low
+    query = np.repeat(np.arange(query_seg.size), counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return query_owner[query], order[low[query] + offsets]
+
+
+def _sum_by(index: np.ndarray, weights: np.ndarray, length: int) -> np.ndarray:
+    """Sums of `weights` by `index` (broadcast together), as a flat array of `length`."""
+    index, weights = np.broadcast_arrays(index, weights)
+    return np.bincount(index.ravel(), weights=weights.ravel(), minlength=length)
 
 
 def _lookup(keys: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
@@ -130,7 +163,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     needs = RankNeeds(block_rank[need_block], need_seg, num_ranks, num_segments)
     seg_rank = block_rank[seg_block]
     received = needs.received(seg_rank, seg_tokens).astype(np.float64)
-    marks = _Marks(num_segments)
+    scratch = np.zeros(num_segments, dtype=np.int64)
     rank_blocks = [set() for _ in range(num_ranks)]
     for block, rank in enumerate(block_rank.tolist()):
         rank_blocks[rank].add(block)
@@ -208,15 +241,8 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         pulled_from = seg_block[pulled[np.arange(pulled.size) - first_of_seq < affinity_per_sequence]]
         on_partners = [block for rank in partners.tolist() for block in rank_blocks[rank]]
         partner_blocks = np.union1d(np.array(on_partners, dtype=np.int64), pulled_from)
-        pb_need_start, pb_need_end = need_ptr[partner_blocks], need_ptr[partner_blocks + 1]
-        pb_need_count = pb_need_end - pb_need_start
-        pair_owner = np.repeat(np.arange(partner_blocks.size), pb_need_count)
-        pair_seg = need_seg[np.repeat(pb_need_start - np.concatenate(([0], np.cumsum(pb_need_count)[:-1])),
-                                      pb_need_count) + np.arange(int(pb_need_count.sum()))]
-        own_count = seg_ptr[partner_blocks + 1] - seg_ptr[partner_blocks]
-        own_owner = np.repeat(np.arange(partner_blocks.size), own_count)
-        own_seg = np.repeat(seg_ptr[partner_blocks] - np.concatenate(([0], np.cumsum(own_count)[:-1])),
-                            own_count) + np.arange(int(own_count.sum()))
+        pair_owner, pair_seg = _ranges(need_ptr, partner_blocks, need_seg)  # the segments each partner block reads
+        own_owner, own_seg = _ranges(seg_ptr, partner_blocks, None)  # and its own segments
         y_rank = block_rank[partner_blocks]
         # What a partner block y would add to A as A is now; removing x changes it only where x's leaving
         # changes a segment's state (x was its only reader on A, or it is one of x's own segments).
@@ -240,76 +266,86 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         y_saves = np.bincount(only_reader_owner, weights=only_reader_tokens, minlength=partner_blocks.size)
         own_read_on_b = partner_count(y_rank_idx[own_owner], own_seg)
         own_top_count = needs.get(top, own_seg)
+        # Every block x of A against every partner rank (moves) and partner block (swaps) at once.
+        xs = np.array(sorted(rank_blocks[top]), dtype=np.int64)
+        num_x, num_y = xs.size, partner_blocks.size
+        xn_owner, xn_seg = _ranges(need_ptr, xs, need_seg)  # the segments each x reads
+        xo_owner, xo_seg = _ranges(seg_ptr, xs, None)  # each x's own segments
+        xn_count, xo_count = needs.get(top, xn_seg), needs.get(top, xo_seg)
+        dropped_remote = (xn_count == 1) & (seg_rank[xn_seg] != top)  # remote, and no longer read once x leaves
+        volume_without_x = (volume_now
+                            - np.bincount(xn_owner, weights=np.where(dropped_remote, seg_tokens[xn_seg], 0),
+                                          minlength=num_x)
+                            + np.bincount(xo_owner, weights=np.where(xo_count > 0, seg_tokens[xo_seg], 0),
+                                          minlength=num_x))
+        # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
+        # segments that B reads local: x_adds[B, x].
         every_partner = np.arange(partner_ranks.size)[:, None]
-        # Candidate actions as parallel arrays: exact score, x, y (-1: a move), partner, A's and B's new volumes.
-        found: list[tuple[np.ndarray, ...]] = []
-        for x in sorted(rank_blocks[top]):
-            x_needs, x_segs = needs_of(x), segs_of(x)
-            x_needs_count, x_segs_count = needs.get(top, x_needs), needs.get(top, x_segs)
-            dropped = x_needs[x_needs_count == 1]  # no longer read on A once x leaves
-            dropped_remote = dropped[seg_rank[dropped] != top]
-            unlocal = x_segs[x_segs_count > 0]  # x's own segments that A's other blocks read
-            volume_without_x = (volume_now - int(seg_tokens[dropped_remote].sum())
-                                + int(seg_tokens[unlocal].sum()))
-            # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
-            # segments that B reads local.
-            x_adds = (((partner_count(every_partner, x_needs[None, :]) == 0)
-                       & (seg_rank[x_needs][None, :] != partner_ranks[:, None])) @ seg_tokens[x_needs]
-                      - (partner_count(every_partner, x_segs[None, :]) > 0) @ seg_tokens[x_segs])
-            # Moves of x to a partner with room.
-            move_ok = tokens[partners] + block_tokens[x] <= token_cap
-            movable = partners[move_ok]
-            if movable.size:
-                top_after = excess(compute[top] - block_weight[x], volume_without_x, mean_received,
-                                   tokens[top] - block_tokens[x], pairs[top] - block_pairs[x])
-                partner_volume = received[movable] + x_adds[partners_idx[move_ok]]
-                score = np.maximum(top_after, excess(compute[movable] + block_weight[x], partner_volume,
-                                                     mean_received, tokens[movable] + block_tokens[x],
-                                                     pairs[movable] + block_pairs[x]))
-                keep = score < top_excess
-                found.append((score[keep], np.full(keep.sum(), x), np.full(keep.sum(), -1), movable[keep],
-                              np.full(keep.sum(), volume_without_x), partner_volume[keep]))
-            # Swaps of x with a partner block y: both new volumes for every y at once.
-            swap_ok = ((tokens[top] - block_tokens[x] + block_tokens[partner_blocks] <= token_cap)
-                       & (tokens[y_rank] - block_tokens[partner_blocks] + block_tokens[x] <= token_cap))
-            if not swap_ok.any():
-                continue
-            # Segments x leaves unread on A (and not x's own) become fresh for a y that reads them; x's own
-            # segments are never read by x, so they stay fresh exactly when A's other blocks do not read them.
-            became_fresh = np.concatenate((dropped_remote, x_segs[x_segs_count == 0]))
-            flips = np.flatnonzero(marks.among(pair_seg, became_fresh))
-            gained = gained_now + np.bincount(pair_owner[flips], weights=pair_tokens[flips],
-                                              minlength=partner_blocks.size)
-            own_read_by_x = marks.among(own_seg, x_needs).astype(np.int64)
-            freed = np.bincount(own_owner, weights=np.where(own_top_count - own_read_by_x > 0,
-                                                            seg_tokens[own_seg], 0), minlength=partner_blocks.size)
-            new_top = volume_without_x + gained - freed
-            # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
-            # remote for B if B's other blocks or x read them.
-            x_touches = marks.among(only_reader_seg, np.concatenate((x_needs, x_segs)))
-            kept = np.bincount(only_reader_owner, weights=np.where(x_touches, only_reader_tokens, 0),
-                               minlength=partner_blocks.size)
-            y_unlocal = np.bincount(own_owner, weights=np.where(own_read_on_b + own_read_by_x > 0,
-                                                                seg_tokens[own_seg], 0),
-                                    minlength=partner_blocks.size)
-            partner_volume = received[y_rank] + x_adds[y_rank_idx] - y_saves + kept + y_unlocal
-            token_change = block_tokens[partner_blocks] - block_tokens[x]
-            pair_change = block_pairs[partner_blocks] - block_pairs[x]
-            score = np.maximum(
-                excess(compute[top] - block_weight[x] + block_weight[partner_blocks], new_top, mean_received,
-                       tokens[top] + token_change, pairs[top] + pair_change),
-                excess(compute[y_rank] - block_weight[partner_blocks] + block_weight[x], partner_volume,
-                       mean_received, tokens[y_rank] - token_change, pairs[y_rank] - pair_change))
-            keep = np.flatnonzero(swap_ok & (score < top_excess))
-            found.append((score[keep], np.full(keep.size, x), partner_blocks[keep], y_rank[keep], new_top[keep],
-                          partner_volume[keep]))
-        score, xs, ys, partner_of, new_tops, new_partners = (
-            (np.concatenate(parts) for parts in zip(*found)) if found else [np.zeros(0)] * 6)
+        partner_reads = needs.matrix(partner_ranks, np.concatenate((xn_seg, xo_seg)), scratch)
+        adds = ((partner_reads[:, :xn_seg.size] == 0)
+                & (seg_rank[xn_seg][None, :] != partner_ranks[:, None])) * seg_tokens[xn_seg][None, :]
+        takes = (partner_reads[:, xn_seg.size:] > 0) * seg_tokens[xo_seg][None, :]
+        x_adds = (_sum_by(every_partner * num_x + xn_owner[None, :], adds, partner_ranks.size * num_x)
+                  - _sum_by(every_partner * num_x + xo_owner[None, :], takes, partner_ranks.size * num_x)
+                  ).reshape(partner_ranks.size, num_x)
+        # Moves of x to a partner with room.
+        move_ok = tokens[partners][None, :] + block_tokens[xs][:, None] <= token_cap
+        top_after = excess(compute[top] - block_weight[xs], volume_without_x, mean_received,
+                           tokens[top] - block_tokens[xs], pairs[top] - block_pairs[xs])
+        move_volume = received[partners][None, :] + x_adds[partners_idx].T
+        move_score = np.maximum(top_after[:, None], excess(
+            compute[partners][None, :] + block_weight[xs][:, None], move_volume, mean_received,
+            tokens[partners][None, :] + block_tokens[xs][:, None], pairs[partners][None, :] + block_pairs[xs][:, None]))
+        # Swaps of x with a partner block y. Segments x leaves unread on A (and not x's own) become fresh for a y
+        # that reads them; x's own segments are never read by x, so they stay fresh exactly when A's other blocks
+        # do not read them.
+        # x_of_* and *_idx below: the (x, entry) pairs where an entry's segment is one x touches in that way.
+        fresh = np.concatenate((np.flatnonzero(dropped_remote), xn_seg.size + np.flatnonzero(xo_count == 0)))
+        x_owner, x_seg = np.concatenate((xn_owner, xo_owner)), np.concatenate((xn_seg, xo_seg))
+        x_of_pair, pair_idx = _same_segment(x_owner[fresh], x_seg[fresh], pair_seg)
+        gained = gained_now[None, :] + _sum_by(x_of_pair * num_y + pair_owner[pair_idx], pair_tokens[pair_idx],
+                                               num_x * num_y).reshape(num_x, num_y)
+        own_tokens = seg_tokens[own_seg]
+        x_of_own, own_idx = _same_segment(xn_owner, xn_seg, own_seg)  # y's own segments that x reads
+        own_pos = x_of_own * num_y + own_owner[own_idx]
+        # A's other blocks still read y's segment unless x was its only reader there.
+        freed = (np.bincount(own_owner, weights=np.where(own_top_count > 0, own_tokens, 0), minlength=num_y)[None, :]
+                 - _sum_by(own_pos, np.where(own_top_count[own_idx] == 1, own_tokens[own_idx], 0),
+                           num_x * num_y).reshape(num_x, num_y))
+        new_top = volume_without_x[:, None] + gained - freed
+        # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
+        # remote for B if B's other blocks or x read them.
+        x_of_only, only_idx = _same_segment(x_owner, x_seg, only_reader_seg)
+        kept = _sum_by(x_of_only * num_y + only_reader_owner[only_idx], only_reader_tokens[only_idx],
+                       num_x * num_y).reshape(num_x, num_y)
+        y_unlocal = (np.bincount(own_owner, weights=np.where(own_read_on_b > 0, own_tokens, 0), minlength=num_y)[None, :]
+                     + _sum_by(own_pos, np.where(own_read_on_b[own_idx] == 0, own_tokens[own_idx], 0),
+                               num_x * num_y).reshape(num_x, num_y))
+        swap_volume = received[y_rank][None, :] + x_adds[y_rank_idx].T - y_saves[None, :] + kept + y_unlocal
+        token_change = block_tokens[partner_blocks][None, :] - block_tokens[xs][:, None]
+        pair_change = block_pairs[partner_blocks][None, :] - block_pairs[xs][:, None]
+        weight_change = block_weight[partner_blocks][None, :] - block_weight[xs][:, None]
+        swap_ok = ((tokens[top] + token_change <= token_cap) & (tokens[y_rank][None, :] - token_change <= token_cap))
+        swap_score = np.maximum(
+            excess(compute[top] + weight_change, new_top, mean_received, tokens[top] + token_change,
+                   pairs[top] + pair_change),
+            excess(compute[y_rank][None, :] - weight_change, swap_volume, mean_received,
+                   tokens[y_rank][None, :] - token_change, pairs[y_rank][None, :] - pair_change))
+        # Candidates as parallel arrays (moves first, each in (x, partner) order): exact score, x, y (-1: a move),
+        # partner rank, A's and B's new volumes.
+        move_x, move_p = np.nonzero(move_ok & (move_score < top_excess))
+        swap_x, swap_y = np.nonzero(swap_ok & (swap_score < top_excess))
+        score = np.concatenate((move_score[move_x, move_p], swap_score[swap_x, swap_y]))
+        xs_of = np.concatenate((xs[move_x], xs[swap_x]))
+        ys_of = np.concatenate((np.full(move_x.size, -1), partner_blocks[swap_y]))
+        partner_of = np.concatenate((partners[move_p], y_rank[swap_y]))
+        new_tops = np.concatenate((volume_without_x[move_x], new_top[swap_x, swap_y]))
+        new_partners = np.concatenate((move_volume[move_x, move_p], swap_volume[swap_x, swap_y]))
         if score.size == 0:
             stuck[top] = True
             continue
-        best = int(np.lexsort((ys, xs, score))[0])
-        x, y, partner = int(xs[best]), int(ys[best]), int(partner_of[best])
+        best = int(np.lexsort((ys_of, xs_of, score))[0])
+        x, y, partner = int(xs_of[best]), int(ys_of[best]), int(partner_of[best])
         new_top, new_partner = float(new_tops[best]), float(new_partners[best])
         assert new_partner == volume_after(partner, y, x), (new_partner, volume_after(partner, y, x))
         for block, source, target in ((x, top, partner), (y, partner, top)):
