@@ -258,10 +258,13 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
                                token_cap=max(cap, int(rank_tokens.max())), block_rank=block_rank,
                                tile_rank=block_rank[tiles.tile_q_block])
     if planner is Planner.FCP and options.layout is Layout.PLAN:
-        assignment = timer.run("localize", group_nodes, assignment)
+        # Grouping ranks into nodes needs the traffic, and renumbering the pulls is cheaper than listing them again.
+        transfers = timer.run("plan_transfers", plan_transfers, assignment)
+        transfers = timer.run("localize", group_nodes, transfers)
+        assignment = transfers.assignment
     else:
         assignment = timer.run("localize", localize, assignment)
-    transfers = timer.run("plan_transfers", plan_transfers, assignment)
+        transfers = timer.run("plan_transfers", plan_transfers, assignment)
     rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
     schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)
     final = timer.run("reshuffle", reshuffle, schedule)

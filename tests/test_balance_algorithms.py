@@ -78,3 +78,11 @@ def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed, with_t
                                      num_ranks, cap, 0.05, 0.1, num_partner_ranks=num_ranks, **extra)
     assert np.bincount(result, weights=tokens, minlength=num_ranks).max() <= cap
     assert worst(result) <= worst(start) + 1e-9
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(1, 35))
+def test_least_is_the_head_of_a_stable_argsort(values, count):
+    from fcp_compiler.algorithms.comm_balance import _least
+
+    values = np.array(values, dtype=float)
+    assert np.array_equal(_least(values, count), np.argsort(values, kind="stable")[:count])

@@ -77,6 +77,15 @@ def _ranges(ptr: np.ndarray, items: np.ndarray, values: np.ndarray | None) -> tu
     return owner, (values[positions] if values is not None else positions)
 
 
+def _least(values: np.ndarray, count: int) -> np.ndarray:
+    """The first `count` positions of a stable argsort of `values` (ties by position), in O(N + c log c)."""
+    if count >= values.size:
+        return np.argsort(values, kind="stable")
+    threshold = np.partition(values, count - 1)[count - 1]
+    candidates = np.flatnonzero(values <= threshold)
+    return candidates[np.argsort(values[candidates], kind="stable")][:count]
+
+
 def _same_segment(query_owner: np.ndarray, query_seg: np.ndarray,
                   target_seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (query, target) with the same segment, as (the query's owner, the target's position); queries are
@@ -228,7 +237,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         top_excess = open_excess[top]
         if top_excess <= 1.0:
             break
-        partners = np.argsort(rank_excess, kind="stable")[:num_partner_ranks]
+        partners = _least(rank_excess, num_partner_ranks)
         partners = partners[partners != top]
         # Swap partners: the blocks of the least loaded ranks, and the blocks that hold segments the top rank pulls
         # (bringing one over makes its segments local).

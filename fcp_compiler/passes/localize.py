@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.node_groups import group_into_nodes
-from fcp_compiler.ir import Assignment
+from fcp_compiler.ir import Assignment, Transfers
 from fcp_compiler.passes.reshuffle import user_layout_bounds
 
 
@@ -52,15 +52,31 @@ def localize(assignment: Assignment) -> Assignment:
                       block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
 
 
-def group_nodes(assignment: Assignment) -> Assignment:
+def group_nodes(transfers: Transfers) -> Transfers:
     """Renumber the ranks of a placement (loads, balance and traffic volume are unchanged) so that ranks that
     exchange the most data share a node, where it moves over NVLink rather than the NIC: the blocks of one long
     sequence, and the ranks that read them, end up together where a node can hold them. For the plan layout,
-    where no rank's tokens need to stay where the user layout has them. O(E log E + N) for E pulls."""
-    from fcp_compiler.passes.transfers import plan_transfers
+    where no rank's tokens need to stay where the user layout has them. Returns the pulls of the renumbered
+    placement, the same as plan_transfers would list them. O(E log E + N) for E pulls."""
+    assignment = transfers.assignment
+    return renumber(transfers, group_into_nodes(transfers.edge_src, transfers.edge_dst,
+                                                transfers.edge_bytes.astype(np.float64), assignment.num_ranks,
+                                                assignment.tiles.profile.gpus_per_node))
 
-    transfers = plan_transfers(assignment)
-    perm = group_into_nodes(transfers.edge_src, transfers.edge_dst, transfers.edge_bytes.astype(np.float64),
-                            assignment.num_ranks, assignment.tiles.profile.gpus_per_node)
-    return Assignment(tiles=assignment.tiles, num_ranks=assignment.num_ranks, token_cap=assignment.token_cap,
-                      block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
+
+def renumber(transfers: Transfers, perm: np.ndarray) -> Transfers:
+    """The pulls (and placement) with rank r renamed perm[r], in plan_transfers' order. O(E log E)."""
+    assignment = transfers.assignment
+    renumbered = Assignment(tiles=assignment.tiles, num_ranks=assignment.num_ranks, token_cap=assignment.token_cap,
+                            block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
+    # plan_transfers sorts by (kind, block, receiver); renumbering changes only the receiver order within a block.
+    dst = perm[transfers.edge_dst]
+    order = np.lexsort((dst, transfers.edge_block, transfers.edge_kind))
+    counts = np.diff(transfers.edge_seg_offsets)[order]
+    starts = transfers.edge_seg_offsets[:-1][order]
+    positions = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
+        int(counts.sum()))
+    return Transfers(assignment=renumbered, edge_kind=transfers.edge_kind[order],
+                     edge_block=transfers.edge_block[order], edge_src=perm[transfers.edge_src][order],
+                     edge_dst=dst[order], edge_seg_offsets=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                     edge_segs=transfers.edge_segs[positions])
