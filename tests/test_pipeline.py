@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
               "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256"}
-PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce", "reshuffle",
+# In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
+PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "schedule_rounds", "coalesce", "reshuffle",
           "encode"]
+USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce",
+                      "reshuffle", "encode"]
 
 
 @given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),
@@ -34,6 +37,8 @@ def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size
 def test_stats_hold_every_documented_key(small_plan):
     assert STATS_KEYS <= set(small_plan.stats)
     assert list(small_plan.stats["pass_seconds"]) == ["parse"] + PASSES
+    user = compile_valid([5000, 300, 70000], 4, block_size=1024, layout="user")
+    assert list(user.stats["pass_seconds"]) == ["parse"] + USER_LAYOUT_PASSES
     json.dumps(small_plan.stats)
 
 
