@@ -333,12 +333,13 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         swap_volume = received[y_rank][None, :] + x_adds[y_rank_idx].T - y_saves[None, :] + kept + y_unlocal
         token_change = block_tokens[partner_blocks][None, :] - block_tokens[xs][:, None]
         pair_change = block_pairs[partner_blocks][None, :] - block_pairs[xs][:, None]
-        weight_change = block_weight[partner_blocks][None, :] - block_weight[xs][:, None]
+        x_weight, y_weight = block_weight[xs][:, None], block_weight[partner_blocks][None, :]
         swap_ok = ((tokens[top] + token_change <= token_cap) & (tokens[y_rank][None, :] - token_change <= token_cap))
+        # (Loads as load - leaving + arriving, in that order: the rounding decides ties between candidates.)
         swap_score = np.maximum(
-            excess(compute[top] + weight_change, new_top, mean_received, tokens[top] + token_change,
+            excess(compute[top] - x_weight + y_weight, new_top, mean_received, tokens[top] + token_change,
                    pairs[top] + pair_change),
-            excess(compute[y_rank][None, :] - weight_change, swap_volume, mean_received,
+            excess(compute[y_rank][None, :] - y_weight + x_weight, swap_volume, mean_received,
                    tokens[y_rank][None, :] - token_change, pairs[y_rank][None, :] - pair_change))
         # Candidates as parallel arrays (moves first, each in (x, partner) order): exact score, x, y (-1: a move),
         # partner rank, A's and B's new volumes.
