@@ -288,7 +288,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
         per_stage = np.bincount(transfers.edge_dst * num_stages + edge_stage, weights=transfers.edge_tokens)
         recv_buffer = int(per_stage.max())
     return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=sharding.block_size,
-                coalesce=options.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
+                coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
                 layout=options.layout, num_rounds=rounds.num_rounds, num_fwd_rounds=schedule.forward.num_rounds,

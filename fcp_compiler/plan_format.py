@@ -24,7 +24,7 @@ from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 
 MAGIC = b"FCPPLAN\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _ARRAY_DTYPE = np.dtype("<i4")
 
 # Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; row i carries
@@ -52,12 +52,14 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[2] = FORMAT_VERSION
+    format_version: Literal[3] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1)
     block_size: int = Field(..., ge=64)
-    coalesce: int = Field(..., ge=1)
+    coalesce: int = Field(..., ge=1, description="rounds per stage of the forward pass")
+    bwd_coalesce: int = Field(..., ge=1, description="rounds per stage of the backward pass, whose pulls take every "
+                                                   "other round: twice coalesce, so each stage holds as many pulls")
     token_cap: int = Field(..., ge=1)
     zigzag: bool
     mask: MaskKind

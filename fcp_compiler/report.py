@@ -101,11 +101,10 @@ def rank_program_text(program: RankProgram) -> str:
     """Stage-by-stage view of one rank's forward and backward programs."""
     a = program.arrays
     header = program.header
-    coalesce = header.coalesce
     stage_rows = []
-    for name, num_stages, pull_round, tile_stage in (
-            ("fwd", header.num_fwd_stages, "round", "tile_stage"),
-            ("bwd", header.num_bwd_stages, "bwd_round", "tile_bwd_stage")):
+    for name, num_stages, pull_round, tile_stage, coalesce in (
+            ("fwd", header.num_fwd_stages, "round", "tile_stage", header.coalesce),
+            ("bwd", header.num_bwd_stages, "bwd_round", "tile_bwd_stage", header.bwd_coalesce)):
         for stage in range(num_stages):
             counts = [int((a[f"pull_send_{pull_round}"] // coalesce == stage).sum()),
                       int((a[f"pull_recv_{pull_round}"] // coalesce == stage).sum()),

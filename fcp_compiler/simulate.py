@@ -407,10 +407,13 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     pull_names = [f"{'KV' if k == KIND_KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
         if record else None
 
+    def rounds_per_stage(prefix):
+        return header.coalesce if prefix == "fwd" else header.bwd_coalesce
+
     def pushes(prefix):
         push_round, sender = stack_ranks(programs, f"{prefix}_push_send_round")
         pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
-        return push_round // header.coalesce, pull + recv_base[sender]
+        return push_round // rounds_per_stage(prefix), pull + recv_base[sender]
 
     no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
     in_user_layout = header.layout is Layout.USER
@@ -430,7 +433,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             num_ranks=n, num_stages=num_stages,
             flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
             flow_bytes=np.concatenate((pull_bytes, push_bytes_of(push_row))),
-            flow_stage=np.concatenate((pull_round // header.coalesce, push_stage)), flow_name=names,
+            flow_stage=np.concatenate((pull_round // rounds_per_stage(prefix), push_stage)), flow_name=names,
             tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
             tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
             reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,

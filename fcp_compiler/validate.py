@@ -224,18 +224,22 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
                    send_me=s_me, send_kind=s_kind, send_block=s_block, send_peer=s_peer)
     tiles = _Tiles(q=tile_q, kv=tile_kv, rank=tile_rank, q_seg=q_seg, k_seg=k_seg, key=tile_key)
     context = _Context(programs=programs, num_ranks=num_ranks, num_blocks=num_blocks, num_segments=num_segments,
-                       coalesce=coalesce, owner=owner, seg_block=seg_block)
+                       owner=owner, seg_block=seg_block)
     peaks = []
     num_pushes = {}
-    for label, pull_round_name, send_round_name, tile_stage_name, kinds, num_pass_rounds, num_pass_stages in (
+    if header.bwd_coalesce != 2 * coalesce:
+        _fail(3, f"the backward pass has {header.bwd_coalesce} rounds a stage; its pulls take every other round, so "
+                 f"it must be twice the forward's {coalesce}")
+    for label, pull_round_name, send_round_name, tile_stage_name, kinds, num_pass_rounds, num_pass_stages, \
+            pass_coalesce in (
             ("fwd", "pull_recv_round", "pull_send_round", "tile_stage", (KIND_Q,), header.num_fwd_rounds,
-             header.num_fwd_stages),
+             header.num_fwd_stages, coalesce),
             ("bwd", "pull_recv_bwd_round", "pull_send_bwd_round", "tile_bwd_stage", (KIND_Q, KIND_KV),
-             header.num_bwd_rounds, header.num_bwd_stages)):
+             header.num_bwd_rounds, header.num_bwd_stages, header.bwd_coalesce)):
         program = _PassProgram(label=label, recv_round=stack_ranks(programs, pull_round_name)[0],
                                send_round=stack_ranks(programs, send_round_name)[0],
                                tile_stage=stack_ranks(programs, tile_stage_name)[0], push_kinds=kinds,
-                               num_rounds=num_pass_rounds, num_stages=num_pass_stages)
+                               num_rounds=num_pass_rounds, num_stages=num_pass_stages, coalesce=pass_coalesce)
         peak, num_pushes[label] = _check_pass(context, pulls, tiles, program)
         peaks.append(peak)
     stated = header.max_buffer_tokens
@@ -284,7 +288,6 @@ class _Context:
     num_ranks: int
     num_blocks: int
     num_segments: int
-    coalesce: int
     owner: np.ndarray
     seg_block: np.ndarray
 
@@ -300,11 +303,12 @@ class _PassProgram:
     push_kinds: tuple[int, ...]
     num_rounds: int
     num_stages: int
+    coalesce: int  # rounds per stage of this pass
 
 
 def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgram) -> tuple[int, int]:
     """Invariants 2, 3 and 4 for one pass; returns (peak live buffer tokens, number of pushes)."""
-    label, coalesce = program.label, ctx.coalesce
+    label, coalesce = program.label, program.coalesce
     stages = program.tile_stage
     if stages.size and (stages.min() < 0 or stages.max() >= program.num_stages):
         bad = int(stages.min() if stages.min() < 0 else stages.max())
@@ -377,7 +381,7 @@ def _check_data_before_use(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program:
             _fail(2, f"rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv {int(tiles.kv[t])}) without "
                      f"pulling the {what} of block {int(tile_block[t])}")
         rows = pull_order[pos[remote]]
-        arrival = program.recv_round[rows] // ctx.coalesce
+        arrival = program.recv_round[rows] // program.coalesce
         late = arrival >= program.tile_stage[remote]
         if late.any():
             t = int(np.flatnonzero(remote)[np.argmax(late)])
@@ -449,7 +453,7 @@ def _check_pushes(ctx: _Context, pulls: _Pulls, program: _PassProgram, last_use:
         what = {KIND_Q: "partial output" if prefix == "fwd" else "dQ partial", KIND_KV: "dK, dV partial"}
         _fail(2, f"{prefix}: rank {int(pulls.me[bad])} pushes the {what[int(pulls.kind[bad])]} of block "
                  f"{int(pulls.block[bad])} back {int(returned[bad])} times (expected {int(expects[bad])})")
-    send_stage = send_round // ctx.coalesce
+    send_stage = send_round // program.coalesce
     early = send_stage <= last_use[g_recv]
     if early.any():
         bad = int(np.argmax(early))

@@ -66,7 +66,8 @@ class RankPlan:
     digest: str
     causal: bool
     layout: str  # the compiled layout: "plan" or "user"
-    coalesce: int
+    coalesce: int  # rounds per stage, forward
+    bwd_coalesce: int  # rounds per stage, backward
     q_heads: int
     kv_heads: int
     head_dim: int
@@ -188,7 +189,8 @@ def from_program(program: RankProgram) -> RankPlan:
     tiles = list(zip(a["tile_q_block"].tolist(), a["tile_kv_block"].tolist()))
     forward = _pass_program("fwd", a, pull_recv, tiles, a["tile_stage"], header.num_fwd_stages, coalesce,
                             lambda pull: pull.round)
-    backward = _pass_program("bwd", a, pull_recv, tiles, a["tile_bwd_stage"], header.num_bwd_stages, coalesce,
+    backward = _pass_program("bwd", a, pull_recv, tiles, a["tile_bwd_stage"], header.num_bwd_stages,
+                             header.bwd_coalesce,
                              lambda pull: pull.bwd_round)
     # Runs between this rank and itself are sent and received in the same order (by global token).
     mine_send = a["reshuffle_send_peer"] == program.rank
@@ -198,7 +200,7 @@ def from_program(program: RankProgram) -> RankPlan:
     early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
-        layout=header.layout.value, coalesce=coalesce, q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
+        layout=header.layout.value, coalesce=coalesce, bwd_coalesce=header.bwd_coalesce, q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
         head_dim=header.shape.head_dim, max_buffer_tokens=header.max_buffer_tokens,
         user_tokens=int(bounds[program.rank + 1] - bounds[program.rank]), plan_tokens=int(token_index.size),
         seg_seq=tables.seg_seq, seg_start=seg_start, seg_end=seg_end, block_segs=block_segs,

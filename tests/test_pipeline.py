@@ -50,8 +50,10 @@ def test_shipped_paper_traces_are_balanced(name, gpus):
     assert stats["compute_imbalance"] <= 0.03
     assert stats["comm_imbalance"] <= 0.10
     assert stats["makespan_lower_bound_ratio"] <= 1.03
-    # Live received buffers (pulls, pushes, the stage in flight) within two stages of full blocks.
-    assert plan.header.max_buffer_tokens <= 2 * stats["coalesce"] * stats["block_size"]
+    # Live received buffers (pulls, pushes, the stage in flight): forward within two stages of c full blocks (the
+    # levelling budget); backward stages hold c pulls each, freed by their push two stages later, and the pushes
+    # landing: within four stages' worth.
+    assert plan.header.max_buffer_tokens <= 4 * stats["coalesce"] * stats["block_size"]
     assert stats["max_tokens_per_rank"] <= sum(load_batch(ROOT / "traces" / f"{name}.json").sequences) // gpus + 4096
 
 

@@ -25,7 +25,8 @@ def _record(plan_bytes, lengths):
                                requires_grad=True) for heads in (2, 1, 1))
         with recording() as events:
             fcp_attn_func(q, k, v, plan).sum().backward()
-        arrival = {name: [(p.round if name == "fwd" else p.bwd_round) // plan.coalesce for p in plan.pull_recv]
+        arrival = {name: [p.round // plan.coalesce if name == "fwd" else p.bwd_round // plan.bwd_coalesce
+                          for p in plan.pull_recv]
                    for name in ("fwd", "bwd")}
         return events, arrival
     return task

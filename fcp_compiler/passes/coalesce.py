@@ -179,7 +179,9 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
         forward_round = order_rounds(work, degree)[rounds.edge_round]
         backward_round = order_rounds(work, max(degree // 2, 1))[rounds.edge_round]
     forward = _forward(transfers, forward_round, degree, pipelined, kv_edge, q_edge, budget)
-    backward = _backward(transfers, backward_round, degree, pipelined, kv_edge, q_edge)
+    # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
+    # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
+    backward = _backward(transfers, backward_round, 2 * degree, pipelined, kv_edge, q_edge)
     arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
     return Schedule(rounds=rounds, coalesce=degree, forward=forward, backward=backward, tile_kv_edge=kv_edge,
