@@ -55,8 +55,9 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
     block unless the helper already has it; so the tiles of one heavy query block go together to the least-loaded
     rank, those whose key/value block the helper holds or already pulls first, the heaviest first, while the
     helper stays at or under `target`; when no helper can take a whole tile so, a second pass lets helpers pass
-    the target while they stay below the overloaded rank (tiles are coarse when the mean is a few tiles). Ranks are
-    visited from the most loaded. O(moves * num_tiles).
+    the target while they stay below the overloaded rank (tiles are coarse when the mean is a few tiles). A rank's
+    tiles of its own blocks and those it runs for other owners may move alike (a helper overloaded by a batch passes
+    some on, or back to the owner). Ranks are visited from the most loaded. O(moves * num_tiles).
 
     Args:
         tile_q_block, tile_kv_block, tile_seconds: per-tile query block, key/value block and work.
@@ -82,7 +83,7 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
                 continue
             helper = int(candidates[np.argmin(loads[candidates])])
             need = loads[overloaded] - target
-            mine = np.flatnonzero((tile_rank == overloaded) & (block_rank[tile_q_block] == overloaded))
+            mine = np.flatnonzero(tile_rank == overloaded)  # its own blocks' tiles and those it runs for others
             if mine.size == 0:
                 break
             block_load = np.bincount(tile_q_block[mine], weights=tile_seconds[mine])
