@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -143,8 +145,9 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     candidate at once. The best action is applied if both end below A's old F; a rank with no such action is
     left as it is and the search goes on with the next worst over the compute (or token) tolerance, so the largest
     F never rises.
-    Stops when every rank has F <= 1 or is stuck, or after max_steps. O(k * (P + S)) a step for k blocks on A,
-    P need pairs of the candidates and S segments.
+    Stops when every rank has F <= 1 or is stuck, or after max_steps. A step is O((P + k n) log P + R k n + N) for
+    k blocks on A reading n segments each, P need pairs of the partner blocks, R partner ranks and N ranks; memory
+    grows with the needs (sparse per-rank counts), not with ranks x segments.
 
     Args:
         block_rank: owner of each block (a feasible placement).
@@ -164,214 +167,302 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
     Returns:
         a new block_rank array; its largest F (with the entry means) is never above the input's.
     """
-    block_rank = np.array(block_rank, dtype=np.int64)
-    num_blocks, num_segments = block_rank.size, seg_block.size
-    seg_tokens = np.asarray(seg_tokens, dtype=np.int64)
-    need_ptr = np.searchsorted(need_block, np.arange(num_blocks + 1))
-    seg_ptr = np.searchsorted(seg_block, np.arange(num_blocks + 1))
-    needs = RankNeeds(block_rank[need_block], need_seg, num_ranks, num_segments)
-    seg_rank = block_rank[seg_block]
-    received = needs.received(seg_rank, seg_tokens).astype(np.float64)
-    scratch = np.zeros(num_segments, dtype=np.int64)
-    rank_blocks = [set() for _ in range(num_ranks)]
-    for block, rank in enumerate(block_rank.tolist()):
-        rank_blocks[rank].add(block)
-    compute = np.bincount(block_rank, weights=block_weight, minlength=num_ranks)
-    if fixed_compute is not None:
-        compute = compute + fixed_compute
-    tokens = np.bincount(block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
-    mean_compute = max(float(compute.mean()), 1e-300)
-    mean_tokens = max(float(tokens.mean()), 1.0)
-    if pair_tolerance is None:
-        block_pairs = np.zeros(num_blocks)
-    pairs = np.bincount(block_rank, weights=block_pairs, minlength=num_ranks)
-    if fixed_pairs is not None:
-        pairs = pairs + fixed_pairs
-    mean_pairs = max(float(pairs.mean()), 1e-300)
-    steps = max_steps if max_steps is not None else 4 * num_ranks
-
-    def excess(compute_value, received_value, mean_received, tokens_value, pairs_value):
-        return np.maximum(hard_excess(compute_value, tokens_value, pairs_value),
-                          (received_value / mean_received - 1.0) / received_tolerance)
-
-    def hard_excess(compute_value, tokens_value, pairs_value):
-        worst = (compute_value / mean_compute - 1.0) / compute_tolerance
-        if token_tolerance is not None:
-            worst = np.maximum(worst, (tokens_value / mean_tokens - 1.0) / token_tolerance)
-        if pair_tolerance is not None:
-            worst = np.maximum(worst, (pairs_value / mean_pairs - 1.0) / pair_tolerance)
-        return worst
-
-    def needs_of(block: int) -> np.ndarray:
-        return need_seg[need_ptr[block]:need_ptr[block + 1]]
-
-    def segs_of(block: int) -> np.ndarray:
-        return np.arange(seg_ptr[block], seg_ptr[block + 1])
-
-    def volume_after(rank: int, leaving: int, arriving: int) -> int:
-        """Exact received tokens of `rank` after block `leaving` goes (-1: none) and `arriving` comes (-1: none)."""
-        gone = needs_of(leaving) if leaving >= 0 else np.zeros(0, dtype=np.int64)
-        come = needs_of(arriving) if arriving >= 0 else np.zeros(0, dtype=np.int64)
-        segs, inverse = np.unique(np.concatenate((needs.row(rank), gone, come)), return_inverse=True)
-        count = np.bincount(inverse, weights=np.concatenate((needs.counts[rank], np.full(gone.size, -1),
-                                                             np.ones(come.size))), minlength=segs.size)
-        local = seg_rank[segs] == rank
-        if leaving >= 0:
-            local[np.isin(segs, segs_of(leaving))] = False
-        if arriving >= 0:
-            local[np.isin(segs, segs_of(arriving))] = True
-        return int(seg_tokens[segs[(count > 0) & ~local]].sum())
-
-    # The received normaliser stays the entry mean, so that the largest F can only fall (moves change the mean).
-    mean_received = max(float(received.mean()), 1.0)
+    search = _Search(block_rank, block_weight, block_tokens, block_pairs if pair_tolerance is not None else None,
+                     seg_block, seg_seq, seg_tokens, need_block, need_seg, num_ranks, fixed_compute, fixed_pairs)
+    limits = _Limits(compute_tolerance=compute_tolerance, received_tolerance=received_tolerance,
+                     token_tolerance=token_tolerance, pair_tolerance=pair_tolerance,
+                     mean_compute=max(float(search.compute.mean()), 1e-300),
+                     mean_tokens=max(float(search.tokens.mean()), 1.0),
+                     mean_pairs=max(float(search.pairs.mean()), 1e-300),
+                     # The received normaliser stays the entry mean, so that the largest F can only fall (moves
+                     # change the mean).
+                     mean_received=max(float(search.received.mean()), 1.0))
     stuck = np.zeros(num_ranks, dtype=bool)
-    for _ in range(steps):
-        rank_excess = excess(compute, received, mean_received, tokens, pairs)
+    for _ in range(max_steps if max_steps is not None else 4 * num_ranks):
+        rank_excess = limits.excess(search.compute, search.received, search.tokens, search.pairs)
         # The worst rank not yet found stuck; a stuck rank keeps its F, and others still improve below it. Once a
-        # rank is stuck, traffic is as balanced as this search gets, so only ranks over the compute tolerance are
-        # taken up.
+        # rank is stuck, traffic is as balanced as this search gets, so only ranks over the compute (or token, or
+        # pair) tolerance are taken up.
         open_excess = np.where(stuck, -np.inf, rank_excess)
         if stuck.any():
-            open_excess = np.where(hard_excess(compute, tokens, pairs) > 1.0, open_excess, -np.inf)
+            open_excess = np.where(limits.hard_excess(search.compute, search.tokens, search.pairs) > 1.0,
+                                   open_excess, -np.inf)
         top = int(np.argmax(open_excess))
         top_excess = open_excess[top]
         if top_excess <= 1.0:
             break
         partners = _least(rank_excess, num_partner_ranks)
         partners = partners[partners != top]
-        # Swap partners: the blocks of the least loaded ranks, and the blocks that hold segments the top rank pulls
-        # (bringing one over makes its segments local).
-        pulled = needs.row(top)[seg_rank[needs.row(top)] != top]
-        # ... a few per sequence (its blocks are alike), from the least loaded ranks in the lower half.
-        pulled_excess = rank_excess[seg_rank[pulled]]
-        pulled = pulled[pulled_excess <= np.median(rank_excess)]
-        pulled = pulled[np.lexsort((pulled, rank_excess[seg_rank[pulled]], seg_seq[pulled]))]
-        first_of_seq = np.searchsorted(seg_seq[pulled], seg_seq[pulled], side="left")
-        pulled_from = seg_block[pulled[np.arange(pulled.size) - first_of_seq < affinity_per_sequence]]
-        on_partners = [block for rank in partners.tolist() for block in rank_blocks[rank]]
-        partner_blocks = np.union1d(np.array(on_partners, dtype=np.int64), pulled_from)
-        pair_owner, pair_seg = _ranges(need_ptr, partner_blocks, need_seg)  # the segments each partner block reads
-        own_owner, own_seg = _ranges(seg_ptr, partner_blocks, None)  # and its own segments
-        y_rank = block_rank[partner_blocks]
-        # What a partner block y would add to A as A is now; removing x changes it only where x's leaving
-        # changes a segment's state (x was its only reader on A, or it is one of x's own segments).
-        pair_tokens = seg_tokens[pair_seg]
-        pair_top_count = needs.get(top, pair_seg)
-        fresh_now = (pair_top_count == 0) & (seg_rank[pair_seg] != top)
-        gained_now = np.bincount(pair_owner, weights=np.where(fresh_now, pair_tokens, 0), minlength=partner_blocks.size)
-        volume_now = int(received[top])
-        # What y's leaving saves its own rank B: the segments only y reads there (corrected per x below), and
-        # which of y's own segments B's other blocks read (they become remote).
-        partner_ranks, partner_idx = np.unique(np.concatenate((y_rank, partners)), return_inverse=True)
-        y_rank_idx = partner_idx[:y_rank.size]
-        partners_idx = partner_idx[y_rank.size:]
-        partner_count = needs.table(partner_ranks)
-        only_reader = ((partner_count(y_rank_idx[pair_owner], pair_seg) == 1)
-                       & (seg_rank[pair_seg] != y_rank[pair_owner]))
-        only_reader_pairs = np.flatnonzero(only_reader)
-        only_reader_owner = pair_owner[only_reader_pairs]
-        only_reader_seg = pair_seg[only_reader_pairs]
-        only_reader_tokens = pair_tokens[only_reader_pairs]
-        y_saves = np.bincount(only_reader_owner, weights=only_reader_tokens, minlength=partner_blocks.size)
-        own_read_on_b = partner_count(y_rank_idx[own_owner], own_seg)
-        own_top_count = needs.get(top, own_seg)
-        # Every block x of A against every partner rank (moves) and partner block (swaps) at once.
-        xs = np.array(sorted(rank_blocks[top]), dtype=np.int64)
-        num_x, num_y = xs.size, partner_blocks.size
-        xn_owner, xn_seg = _ranges(need_ptr, xs, need_seg)  # the segments each x reads
-        xo_owner, xo_seg = _ranges(seg_ptr, xs, None)  # each x's own segments
-        xn_count, xo_count = needs.get(top, xn_seg), needs.get(top, xo_seg)
-        dropped_remote = (xn_count == 1) & (seg_rank[xn_seg] != top)  # remote, and no longer read once x leaves
-        volume_without_x = (volume_now
-                            - np.bincount(xn_owner, weights=np.where(dropped_remote, seg_tokens[xn_seg], 0),
-                                          minlength=num_x)
-                            + np.bincount(xo_owner, weights=np.where(xo_count > 0, seg_tokens[xo_seg], 0),
-                                          minlength=num_x))
-        # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
-        # segments that B reads local: x_adds[B, x].
-        every_partner = np.arange(partner_ranks.size)[:, None]
-        partner_reads = needs.matrix(partner_ranks, np.concatenate((xn_seg, xo_seg)), scratch)
-        adds = ((partner_reads[:, :xn_seg.size] == 0)
-                & (seg_rank[xn_seg][None, :] != partner_ranks[:, None])) * seg_tokens[xn_seg][None, :]
-        takes = (partner_reads[:, xn_seg.size:] > 0) * seg_tokens[xo_seg][None, :]
-        x_adds = (_sum_by(every_partner * num_x + xn_owner[None, :], adds, partner_ranks.size * num_x)
-                  - _sum_by(every_partner * num_x + xo_owner[None, :], takes, partner_ranks.size * num_x)
-                  ).reshape(partner_ranks.size, num_x)
-        # Moves of x to a partner with room.
-        move_ok = tokens[partners][None, :] + block_tokens[xs][:, None] <= token_cap
-        top_after = excess(compute[top] - block_weight[xs], volume_without_x, mean_received,
-                           tokens[top] - block_tokens[xs], pairs[top] - block_pairs[xs])
-        move_volume = received[partners][None, :] + x_adds[partners_idx].T
-        move_score = np.maximum(top_after[:, None], excess(
-            compute[partners][None, :] + block_weight[xs][:, None], move_volume, mean_received,
-            tokens[partners][None, :] + block_tokens[xs][:, None], pairs[partners][None, :] + block_pairs[xs][:, None]))
-        # Swaps of x with a partner block y. Segments x leaves unread on A (and not x's own) become fresh for a y
-        # that reads them; x's own segments are never read by x, so they stay fresh exactly when A's other blocks
-        # do not read them.
-        # x_of_* and *_idx below: the (x, entry) pairs where an entry's segment is one x touches in that way.
-        fresh = np.concatenate((np.flatnonzero(dropped_remote), xn_seg.size + np.flatnonzero(xo_count == 0)))
-        x_owner, x_seg = np.concatenate((xn_owner, xo_owner)), np.concatenate((xn_seg, xo_seg))
-        x_of_pair, pair_idx = _same_segment(x_owner[fresh], x_seg[fresh], pair_seg)
-        gained = gained_now[None, :] + _sum_by(x_of_pair * num_y + pair_owner[pair_idx], pair_tokens[pair_idx],
-                                               num_x * num_y).reshape(num_x, num_y)
-        own_tokens = seg_tokens[own_seg]
-        x_of_own, own_idx = _same_segment(xn_owner, xn_seg, own_seg)  # y's own segments that x reads
-        own_pos = x_of_own * num_y + own_owner[own_idx]
-        # A's other blocks still read y's segment unless x was its only reader there.
-        freed = (np.bincount(own_owner, weights=np.where(own_top_count > 0, own_tokens, 0), minlength=num_y)[None, :]
-                 - _sum_by(own_pos, np.where(own_top_count[own_idx] == 1, own_tokens[own_idx], 0),
-                           num_x * num_y).reshape(num_x, num_y))
-        new_top = volume_without_x[:, None] + gained - freed
-        # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
-        # remote for B if B's other blocks or x read them.
-        x_of_only, only_idx = _same_segment(x_owner, x_seg, only_reader_seg)
-        kept = _sum_by(x_of_only * num_y + only_reader_owner[only_idx], only_reader_tokens[only_idx],
-                       num_x * num_y).reshape(num_x, num_y)
-        y_unlocal = (np.bincount(own_owner, weights=np.where(own_read_on_b > 0, own_tokens, 0), minlength=num_y)[None, :]
-                     + _sum_by(own_pos, np.where(own_read_on_b[own_idx] == 0, own_tokens[own_idx], 0),
-                               num_x * num_y).reshape(num_x, num_y))
-        swap_volume = received[y_rank][None, :] + x_adds[y_rank_idx].T - y_saves[None, :] + kept + y_unlocal
-        token_change = block_tokens[partner_blocks][None, :] - block_tokens[xs][:, None]
-        pair_change = block_pairs[partner_blocks][None, :] - block_pairs[xs][:, None]
-        x_weight, y_weight = block_weight[xs][:, None], block_weight[partner_blocks][None, :]
-        swap_ok = ((tokens[top] + token_change <= token_cap) & (tokens[y_rank][None, :] - token_change <= token_cap))
-        # (Loads as load - leaving + arriving, in that order: the rounding decides ties between candidates.)
-        swap_score = np.maximum(
-            excess(compute[top] - x_weight + y_weight, new_top, mean_received, tokens[top] + token_change,
-                   pairs[top] + pair_change),
-            excess(compute[y_rank][None, :] - y_weight + x_weight, swap_volume, mean_received,
-                   tokens[y_rank][None, :] - token_change, pairs[y_rank][None, :] - pair_change))
-        # Candidates as parallel arrays (moves first, each in (x, partner) order): exact score, x, y (-1: a move),
-        # partner rank, A's and B's new volumes.
-        move_x, move_p = np.nonzero(move_ok & (move_score < top_excess))
-        swap_x, swap_y = np.nonzero(swap_ok & (swap_score < top_excess))
-        score = np.concatenate((move_score[move_x, move_p], swap_score[swap_x, swap_y]))
-        xs_of = np.concatenate((xs[move_x], xs[swap_x]))
-        ys_of = np.concatenate((np.full(move_x.size, -1), partner_blocks[swap_y]))
-        partner_of = np.concatenate((partners[move_p], y_rank[swap_y]))
-        new_tops = np.concatenate((volume_without_x[move_x], new_top[swap_x, swap_y]))
-        new_partners = np.concatenate((move_volume[move_x, move_p], swap_volume[swap_x, swap_y]))
+        partner_blocks = search.partner_blocks(top, partners, rank_excess, affinity_per_sequence)
+        score, xs, ys, partner_of, new_tops, new_partners = search.candidates(
+            top, top_excess, partners, partner_blocks, limits, token_cap)
         if score.size == 0:
             stuck[top] = True
             continue
-        best = int(np.lexsort((ys_of, xs_of, score))[0])
-        x, y, partner = int(xs_of[best]), int(ys_of[best]), int(partner_of[best])
-        new_top, new_partner = float(new_tops[best]), float(new_partners[best])
-        assert new_partner == volume_after(partner, y, x), (new_partner, volume_after(partner, y, x))
+        best = int(np.lexsort((ys, xs, score))[0])
+        search.apply(int(xs[best]), int(ys[best]), top, int(partner_of[best]), float(new_tops[best]),
+                     float(new_partners[best]))
+    return search.block_rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Limits:
+    """The joint search's objective: each load's excess over its mean, in units of its tolerance."""
+
+    compute_tolerance: float
+    received_tolerance: float
+    token_tolerance: float | None
+    pair_tolerance: float | None
+    mean_compute: float
+    mean_tokens: float
+    mean_pairs: float
+    mean_received: float
+
+    def hard_excess(self, compute, tokens, pairs):
+        """F without the received term: the loads a rank must keep within tolerance (arrays broadcast)."""
+        worst = (compute / self.mean_compute - 1.0) / self.compute_tolerance
+        if self.token_tolerance is not None:
+            worst = np.maximum(worst, (tokens / self.mean_tokens - 1.0) / self.token_tolerance)
+        if self.pair_tolerance is not None:
+            worst = np.maximum(worst, (pairs / self.mean_pairs - 1.0) / self.pair_tolerance)
+        return worst
+
+    def excess(self, compute, received, tokens, pairs):
+        """F (arrays broadcast)."""
+        return np.maximum(self.hard_excess(compute, tokens, pairs),
+                          (received / self.mean_received - 1.0) / self.received_tolerance)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PartnerSide:
+    """Per step, what the partner blocks y (on ranks B) read and hold, as seen from A and from B."""
+
+    partner_blocks: np.ndarray
+    y_rank: np.ndarray
+    partner_ranks: np.ndarray  # the distinct ranks of the partners and of the partner blocks
+    y_rank_idx: np.ndarray  # position of each y's rank in partner_ranks
+    partners_idx: np.ndarray  # position of each move partner in partner_ranks
+    pair_owner: np.ndarray  # (y, segment y reads) pairs
+    pair_seg: np.ndarray
+    pair_tokens: np.ndarray
+    gained_now: np.ndarray  # per y: what it would add to A as A is now
+    only_reader_owner: np.ndarray  # pairs whose segment only y reads on B (and B does not hold)
+    only_reader_seg: np.ndarray
+    only_reader_tokens: np.ndarray
+    y_saves: np.ndarray  # per y: what its leaving saves B
+    own_owner: np.ndarray  # (y, own segment) pairs
+    own_seg: np.ndarray
+    own_read_on_b: np.ndarray  # how many of B's blocks read each
+    own_top_count: np.ndarray  # how many of A's blocks read each
+
+
+class _Search:
+    """The joint search's state: each block's rank, each rank's loads and received volume, and the sparse counts
+    of the segments each rank's blocks read."""
+
+    def __init__(self, block_rank, block_weight, block_tokens, block_pairs, seg_block, seg_seq, seg_tokens,
+                 need_block, need_seg, num_ranks, fixed_compute, fixed_pairs) -> None:
+        self.block_rank = np.array(block_rank, dtype=np.int64)
+        num_blocks, num_segments = self.block_rank.size, seg_block.size
+        self.block_weight, self.block_tokens = block_weight, block_tokens
+        self.block_pairs = block_pairs if block_pairs is not None else np.zeros(num_blocks)
+        self.seg_block, self.seg_seq = seg_block, seg_seq
+        self.seg_tokens = np.asarray(seg_tokens, dtype=np.int64)
+        self.need_seg = need_seg
+        self.need_ptr = np.searchsorted(need_block, np.arange(num_blocks + 1))
+        self.seg_ptr = np.searchsorted(seg_block, np.arange(num_blocks + 1))
+        self.needs = RankNeeds(self.block_rank[need_block], need_seg, num_ranks, num_segments)
+        self.seg_rank = self.block_rank[seg_block]
+        self.received = self.needs.received(self.seg_rank, self.seg_tokens).astype(np.float64)
+        self.scratch = np.zeros(num_segments, dtype=np.int64)
+        self.rank_blocks = [set() for _ in range(num_ranks)]
+        for block, rank in enumerate(self.block_rank.tolist()):
+            self.rank_blocks[rank].add(block)
+        self.compute = np.bincount(self.block_rank, weights=block_weight, minlength=num_ranks)
+        if fixed_compute is not None:
+            self.compute = self.compute + fixed_compute
+        self.tokens = np.bincount(self.block_rank, weights=block_tokens, minlength=num_ranks).astype(np.int64)
+        self.pairs = np.bincount(self.block_rank, weights=self.block_pairs, minlength=num_ranks)
+        if fixed_pairs is not None and block_pairs is not None:
+            self.pairs = self.pairs + fixed_pairs
+
+    def needs_of(self, block: int) -> np.ndarray:
+        return self.need_seg[self.need_ptr[block]:self.need_ptr[block + 1]]
+
+    def segs_of(self, block: int) -> np.ndarray:
+        return np.arange(self.seg_ptr[block], self.seg_ptr[block + 1])
+
+    def volume_after(self, rank: int, leaving: int, arriving: int) -> int:
+        """Exact received tokens of `rank` after block `leaving` goes (-1: none) and `arriving` comes (-1: none)."""
+        gone = self.needs_of(leaving) if leaving >= 0 else np.zeros(0, dtype=np.int64)
+        come = self.needs_of(arriving) if arriving >= 0 else np.zeros(0, dtype=np.int64)
+        segs, inverse = np.unique(np.concatenate((self.needs.row(rank), gone, come)), return_inverse=True)
+        count = np.bincount(inverse, weights=np.concatenate((self.needs.counts[rank], np.full(gone.size, -1),
+                                                             np.ones(come.size))), minlength=segs.size)
+        local = self.seg_rank[segs] == rank
+        if leaving >= 0:
+            local[np.isin(segs, self.segs_of(leaving))] = False
+        if arriving >= 0:
+            local[np.isin(segs, self.segs_of(arriving))] = True
+        return int(self.seg_tokens[segs[(count > 0) & ~local]].sum())
+
+    def partner_blocks(self, top: int, partners: np.ndarray, rank_excess: np.ndarray, affinity: int) -> np.ndarray:
+        """Swap partners: the blocks of the least loaded ranks, and the blocks that hold segments the top rank
+        pulls (bringing one over makes its segments local), a few per sequence (its blocks are alike), from the
+        least loaded ranks in the lower half."""
+        row = self.needs.row(top)
+        pulled = row[self.seg_rank[row] != top]
+        pulled = pulled[rank_excess[self.seg_rank[pulled]] <= np.median(rank_excess)]
+        seg_seq = self.seg_seq
+        pulled = pulled[np.lexsort((pulled, rank_excess[self.seg_rank[pulled]], seg_seq[pulled]))]
+        first_of_seq = np.searchsorted(seg_seq[pulled], seg_seq[pulled], side="left")
+        pulled_from = self.seg_block[pulled[np.arange(pulled.size) - first_of_seq < affinity]]
+        on_partners = [block for rank in partners.tolist() for block in self.rank_blocks[rank]]
+        return np.union1d(np.array(on_partners, dtype=np.int64), pulled_from)
+
+    def apply(self, x: int, y: int, top: int, partner: int, new_top: float, new_partner: float) -> None:
+        """Move x from A (top) to B (partner) and, for a swap, y from B to A; A's and B's new volumes given."""
+        assert new_partner == self.volume_after(partner, y, x), (new_partner, self.volume_after(partner, y, x))
         for block, source, target in ((x, top, partner), (y, partner, top)):
             if block < 0:
                 continue
-            block_rank[block] = target
-            rank_blocks[source].remove(block)
-            rank_blocks[target].add(block)
-            needs.add(source, needs_of(block), -1)
-            needs.add(target, needs_of(block), 1)
-            seg_rank[segs_of(block)] = target
-            compute[source] -= block_weight[block]
-            compute[target] += block_weight[block]
-            tokens[source] -= block_tokens[block]
-            tokens[target] += block_tokens[block]
-            pairs[source] -= block_pairs[block]
-            pairs[target] += block_pairs[block]
-        received[top], received[partner] = new_top, new_partner
-    return block_rank
+            self.block_rank[block] = target
+            self.rank_blocks[source].remove(block)
+            self.rank_blocks[target].add(block)
+            self.needs.add(source, self.needs_of(block), -1)
+            self.needs.add(target, self.needs_of(block), 1)
+            self.seg_rank[self.segs_of(block)] = target
+            self.compute[source] -= self.block_weight[block]
+            self.compute[target] += self.block_weight[block]
+            self.tokens[source] -= self.block_tokens[block]
+            self.tokens[target] += self.block_tokens[block]
+            self.pairs[source] -= self.block_pairs[block]
+            self.pairs[target] += self.block_pairs[block]
+        self.received[top], self.received[partner] = new_top, new_partner
+
+    def partner_side(self, top: int, partners: np.ndarray, partner_blocks: np.ndarray) -> _PartnerSide:
+        """What each partner block y would add to A as A is now (removing x changes that only where x's leaving
+        changes a segment's state: x was its only reader on A, or it is one of x's own segments), and what y's
+        leaving saves its own rank B: the segments only y reads there (corrected per x later), and which of y's own
+        segments B's other blocks read (they become remote)."""
+        seg_rank, seg_tokens, needs = self.seg_rank, self.seg_tokens, self.needs
+        pair_owner, pair_seg = _ranges(self.need_ptr, partner_blocks, self.need_seg)
+        own_owner, own_seg = _ranges(self.seg_ptr, partner_blocks, None)
+        y_rank = self.block_rank[partner_blocks]
+        pair_tokens = seg_tokens[pair_seg]
+        fresh_now = (needs.get(top, pair_seg) == 0) & (seg_rank[pair_seg] != top)
+        gained_now = np.bincount(pair_owner, weights=np.where(fresh_now, pair_tokens, 0),
+                                 minlength=partner_blocks.size)
+        partner_ranks, partner_idx = np.unique(np.concatenate((y_rank, partners)), return_inverse=True)
+        y_rank_idx = partner_idx[:y_rank.size]
+        partner_count = needs.table(partner_ranks)
+        only_reader = np.flatnonzero((partner_count(y_rank_idx[pair_owner], pair_seg) == 1)
+                                     & (seg_rank[pair_seg] != y_rank[pair_owner]))
+        return _PartnerSide(
+            partner_blocks=partner_blocks, y_rank=y_rank, partner_ranks=partner_ranks, y_rank_idx=y_rank_idx,
+            partners_idx=partner_idx[y_rank.size:], pair_owner=pair_owner, pair_seg=pair_seg,
+            pair_tokens=pair_tokens, gained_now=gained_now, only_reader_owner=pair_owner[only_reader],
+            only_reader_seg=pair_seg[only_reader], only_reader_tokens=pair_tokens[only_reader],
+            y_saves=np.bincount(pair_owner[only_reader], weights=pair_tokens[only_reader],
+                                minlength=partner_blocks.size),
+            own_owner=own_owner, own_seg=own_seg, own_read_on_b=partner_count(y_rank_idx[own_owner], own_seg),
+            own_top_count=needs.get(top, own_seg))
+
+    def candidates(self, top: int, top_excess: float, partners: np.ndarray, partner_blocks: np.ndarray,
+                   limits: _Limits, token_cap: int) -> tuple[np.ndarray, ...]:
+        """Every block x of A against every partner rank (moves) and partner block (swaps) at once: the actions
+        that leave both touched ranks below top_excess, as parallel arrays (moves first, each in (x, partner)
+        order): exact score, x, y (-1: a move), partner rank, A's and B's new volumes."""
+        side = self.partner_side(top, partners, partner_blocks)
+        xs = np.array(sorted(self.rank_blocks[top]), dtype=np.int64)
+        xn_owner, xn_seg = _ranges(self.need_ptr, xs, self.need_seg)  # the segments each x reads
+        xo_owner, xo_seg = _ranges(self.seg_ptr, xs, None)  # each x's own segments
+        xn_count, xo_count = self.needs.get(top, xn_seg), self.needs.get(top, xo_seg)
+        dropped_remote = (xn_count == 1) & (self.seg_rank[xn_seg] != top)  # remote, unread once x leaves
+        seg_tokens = self.seg_tokens
+        volume_without_x = (int(self.received[top])
+                            - np.bincount(xn_owner, weights=np.where(dropped_remote, seg_tokens[xn_seg], 0),
+                                          minlength=xs.size)
+                            + np.bincount(xo_owner, weights=np.where(xo_count > 0, seg_tokens[xo_seg], 0),
+                                          minlength=xs.size))
+        # On a partner rank B, x adds the segments it reads that B neither holds nor reads, and makes its own
+        # segments that B reads local: x_adds[B, x].
+        num_partner_ranks = side.partner_ranks.size
+        every_partner = np.arange(num_partner_ranks)[:, None]
+        partner_reads = self.needs.matrix(side.partner_ranks, np.concatenate((xn_seg, xo_seg)), self.scratch)
+        adds = ((partner_reads[:, :xn_seg.size] == 0)
+                & (self.seg_rank[xn_seg][None, :] != side.partner_ranks[:, None])) * seg_tokens[xn_seg][None, :]
+        takes = (partner_reads[:, xn_seg.size:] > 0) * seg_tokens[xo_seg][None, :]
+        x_adds = (_sum_by(every_partner * xs.size + xn_owner[None, :], adds, num_partner_ranks * xs.size)
+                  - _sum_by(every_partner * xs.size + xo_owner[None, :], takes, num_partner_ranks * xs.size)
+                  ).reshape(num_partner_ranks, xs.size)
+        moves = self._moves(top, xs, partners, side, x_adds, volume_without_x, limits, token_cap)
+        # Segments x leaves unread on A (and not x's own) become fresh for a y that reads them; x's own segments
+        # are never read by x, so they stay fresh exactly when A's other blocks do not read them.
+        fresh = np.concatenate((np.flatnonzero(dropped_remote), xn_seg.size + np.flatnonzero(xo_count == 0)))
+        x_reads = (xn_owner, xn_seg)
+        x_touches = (np.concatenate((xn_owner, xo_owner)), np.concatenate((xn_seg, xo_seg)))
+        swaps = self._swaps(top, xs, side, x_adds, volume_without_x, x_reads, x_touches, fresh, limits, token_cap)
+        move_score, swap_score = moves[0], swaps[0]
+        move_x, move_p = np.nonzero(moves[1] & (move_score < top_excess))
+        swap_x, swap_y = np.nonzero(swaps[1] & (swap_score < top_excess))
+        return (np.concatenate((move_score[move_x, move_p], swap_score[swap_x, swap_y])),
+                np.concatenate((xs[move_x], xs[swap_x])),
+                np.concatenate((np.full(move_x.size, -1), side.partner_blocks[swap_y])),
+                np.concatenate((partners[move_p], side.y_rank[swap_y])),
+                np.concatenate((volume_without_x[move_x], swaps[2][swap_x, swap_y])),
+                np.concatenate((moves[2][move_x, move_p], swaps[3][swap_x, swap_y])))
+
+    def _moves(self, top, xs, partners, side, x_adds, volume_without_x, limits, token_cap):
+        """(score, allowed, B's new volume) of moving each x to each partner rank, as (x, partner) arrays."""
+        compute, tokens, pairs = self.compute, self.tokens, self.pairs
+        weight, size, pair = self.block_weight[xs], self.block_tokens[xs], self.block_pairs[xs]
+        allowed = tokens[partners][None, :] + size[:, None] <= token_cap
+        top_after = limits.excess(compute[top] - weight, volume_without_x, tokens[top] - size, pairs[top] - pair)
+        volume = self.received[partners][None, :] + x_adds[side.partners_idx].T
+        score = np.maximum(top_after[:, None], limits.excess(
+            compute[partners][None, :] + weight[:, None], volume, tokens[partners][None, :] + size[:, None],
+            pairs[partners][None, :] + pair[:, None]))
+        return score, allowed, volume
+
+    def _swaps(self, top, xs, side, x_adds, volume_without_x, x_reads, x_touches, fresh, limits, token_cap):
+        """(score, allowed, A's new volume, B's new volume) of swapping each x with each partner block y, as
+        (x, y) arrays. The _same_segment pairs: (x, entry) where the entry's segment is one x touches that way."""
+        num_x, num_y = xs.size, side.partner_blocks.size
+        shape, size = (num_x, num_y), num_x * num_y
+        x_of_pair, pair_idx = _same_segment(x_touches[0][fresh], x_touches[1][fresh], side.pair_seg)
+        gained = side.gained_now[None, :] + _sum_by(x_of_pair * num_y + side.pair_owner[pair_idx],
+                                                    side.pair_tokens[pair_idx], size).reshape(shape)
+        own_tokens = self.seg_tokens[side.own_seg]
+        x_of_own, own_idx = _same_segment(x_reads[0], x_reads[1], side.own_seg)  # y's own segments x reads
+        own_pos = x_of_own * num_y + side.own_owner[own_idx]
+        # A's other blocks still read y's segment unless x was its only reader there.
+        freed = (np.bincount(side.own_owner, weights=np.where(side.own_top_count > 0, own_tokens, 0),
+                             minlength=num_y)[None, :]
+                 - _sum_by(own_pos, np.where(side.own_top_count[own_idx] == 1, own_tokens[own_idx], 0),
+                           size).reshape(shape))
+        new_top = volume_without_x[:, None] + gained - freed
+        # B's side: a segment y alone read there stays read if x reads or holds it; y's own segments become
+        # remote for B if B's other blocks or x read them.
+        x_of_only, only_idx = _same_segment(x_touches[0], x_touches[1], side.only_reader_seg)
+        kept = _sum_by(x_of_only * num_y + side.only_reader_owner[only_idx], side.only_reader_tokens[only_idx],
+                       size).reshape(shape)
+        y_unlocal = (np.bincount(side.own_owner, weights=np.where(side.own_read_on_b > 0, own_tokens, 0),
+                                 minlength=num_y)[None, :]
+                     + _sum_by(own_pos, np.where(side.own_read_on_b[own_idx] == 0, own_tokens[own_idx], 0),
+                               size).reshape(shape))
+        y_rank, blocks = side.y_rank, side.partner_blocks
+        new_partner = (self.received[y_rank][None, :] + x_adds[side.y_rank_idx].T - side.y_saves[None, :] + kept
+                       + y_unlocal)
+        compute, tokens, pairs = self.compute, self.tokens, self.pairs
+        token_change = self.block_tokens[blocks][None, :] - self.block_tokens[xs][:, None]
+        pair_change = self.block_pairs[blocks][None, :] - self.block_pairs[xs][:, None]
+        x_weight, y_weight = self.block_weight[xs][:, None], self.block_weight[blocks][None, :]
+        allowed = (tokens[top] + token_change <= token_cap) & (tokens[y_rank][None, :] - token_change <= token_cap)
+        # (Loads as load - leaving + arriving, in that order: the rounding decides ties between candidates.)
+        score = np.maximum(
+            limits.excess(compute[top] - x_weight + y_weight, new_top, tokens[top] + token_change,
+                          pairs[top] + pair_change),
+            limits.excess(compute[y_rank][None, :] - y_weight + x_weight, new_partner,
+                          tokens[y_rank][None, :] - token_change, pairs[y_rank][None, :] - pair_change))
+        return score, allowed, new_top, new_partner
