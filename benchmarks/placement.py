@@ -1,7 +1,8 @@
 """Placement quality on real length distributions: balance under every measure, exposure, MFU, NIC hot spots.
 
 Usage: python benchmarks/placement.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
-       [--batches paper,magi] [--token-tolerance T] [--baselines] [--user-layout] [--write figures.json]
+       [--batches paper,magi] [--token-tolerance T] [--baselines [magi,bytescale]] [--user-layout]
+       [--write figures.json]
        [--reference benchmarks/reference/placement_main.json]
 
 The batches: the paper-like lognormal trace, and each length file in --eval-data with and without a 20% long tail
@@ -78,8 +79,8 @@ def measure(name: str, lengths: list[int], gpus: int, seed: int, args) -> dict:
         "token_floor": token_floor(plan)}
     if args.baselines:
         row["best_baseline_mfu_fwd"] = max(
-            simulate_plan(compile_plan(lengths, gpus, planner=method)).figures()["normalized_mfu_fwd"]
-            for method in BASELINES)
+            simulate_plan(compile_plan(lengths, gpus, planner=Planner(method))).figures()["normalized_mfu_fwd"]
+            for method in args.baselines.split(","))
     if args.user_layout:
         user = compile_plan(lengths, gpus, layout="user").stats
         row["home_fraction"] = user["tokens_home_fraction"]
@@ -94,8 +95,9 @@ def main() -> None:
     parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
     parser.add_argument("--batches", help="comma-separated batch names (default: all)")
     parser.add_argument("--token-tolerance", type=float, help="compile with this token tolerance")
-    parser.add_argument("--baselines", action="store_true",
-                        help="also the best baseline's MFU (slow: ring and wlbllm take about a minute a batch)")
+    parser.add_argument("--baselines", nargs="?", const=",".join(method.value for method in BASELINES),
+                        help="also the best of these baselines' MFU, comma-separated (default all: slow, ring and "
+                             "wlbllm take about a minute a batch; magi,bytescale take seconds)")
     parser.add_argument("--user-layout", action="store_true", help="also the user layout's tokens at home")
     parser.add_argument("--write", type=Path, help="write the figures as JSON (a later run's --reference)")
     parser.add_argument("--reference", type=Path, help="figures of an earlier run, for the NIC columns")
@@ -155,6 +157,10 @@ def main() -> None:
                                                               "exposed_fwd", "exposed_bwd")}
     print("worst: " + ", ".join(f"{key} {value:.4f}" for key, value in worst.items())
           + f", MFU fwd {min(r['mfu_fwd'] for r in rows):.3f}, MFU bwd {min(r['mfu_bwd'] for r in rows):.3f}")
+    if args.baselines:
+        ratios = [row["mfu_fwd"] / row["best_baseline_mfu_fwd"] for row in rows]
+        print(f"FCP forward MFU over the best of {args.baselines}: min {min(ratios):.2f}x, median "
+              f"{np.median(ratios):.2f}x; below 1.0x on {sum(r < 1.0 for r in ratios)} of {len(ratios)}")
     means = {key: float(np.mean([row[key] for row in rows])) for key in (
         "compute_imbalance", "pair_imbalance", "token_imbalance", "mfu_fwd", "mfu_bwd")}
     print("mean: " + ", ".join(f"{key} {value:.4f}" for key, value in means.items()))
