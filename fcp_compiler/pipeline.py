@@ -158,9 +158,10 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
 
 
 def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int = 16, token_cap: int | None = None,
-             token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan", shape: AttentionShape | None = None,
-             profile: HardwareProfile | str = "h100", mask: MaskKind | str | None = None, pipelined: bool = True,
-             matching_rounds: bool = True, reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
+             token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan",
+             shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
+             mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
+             reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
     """Check and normalise compile_plan's arguments: (options, planner, batch, token cap)."""
     if isinstance(profile, str):
         from fcp_compiler.inputs import load_profile
@@ -174,7 +175,8 @@ def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int =
     except ValueError:
         raise InvalidInputError(f"layout {layout!r} must be one of plan, user") from None
     options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             token_tolerance=token_tolerance, zigzag=zigzag_mode, layout=the_layout, shape=shape or AttentionShape(), profile=profile,
+                             token_tolerance=token_tolerance, zigzag=zigzag_mode, layout=the_layout,
+                             shape=shape or AttentionShape(), profile=profile,
                              pipelined=pipelined, matching_rounds=matching_rounds,
                              reshuffle_overlap=reshuffle_overlap)
     options.check()
@@ -288,7 +290,8 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
         per_stage = np.bincount(transfers.edge_dst * num_stages + edge_stage, weights=transfers.edge_tokens)
         recv_buffer = int(per_stage.max())
     return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=sharding.block_size,
-                coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap, zigzag=sharding.zigzag, mask=sharding.batch.mask,
+                coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
+                zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
                 layout=options.layout, num_rounds=rounds.num_rounds, num_fwd_rounds=schedule.forward.num_rounds,

@@ -200,7 +200,8 @@ def from_program(program: RankProgram) -> RankPlan:
     early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
-        layout=header.layout.value, coalesce=coalesce, bwd_coalesce=header.bwd_coalesce, q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
+        layout=header.layout.value, coalesce=coalesce, bwd_coalesce=header.bwd_coalesce,
+        q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
         head_dim=header.shape.head_dim, max_buffer_tokens=header.max_buffer_tokens,
         user_tokens=int(bounds[program.rank + 1] - bounds[program.rank]), plan_tokens=int(token_index.size),
         seg_seq=tables.seg_seq, seg_start=seg_start, seg_end=seg_end, block_segs=block_segs,

@@ -56,8 +56,10 @@ def _place_items(weights: np.ndarray, sizes: np.ndarray, num_ranks: int, token_c
             if used[rank] + sizes[item] <= token_cap:
                 item_rank[item] = rank
                 used[rank] += sizes[item]
-        item_rank = level_sizes(weights, sizes, item_rank, num_ranks, tight) if (item_rank >= 0).all() \
-            else item_rank
+        if (item_rank >= 0).all():
+            item_rank = level_sizes(weights, sizes, item_rank, num_ranks, tight)
+        else:  # the cap itself is tight: place under it alone, as without a tolerance
+            item_rank = lpt_with_cap(weights, sizes, num_ranks, token_cap, preferred, slack)
     if (item_rank == UNPLACED).any():
         block = int(np.flatnonzero(item_rank == UNPLACED)[0])
         raise InfeasibleError(
@@ -92,12 +94,12 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
 
     1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N). A block heavier than the
        mean keeps three quarters of the mean of its tiles; the rest go in batches of at most that, placed by LPT
-       like blocks of no tokens (the rank a batch lands on runs those tiles for the owner). Three quarters, not a
-       quarter: each batch costs a pull of the block's Q and a push of its partial output, four times a block's K,V
-       with 8:1 grouped-query heads (benchmarks/placement.py, mean normalized MFU forward: a quarter 0.66, a half
-       0.69 before node grouping; a half 0.737, three quarters 0.751, the whole mean 0.745 with compute imbalance
-       up to 0.060, after it and the backward stages). With a
-       token tolerance, LPT runs under a tight token cap and moves and swaps of sizes fix what it overflows.
+       like blocks of no tokens (the rank a batch lands on runs those tiles for the owner). Large batches, because
+       each costs a pull of the block's Q and a push of its partial output, four times a block's K,V with 8:1
+       grouped-query heads; larger still and whole batches no longer balance (benchmarks/placement.py, mean
+       normalized MFU forward with batches of a half, three quarters and all of the mean: 0.737, 0.751, 0.745, the
+       last with compute imbalance up to 0.060). With a token tolerance, LPT runs under a tight token cap and moves
+       and swaps of sizes fix what it overflows.
     2. Refinement: moves and swaps off the most loaded rank while they lower it.
     3. Compute and traffic together: moves and swaps off the rank furthest above either mean (1% for compute,
        4.5% for bytes received, and the token tolerance when given), counting each pulled segment once per rank.
@@ -125,7 +127,8 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     # batches that are placed like blocks of no tokens.
     mean = float(tiles.tile_seconds.sum()) / num_ranks
     tile_batch, batch_block, batch_seconds = split_heavy_blocks(
-        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean, piece=mean * HELPER_PIECE)
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean,
+        piece=mean * HELPER_PIECE)
     weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
                           minlength=num_blocks)
     # A block prefers the rank that holds most of its tokens in the user layout, when that costs little balance:
