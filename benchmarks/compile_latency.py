@@ -1,14 +1,18 @@
 """Compile latency of `compile_plan` (lengths to serialised plan) per pass, and rank-slice read time.
 
 Usage: python benchmarks/compile_latency.py [--gpus 64,128,256,1024] [--repeats 5] [--seeds 3]
+                                           [--scaling 256,4096]
 
 Batches are the paper-like trace (DESIGN section 8: lognormal, median 4096, sigma 1.8, clipped to [64, 512K],
-32K tokens per GPU). Prints the median over seeds x repeats of the whole compile and of each pass.
+32K tokens per GPU). Prints the median over seeds x repeats of the whole compile and of each pass. --scaling
+compiles seed 0 three times at each scale in a fresh process and prints the median, its ratio to the first scale
+and the process's peak RSS (--gpus '' skips the per-pass table).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -27,7 +31,12 @@ def main() -> None:
     parser.add_argument("--gpus", default="64,128,256,1024")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--scaling", default="", help="scales for the fresh-process median and peak RSS table")
     args = parser.parse_args()
+    if args.scaling:
+        _scaling([int(value) for value in args.scaling.split(",")])
+    if not args.gpus:
+        return
     for label, code in (("import fcp_compiler", "import fcp_compiler"),
                         ("from fcp_compiler import compile_plan", "from fcp_compiler import compile_plan")):
         times = []
@@ -72,6 +81,29 @@ def main() -> None:
             print(f"      simulate the {gpus}-rank plan (forward and backward): "
                   f"median {statistics.median(sims):.3f} s, "
                   f"max {max(sims):.3f} s")
+
+
+_SCALE_RUN = """
+import json, resource, statistics, sys
+from fcp_compiler import compile_plan
+from fcp_compiler.traces import lognormal_batch
+gpus = int(sys.argv[1])
+lengths = lognormal_batch(gpus * 32768, 4096, 1.8, 64, 524288, 0)
+seconds = [compile_plan(lengths, gpus).stats["compile_seconds"] for _ in range(3)]
+print(json.dumps({"median": statistics.median(seconds), "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def _scaling(scales: list[int]) -> None:
+    """Median of three compiles at each scale, each scale in a fresh process (so that its peak RSS is its own)."""
+    print(f"{'gpus':>5} {'median s':>9} {'x first':>8} {'peak RSS GB':>12}")
+    first = None
+    for gpus in scales:
+        result = json.loads(subprocess.run([sys.executable, "-c", _SCALE_RUN, str(gpus)], check=True,
+                                           capture_output=True, text=True).stdout)
+        first = first or result["median"]
+        print(f"{gpus:>5} {result['median']:>9.3f} {result['median'] / first:>8.1f} {result['rss_kb'] / 1e6:>12.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":
