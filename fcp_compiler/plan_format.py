@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 
@@ -235,13 +236,6 @@ class PlanReader:
     def ranks(self) -> list[RankProgram]:
         """Every rank's program."""
         return [self.rank(rank) for rank in range(self.header.num_ranks)]
-
-
-def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate the integer ranges [starts[i], starts[i] + lengths[i]) (token runs to row indices)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return offsets + np.arange(int(lengths.sum()))
 
 
 def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:

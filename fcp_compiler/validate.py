@@ -177,8 +177,7 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     r_seg_start = np.concatenate(([0], np.cumsum(r_count)[:-1]))
 
     def seg_lists(order: np.ndarray, starts: np.ndarray, count: np.ndarray, segs: np.ndarray) -> np.ndarray:
-        c = count[order]
-        return segs[np.repeat(starts[order] - np.concatenate(([0], np.cumsum(c)[:-1])), c) + np.arange(int(c.sum()))]
+        return segs[expand_ranges(starts[order], count[order])]
 
     if not np.array_equal(seg_lists(s_key, s_seg_start, s_count, s_segs),
                           seg_lists(r_key, r_seg_start, r_count, r_segs)):

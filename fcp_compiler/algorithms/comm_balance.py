@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.ranges import expand_ranges
+
 
 class RankNeeds:
     """How many of each rank's blocks read each segment, stored sparsely: per rank, the sorted segments its blocks
@@ -74,8 +76,7 @@ def _ranges(ptr: np.ndarray, items: np.ndarray, values: np.ndarray | None) -> tu
     position in `items` each comes from."""
     counts = ptr[items + 1] - ptr[items]
     owner = np.repeat(np.arange(items.size), counts)
-    positions = np.repeat(ptr[items] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
-        int(counts.sum()))
+    positions = expand_ranges(ptr[items], counts)
     return owner, (values[positions] if values is not None else positions)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.ir import Reshuffle
 from fcp_compiler.plan_format import RANK_ARRAYS, assemble, int32_bytes
 
@@ -67,8 +68,7 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
                 me[order], forward.edge_round[order], backward.edge_round[order], transfers.edge_kind[order],
                 transfers.edge_block[order], peer[order], seg_count[order])
         counts = seg_count[order]
-        starts = np.repeat(transfers.edge_seg_offsets[order] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-        segs = transfers.edge_segs[starts + np.arange(int(counts.sum()))]
+        segs = transfers.edge_segs[expand_ranges(transfers.edge_seg_offsets[order], counts)]
         out.add((f"pull_{side}_segs",), np.repeat(me[order], counts), segs)
         # Row of each edge among its rank's rows on this side.
         rank_first = np.searchsorted(me[order], np.arange(num_ranks))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.node_groups import group_into_nodes
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.ir import Assignment, Transfers
 from fcp_compiler.passes.reshuffle import user_layout_bounds
 
@@ -74,8 +75,7 @@ def renumber(transfers: Transfers, perm: np.ndarray) -> Transfers:
     order = np.lexsort((dst, transfers.edge_block, transfers.edge_kind))
     counts = np.diff(transfers.edge_seg_offsets)[order]
     starts = transfers.edge_seg_offsets[:-1][order]
-    positions = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
-        int(counts.sum()))
+    positions = expand_ranges(starts, counts)
     return Transfers(assignment=renumbered, edge_kind=transfers.edge_kind[order],
                      edge_block=transfers.edge_block[order], edge_src=perm[transfers.edge_src][order],
                      edge_dst=dst[order], edge_seg_offsets=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),

@@ -1,0 +1,13 @@
+"""Integer ranges laid end to end: the expansion behind every offsets-and-counts (CSR) gather."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate the integer ranges [starts[i], starts[i] + lengths[i]) (token runs to row indices, or the rows
+    of chosen items in an offsets array). O(total length)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return offsets + np.arange(int(lengths.sum()))
