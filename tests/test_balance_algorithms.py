@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
-from fcp_compiler.algorithms.comm_balance import balance_two_dimensional, received_tokens
+from fcp_compiler.algorithms.comm_balance import RankNeeds, balance_two_dimensional
 from fcp_compiler.algorithms.offload import offload_tiles
 
 
@@ -49,13 +49,21 @@ def test_two_dimensional_search_is_exact_and_never_worse(num_ranks, seed, with_t
     need_seg = np.array([p[1] for p in pairs], dtype=np.int64)
     weights = rng.uniform(1, 5, size=num_blocks)
     tokens = np.bincount(seg_block, weights=seg_tokens, minlength=num_blocks).astype(int)
-    cap = int(tokens.sum() // num_ranks + tokens.max())
     start = np.arange(num_blocks) % num_ranks
+    # The search takes a feasible placement: the cap holds the start.
+    cap = max(int(tokens.sum() // num_ranks + tokens.max()), int(np.bincount(start, weights=tokens).max()))
     seg_seq = np.arange(seg_block.size) % 3
-    count = np.zeros((num_ranks, seg_block.size), dtype=np.int32)
-    np.add.at(count, (start[need_block], need_seg), 1)
-    assert np.array_equal(received_tokens(count, start[seg_block], seg_tokens),
+    needs = RankNeeds(start[need_block], need_seg, num_ranks, seg_block.size)
+    assert np.array_equal(needs.received(start[seg_block], seg_tokens),
                           brute_received(start, seg_block, seg_tokens, need_block, need_seg, num_ranks))
+    # Counts stay exact through moves: every block of rank 0 leaves, then comes back.
+    for block in np.flatnonzero(start == 0).tolist():
+        mine = need_seg[need_block == block]
+        needs.add(0, mine, -1)
+        needs.add(1 % num_ranks, mine, 1)
+    moved = np.where(start == 0, 1 % num_ranks, start)
+    assert np.array_equal(needs.received(moved[seg_block], seg_tokens),
+                          brute_received(moved, seg_block, seg_tokens, need_block, need_seg, num_ranks))
 
     entry_received = brute_received(start, seg_block, seg_tokens, need_block, need_seg, num_ranks).mean()
 

@@ -116,13 +116,6 @@ def _lookup(keys: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndar
     return np.where(keys[pos] == wanted, counts[pos], 0)
 
 
-def received_tokens(need_count: np.ndarray, seg_rank: np.ndarray, seg_tokens: np.ndarray) -> np.ndarray:
-    """Tokens each rank pulls, from a dense ranks x segments count (a reference for the sparse RankNeeds)."""
-    needed = need_count > 0
-    needed[seg_rank, np.arange(seg_rank.size)] = False
-    return needed @ seg_tokens
-
-
 def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, block_tokens: np.ndarray,
                             seg_block: np.ndarray, seg_seq: np.ndarray, seg_tokens: np.ndarray,
                             need_block: np.ndarray,
