@@ -109,10 +109,11 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipeline
 
 def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipelined: bool,
               tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
-    """Pulls in the even rounds (round 2r for forward round r), each gradient pushed back in the odd round
-    2r + 2c + 1 (two stages later: the reverse of a matching is a matching, so these rounds are too), or, where its
-    tiles run later than that, in the first free round after them. Every pulled block is then freed two or three
-    stages after it arrives. Tiles run as soon as their data is there: a later tile would hold its block longer."""
+    """Pulls in the even rounds (round 2r for round r of the backward order), each gradient pushed back in the odd
+    round 2r + 2d + 1 for d = `degree` rounds a stage (two stages later: the reverse of a matching is a matching, so
+    these rounds are too), or, where its tiles run later than that, in the first free round after them. Every pulled
+    block is then freed two or three stages after it arrives. Tiles run as soon as their data is there: a later tile
+    would hold its block longer."""
     pull_round = 2 * forward_round
     push_edge = np.arange(transfers.num_edges)
     tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, None)
@@ -148,8 +149,8 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
     Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
     carries rounds [s * degree, (s + 1) * degree)); partial outputs
     of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
-    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles and each pulled block is
-    freed a stage or two after it arrives. Pushes take the earliest round after their tiles in which both ends
+    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x degree
+    rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes take the earliest round after their tiles in which both ends
     are free, so every round stays a matching over all of the pass's messages. Local tiles run in stage 0 (hiding
     the first transfers); a tile that needs pulled data runs in the stage after its pulls arrive or, where that
     levels the stages' busiest ranks within the buffer budget (:func:`level_stages`), later.
