@@ -145,6 +145,13 @@ def test_a_reshuffle_that_is_not_a_bijection_is_caught(plan_bytes):
     expect(edited(plan_bytes, shift), 5)
 
 
+def test_backward_rounds_per_stage_must_be_twice_the_forward(plan_bytes):
+    coalesce = PlanReader(plan_bytes).header.coalesce
+    assert PlanReader(plan_bytes).header.bwd_coalesce == 2 * coalesce
+    # Read as c rounds a stage, the backward would run tiles before their data arrives: the header is refused.
+    expect(edited(plan_bytes, lambda arrays: None, bwd_coalesce=coalesce), 3, "twice the forward's")
+
+
 def test_rounds_must_equal_delta(plan_bytes):
     rounds = PlanReader(plan_bytes).header.num_rounds
     expect(edited(plan_bytes, lambda arrays: None, num_rounds=rounds + 1), 3, "largest degree")

@@ -147,11 +147,13 @@ def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_
     """Move and swap items off bins above `capacity` until they fit, disturbing the weights little.
 
     Objective: every bin's total size within `capacity` (a tighter cap than the one the assignment was made
-    under), shifting as little weight between bins as possible; the weights are rebalanced afterwards (by swaps
-    within the cap). A bin above the cap takes, of the moves of one of its items to a bin with room and the swaps
-    of one of its items with a smaller item elsewhere that bring it within the cap (or, failing that, lower it
-    most), the one that shifts the least weight, ties to the least-weighted target. Bins no move or swap can lower
-    stay above the cap. O(steps * k * K) for k items on the bin.
+    under), shifting little weight between bins; the weights are rebalanced afterwards (by swaps within the cap).
+    A bin above the cap considers the moves of one of its items to a bin with room and the swaps of one of its
+    items with a smaller item elsewhere, and takes, first among those that bring it within the cap (failing that,
+    those that lower it most), the one that leaves its target the least room (best fit, so that large gaps stay
+    for the bins that need them), then the one that shifts the least weight, then the least-weighted target. Items
+    of no size never move. Bins no move or swap can lower stay above the cap. O(steps * k * K) for k items on the
+    bin.
 
     Args:
         weights, sizes: per-item work and tokens.
