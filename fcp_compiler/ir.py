@@ -151,14 +151,23 @@ class Transfers:
     assignment: Assignment
     edge_kind: np.ndarray  # int64 TransferKind
     edge_block: np.ndarray
-    edge_src: np.ndarray  # the block's owner
+    edge_src: np.ndarray  # the rank that sends it: the block's owner, or a relay that received it earlier
     edge_dst: np.ndarray  # the rank whose tiles need it
+    edge_parent: np.ndarray  # -1 for a pull from the owner, else the earlier pull whose receiver re-sends it
     edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]
     edge_segs: np.ndarray  # global segment indices
 
     @property
     def num_edges(self) -> int:
         return int(self.edge_kind.size)
+
+    @property
+    def num_relayed(self) -> int:
+        return int((self.edge_parent >= 0).sum())
+
+    @property
+    def edge_owner(self) -> np.ndarray:
+        return self.assignment.block_rank[self.edge_block]
 
     @property
     def edge_tokens(self) -> np.ndarray:
@@ -185,12 +194,13 @@ class Rounds:
 
     @property
     def max_degree(self) -> int:
-        """Largest number of pulls any rank sends or receives (Delta)."""
+        """Largest number of pulls any rank owns or receives (Delta of the owner-to-puller graph: relays re-send
+        some pulls in the rounds this graph's colouring gave them)."""
         transfers = self.transfers
         if transfers.num_edges == 0:
             return 0
         num_ranks = transfers.assignment.num_ranks
-        return int(max(np.bincount(transfers.edge_src, minlength=num_ranks).max(),
+        return int(max(np.bincount(transfers.edge_owner, minlength=num_ranks).max(),
                        np.bincount(transfers.edge_dst, minlength=num_ranks).max()))
 
 

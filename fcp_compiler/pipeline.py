@@ -23,6 +23,7 @@ from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens
 from fcp_compiler.passes.cost import cost
 from fcp_compiler.passes.encode import encode
 from fcp_compiler.passes.localize import group_nodes, localize
+from fcp_compiler.passes.relay import relay
 from fcp_compiler.passes.reshuffle import reshuffle
 from fcp_compiler.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.passes.shard import shard
@@ -269,6 +270,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
     rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
     schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)
+    if planner is Planner.FCP and matching_rounds:  # baselines keep their systems' star-shaped senders
+        schedule = timer.run("relay", relay, schedule)
     final = timer.run("reshuffle", reshuffle, schedule)
     header_fields = _header_fields(final, options, assignment.token_cap,
                                    inputs_digest(the_batch, options, cap, planner.value), planner.value)

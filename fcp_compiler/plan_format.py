@@ -25,19 +25,22 @@ from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 
 MAGIC = b"FCPPLAN\0"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _ARRAY_DTYPE = np.dtype("<i4")
 
 # Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; row i carries
 # *_seg_count[i] segments, listed in order in *_segs, and travels in round *_round of the forward pass and
 # *_bwd_round of the backward pass. A push returns a partial result along a pull: the sender's row points into its
-# pull_recv rows, the receiver's row into its pull_send rows. Stage = round // coalesce.
+# pull_recv rows, the receiver's row into its pull_send rows. Stage = round // coalesce. A pull is sent from the
+# sender's own block (pull_send_source -1) or relayed: re-sent from the pull_recv row pull_send_source, which
+# brought the block in an earlier stage of both passes; the backward's dK, dV pushed back along a relayed pull are
+# added into that row's partial gradient before it is pushed on.
 RANK_ARRAYS = (
     "blocks",  # block ids this rank holds, in plan-layout order
     "reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length",  # user layout -> peer's plan layout
     "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length",  # peer's user layout -> plan layout
     "pull_send_round", "pull_send_bwd_round", "pull_send_kind", "pull_send_block", "pull_send_peer",
-    "pull_send_seg_count", "pull_send_segs",
+    "pull_send_seg_count", "pull_send_segs", "pull_send_source",
     "pull_recv_round", "pull_recv_bwd_round", "pull_recv_kind", "pull_recv_block", "pull_recv_peer",
     "pull_recv_seg_count", "pull_recv_segs",
     "tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block",  # in forward pipeline order
@@ -53,7 +56,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[3] = FORMAT_VERSION
+    format_version: Literal[4] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1)

@@ -100,6 +100,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_blocks": sharding.num_blocks,
         "num_tiles": tiles.num_tiles,
         "num_offloaded_tiles": assignment.num_offloaded_tiles,
+        "num_relayed_transfers": rounds.transfers.num_relayed,
         "num_transfers": transfers.num_edges,
         "max_degree": rounds.max_degree,
         "num_rounds": rounds.num_rounds,

@@ -182,10 +182,12 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     if not np.array_equal(seg_lists(s_key, s_seg_start, s_count, s_segs),
                           seg_lists(r_key, r_seg_start, r_count, r_segs)):
         _fail(3, "a pull's segments differ between its sender and its receiver")
-    if (owner[s_block] != s_me).any():
-        bad = int(np.flatnonzero(owner[s_block] != s_me)[0])
+    s_source = _relay_sources(programs, s_me, r_count.size)
+    from_owner = s_source < 0
+    if (owner[s_block[from_owner]] != s_me[from_owner]).any():
+        bad = int(np.flatnonzero(from_owner & (owner[s_block] != s_me))[0])
         _fail(2, f"rank {int(s_me[bad])} sends block {int(s_block[bad])}, which rank "
-                 f"{int(owner[s_block[bad]])} holds")
+                 f"{int(owner[s_block[bad]])} holds, and names no pull it received the block by")
     if r_segs.size and (r_segs.min() < 0 or r_segs.max() >= num_segments
                         or (seg_block[r_segs] != np.repeat(r_block, r_count)).any()):
         _fail(2, "a pull carries a segment of another block")
@@ -195,10 +197,14 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     if np.unique(pull_key).size != pull_key.size:
         _fail(3, "a rank pulls the same block twice")
 
-    # 3. The forward pulls take exactly Delta rounds (Konig's optimum).
+    _check_relay_data(s_source, s_block, s_kind, s_me, r_block, r_kind, r_me, s_seg_start, s_count, s_segs,
+                      r_seg_start, r_count, r_segs)
+
+    # 3. The forward pulls take exactly Delta rounds (Konig's optimum) of the owner-to-puller graph; relays re-send
+    # pulls in the rounds that graph's colouring gave them.
     num_rounds = header.num_rounds
-    max_degree = int(max(np.bincount(s_me, minlength=num_ranks).max(), np.bincount(r_me, minlength=num_ranks).max())) \
-        if num_pulls else 0
+    max_degree = int(max(np.bincount(owner[s_block], minlength=num_ranks).max(),
+                         np.bincount(r_me, minlength=num_ranks).max())) if num_pulls else 0
     if num_rounds != max_degree:
         _fail(3, f"the plan uses {num_rounds} rounds but its largest degree is {max_degree}")
     if num_pulls and (r_round.min() < 0 or r_round.max() >= num_rounds):
@@ -220,7 +226,7 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
                  f"({coalesce * block_size})")
 
     pulls = _Pulls(kind=r_kind, block=r_block, me=r_me, peer=r_peer, count=r_count, segs=r_segs, tokens=r_tokens,
-                   send_me=s_me, send_kind=s_kind, send_block=s_block, send_peer=s_peer)
+                   send_me=s_me, send_kind=s_kind, send_block=s_block, send_peer=s_peer, send_source=s_source)
     tiles = _Tiles(q=tile_q, kv=tile_kv, rank=tile_rank, q_seg=q_seg, k_seg=k_seg, key=tile_key)
     context = _Context(programs=programs, num_ranks=num_ranks, num_blocks=num_blocks, num_segments=num_segments,
                        owner=owner, seg_block=seg_block)
@@ -267,6 +273,7 @@ class _Pulls:
     send_kind: np.ndarray
     send_block: np.ndarray
     send_peer: np.ndarray
+    send_source: np.ndarray  # per sent row, the received row (stacked) it relays, -1 for the sender's own block
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,6 +330,7 @@ def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgr
         _fail(3, f"{label}: a pull's sender and receiver disagree on its round")
     last_use = _check_data_before_use(ctx, pulls, tiles, program)
     push = _check_pushes(ctx, pulls, program, last_use)
+    relay_last = _check_relay_order(pulls, program, push)
     # 3. Congestion freedom: in each round a rank sends at most one message and receives at most one, pulls and
     # pushes together.
     senders = np.concatenate((pulls.peer, push.sender))
@@ -343,7 +351,7 @@ def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgr
         _fail(2, f"{label}: a message lies outside the plan's {program.num_stages} stages")
     # 4. Live buffers under the liveness rule: each pull from its stage to its last use or push, each push landing
     # for its stage.
-    last = np.maximum(np.maximum(last_use, program.recv_round // coalesce), push.last_stage)
+    last = np.maximum(np.maximum(np.maximum(last_use, program.recv_round // coalesce), push.last_stage), relay_last)
     peak = peak_live_tokens(np.concatenate((pulls.me, push.receiver)),
                             np.concatenate((program.recv_round // coalesce, push.round // coalesce)),
                             np.concatenate((last, push.round // coalesce)),
@@ -412,6 +420,8 @@ class _Pushes:
     round: np.ndarray
     tokens: np.ndarray
     last_stage: np.ndarray  # per received pull row: the stage its result leaves in (-1: none)
+    arrive_send_row: np.ndarray  # per push, the sent pull row (stacked) it returns along ...
+    arrive_round: np.ndarray  # ... and the round it arrives in
 
 
 def _check_pushes(ctx: _Context, pulls: _Pulls, program: _PassProgram, last_use: np.ndarray) -> _Pushes:
@@ -461,7 +471,7 @@ def _check_pushes(ctx: _Context, pulls: _Pulls, program: _PassProgram, last_use:
     last_stage = np.full(num_pulls, -1, dtype=np.int64)
     last_stage[g_recv] = send_stage
     return _Pushes(sender=sender, receiver=pulls.peer[g_recv], round=send_round, tokens=pulls.tokens[g_recv],
-                   last_stage=last_stage)
+                   last_stage=last_stage, arrive_send_row=g_send, arrive_round=recv_round)
 
 
 def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr) -> None:
@@ -510,3 +520,75 @@ def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_st
         key = int(sent_key_all[s_order][bad]) if sent.size else 0
         _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
                  f"where the plan layout puts them")
+
+
+def _relay_sources(programs, s_me: np.ndarray, num_recv_rows: int) -> np.ndarray:
+    """Per sent pull row (stacked), the stacked received row it relays, -1 for a send of the sender's own block."""
+    source, _ = stack_ranks(programs, "pull_send_source")
+    if source.size != s_me.size:
+        _fail(3, f"{source.size} pull sources are listed for {s_me.size} sent pulls")
+    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+    relayed = source >= 0
+    if (source < -1).any() or (source[relayed] + recv_base[s_me[relayed]] >= recv_base[s_me[relayed] + 1]).any():
+        bad = int(np.flatnonzero((source < -1) | (relayed & (source + recv_base[s_me] >= recv_base[s_me + 1])))[0])
+        _fail(2, f"rank {int(s_me[bad])} relays block from pull row {int(source[bad])}, which it does not have")
+    return np.where(relayed, source + recv_base[s_me], -1)
+
+
+def _check_relay_data(s_source, s_block, s_kind, s_me, r_block, r_kind, r_me, s_seg_start, s_count, s_segs,
+                      r_seg_start, r_count, r_segs) -> None:
+    """2. A relay re-sends K,V it received: the same block, and every segment it re-sends among those it got."""
+    relayed = np.flatnonzero(s_source >= 0)
+    if relayed.size == 0:
+        return
+    source = s_source[relayed]
+    wrong = (r_block[source] != s_block[relayed]) | (r_kind[source] != KIND_KV) | (s_kind[relayed] != KIND_KV) \
+        | (r_me[source] != s_me[relayed])
+    if wrong.any():
+        bad = relayed[int(np.argmax(wrong))]
+        _fail(2, f"rank {int(s_me[bad])} relays block {int(s_block[bad])} from a pull of another block or kind (only "
+                 f"K,V pulls are relayed)")
+    sent = np.repeat(relayed, s_count[relayed])
+    sent_segs = s_segs[expand_ranges(s_seg_start[relayed], s_count[relayed])]
+    held = np.repeat(relayed, r_count[source])
+    held_segs = r_segs[expand_ranges(r_seg_start[source], r_count[source])]
+    width = max(int(s_segs.max(initial=0)), int(r_segs.max(initial=0))) + 1
+    lacking = ~np.isin(sent * width + sent_segs, held * width + held_segs)
+    if lacking.any():
+        bad = int(sent[np.argmax(lacking)])
+        _fail(2, f"rank {int(s_me[bad])} relays segment {int(sent_segs[np.argmax(lacking)])} of block "
+                 f"{int(s_block[bad])}, which the pull it relays from does not carry")
+
+
+def _check_relay_order(pulls: _Pulls, program: _PassProgram, push: _Pushes) -> np.ndarray:
+    """2. A relay re-sends a block in a later stage than it arrives, and (backward) pushes its own gradient in a
+    later stage than every gradient pushed to it along the pulls it re-sent.
+
+    Returns:
+        per received pull row, the last stage its buffer serves a relay (-1: none).
+    """
+    label, coalesce = program.label, program.coalesce
+    last = np.full(pulls.kind.size, -1, dtype=np.int64)
+    relayed = np.flatnonzero(pulls.send_source >= 0)
+    source = pulls.send_source[relayed]
+    send_stage = program.send_round[relayed] // coalesce
+    arrival = program.recv_round[source] // coalesce
+    early = send_stage <= arrival
+    if early.any():
+        bad = int(np.argmax(early))
+        _fail(2, f"{label}: rank {int(pulls.send_me[relayed[bad]])} relays block {int(pulls.send_block[relayed[bad]])}"
+                 f" in stage {int(send_stage[bad])}, but receives it in stage {int(arrival[bad])}")
+    np.maximum.at(last, source, send_stage)
+    back = pulls.send_source[push.arrive_send_row] >= 0
+    if back.any():
+        into = pulls.send_source[push.arrive_send_row[back]]
+        landed = push.arrive_round[back] // coalesce
+        np.maximum.at(last, into, landed)
+        own = push.last_stage[into]
+        premature = (own >= 0) & (own <= landed)
+        if premature.any():
+            bad = int(np.argmax(premature))
+            _fail(2, f"{label}: rank {int(pulls.me[into[bad]])} pushes its gradient of block "
+                     f"{int(pulls.block[into[bad]])} in stage {int(own[bad])}, before the gradient of a pull it "
+                     f"relayed lands in stage {int(landed[bad])}")
+    return last

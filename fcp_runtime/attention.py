@@ -170,10 +170,12 @@ class _Executor:
                 phase.accumulators(plan.pull_recv[row], store)
                 remote[row] = store
             for pull, tensors in returned:
+                # A relay sums the gradient of a pull it re-sent into its own partial gradient of the block.
+                into = self.store_of(pull.source, local, remote)
                 offset = 0
                 for seg in pull.segs:
                     length = plan.seg_len(seg)
-                    phase.land(local, self.rows(local, seg), pull.kind, tensors, slice(offset, offset + length))
+                    phase.land(into, self.rows(into, seg), pull.kind, tensors, slice(offset, offset + length))
                     offset += length
                 self.release(program.name, stage, plan.pull_tokens(pull))
             for row in program.free_after[stage]:
@@ -184,9 +186,10 @@ class _Executor:
              arrived: list, returned: list) -> list:
         """The point-to-point ops of one message; buffers it receives into are allocated here."""
         plan = self.plan
-        if message.what == "pull_send":
+        if message.what == "pull_send":  # from this rank's own rows, or relayed from a block it received
             pull = plan.pull_send[message.pull]
-            return self.ops(dist.isend, pull.peer, pull.block, pull.kind, phase.pull_payload(local, pull))
+            return self.ops(dist.isend, pull.peer, pull.block, pull.kind,
+                            phase.pull_payload(self.store_of(pull.source, local, remote), pull))
         if message.what == "pull_recv":
             pull = plan.pull_recv[message.pull]
             store = self.new_store(pull.segs)

@@ -28,6 +28,7 @@ class Pull:
     block: int
     peer: int
     segs: tuple[int, ...]
+    source: int = -1  # sent rows: -1 for this rank's own block, else the pull_recv row it relays from
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +124,8 @@ def _splits(peers: np.ndarray, lengths: np.ndarray, num_ranks: int) -> list[int]
     return np.bincount(peers, weights=lengths, minlength=num_ranks).astype(np.int64).tolist()
 
 
-def _pass_program(name: str, a: dict[str, np.ndarray], pull_recv: list[Pull], tiles: list[tuple[int, int]],
+def _pass_program(name: str, a: dict[str, np.ndarray], pull_send: list[Pull], pull_recv: list[Pull],
+                  tiles: list[tuple[int, int]],
                   tile_stages: np.ndarray, num_stages: int, coalesce: int, pull_round_of) -> PassProgram:
     """Group a pass's messages and tiles by stage and apply the liveness rule to its received buffers."""
     messages: list[list[Message]] = [[] for _ in range(num_stages)]
@@ -144,6 +146,11 @@ def _pass_program(name: str, a: dict[str, np.ndarray], pull_recv: list[Pull], ti
             messages[rnd // coalesce].append(Message(round=rnd, what=what, pull=row))
             if what == "push_send":
                 last_stage[row] = max(last_stage[row], rnd // coalesce)
+            elif pull_send[row].source >= 0:  # a gradient of a relayed pull lands in the relay's received buffer
+                last_stage[pull_send[row].source] = max(last_stage[pull_send[row].source], rnd // coalesce)
+    for pull in pull_send:  # a relay keeps the block it re-sends until it has sent it
+        if pull.source >= 0:
+            last_stage[pull.source] = max(last_stage[pull.source], pull_round_of(pull) // coalesce)
     for stage_messages in messages:
         stage_messages.sort(key=lambda m: (m.round, m.what, m.pull))
     free_after: list[list[int]] = [[] for _ in range(num_stages)]
@@ -180,16 +187,18 @@ def from_program(program: RankProgram) -> RankPlan:
         counts = a[f"pull_{side}_seg_count"]
         offsets = np.concatenate(([0], np.cumsum(counts)))
         segs = a[f"pull_{side}_segs"]
+        sources = a["pull_send_source"] if side == "send" else np.full(counts.size, -1)
         return [Pull(round=int(a[f"pull_{side}_round"][i]), bwd_round=int(a[f"pull_{side}_bwd_round"][i]),
                      kind=int(a[f"pull_{side}_kind"][i]), block=int(a[f"pull_{side}_block"][i]),
-                     peer=int(a[f"pull_{side}_peer"][i]), segs=tuple(segs[offsets[i]:offsets[i + 1]].tolist()))
+                     peer=int(a[f"pull_{side}_peer"][i]), segs=tuple(segs[offsets[i]:offsets[i + 1]].tolist()),
+                     source=int(sources[i]))
                 for i in range(counts.size)]
 
-    pull_recv = pulls("recv")
+    pull_send, pull_recv = pulls("send"), pulls("recv")
     tiles = list(zip(a["tile_q_block"].tolist(), a["tile_kv_block"].tolist()))
-    forward = _pass_program("fwd", a, pull_recv, tiles, a["tile_stage"], header.num_fwd_stages, coalesce,
+    forward = _pass_program("fwd", a, pull_send, pull_recv, tiles, a["tile_stage"], header.num_fwd_stages, coalesce,
                             lambda pull: pull.round)
-    backward = _pass_program("bwd", a, pull_recv, tiles, a["tile_bwd_stage"], header.num_bwd_stages,
+    backward = _pass_program("bwd", a, pull_send, pull_recv, tiles, a["tile_bwd_stage"], header.num_bwd_stages,
                              header.bwd_coalesce,
                              lambda pull: pull.bwd_round)
     # Runs between this rank and itself are sent and received in the same order (by global token).
@@ -212,7 +221,7 @@ def from_program(program: RankProgram) -> RankPlan:
         send_splits=_splits(a["reshuffle_send_peer"], a["reshuffle_send_length"], num_ranks),
         plan_scatter=torch.from_numpy(expand_ranges(a["reshuffle_recv_offset"], a["reshuffle_recv_length"])),
         recv_splits=_splits(a["reshuffle_recv_peer"], a["reshuffle_recv_length"], num_ranks),
-        pull_send=pulls("send"), pull_recv=pull_recv, tiles=tiles, forward=forward, backward=backward,
+        pull_send=pull_send, pull_recv=pull_recv, tiles=tiles, forward=forward, backward=backward,
         self_user_rows=torch.from_numpy(self_user), self_plan_rows=torch.from_numpy(self_plan), early_tiles=early)
 
 

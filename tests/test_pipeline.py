@@ -15,11 +15,12 @@ from fcp_compiler.inputs import load_batch
 ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
               "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
-              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256"}
+              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
+              "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
-PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "schedule_rounds", "coalesce", "reshuffle",
+PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "schedule_rounds", "coalesce", "relay", "reshuffle",
           "encode"]
-USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce",
+USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce", "relay",
                       "reshuffle", "encode"]
 
 

@@ -9,6 +9,7 @@ from conftest import compile_valid  # noqa: E402
 from runtime_harness import compare_with_reference, run_ranks  # noqa: E402
 
 from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func  # noqa: E402
+from fcp_compiler.inputs import PRESET_PROFILES  # noqa: E402
 from fcp_runtime import load_rank_plan  # noqa: E402
 from fcp_runtime.kernels import FlashAttnKernels  # noqa: E402
 
@@ -23,6 +24,17 @@ CASES = [
     ("full-8-ranks-fp64", [1800, 700, 300, 64], 8, 128, 2, "full", "off", 2, 2, torch.float64),
     ("offloaded-full-fp64", [2048, 100, 60], 8, 512, 2, "full", "off", 2, 1, torch.float64),
     ("offloaded-causal-fp64", [3000, 120], 8, 256, 1, "causal", "off", 2, 2, torch.float64),
+]
+# A network 1000x slower than H100's makes traffic, not compute, bound the stages: busy senders hand some pulls to
+# relays, which the runtime must replay exactly (re-sending received K,V, summing the dK, dV pushed back to them).
+SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,
+                                                          "gpus_per_node": 2})
+RELAYED = [  # (name, lengths, gpus, block, coalesce, mask, layout)
+    ("relayed-6-ranks-plan", [752, 2962, 580, 999], 6, 128, 2, "causal", "plan"),
+    ("relayed-8-ranks-user", [752, 2962, 580, 999], 8, 128, 2, "causal", "user"),
+    ("relayed-7-ranks-plan", [2072, 2698, 1761, 2341, 2511, 725, 227], 7, 128, 2, "causal", "plan"),
+    ("relayed-7-ranks-user", [2072, 2698, 1761, 2341, 2511, 725, 227], 7, 128, 2, "causal", "user"),
+    ("relayed-full-8-ranks", [839, 673, 2391, 2496, 1575, 502, 2509, 1569, 514], 8, 128, 2, "full", "plan"),
 ]
 BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto", 4, 2,
               torch.float64, planner) for planner in ("ring", "bytescale", "wlbllm", "magi")
@@ -107,3 +119,13 @@ def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
         # At most two varlen calls (masked diagonal entries, unmasked ones) per stage and pass, and two more for
         # the tiles that run during the reshuffle.
         assert 0 < num_calls <= 2 * (header.num_fwd_stages + header.num_bwd_stages + 1)
+
+
+@pytest.mark.parametrize("case", RELAYED, ids=[c[0] for c in RELAYED])
+def test_plans_with_relays_replay_exactly(case):
+    _, lengths, gpus, block, coalesce, mask, layout = case
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, layout=layout,
+                         profile=SLOW_NETWORK)
+    assert plan.stats["num_relayed_transfers"] > 0
+    assert any(pull.source >= 0 for rank in range(gpus) for pull in load_rank_plan(plan.to_bytes(), rank).pull_send)
+    run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", 2, 1, torch.float64, layout))

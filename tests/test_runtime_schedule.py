@@ -6,13 +6,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import compile_valid  # noqa: E402
+from fcp_compiler.inputs import PRESET_PROFILES  # noqa: E402
 from runtime_harness import run_ranks  # noqa: E402
 
 CASES = [
     ("causal-4", [3000, 700, 90, 1500, 260, 1200], 4, 256, 2, "causal"),
     ("causal-8", [2600, 1300, 100, 650, 40, 900, 2000], 8, 128, 2, "causal"),
     ("offloaded-full-8", [2048, 100, 60], 8, 512, 2, "full"),
+    ("relayed-6", [752, 2962, 580, 999], 6, 128, 2, "causal"),  # on a slow network: relays hold blocks longer
 ]
+SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,
+                                                          "gpus_per_node": 2})
 
 
 def _record(plan_bytes, lengths):
@@ -34,8 +38,10 @@ def _record(plan_bytes, lengths):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_event_order_proves_overlap_and_data_before_use_and_buffers_within_the_header(case):
-    _, lengths, gpus, block, coalesce, mask = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask)
+    name, lengths, gpus, block, coalesce, mask = case
+    profile = SLOW_NETWORK if name.startswith("relayed") else "h100"
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, profile=profile)
+    assert (plan.stats["num_relayed_transfers"] > 0) == name.startswith("relayed")
     results = run_ranks(gpus, _record(plan.to_bytes(), lengths))
     overlapped, peaks = 0, []
     for events, arrival in results:

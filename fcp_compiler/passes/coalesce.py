@@ -39,6 +39,12 @@ def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndar
         np.maximum.at(last, edge[reads], program.tile_stage[reads])
     push_stage = program.push_stage
     np.maximum.at(last, program.push_edge, push_stage)
+    # A relay holds its pulled block until it has re-sent it and, when a result comes back along the re-sent pull,
+    # until that result has been folded into the block's own partial result.
+    relayed = np.flatnonzero(transfers.edge_parent >= 0)
+    np.maximum.at(last, transfers.edge_parent[relayed], edge_stage[relayed])
+    pushed_relayed = transfers.edge_parent[program.push_edge] >= 0
+    np.maximum.at(last, transfers.edge_parent[program.push_edge[pushed_relayed]], push_stage[pushed_relayed])
     tokens = transfers.edge_tokens
     return (np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge])),
             np.concatenate((edge_stage, push_stage)), np.concatenate((last, push_stage)),
@@ -100,6 +106,14 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipeline
     """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds."""
     push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
     tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, budget)
+    return forward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+
+
+def forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+                   tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """The forward program with its partial outputs pushed back along the Q pulls, each in the first round after
+    its tiles in which both ends are free."""
+    push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
     ready = _push_ready_round(transfers, tile_stage, tile_kv_edge, tile_q_edge, degree)[push_edge]
     push_round = place_messages(ready, transfers.edge_dst[push_edge], transfers.edge_src[push_edge],
                                 transfers.assignment.num_ranks, pull_round, transfers.edge_src, transfers.edge_dst)
@@ -109,24 +123,58 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipeline
 
 def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipelined: bool,
               tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
-    """Pulls in the even rounds (round 2r for round r of the backward order), each gradient pushed back in the odd
-    round 2r + 2d + 1 for d = `degree` rounds a stage (two stages later: the reverse of a matching is a matching, so
-    these rounds are too), or, where its tiles run later than that, in the first free round after them. Every pulled
-    block is then freed two or three stages after it arrives. Tiles run as soon as their data is there: a later tile
-    would hold its block longer."""
+    """Pulls in the even rounds (round 2r for round r of the backward order); tiles as soon as their data is there
+    (a later tile would hold its block longer); gradients pushed back by :func:`backward_pushes`."""
     pull_round = 2 * forward_round
     push_edge = np.arange(transfers.num_edges)
     tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, None)
+    return backward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+
+
+def _relay_heights(parent: np.ndarray) -> np.ndarray:
+    """Per pull, 0 if nothing is relayed from it, else 1 + the largest height among the pulls relayed from it."""
+    height = np.zeros(parent.size, dtype=np.int64)
+    child = np.flatnonzero(parent >= 0)
+    while child.size:
+        before = height.copy()
+        np.maximum.at(height, parent[child], height[child] + 1)
+        if np.array_equal(before, height):
+            break
+    return height
+
+
+def backward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+                    tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """The backward program with every gradient pushed back along its pull.
+
+    A push takes the odd round 2r + 2d + 1 for its pull's round 2r and d = `degree` rounds a stage (two stages
+    later: the reverse of a matching is a matching, so these rounds are too), or, where its tiles run later than
+    that, the first free round after them. Every pulled block is then freed two or three stages after it arrives.
+    A relay's own push waits for the pushes of the pulls it re-sent, which it sums into its partial gradient: pulls
+    are placed by relay height, leaves first, each after the stage its children's pushes land in."""
+    push_edge = np.arange(transfers.num_edges)
     ready = _push_ready_round(transfers, tile_stage, tile_kv_edge, tile_q_edge, degree)
     mirror = pull_round + 2 * degree + 1
-    fits = mirror >= ready
     push_round = mirror.copy()
-    late = np.flatnonzero(~fits)
-    push_round[late] = place_messages(ready[late], transfers.edge_dst[late], transfers.edge_src[late],
-                                      transfers.assignment.num_ranks,
-                                      np.concatenate((pull_round, mirror[fits])),
-                                      np.concatenate((transfers.edge_src, transfers.edge_dst[fits])),
-                                      np.concatenate((transfers.edge_dst, transfers.edge_src[fits])))
+    parent = transfers.edge_parent
+    height = _relay_heights(parent)
+    num_ranks = transfers.assignment.num_ranks
+    # A relay's push waits for its children's, which land after their own pull's stage: past its mirror round.
+    fits = (mirror >= ready) & (height == 0)
+    fixed_round, fixed_src, fixed_dst = [pull_round, mirror[fits]], [transfers.edge_src, transfers.edge_dst[fits]], \
+        [transfers.edge_dst, transfers.edge_src[fits]]
+    for level in range(int(height.max(initial=0)) + 1):
+        if level:
+            children = np.flatnonzero(parent >= 0)
+            children = children[height[parent[children]] == level]
+            np.maximum.at(ready, parent[children], (push_round[children] // degree + 1) * degree)
+        late = np.flatnonzero((height == level) & ~fits)
+        push_round[late] = place_messages(ready[late], transfers.edge_dst[late], transfers.edge_src[late], num_ranks,
+                                          np.concatenate(fixed_round), np.concatenate(fixed_src),
+                                          np.concatenate(fixed_dst))
+        fixed_round.append(push_round[late])
+        fixed_src.append(transfers.edge_dst[late])
+        fixed_dst.append(transfers.edge_src[late])
     return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 

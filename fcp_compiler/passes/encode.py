@@ -60,21 +60,28 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
             plan.run_user_rank[recv_runs], plan.run_plan_offset[recv_runs], plan.run_length[recv_runs])
 
     seg_count = np.diff(transfers.edge_seg_offsets)
+    sides = (("send", transfers.edge_src, transfers.edge_dst), ("recv", transfers.edge_dst, transfers.edge_src))
+    side_order = {side: np.lexsort((edge_ids, forward.edge_round, me)) for side, me, _ in sides}
+    # Row of each edge among its rank's rows on each side.
     row_of_edge = {}
-    for side, me, peer in (("send", transfers.edge_src, transfers.edge_dst),
-                           ("recv", transfers.edge_dst, transfers.edge_src)):
-        order = np.lexsort((edge_ids, forward.edge_round, me))
+    for side, me, _ in sides:
+        order = side_order[side]
+        rank_first = np.searchsorted(me[order], np.arange(num_ranks))
+        row = np.empty(num_edges, dtype=np.int64)
+        row[order] = np.arange(num_edges) - rank_first[me[order]]
+        row_of_edge[side] = row
+    parent = transfers.edge_parent
+    source = np.where(parent >= 0, row_of_edge["recv"][parent], -1)  # the relay's pull_recv row of the block
+    for side, me, peer in sides:
+        order = side_order[side]
         out.add(tuple(f"pull_{side}_{name}" for name in ("round", "bwd_round", "kind", "block", "peer", "seg_count")),
                 me[order], forward.edge_round[order], backward.edge_round[order], transfers.edge_kind[order],
                 transfers.edge_block[order], peer[order], seg_count[order])
         counts = seg_count[order]
         segs = transfers.edge_segs[expand_ranges(transfers.edge_seg_offsets[order], counts)]
         out.add((f"pull_{side}_segs",), np.repeat(me[order], counts), segs)
-        # Row of each edge among its rank's rows on this side.
-        rank_first = np.searchsorted(me[order], np.arange(num_ranks))
-        row = np.empty(num_edges, dtype=np.int64)
-        row[order] = np.arange(num_edges) - rank_first[me[order]]
-        row_of_edge[side] = row
+        if side == "send":
+            out.add(("pull_send_source",), me[order], source[order])
 
     tile_order = schedule.tile_order
     out.add(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"), assignment.tile_rank[tile_order],

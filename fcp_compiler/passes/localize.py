@@ -68,6 +68,7 @@ def group_nodes(transfers: Transfers) -> Transfers:
 def renumber(transfers: Transfers, perm: np.ndarray) -> Transfers:
     """The pulls (and placement) with rank r renamed perm[r], in plan_transfers' order. O(E log E)."""
     assignment = transfers.assignment
+    assert transfers.num_relayed == 0, "renumber the pulls before relays are chosen"
     renumbered = Assignment(tiles=assignment.tiles, num_ranks=assignment.num_ranks, token_cap=assignment.token_cap,
                             block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
     # plan_transfers sorts by (kind, block, receiver); renumbering changes only the receiver order within a block.
@@ -78,5 +79,6 @@ def renumber(transfers: Transfers, perm: np.ndarray) -> Transfers:
     positions = expand_ranges(starts, counts)
     return Transfers(assignment=renumbered, edge_kind=transfers.edge_kind[order],
                      edge_block=transfers.edge_block[order], edge_src=perm[transfers.edge_src][order],
-                     edge_dst=dst[order], edge_seg_offsets=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                     edge_dst=dst[order], edge_parent=transfers.edge_parent[order],
+                     edge_seg_offsets=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
                      edge_segs=transfers.edge_segs[positions])

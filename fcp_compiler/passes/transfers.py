@@ -52,5 +52,6 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     blocks = np.concatenate((kv[0], q[0]))
     return Transfers(assignment=assignment, edge_kind=kinds.astype(np.int64), edge_block=blocks,
                      edge_src=assignment.block_rank[blocks], edge_dst=np.concatenate((kv[1], q[1])),
+                     edge_parent=np.full(blocks.size, -1, dtype=np.int64),
                      edge_seg_offsets=np.concatenate((kv[2][:-1], kv[2][-1] + q[2])),
                      edge_segs=np.concatenate((kv[3], q[3])))

@@ -1,0 +1,185 @@
+"""Relays: a rank that has received a block re-sends it to a later puller, so a hot block's senders form a tree.
+
+Plain arrays in, plain arrays out. A pull keeps its round (its colour): only its sender changes, so every round
+stays a matching as long as the new sender sends nothing else in that round, and no tile moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NO_PARENT = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayEdges:
+    """The pulls, as the relay choice sees them; all arrays are indexed by edge.
+
+    `colour` is the pull's round (a matching); `stage` and `bwd_stage` its stage in each pass; `seg_mask` the
+    segments it carries as a bit mask relative to its block's first segment (a child may take a parent's data only
+    if its mask is a subset); `relayable` marks the pulls that may be re-sourced or serve as parents (K,V pulls of
+    blocks whose segments fit the mask)."""
+
+    block: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    colour: np.ndarray
+    stage: np.ndarray
+    bwd_stage: np.ndarray
+    nbytes: np.ndarray
+    seg_mask: np.ndarray
+    relayable: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayLinks:
+    """Link model of the choice: node of each rank, and the bandwidths across nodes (NIC) and inside one."""
+
+    node: np.ndarray
+    nic_bytes_per_s: float
+    nvlink_bytes_per_s: float
+
+
+class _StageLoads:
+    """Seconds each rank's four link ends (NIC and NVLink, send and receive) are busy in one stage."""
+
+    def __init__(self, edges: RelayEdges, src: np.ndarray, idx: np.ndarray, links: RelayLinks, num_ranks: int):
+        self.links = links
+        self.send = np.zeros((num_ranks, 2))
+        self.recv = np.zeros((num_ranks, 2))
+        for e_src, e_dst, nbytes in zip(src[idx].tolist(), edges.dst[idx].tolist(), edges.nbytes[idx].tolist()):
+            self.add(e_src, e_dst, nbytes, 1.0)
+
+    def link(self, a, b):
+        """0 for the NIC (different nodes), 1 for NVLink; vectorised over `a`."""
+        return (self.links.node[a] == self.links.node[b]).astype(np.int64)
+
+    def seconds(self, a, b, nbytes):
+        same = self.links.node[a] == self.links.node[b]
+        return nbytes / np.where(same, self.links.nvlink_bytes_per_s, self.links.nic_bytes_per_s)
+
+    def add(self, a: int, b: int, nbytes: float, sign: float) -> None:
+        link = int(self.links.node[a] == self.links.node[b])
+        seconds = sign * float(self.seconds(np.int64(a), np.int64(b), nbytes))
+        self.send[a, link] += seconds
+        self.recv[b, link] += seconds
+
+    def send_time(self) -> np.ndarray:
+        return self.send.max(axis=1)
+
+
+def _candidates(edges: RelayEdges, parent: np.ndarray, by_block: np.ndarray, block_start: np.ndarray, edge: int,
+                max_gap: int) -> np.ndarray:
+    """Pulls of the same block whose receiver may serve `edge`: pulls from the owner (trees of depth one: each
+    level would delay the owner's backward gradient by a stage) that arrive in an earlier stage of both passes (at
+    most max_gap stages earlier) and carry every segment it carries."""
+    block = edges.block[edge]
+    group = by_block[block_start[block]:block_start[block + 1]]
+    stage, bwd_stage = edges.stage[edge], edges.bwd_stage[edge]
+    ok = (edges.relayable[group] & (parent[group] == NO_PARENT) & (edges.stage[group] < stage) & (edges.stage[group] >= stage - max_gap)
+          & (edges.bwd_stage[group] < bwd_stage) & (edges.bwd_stage[group] >= bwd_stage - max_gap)
+          & (edges.dst[group] != edges.dst[edge]) & ((edges.seg_mask[edge] & ~edges.seg_mask[group]) == 0))
+    return group[ok]
+
+
+def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colours: int,
+                  stage_floor: np.ndarray, max_gap: int) -> np.ndarray:
+    """Pick a parent pull for some pulls, so that they leave the parent's receiver instead of the block's owner.
+
+    Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
+    (the stage's compute, under which traffic hides anyway). Greedy: take the sender whose busiest link end is
+    slowest; move one of its relayable pulls (largest first) to the candidate holder (:func:`_candidates`) that is
+    free to send in the pull's round and leaves the largest of (old sender, new sender, receiver) link times
+    lowest; accept only if that is below the old sender's time. A sender none of whose pulls can move is done for
+    the stage. Stages are taken in order, so a parent's own sender is final before its children are chosen.
+    O(M * F) vectorised steps for M pulls tried and fan-out F.
+
+    Args:
+        edges: the pulls (:class:`RelayEdges`).
+        links: ranks' nodes and bandwidths.
+        num_ranks, num_colours: N and the number of rounds.
+        stage_floor: float [num_stages], seconds under which a stage's sends need not go.
+        max_gap: the most stages a parent may arrive before its child leaves (bounds how long relays hold).
+    Returns:
+        int64 [num_edges], each pull's parent pull, or -1 for a pull from the owner.
+    """
+    parent = np.full(edges.block.size, NO_PARENT, dtype=np.int64)
+    if edges.block.size == 0:
+        return parent
+    src = edges.src.copy()
+    busy = np.zeros((num_ranks, num_colours), dtype=bool)
+    busy[src, edges.colour] = True
+    by_block = np.lexsort((np.arange(edges.block.size), edges.block))
+    block_start = np.searchsorted(edges.block[by_block], np.arange(int(edges.block.max()) + 2))
+    by_stage = np.argsort(edges.stage, kind="stable")
+    stage_start = np.searchsorted(edges.stage[by_stage], np.arange(int(edges.stage.max()) + 2))
+    for stage in range(stage_start.size - 1):
+        idx = by_stage[stage_start[stage]:stage_start[stage + 1]]
+        _relay_stage(edges, links, idx, src, parent, busy, by_block, block_start, num_ranks,
+                     float(stage_floor[stage]) if stage < stage_floor.size else 0.0, max_gap)
+    return parent
+
+
+def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.ndarray, parent: np.ndarray,
+                 busy: np.ndarray, by_block: np.ndarray, block_start: np.ndarray, num_ranks: int, floor: float,
+                 max_gap: int) -> None:
+    """The greedy of :func:`choose_relays` for the pulls `idx` of one stage (updates src, parent, busy)."""
+    loads = _StageLoads(edges, src, idx, links, num_ranks)
+    # A pull in the backward's last pull stage is not re-sent: its relay's gradient would leave a stage later than
+    # any other, lengthening the pass.
+    movable = idx[edges.relayable[idx] & (edges.stage[idx] > 0) & (edges.bwd_stage[idx] < edges.bwd_stage.max())]
+    movable = movable[np.lexsort((movable, -edges.nbytes[movable], src[movable]))]
+    rank_edges: dict[int, list[int]] = {}
+    for edge in movable.tolist():
+        rank_edges.setdefault(int(src[edge]), []).append(edge)
+    done = np.ones(num_ranks, dtype=bool)
+    done[list(rank_edges)] = False
+    while not done.all():
+        send_time = np.where(done, -1.0, loads.send_time())
+        top = int(np.argmax(send_time))
+        if send_time[top] <= floor:
+            return
+        pending = rank_edges[top]
+        while pending and not _move_one(edges, loads, pending.pop(0), top, float(send_time[top]), src, parent, busy,
+                                        by_block, block_start, max_gap):
+            pass
+        if not pending:
+            done[top] = True
+
+
+def _move_one(edges: RelayEdges, loads: _StageLoads, edge: int, top: int, top_time: float, src: np.ndarray,
+              parent: np.ndarray, busy: np.ndarray, by_block: np.ndarray, block_start: np.ndarray,
+              max_gap: int) -> bool:
+    """Re-source `edge` (sent by `top`) from its best holder if that lowers the busiest of the link ends involved."""
+    candidates = _candidates(edges, parent, by_block, block_start, edge, max_gap)
+    colour, receiver, nbytes = int(edges.colour[edge]), int(edges.dst[edge]), float(edges.nbytes[edge])
+    holders = edges.dst[candidates]
+    free = ~busy[holders, colour]
+    candidates, holders = candidates[free], holders[free]
+    if candidates.size == 0:
+        return False
+    seconds = loads.seconds(holders, np.int64(receiver), nbytes)
+    link = loads.link(holders, np.int64(receiver))
+    holder_send = loads.send[holders].copy()
+    holder_send[np.arange(holders.size), link] += seconds
+    old_link = int(loads.link(np.int64(top), np.int64(receiver)))
+    old_seconds = float(loads.seconds(np.int64(top), np.int64(receiver), nbytes))
+    recv = np.repeat(loads.recv[receiver][None, :], holders.size, axis=0)
+    recv[:, old_link] -= old_seconds
+    recv[np.arange(holders.size), link] += seconds
+    top_after = loads.send[top].copy()
+    top_after[old_link] -= old_seconds
+    worst = np.maximum(np.maximum(holder_send.max(axis=1), recv.max(axis=1)), top_after.max())
+    best = int(np.argmin(worst))
+    if worst[best] >= top_time * (1.0 - 1e-9):
+        return False
+    chosen, holder = int(candidates[best]), int(holders[best])
+    loads.add(top, receiver, nbytes, -1.0)
+    loads.add(holder, receiver, nbytes, 1.0)
+    busy[top, colour] = False
+    busy[holder, colour] = True
+    src[edge] = holder
+    parent[edge] = chosen
+    return True
