@@ -47,10 +47,11 @@ class _StageLoads:
 
     def __init__(self, edges: RelayEdges, src: np.ndarray, idx: np.ndarray, links: RelayLinks, num_ranks: int):
         self.links = links
-        self.send = np.zeros((num_ranks, 2))
-        self.recv = np.zeros((num_ranks, 2))
-        for e_src, e_dst, nbytes in zip(src[idx].tolist(), edges.dst[idx].tolist(), edges.nbytes[idx].tolist()):
-            self.add(e_src, e_dst, nbytes, 1.0)
+        senders, receivers = src[idx], edges.dst[idx]
+        link = self.link(senders, receivers)
+        seconds = self.seconds(senders, receivers, edges.nbytes[idx])
+        self.send = np.bincount(senders * 2 + link, weights=seconds, minlength=2 * num_ranks).reshape(num_ranks, 2)
+        self.recv = np.bincount(receivers * 2 + link, weights=seconds, minlength=2 * num_ranks).reshape(num_ranks, 2)
 
     def link(self, a, b):
         """0 for the NIC (different nodes), 1 for NVLink; vectorised over `a`."""
@@ -61,10 +62,10 @@ class _StageLoads:
         return nbytes / np.where(same, self.links.nvlink_bytes_per_s, self.links.nic_bytes_per_s)
 
     def add(self, a: int, b: int, nbytes: float, sign: float) -> None:
-        link = int(self.links.node[a] == self.links.node[b])
-        seconds = sign * float(self.seconds(np.int64(a), np.int64(b), nbytes))
-        self.send[a, link] += seconds
-        self.recv[b, link] += seconds
+        same = bool(self.links.node[a] == self.links.node[b])
+        seconds = sign * nbytes / (self.links.nvlink_bytes_per_s if same else self.links.nic_bytes_per_s)
+        self.send[a, int(same)] += seconds
+        self.recv[b, int(same)] += seconds
 
     def send_time(self) -> np.ndarray:
         return self.send.max(axis=1)
