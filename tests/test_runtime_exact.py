@@ -29,12 +29,12 @@ CASES = [
 # relays, which the runtime must replay exactly (re-sending received K,V, summing the dK, dV pushed back to them).
 SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,
                                                           "gpus_per_node": 2})
-RELAYED = [  # (name, lengths, gpus, block, coalesce, mask, layout)
-    ("relayed-6-ranks-plan", [752, 2962, 580, 999], 6, 128, 2, "causal", "plan"),
-    ("relayed-8-ranks-user", [752, 2962, 580, 999], 8, 128, 2, "causal", "user"),
-    ("relayed-7-ranks-plan", [2072, 2698, 1761, 2341, 2511, 725, 227], 7, 128, 2, "causal", "plan"),
-    ("relayed-7-ranks-user", [2072, 2698, 1761, 2341, 2511, 725, 227], 7, 128, 2, "causal", "user"),
-    ("relayed-full-8-ranks", [839, 673, 2391, 2496, 1575, 502, 2509, 1569, 514], 8, 128, 2, "full", "plan"),
+RELAYED = [  # (name, lengths, gpus, block, coalesce, mask, zigzag, layout)
+    ("relayed-6-ranks-plan", [752, 2962, 580, 999], 6, 128, 2, "causal", "auto", "plan"),
+    ("relayed-6-ranks-user", [752, 2962, 580, 999], 6, 128, 2, "causal", "auto", "user"),
+    ("relayed-8-ranks-plan", [563, 209, 3467, 1669, 298, 1939], 8, 128, 2, "causal", "off", "plan"),
+    ("relayed-8-ranks-user", [953, 557, 554], 8, 128, 2, "causal", "off", "user"),
+    ("relayed-full-8-ranks-user", [3699, 3885], 8, 128, 2, "full", "off", "user"),
 ]
 BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto", 4, 2,
               torch.float64, planner) for planner in ("ring", "bytescale", "wlbllm", "magi")
@@ -123,9 +123,9 @@ def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
 
 @pytest.mark.parametrize("case", RELAYED, ids=[c[0] for c in RELAYED])
 def test_plans_with_relays_replay_exactly(case):
-    _, lengths, gpus, block, coalesce, mask, layout = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, layout=layout,
-                         profile=SLOW_NETWORK)
+    _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
+                         layout=layout, profile=SLOW_NETWORK)
     assert plan.stats["num_relayed_transfers"] > 0
     assert any(pull.source >= 0 for rank in range(gpus) for pull in load_rank_plan(plan.to_bytes(), rank).pull_send)
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", 2, 1, torch.float64, layout))

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 NO_PARENT = -1
+# Pulls of one sender tried in a row without a move before the sender is given up for the stage (bounds the work
+# on senders whose blocks have no free holder).
+MAX_FAILURES = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +74,15 @@ class _StageLoads:
         return self.send.max(axis=1)
 
 
+def busiest_send_seconds(edges: RelayEdges, src: np.ndarray, links: RelayLinks, num_ranks: int) -> np.ndarray:
+    """Per stage, the most seconds any rank's send link (NIC or NVLink) is busy with the stage's pulls, when they
+    leave `src`."""
+    by_stage = np.argsort(edges.stage, kind="stable")
+    bounds = np.searchsorted(edges.stage[by_stage], np.arange(int(edges.stage.max(initial=-1)) + 2))
+    return np.array([_StageLoads(edges, src, by_stage[bounds[s]:bounds[s + 1]], links, num_ranks).send_time().max()
+                     for s in range(bounds.size - 1)])
+
+
 def _candidates(edges: RelayEdges, parent: np.ndarray, by_block: np.ndarray, block_start: np.ndarray, edge: int,
                 max_gap: int) -> np.ndarray:
     """Pulls of the same block whose receiver may serve `edge`: pulls from the owner (trees of depth one: each
@@ -90,8 +102,9 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colo
     """Pick a parent pull for some pulls, so that they leave the parent's receiver instead of the block's owner.
 
     Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
-    (the stage's compute, under which traffic hides anyway). Greedy: take the sender whose busiest link end is
-    slowest; move one of its relayable pulls (largest first) to the candidate holder (:func:`_candidates`) that is
+    (the stage's mean compute, under which traffic hides anyway). Greedy: take the sender whose busiest link end is
+    slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn) to the
+    candidate holder (:func:`_candidates`) that is
     free to send in the pull's round and leaves the largest of (old sender, new sender, receiver) link times
     lowest; accept only if that is below the old sender's time. A sender none of whose pulls can move is done for
     the stage. Stages are taken in order, so a parent's own sender is final before its children are chosen.
@@ -143,10 +156,12 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
         if send_time[top] <= floor:
             return
         pending = rank_edges[top]
-        while pending and not _move_one(edges, loads, pending.pop(0), top, float(send_time[top]), src, parent, busy,
-                                        by_block, block_start, max_gap):
-            pass
-        if not pending:
+        failures = 0
+        while pending and failures < MAX_FAILURES and not _move_one(
+                edges, loads, pending.pop(0), top, float(send_time[top]), src, parent, busy, by_block, block_start,
+                max_gap):
+            failures += 1
+        if not pending or failures == MAX_FAILURES:
             done[top] = True
 
 

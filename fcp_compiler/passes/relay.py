@@ -8,13 +8,17 @@ import dataclasses
 
 import numpy as np
 
-from fcp_compiler.algorithms.relays import RelayEdges, RelayLinks, choose_relays
+from fcp_compiler.algorithms.relays import RelayEdges, RelayLinks, busiest_send_seconds, choose_relays
 from fcp_compiler.ir import Schedule, TransferKind
 from fcp_compiler.passes.coalesce import backward_pushes, forward_pushes
 
 # A relay receives the block at most this many stages (of either pass) before it re-sends it: each stage of gap
 # keeps a block's buffer live one stage longer on the relay.
 MAX_RELAY_GAP = 2
+# Relays are kept only if they shorten the sum over stages of the busiest sender's link time by this fraction: each
+# costs buffer time on its relay and a later backward gradient for its parent, and re-placing the pushes costs
+# compile time.
+MIN_GAIN = 0.02
 # Segments of a block are named by bits of one int64 mask; pulls of blocks with more segments are not relayed.
 MAX_MASK_SEGMENTS = 62
 
@@ -62,14 +66,17 @@ def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
                        relayable=(transfers.edge_kind == TransferKind.KV) & fits)
     links = RelayLinks(node=np.arange(num_ranks) // profile.gpus_per_node, nic_bytes_per_s=profile.network_gbps * 1e9,
                        nvlink_bytes_per_s=profile.nvlink_gbps * 1e9)
-    # Traffic under the stage's heaviest compute hides anyway: no relay is worth its buffer there.
+    # Traffic under a stage's mean compute hides anyway: no relay is worth its buffer there (measured against the
+    # heaviest compute, which leaves the busiest senders alone, and against none, which costs backward time).
     compute = np.bincount(forward.tile_stage * num_ranks + assignment.tile_rank, weights=tiles.tile_seconds,
                           minlength=forward.num_stages * num_ranks).reshape(-1, num_ranks)
     parent = choose_relays(edges, links, num_ranks, rounds.num_rounds, compute.mean(axis=1), max_gap)
-    if (parent < 0).all():
+    relayed_src = np.where(parent >= 0, transfers.edge_dst[parent], transfers.edge_src)
+    before = busiest_send_seconds(edges, transfers.edge_src, links, num_ranks).sum()
+    after = busiest_send_seconds(edges, relayed_src, links, num_ranks).sum()
+    if (parent < 0).all() or after > (1.0 - MIN_GAIN) * before:
         return schedule
-    relayed = dataclasses.replace(transfers, edge_src=np.where(parent >= 0, transfers.edge_dst[parent],
-                                                               transfers.edge_src), edge_parent=parent)
+    relayed = dataclasses.replace(transfers, edge_src=relayed_src, edge_parent=parent)
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
     return dataclasses.replace(
         schedule, rounds=dataclasses.replace(rounds, transfers=relayed),
