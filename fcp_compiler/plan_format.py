@@ -2,15 +2,20 @@
 
 Layout::
 
-    b"FCPPLAN\\0" | u32 header length | header (msgpack map) | global section | rank 0 section | ... | rank N-1
+    b"FCPPLAN5" | u32 header length | sha256 of the header | header (msgpack map) | global section | rank 0 | ...
 
-Each section is a msgpack map from array name to raw bytes. The header says where every section lies, so one
-rank's program is read without decoding the others. The header is validated with pydantic (the envelope); the
-arrays are not, for speed: :mod:`fcp_compiler.validate` checks what they mean.
+Each section is a msgpack map from array name to raw bytes. The header says where every section lies and holds its
+sha256, so one rank's program is read, by offset, without reading the others, and any flipped bit is caught. The
+header is validated with pydantic (the envelope, with limits on every count); each section, when read, is checked
+for structure (:mod:`fcp_compiler.plan_structure`: sizes agree, every index in range), so no reader indexes out of
+bounds or allocates beyond what the file's own sizes imply; :mod:`fcp_compiler.validate` checks what they mean.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +23,21 @@ from typing import Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
+from fcp_compiler.plan_structure import check_rank_arrays, check_tables
 
-MAGIC = b"FCPPLAN\0"
-FORMAT_VERSION = 4
+MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
+_LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
+FORMAT_VERSION = 5
+MAX_INT32 = 2**31 - 1
+MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
+MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
+MAX_HEADER_BYTES = 2**26
+_PREFIX = len(MAGIC) + 4 + 32  # magic, header length, sha256 of the header
 _ARRAY_DTYPE = np.dtype("<i4")
 
 # Per-rank arrays. A "pull" is a KV or Q transfer from a block's owner to a rank that needs it; row i carries
@@ -56,31 +68,32 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[4] = FORMAT_VERSION
+    format_version: Literal[5] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
-    num_ranks: int = Field(..., ge=1)
-    block_size: int = Field(..., ge=64)
-    coalesce: int = Field(..., ge=1, description="rounds per stage of the forward pass")
-    bwd_coalesce: int = Field(..., ge=1, description="rounds per stage of the backward pass, whose pulls take every "
+    num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
+    block_size: int = Field(..., ge=64, le=MAX_BLOCK_SIZE)
+    coalesce: int = Field(..., ge=1, le=MAX_INT32, description="rounds per stage of the forward pass")
+    bwd_coalesce: int = Field(..., ge=1, le=MAX_INT32, description="rounds per stage of the backward pass, whose pulls take every "
                                                    "other round: twice coalesce, so each stage holds as many pulls")
-    token_cap: int = Field(..., ge=1)
+    token_cap: int = Field(..., ge=1, le=MAX_INT32)
     zigzag: bool
     mask: MaskKind
-    num_sequences: int = Field(..., ge=1)
-    total_tokens: int = Field(..., ge=1)
-    num_blocks: int = Field(..., ge=1)
+    num_sequences: int = Field(..., ge=1, le=MAX_INT32)
+    total_tokens: int = Field(..., ge=1, le=MAX_INT32)
+    num_blocks: int = Field(..., ge=1, le=MAX_INT32)
     shape: AttentionShape
     profile: HardwareProfile
     layout: Layout = Field(..., description="plan: every layer holds tokens in the plan layout (dispatched once); "
                                            "user: attention reshuffles to and from the user layout")
-    num_rounds: int = Field(..., ge=0, description="rounds of the forward pulls (their largest degree)")
-    num_fwd_rounds: int = Field(..., ge=0, description="rounds of the forward pass, pulls and pushes")
-    num_bwd_rounds: int = Field(..., ge=0, description="rounds of the backward pass, pulls and pushes")
-    num_fwd_stages: int = Field(..., ge=1)
-    num_bwd_stages: int = Field(..., ge=1)
-    recv_buffer_tokens: int = Field(..., ge=0, description="most pulled tokens a rank receives in one stage")
-    max_buffer_tokens: int = Field(..., ge=0, description="most tokens of live received buffers (pulls, pushes, "
+    num_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the forward pulls (their largest degree)")
+    num_fwd_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the forward pass, pulls and pushes")
+    num_bwd_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the backward pass, pulls and pushes")
+    num_fwd_stages: int = Field(..., ge=1, le=MAX_INT32)
+    num_bwd_stages: int = Field(..., ge=1, le=MAX_INT32)
+    recv_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32, description="most pulled tokens a rank receives in "
+                                                                         "one stage")
+    max_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32, description="most tokens of live received buffers (pulls, pushes, "
                                                           "the stage in flight) on any rank in any stage")
     pipelined: bool = Field(True, description="tiles run in the stage after their data (False: after all pulls)")
     rounds_kind: Literal["matching", "arbitrary"] = Field(
@@ -88,6 +101,16 @@ class PlanHeader(BaseModel):
     reshuffle_overlap: bool = Field(True, description="tiles whose tokens stay local run during the reshuffle")
     global_section: tuple[int, int] = Field(..., description="(offset, length) after the header")
     rank_sections: list[tuple[int, int]] = Field(..., description="(offset, length) of each rank's section")
+    global_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the global section's bytes")
+    rank_sha256: list[str] = Field(..., description="sha256 of each rank section's bytes (hex)")
+
+    @field_validator("rank_sha256")
+    @classmethod
+    def _hex_digests(cls, digests: list[str]) -> list[str]:
+        bad = next((d for d in digests if len(d) != 64 or any(c not in "0123456789abcdef" for c in d)), None)
+        if bad is not None:
+            raise ValueError(f"rank_sha256 entry {bad[:80]!r} is not a sha256 hex digest")
+        return digests
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,17 +171,24 @@ def int32_bytes(values: np.ndarray) -> memoryview:
 def _decode_section(data: bytes, names: tuple[str, ...], what: str) -> dict[str, np.ndarray]:
     try:
         packed = msgpack.unpackb(data, raw=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as error:
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as error:
         raise PlanFormatError(f"{what} is not valid msgpack: {error}") from None
     if not isinstance(packed, dict) or set(packed) != set(names):
-        got = sorted(packed) if isinstance(packed, dict) else type(packed).__name__
+        got = sorted(map(str, packed))[:40] if isinstance(packed, dict) else type(packed).__name__
         raise PlanFormatError(f"{what} holds {got}, expected the arrays {sorted(names)}")
+    bad = next((name for name in names if not isinstance(packed[name], bytes) or len(packed[name]) % 4), None)
+    if bad is not None:
+        raise PlanFormatError(f"{what}: array {bad} is not a whole number of int32 values")
     return {name: np.frombuffer(packed[name], dtype=_ARRAY_DTYPE).astype(np.int64) for name in names}
 
 
 def assemble(header_fields: dict, global_arrays: dict[str, np.ndarray],
              rank_arrays: list[dict[str, np.ndarray | bytes]]) -> bytes:
-    """Lay out a plan file from its header fields (sections excluded) and arrays."""
+    """Lay out a plan file from its header fields (sections and digests excluded) and arrays.
+
+    Layout: magic, u32 header length, sha256 of the header, the header (msgpack), the global section, then one
+    section per rank; the header holds every section's place and sha256, so any flipped bit is caught by a reader.
+    """
     global_bytes = encode_section(global_arrays)
     rank_bytes = [encode_section(arrays) for arrays in rank_arrays]
     offset = len(global_bytes)
@@ -166,79 +196,137 @@ def assemble(header_fields: dict, global_arrays: dict[str, np.ndarray],
     for blob in rank_bytes:
         sections.append((offset, len(blob)))
         offset += len(blob)
-    header = PlanHeader(**header_fields, global_section=(0, len(global_bytes)), rank_sections=sections)
+    header = PlanHeader(**header_fields, global_section=(0, len(global_bytes)), rank_sections=sections,
+                        global_sha256=hashlib.sha256(global_bytes).hexdigest(),
+                        rank_sha256=[hashlib.sha256(blob).hexdigest() for blob in rank_bytes])
     header_bytes = msgpack.packb(header.model_dump(mode="json"), use_bin_type=True)
-    return b"".join([MAGIC, struct.pack("<I", len(header_bytes)), header_bytes, global_bytes, *rank_bytes])
+    return b"".join([MAGIC, struct.pack("<I", len(header_bytes)), hashlib.sha256(header_bytes).digest(), header_bytes,
+                     global_bytes, *rank_bytes])
+
+
+class _Source:
+    """Bytes of a plan, from memory or from a regular file read by offset (never the whole file at once)."""
+
+    def __init__(self, source: str | Path | bytes | bytearray | memoryview):
+        self._file = None
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            self._data = memoryview(source)
+            self.size = len(self._data)
+            self.origin = "plan bytes"
+            return
+        path = str(source)
+        self.origin = f"plan file {path!r}"
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is then refused as not a regular file.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise PlanFormatError(f"plan file {path!r} does not exist") from None
+        except OSError as error:
+            raise PlanFormatError(f"plan file {path!r} cannot be read: {error.strerror}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise PlanFormatError(f"plan file {path!r} is not a regular file")
+        self._file = os.fdopen(fd, "rb")
+        self.size = info.st_size
+
+    def read(self, offset: int, length: int, what: str) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise PlanFormatError(f"{self.origin}: {what} [{offset}, {offset + length}) lies outside the file's "
+                                  f"{self.size} bytes")
+        if self._file is None:
+            return bytes(self._data[offset:offset + length])
+        self._file.seek(offset)
+        data = self._file.read(length)
+        if len(data) != length:
+            raise PlanFormatError(f"{self.origin}: the file ends inside {what}")
+        return data
 
 
 class PlanReader:
-    """Random access to a plan file: the header on open, any rank's section on demand."""
+    """Random access to a plan: the header on open (checked against its sha256), any rank's section on demand (read
+    by offset, checked against its sha256 and for structure: sizes agree, every index in range)."""
 
     def __init__(self, source: str | Path | bytes):
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            self._data = memoryview(source)
-            self.origin = "plan bytes"
-        else:
-            path = Path(source)
-            try:
-                self._data = memoryview(path.read_bytes())
-            except FileNotFoundError:
-                raise PlanFormatError(f"plan file {str(path)!r} does not exist") from None
-            except (IsADirectoryError, PermissionError) as error:
-                raise PlanFormatError(f"plan file {str(path)!r} cannot be read: {error.__class__.__name__}") \
-                    from None
-            self.origin = f"plan file {str(path)!r}"
-        if bytes(self._data[:8]) != MAGIC or len(self._data) < 12:
-            raise PlanFormatError(f"{self.origin} is not an fcp plan (bad magic {bytes(self._data[:8])!r})")
-        (header_len,) = struct.unpack("<I", self._data[8:12])
-        try:
-            raw = msgpack.unpackb(self._data[12:12 + header_len], raw=False)
-        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as error:
-            raise PlanFormatError(f"{self.origin}: header is not valid msgpack: {error}") from None
-        if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
-            raise PlanFormatError(f"{self.origin}: format_version {raw.get('format_version')!r} is not supported "
-                                  f"(this fcp reads version {FORMAT_VERSION})")
-        try:
-            self.header = PlanHeader.model_validate(raw)
-        except ValidationError as error:
-            detail = error.errors()[0]
-            raise PlanFormatError(f"{self.origin}: header field {'.'.join(map(str, detail['loc']))}: "
-                                  f"{detail['msg']}") from None
-        self._body = 12 + header_len
-        end = max([sum(self.header.global_section)] + [sum(s) for s in self.header.rank_sections])
-        if len(self.header.rank_sections) != self.header.num_ranks or self._body + end != len(self._data):
-            raise PlanFormatError(f"{self.origin}: sections do not match the file ({len(self._data)} bytes, "
-                                  f"{len(self.header.rank_sections)} rank sections for {self.header.num_ranks} ranks)")
+        self._source = _Source(source)
+        self.origin = self._source.origin
+        prefix = self._source.read(0, min(_PREFIX, self._source.size), "the header")
+        if prefix[:8] == _LEGACY_MAGIC:
+            raise PlanFormatError(f"{self.origin} was written by an older fcp (format 4 or earlier); this fcp reads "
+                                  f"version {FORMAT_VERSION}: compile it again")
+        if prefix[:8] != MAGIC or len(prefix) < _PREFIX:
+            raise PlanFormatError(f"{self.origin} is not an fcp plan (bad magic {prefix[:8]!r})")
+        (header_len,) = struct.unpack("<I", prefix[8:12])
+        if header_len > MAX_HEADER_BYTES:
+            raise PlanFormatError(f"{self.origin}: header length {header_len} exceeds {MAX_HEADER_BYTES} bytes")
+        header_bytes = self._source.read(_PREFIX, header_len, "the header")
+        if hashlib.sha256(header_bytes).digest() != prefix[12:_PREFIX]:
+            raise PlanFormatError(f"{self.origin}: the header does not match its sha256 (corrupt plan)")
+        self.header = _parse_header(header_bytes, self.origin)
+        self._body = _PREFIX + header_len
+        header = self.header
+        sections = [header.global_section, *header.rank_sections]
+        if len(header.rank_sections) != header.num_ranks or len(header.rank_sha256) != header.num_ranks:
+            raise PlanFormatError(f"{self.origin}: {len(header.rank_sections)} rank sections and "
+                                  f"{len(header.rank_sha256)} digests for {header.num_ranks} ranks")
+        if any(offset < 0 or length < 0 for offset, length in sections) or \
+                self._body + max(offset + length for offset, length in sections) != self._source.size:
+            raise PlanFormatError(f"{self.origin}: sections do not match the file's {self._source.size} bytes")
         self._tables: GlobalTables | None = None
 
-    def _section(self, where: tuple[int, int]) -> bytes:
+    def _section(self, where: tuple[int, int], digest: str, what: str) -> bytes:
         offset, length = where
-        return self._data[self._body + offset:self._body + offset + length]
+        data = self._source.read(self._body + offset, length, what)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise PlanFormatError(f"{self.origin}: {what} does not match its sha256 (corrupt plan)")
+        return data
 
     @property
     def tables(self) -> GlobalTables:
-        """The batch-wide tables (decoded once)."""
+        """The batch-wide tables (decoded and checked once)."""
         if self._tables is None:
-            arrays = _decode_section(self._section(self.header.global_section), GLOBAL_ARRAYS,
-                                     f"{self.origin} global section")
+            what = f"{self.origin} global section"
+            arrays = _decode_section(self._section(self.header.global_section, self.header.global_sha256,
+                                                   "the global section"), GLOBAL_ARRAYS, what)
+            check_tables(what, self.header, arrays)
             self._tables = GlobalTables(**arrays)
         return self._tables
 
     def rank(self, rank: int) -> RankProgram:
-        """Decode one rank's program only.
+        """Decode and structurally check one rank's program only.
 
         Raises:
-            PlanFormatError: rank out of range or a corrupt section.
+            PlanFormatError: rank out of range, a corrupt section, or an index out of range.
         """
-        if not 0 <= rank < self.header.num_ranks:
-            raise PlanFormatError(f"rank {rank} is out of range for a plan of {self.header.num_ranks} ranks")
-        arrays = _decode_section(self._section(self.header.rank_sections[rank]), RANK_ARRAYS,
-                                 f"{self.origin} rank {rank} section")
-        return RankProgram(rank=rank, header=self.header, tables=self.tables, arrays=arrays)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.header.num_ranks:
+            raise PlanFormatError(f"rank {rank!r} is out of range for a plan of {self.header.num_ranks} ranks "
+                                  f"(0..{self.header.num_ranks - 1})")
+        what = f"{self.origin} rank {rank} section"
+        arrays = _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
+                                               f"rank {rank}'s section"), RANK_ARRAYS, what)
+        tables = self.tables
+        check_rank_arrays(what, self.header, arrays, tables.seg_block.size)
+        return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
     def ranks(self) -> list[RankProgram]:
         """Every rank's program."""
         return [self.rank(rank) for rank in range(self.header.num_ranks)]
+
+
+def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
+    try:
+        raw = msgpack.unpackb(header_bytes, raw=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as error:
+        raise PlanFormatError(f"{origin}: header is not valid msgpack: {error}") from None
+    if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format_version {raw.get('format_version')!r} is not supported "
+                              f"(this fcp reads version {FORMAT_VERSION})")
+    try:
+        return PlanHeader.model_validate(raw)
+    except ValidationError as error:
+        detail = error.errors()[0]
+        raise PlanFormatError(f"{origin}: header field {'.'.join(map(str, detail['loc']))}: "
+                              f"{detail['msg']}") from None
 
 
 def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:
@@ -276,7 +364,7 @@ def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:
 def rebuild_plan(reader: PlanReader, rank_arrays: list[dict[str, np.ndarray]] | None = None,
                  **header_changes: object) -> bytes:
     """Re-serialise a plan with some rank arrays or header fields replaced (for tools and tests that edit plans)."""
-    fields = reader.header.model_dump(exclude={"global_section", "rank_sections"})
+    fields = reader.header.model_dump(exclude={"global_section", "rank_sections", "global_sha256", "rank_sha256"})
     fields.update(header_changes)
     tables = reader.tables
     global_arrays = {name: getattr(tables, name) for name in GLOBAL_ARRAYS}

@@ -46,14 +46,14 @@ def test_real_plans_pass(plan_bytes, offload_bytes):
 def test_a_dropped_tile_breaks_coverage(plan_bytes):
     def drop(arrays):
         a = arrays[0]
-        for name in ("tile_stage", "tile_q_block", "tile_kv_block"):
+        for name in ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"):
             a[name] = a[name][1:]
     expect(edited(plan_bytes, drop), 1, "runs nowhere")
 
 
 def test_a_duplicated_tile_breaks_coverage(plan_bytes):
     def duplicate(arrays):
-        for name in ("tile_stage", "tile_q_block", "tile_kv_block"):
+        for name in ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"):
             arrays[1][name] = np.append(arrays[1][name], arrays[0][name][0])
     expect(edited(plan_bytes, duplicate), 1, "runs 2 times")
 
@@ -124,10 +124,32 @@ def test_a_header_that_understates_live_buffers_breaks_memory(plan_bytes):
     expect(edited(plan_bytes, lambda arrays: None, max_buffer_tokens=stated - 1), 4, "max_buffer_tokens")
 
 
-def test_a_tile_outside_the_stages_is_caught(plan_bytes):
+def expect_structure_error(data, match):
+    """Out-of-range fields are refused by every reader, before the validator looks at meaning."""
+    with pytest.raises(PlanFormatError, match=match):
+        validate_plan(data)
+    with pytest.raises(PlanFormatError, match=match):
+        PlanReader(data).ranks()
+
+
+@pytest.mark.parametrize("name, value", [("tile_stage", 99), ("tile_stage", -1), ("tile_bwd_stage", 99)])
+def test_a_tile_outside_the_stages_is_caught(plan_bytes, name, value):
     def far(arrays):
-        arrays[0]["tile_stage"][-1] = 99
-    expect(edited(plan_bytes, far), 2, "outside the plan's")
+        arrays[0][name][-1] = value
+    expect_structure_error(edited(plan_bytes, far), f"{name} holds {value}, outside")
+
+
+def test_a_push_past_the_last_stage_is_caught(plan_bytes):
+    header = PlanReader(plan_bytes).header
+
+    def late(arrays):
+        a = arrays[rank_with(arrays, "bwd_push_send_round")]
+        a["bwd_push_send_round"][-1] = header.num_bwd_stages * header.bwd_coalesce
+    expect_structure_error(edited(plan_bytes, late), "bwd_push_send_round")
+
+
+def test_a_header_with_fewer_stages_than_the_tiles_use_is_caught(plan_bytes):
+    expect_structure_error(edited(plan_bytes, lambda arrays: None, num_fwd_stages=1), "outside")
 
 
 def test_a_rank_over_the_token_cap_breaks_memory(plan_bytes):
@@ -148,8 +170,9 @@ def test_a_reshuffle_that_is_not_a_bijection_is_caught(plan_bytes):
 def test_backward_rounds_per_stage_must_be_twice_the_forward(plan_bytes):
     coalesce = PlanReader(plan_bytes).header.coalesce
     assert PlanReader(plan_bytes).header.bwd_coalesce == 2 * coalesce
-    # Read as c rounds a stage, the backward would run tiles before their data arrives: the header is refused.
-    expect(edited(plan_bytes, lambda arrays: None, bwd_coalesce=coalesce), 3, "twice the forward's")
+    # Read as c rounds a stage, the backward's messages would lie past its stages (refused by every reader), and
+    # its tiles would run before their data arrives.
+    expect_structure_error(edited(plan_bytes, lambda arrays: None, bwd_coalesce=coalesce), "stage holds")
 
 
 def test_rounds_must_equal_delta(plan_bytes):
