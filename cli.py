@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -60,6 +61,7 @@ def compile_command(
     from fcp_compiler.inputs import load_batch, load_profile, make_shape
     from fcp_compiler.pipeline import compile_plan
     from fcp_compiler.report import compile_summary
+    from fcp_compiler.safe_io import check_output_target, write_files_atomic
 
     if mask is not None and mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
@@ -71,11 +73,16 @@ def compile_command(
     if batch.suffix == ".jsonl":
         _bulk(batch, gpus, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
-    plan = compile_plan(load_batch(batch), gpus, **options)
     output = output or Path(batch.with_suffix(".fcp").name)
-    plan.write(output)
+    for target in (output, stats):  # before compiling: a bad target costs nothing
+        if target is not None:
+            check_output_target(target)
+    plan = compile_plan(load_batch(batch), gpus, **options)
+    # The plan and its figures land together or not at all.
+    files = [(output, plan.to_bytes())]
     if stats:
-        _write_json(stats, plan.stats)
+        files.append((stats, (json.dumps(plan.stats, indent=2, sort_keys=True) + "\n").encode()))
+    write_files_atomic(files)
     if not quiet:
         typer.echo(compile_summary(plan.stats, str(output)))
 
@@ -161,19 +168,31 @@ def inspect_command(
         typer.echo(f"  ... {len(rows) - 32} more ranks (--json for all)")
 
 
+def _is_plan_file(source: Path, magic: bytes) -> bool:
+    """Whether a regular file starts with the plan magic (a FIFO or device is refused before it can block)."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(str(source), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        raise InvalidInputError(f"file {str(source)!r} cannot be read: {error.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidInputError(f"file {str(source)!r} is not a regular file")
+        return handle.read(len(magic)) == magic
+
+
 def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
     """A plan file as it is, or a batch JSON compiled for --gpus."""
     from fcp_compiler.inputs import load_batch, load_profile
     from fcp_compiler.pipeline import compile_plan
     from fcp_compiler.plan_format import MAGIC
 
-    try:
-        with open(source, "rb") as handle:
-            is_plan = handle.read(len(MAGIC)) == MAGIC
-    except OSError:
-        raise InvalidInputError(f"file {str(source)!r} does not exist or cannot be read") from None
-    if is_plan:
-        return source.read_bytes()
+    from fcp_compiler.plan_format import PlanReader
+
+    if _is_plan_file(source, MAGIC):
+        return PlanReader(str(source))
     if gpus is None:
         raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
     return compile_plan(load_batch(source), gpus, profile=load_profile(profile or "h100")).to_bytes()
@@ -195,8 +214,12 @@ def simulate_command(
     from fcp_compiler.report import table
     from fcp_compiler.simulate import simulate_plan, write_trace
 
+    from fcp_compiler.validate import validate_plan
+
     layer_model = load_model(model) if model else None
     data = _plan_or_batch(source, gpus, profile)
+    if not isinstance(data, bytes):
+        validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
     simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None)
     figures = simulation.figures()
     if layer_model:
@@ -366,12 +389,16 @@ def diff_command(
     from fcp_compiler.diff import diff_plans
     from fcp_compiler.plan_format import PlanReader
     from fcp_compiler.report import table
+    from fcp_compiler.validate import validate_plan
 
     if fail_on not in (None, "change", "regression"):
         raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
-    if tolerance < 0:
-        raise InvalidInputError(f"--tolerance {tolerance} must be >= 0")
-    result = diff_plans(PlanReader(str(plan_a)), PlanReader(str(plan_b)), tolerance)
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
+    readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
+    for reader in readers:  # the diff simulates both: each must keep the invariants the simulator trusts
+        validate_plan(reader)
+    result = diff_plans(*readers, tolerance)
     if json_out:
         _write_json(json_out, result)
     if result["identical"]:
@@ -512,11 +539,25 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo(f"fcp{command}: error: {error.format_message()}{_offending_value(argv, error)}", err=True)
         return 2
     except FcpError as error:
+        from fcp_compiler.validate import PlanInvalidError
+
+        if isinstance(error, PlanInvalidError):
+            typer.echo(f"fcp: invalid plan: {error}", err=True)
+            return 1
         typer.echo(f"fcp: error: {error}", err=True)
         return 2
     except OSError as error:  # an output path that cannot be written
         typer.echo(f"fcp: error: cannot write {error.filename!r}: {error.strerror}", err=True)
         return 2
+    except MemoryError:
+        typer.echo("fcp: error: out of memory (the inputs ask for more than this machine has)", err=True)
+        return 2
+    except KeyboardInterrupt:
+        typer.echo("fcp: interrupted", err=True)
+        return 130
+    except Exception as error:  # noqa: BLE001 - a bug: still one line, and an exit code of its own
+        typer.echo(f"fcp: internal error (a bug, please report it): {error.__class__.__name__}: {error}", err=True)
+        return 3
     return 0
 
 

@@ -5,7 +5,6 @@ Resumable: a plan file is named by its step and inputs digest, and a step whose 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.inputs import BatchSpec, parse_batch
 from fcp_compiler.parallel import map_on_cores
+from fcp_compiler.safe_io import parse_json, read_input_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,19 +35,16 @@ def read_jsonl(path: Path) -> list[BatchSpec]:
     Raises:
         InvalidInputError: naming the file and line of the first bad batch.
     """
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InvalidInputError(f"batch file {str(path)!r} does not exist") from None
+    data = read_input_bytes(path, "batch")
     batches = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidInputError(f"{path}:{number}: not UTF-8 text (byte {raw[error.start]:#04x})") from None
         if not line.strip():
             continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise InvalidInputError(f"{path}:{number}: not valid JSON: {error.msg}") from None
-        batches.append(parse_batch(data, origin=f"{path}:{number}"))
+        batches.append(parse_batch(parse_json(line, f"{path}:{number}"), origin=f"{path}:{number}"))
     if not batches:
         raise InvalidInputError(f"batch file {str(path)!r} holds no batches")
     return batches

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.safe_io import parse_json, read_input_text
 
 SCHEMA_VERSION = 1
 
@@ -46,6 +47,9 @@ class DType(str, enum.Enum):
         return {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[self.value]
 
 
+MAX_BATCH_TOKENS = 2**31 - 1  # a plan stores token counts and offsets as int32
+
+
 class BatchSpec(BaseModel):
     """A batch: an ordered list of sequence lengths and one mask kind."""
 
@@ -64,6 +68,10 @@ class BatchSpec(BaseModel):
         for seq_idx, length in enumerate(value):
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise ValueError(f"sequence {seq_idx} has length {length!r}; lengths must be positive integers")
+        total = sum(value)
+        if total > MAX_BATCH_TOKENS:
+            raise ValueError(f"the batch holds {total} tokens, more than {MAX_BATCH_TOKENS} (a plan's arrays are "
+                             f"int32)")
         return value
 
 
@@ -72,9 +80,9 @@ class AttentionShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    q_heads: int = Field(64, ge=1, description="query heads")
-    kv_heads: int = Field(8, ge=1, description="key/value heads; divides q_heads")
-    head_dim: int = Field(128, ge=1, description="size of one head")
+    q_heads: int = Field(64, ge=1, le=4096, description="query heads")
+    kv_heads: int = Field(8, ge=1, le=4096, description="key/value heads; divides q_heads")
+    head_dim: int = Field(128, ge=1, le=4096, description="size of one head")
     dtype: DType = Field(DType.BF16, description="element type of Q, K, V, O")
 
     @model_validator(mode="after")
@@ -97,7 +105,7 @@ class AttentionShape(BaseModel):
 class EfficiencyPoint(BaseModel):
     """One point of the tile-efficiency curve: fraction of peak reached by a square tile of `tokens`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     tokens: Annotated[int, Field(ge=1)]
     efficiency: Annotated[float, Field(gt=0.0, le=1.0)]
@@ -106,7 +114,7 @@ class EfficiencyPoint(BaseModel):
 class HardwareProfile(BaseModel):
     """What the cost model needs to know about one GPU and its network."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(..., min_length=1)
     peak_tflops: float = Field(..., gt=0, description="dense bf16 tensor-core peak, TFLOP/s")
@@ -189,17 +197,7 @@ def _first_error(error: ValidationError) -> str:
 
 
 def _read_json(path: Path, what: str) -> object:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InvalidInputError(f"{what} file {str(path)!r} does not exist") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
-        raise InvalidInputError(f"{what} file {str(path)!r} cannot be read: {error.__class__.__name__}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InvalidInputError(f"{what} file {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}") \
-            from None
+    return parse_json(read_input_text(path, what), f"{what} file {str(path)!r}")
 
 
 def parse_batch(data: object, origin: str = "batch") -> BatchSpec:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.inputs import (PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile, Layout, MaskKind,
-                                 parse_batch)
+from fcp_compiler.safe_io import write_files_atomic
+from fcp_compiler.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile,
+                                 Layout, MaskKind, parse_batch)
 from fcp_compiler.baselines import BASELINES, Planner
 from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.passes.assign import assign, default_token_cap
@@ -28,9 +27,10 @@ from fcp_compiler.passes.reshuffle import reshuffle
 from fcp_compiler.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.passes.shard import shard
 from fcp_compiler.passes.transfers import plan_transfers
-from fcp_compiler.plan_format import FORMAT_VERSION, PlanReader, RankProgram
+from fcp_compiler.plan_format import FORMAT_VERSION, MAX_BLOCK_SIZE, MAX_RANKS, PlanReader, RankProgram
 from fcp_compiler.stats import plan_stats
 
+MAX_COALESCE = 2**16  # rounds per stage
 # A rank may be 2% above the compute lower bound before tiles of heavy blocks are moved off their owner.
 BALANCE_TOLERANCE = 0.02
 
@@ -57,15 +57,18 @@ class CompileOptions:
 
     def check(self) -> None:
         """Raise InvalidInputError naming the first parameter out of range."""
-        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer >= 1")
-        if not isinstance(self.block_size, int) or self.block_size < 64 or self.block_size % 64:
-            raise InvalidInputError(f"--block-size {self.block_size!r} must be a positive multiple of 64 "
-                                    f"(e.g. 1024, 2048, 4096)")
-        if not isinstance(self.coalesce, int) or self.coalesce < 1:
-            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer >= 1")
-        if self.token_cap is not None and (not isinstance(self.token_cap, int) or self.token_cap < 1):
-            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be a positive integer")
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or \
+                not 1 <= self.num_ranks <= MAX_RANKS:
+            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer from 1 to {MAX_RANKS}")
+        if not isinstance(self.block_size, int) or not 64 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size % 64:
+            raise InvalidInputError(f"--block-size {self.block_size!r} must be a multiple of 64 from 64 to "
+                                    f"{MAX_BLOCK_SIZE} (e.g. 1024, 2048, 4096)")
+        if not isinstance(self.coalesce, int) or not 1 <= self.coalesce <= MAX_COALESCE:
+            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer from 1 to {MAX_COALESCE}")
+        if self.token_cap is not None and (not isinstance(self.token_cap, int) or
+                                           not 1 <= self.token_cap <= MAX_BATCH_TOKENS):
+            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be an integer from 1 to "
+                                    f"{MAX_BATCH_TOKENS}")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):
@@ -104,22 +107,9 @@ class CompiledPlan:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to `path` through a temporary file in the same folder, so no half-written file remains."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as error:
-        raise InvalidInputError(f"cannot write {str(path)!r}: {error.strerror}") from None
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write bytes to `path` through a temporary file in the same folder, so no half-written file remains; a path
+    that exists and is not a regular file is refused (:func:`fcp_compiler.safe_io.write_files_atomic`)."""
+    write_files_atomic([(Path(path), data)])
 
 
 def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner: str) -> str:

@@ -54,6 +54,10 @@ def check_tables(where: str, header, tables: dict[str, np.ndarray]) -> None:
         bad = int(np.flatnonzero((start < 0) | (end <= start) | (end > lengths[seg_seq]))[0])
         _fail(where, f"segment {bad} [{int(start[bad])}, {int(end[bad])}) is empty or outside sequence "
                      f"{int(seg_seq[bad])}")
+    block_tokens = np.bincount(seg_block, weights=end - start, minlength=header.num_blocks)
+    if block_tokens.max() > header.block_size:  # so tokens stay within segments x block size: bounded by the file
+        bad = int(np.argmax(block_tokens))
+        _fail(where, f"block {bad} holds {int(block_tokens[bad])} tokens, more than the block size {header.block_size}")
     if int((end - start).sum()) != header.total_tokens:
         _fail(where, f"segments hold {int((end - start).sum())} tokens, the header says {header.total_tokens}")
 

@@ -7,6 +7,7 @@ same batch on every machine.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.safe_io import parse_json, read_input_text
 
 _DRAW_CHUNK = 4096
 
@@ -44,7 +46,7 @@ def lognormal_batch(total_tokens: int, median: float, sigma: float, min_len: int
     Raises:
         InvalidInputError: non-positive median, negative sigma, or min_len > max_len.
     """
-    if median <= 0 or sigma < 0:
+    if not (np.isfinite(median) and np.isfinite(sigma)) or median <= 0 or sigma < 0:
         raise InvalidInputError(f"lognormal needs median > 0 and sigma >= 0, got median={median}, sigma={sigma}")
     if not 1 <= min_len <= max_len:
         raise InvalidInputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
@@ -133,16 +135,14 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
         InvalidInputError: missing file or no lengths in it.
     """
     path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"length file {str(path)!r} does not exist")
-    text = path.read_text()
+    text = read_input_text(path, "length")
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = parse_json(text, f"length file {str(path)!r}")
             data = data["sequences"] if isinstance(data, dict) else data
             return np.asarray(data, dtype=np.int64)
         return np.asarray([int(float(line.split(",")[0])) for line in text.split() if line.strip()], dtype=np.int64)
-    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+    except (ValueError, TypeError, KeyError, OverflowError, json.JSONDecodeError) as error:
         raise InvalidInputError(f"length file {str(path)!r} is not a list of lengths: {error}") from None
 
 
@@ -153,26 +153,27 @@ def read_histogram_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         InvalidInputError: missing file or rows that are not bins.
     """
     path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"histogram file {str(path)!r} does not exist")
+    text = read_input_text(path, "histogram")
     lows, highs, counts = [], [], []
-    with path.open(newline="") as handle:
-        for row in csv.reader(handle):
-            cells = [cell.strip() for cell in row if cell.strip()]
-            # Either "low,high,count,..." or a range label "[low, high]" (inclusive) then "count,...".
-            label_numbers = re.findall(r"\d+(?:\.\d+)?", cells[0]) if cells else []
-            try:
-                if len(label_numbers) == 2 and len(cells) >= 2:
-                    low, high, count = float(label_numbers[0]), float(label_numbers[1]) + 1, float(cells[1])
-                elif len(cells) >= 3:
-                    low, high, count = float(cells[0]), float(cells[1]), float(cells[2])
-                else:
-                    continue
-            except ValueError:
-                continue  # header or comment line
-            lows.append(max(low, 1.0))
-            highs.append(high)
-            counts.append(count)
+    for row in csv.reader(io.StringIO(text, newline="")):
+        cells = [cell.strip() for cell in row if cell.strip()]
+        # Either "low,high,count,..." or a range label "[low, high]" (inclusive) then "count,...".
+        label_numbers = re.findall(r"\d+(?:\.\d+)?", cells[0]) if cells else []
+        try:
+            if len(label_numbers) == 2 and len(cells) >= 2:
+                low, high, count = float(label_numbers[0]), float(label_numbers[1]) + 1, float(cells[1])
+            elif len(cells) >= 3:
+                low, high, count = float(cells[0]), float(cells[1]), float(cells[2])
+            else:
+                continue
+        except ValueError:
+            continue  # header or comment line
+        if not all(np.isfinite((low, high, count))) or count < 0 or high <= low:
+            raise InvalidInputError(f"histogram file {str(path)!r}: bin {row!r} must have finite low < high and a "
+                                    f"count >= 0")
+        lows.append(max(low, 1.0))
+        highs.append(high)
+        counts.append(count)
     if not counts:
         raise InvalidInputError(f"histogram file {str(path)!r} has no (low, high, count) rows")
     edges = np.array(lows + [highs[-1]], dtype=np.float64)

@@ -187,3 +187,26 @@ def test_corrupt_files_are_format_errors(plan_bytes, tmp_path):
         validate_plan(plan_bytes[:-10])
     with pytest.raises(PlanFormatError, match="does not exist"):
         validate_plan(str(tmp_path / "missing.fcp"))
+
+
+def test_one_flipped_bit_anywhere_fails_every_reader_of_what_it_touches(plan_bytes):
+    load_rank_plan = pytest.importorskip("fcp_runtime.plan").load_rank_plan  # the runtime's reader too
+
+    reader = PlanReader(plan_bytes)
+    body = len(plan_bytes) - sum(length for _, length in reader.header.rank_sections) \
+        - reader.header.global_section[1]
+    rng = np.random.default_rng(0)
+    # Every byte of the fixed prefix and a sample of the header and of every section.
+    positions = sorted(set(range(44)) | set(rng.integers(44, body, 60).tolist())
+                       | set(rng.integers(body, len(plan_bytes), 200).tolist()))
+    rank_starts = np.array([body + offset for offset, _ in reader.header.rank_sections])
+    for position in positions:
+        corrupt = bytearray(plan_bytes)
+        corrupt[position] ^= 1 << int(rng.integers(8))
+        corrupt = bytes(corrupt)
+        with pytest.raises(PlanFormatError):
+            validate_plan(corrupt)
+        # The rank whose section (or the header, or the global tables) holds the bit cannot be loaded either.
+        rank = int(np.searchsorted(rank_starts, position, side="right")) - 1 if position >= rank_starts[0] else 0
+        with pytest.raises(PlanFormatError):
+            load_rank_plan(corrupt, rank)
