@@ -56,6 +56,21 @@ def _fail(invariant: int, message: str) -> None:
 def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     """Check every invariant of a plan; return counts, or raise naming the first broken invariant.
 
+    Every reader first checks the file's integrity (sha256 of the header and of each section) and its structure
+    (:mod:`fcp_compiler.plan_structure`: sizes agree, every index, round and stage within the header's counts).
+    This function then checks what the plan means, in DESIGN section 4's terms: blocks tile the sequences, every
+    visible tile runs exactly once (0, 1); every tile's data arrives in an earlier stage of its pass, every result
+    is pushed after its last tile, a relay holds what it re-sends and pushes after the gradients it sums (2); pulls
+    match between sender and receiver, every round of each pass is a matching over pulls and pushes, the forward
+    pulls take exactly Delta rounds and the header's round and stage counts are the ones used (3); the token cap
+    and the live buffers (equal to the header's max_buffer_tokens, by the liveness rule) hold (4); the reshuffle
+    maps user-layout tokens one to one onto the plan layout, as both sides pack them (5).
+
+    Not checked, because nothing a reader does depends on them: the inputs digest (a hash of the compile's inputs,
+    which the plan does not carry), the profile's and shape's figures (they only feed the simulator), the order of
+    tiles inside a stage (any order gives the same sums up to floating-point rounding), and whether the schedule is
+    a good one.
+
     Raises:
         PlanFormatError: the file cannot be read.
         PlanInvalidError: an invariant is broken (its number, name and where).
@@ -217,10 +232,10 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
         stage_of_pull = r_round // coalesce
         num_stages = int(stage_of_pull.max()) + 1
         per_stage = np.bincount(r_me * num_stages + stage_of_pull, weights=r_tokens)
-        if per_stage.max() > header.recv_buffer_tokens:
+        if per_stage.max() != header.recv_buffer_tokens:
             bad = int(np.argmax(per_stage))
             _fail(4, f"rank {bad // num_stages} receives {int(per_stage[bad])} tokens in stage "
-                     f"{bad % num_stages}, over the stated bound {header.recv_buffer_tokens}")
+                     f"{bad % num_stages}, the most any rank does, but the header states {header.recv_buffer_tokens}")
     if header.recv_buffer_tokens > coalesce * block_size:
         _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds coalesce x block size "
                  f"({coalesce * block_size})")
@@ -249,8 +264,9 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
         peaks.append(peak)
     stated = header.max_buffer_tokens
     worst = max(peaks)
-    if worst > stated:
-        _fail(4, f"a rank holds {worst} tokens of live buffers, more than the header's max_buffer_tokens {stated}")
+    if worst != stated:
+        _fail(4, f"the busiest rank holds {worst} tokens of live buffers, but the header's max_buffer_tokens states "
+                 f"{stated}")
     _check_reshuffle(programs, header.total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr)
     return ValidationReport(num_ranks=num_ranks, num_blocks=num_blocks, num_tiles=int(tile_q.size),
                             num_pulls=int(num_pulls), num_rounds=num_rounds, max_degree=max_degree,
@@ -347,8 +363,9 @@ def _check_pass(ctx: _Context, pulls: _Pulls, tiles: _Tiles, program: _PassProgr
         if int(rounds.max()) + 1 != program.num_rounds:
             _fail(3, f"{label}: the header states {program.num_rounds} rounds, the messages use "
                      f"{int(rounds.max()) + 1}")
-    if max(int(rounds.max(initial=-1)) // coalesce, int(stages.max(initial=0))) >= program.num_stages:
-        _fail(2, f"{label}: a message lies outside the plan's {program.num_stages} stages")
+    used = max(int(rounds.max(initial=-1)) // coalesce, int(stages.max(initial=0))) + 1
+    if used != program.num_stages:
+        _fail(3, f"{label}: the header states {program.num_stages} stages, the tiles and messages use {used}")
     # 4. Live buffers under the liveness rule: each pull from its stage to its last use or push, each push landing
     # for its stage.
     last = np.maximum(np.maximum(np.maximum(last_use, program.recv_round // coalesce), push.last_stage), relay_last)
@@ -474,50 +491,79 @@ def _check_pushes(ctx: _Context, pulls: _Pulls, program: _PassProgram, last_use:
                    last_stage=last_stage, arrive_send_row=g_send, arrive_round=recv_round)
 
 
+def _merge_runs(key: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs in their order, with each run that continues the previous one of the same key merged into it."""
+    if key.size == 0:
+        return key, start, length
+    new = np.ones(key.size, dtype=bool)
+    new[1:] = (key[1:] != key[:-1]) | (start[1:] != start[:-1] + length[:-1])
+    group = np.cumsum(new) - 1
+    return key[new], start[new], np.bincount(group, weights=length).astype(np.int64)
+
+
+def _tiles_exactly(start: np.ndarray, length: np.ndarray, total: int) -> bool:
+    """Whether the ranges [start, start + length) cover [0, total) exactly once."""
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], start[order] + length[order]
+    return bool(start.size == 0 and total == 0 or start.size and start[0] == 0 and end[-1] == total
+                and (start[1:] == end[:-1]).all())
+
+
+def _plan_side_runs(a: dict, rank: int, num_ranks: int, seq_offset, seg_seq, seg_start, seg_end, seg_ptr):
+    """The receiver's runs as global token ranges: each run of plan-layout positions cut where the rank's segments
+    (its blocks' segments, in order) end. Returns (pair key, global start, length) in packing order, and the rank's
+    plan-layout size."""
+    blocks = a["blocks"]
+    segs = expand_ranges(seg_ptr[blocks], seg_ptr[blocks + 1] - seg_ptr[blocks])
+    seg_len = seg_end[segs] - seg_start[segs]
+    local = np.concatenate(([0], np.cumsum(seg_len))).astype(np.int64)
+    offset, length = a["reshuffle_recv_offset"], a["reshuffle_recv_length"]
+    if (offset + length > local[-1]).any():
+        _fail(5, f"rank {rank} receives a reshuffle run outside its {int(local[-1])}-token plan layout")
+    first = np.searchsorted(local, offset, side="right") - 1
+    last = np.searchsorted(local, offset + length, side="left")  # exclusive
+    piece_seg = expand_ranges(first, last - first)
+    piece_run = np.repeat(np.arange(offset.size), last - first)
+    low = np.maximum(offset[piece_run], local[piece_seg])
+    high = np.minimum((offset + length)[piece_run], local[piece_seg + 1])
+    global_start = seq_offset[seg_seq[segs[piece_seg]]] + seg_start[segs[piece_seg]] + (low - local[piece_seg])
+    key = rank * num_ranks + a["reshuffle_recv_peer"][piece_run]
+    return (key, global_start, high - low), int(local[-1])
+
+
 def _check_reshuffle(programs, total_tokens, num_ranks, lengths, seg_seq, seg_start, seg_end, seg_ptr) -> None:
-    """5. The runs map user-layout tokens one to one onto plan-layout tokens, as both sides pack them."""
+    """5. The runs map user-layout tokens one to one onto plan-layout tokens, as both sides pack them.
+
+    Checked on ranges, never token by token: O(runs + segments) after sorting."""
     bounds = (np.arange(num_ranks + 1, dtype=np.int64) * total_tokens) // num_ranks
-    seq_offset = np.concatenate(([0], np.cumsum(lengths)))
-    sent_global, sent_key = [], []
-    received_global, received_key = [], []
+    seq_offset = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    sent, received = [], []
     for program in programs:
-        rank = program.rank
-        a = program.arrays
+        rank, a = program.rank, program.arrays
         # User side: each run is a token range of this rank's user-layout chunk.
-        length = a["reshuffle_send_length"]
-        offset = a["reshuffle_send_offset"]
+        length, offset = a["reshuffle_send_length"], a["reshuffle_send_offset"]
         chunk = bounds[rank + 1] - bounds[rank]
         if (length <= 0).any() or (offset < 0).any() or (offset + length > chunk).any():
             _fail(5, f"rank {rank} sends a reshuffle run outside its {chunk}-token user chunk")
-        sent_global.append(expand_ranges(bounds[rank] + offset, length))
-        sent_key.append(np.repeat(a["reshuffle_send_peer"] * num_ranks + rank, length))
-        # Plan side: the rank's blocks, segments in order, give the global token at each local position.
-        segs = np.concatenate([np.arange(seg_ptr[b], seg_ptr[b + 1]) for b in a["blocks"].tolist()] or
-                              [np.zeros(0, dtype=np.int64)])
-        local_global = expand_ranges(seq_offset[seg_seq[segs]] + seg_start[segs], seg_end[segs] - seg_start[segs])
-        length = a["reshuffle_recv_length"]
-        offset = a["reshuffle_recv_offset"]
-        if (length <= 0).any() or (offset < 0).any() or (offset + length > local_global.size).any():
-            _fail(5, f"rank {rank} receives a reshuffle run outside its {local_global.size}-token plan layout")
-        positions = expand_ranges(offset, length)
-        if positions.size != local_global.size or (np.bincount(positions, minlength=local_global.size) != 1).any():
+        sent.append((a["reshuffle_send_peer"] * num_ranks + rank, bounds[rank] + offset, length))
+        runs, plan_tokens = _plan_side_runs(a, rank, num_ranks, seq_offset, seg_seq, seg_start, seg_end, seg_ptr)
+        if not _tiles_exactly(a["reshuffle_recv_offset"], a["reshuffle_recv_length"], plan_tokens):
             _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
-        received_global.append(local_global[positions])
-        received_key.append(np.repeat(rank * num_ranks + a["reshuffle_recv_peer"], length))
-    sent = np.concatenate(sent_global)
-    if sent.size != total_tokens or (np.bincount(sent, minlength=total_tokens) != 1).any():
+        received.append(runs)
+    sent_key, sent_start, sent_length = (np.concatenate(column) for column in zip(*sent))
+    if not _tiles_exactly(sent_start, sent_length, total_tokens):
         _fail(5, "the user layout's tokens are not each sent exactly once")
-    sent_key_all = np.concatenate(sent_key)
-    received_key_all = np.concatenate(received_key)
-    received = np.concatenate(received_global)
-    # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare them pair by pair.
-    s_order = np.argsort(sent_key_all, kind="stable")
-    r_order = np.argsort(received_key_all, kind="stable")
-    if not (np.array_equal(sent_key_all[s_order], received_key_all[r_order])
-            and np.array_equal(sent[s_order], received[r_order])):
-        bad = int(np.flatnonzero((sent_key_all[s_order] != received_key_all[r_order])
-                                 | (sent[s_order] != received[r_order]))[0]) if sent.size == received.size else 0
-        key = int(sent_key_all[s_order][bad]) if sent.size else 0
+    # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare the token ranges pair by pair.
+    received_key, received_start, received_length = (np.concatenate(column) for column in zip(*received))
+    sides = []
+    for key, start, length in ((sent_key, sent_start, sent_length), (received_key, received_start, received_length)):
+        order = np.argsort(key, kind="stable")
+        sides.append(np.stack(_merge_runs(key[order], start[order], length[order])))
+    if sides[0].shape != sides[1].shape or not np.array_equal(*sides):
+        common = min(sides[0].shape[1], sides[1].shape[1])
+        differ = np.flatnonzero((sides[0][:, :common] != sides[1][:, :common]).any(axis=0))
+        bad = int(differ[0]) if differ.size else max(common - 1, 0)
+        key = int(sides[0][0, bad]) if sides[0].shape[1] else 0
         _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
                  f"where the plan layout puts them")
 

@@ -210,3 +210,17 @@ def test_one_flipped_bit_anywhere_fails_every_reader_of_what_it_touches(plan_byt
         rank = int(np.searchsorted(rank_starts, position, side="right")) - 1 if position >= rank_starts[0] else 0
         with pytest.raises(PlanFormatError):
             load_rank_plan(corrupt, rank)
+
+
+def test_reshuffle_runs_that_cover_everything_but_swap_places_are_caught(plan_bytes):
+    def swap(arrays):
+        for a in arrays:
+            length, peer = a["reshuffle_recv_length"], a["reshuffle_recv_peer"]
+            for i in range(length.size):
+                same = np.flatnonzero((length == length[i]) & (peer != peer[i]))
+                if same.size:
+                    j = int(same[0])
+                    a["reshuffle_recv_offset"][[i, j]] = a["reshuffle_recv_offset"][[j, i]]
+                    return
+        raise AssertionError("no two runs of equal length from different peers")
+    expect(edited(plan_bytes, swap), 5, "do not land")
