@@ -27,12 +27,15 @@ def reference_attention(lengths, q, k, v, causal: bool, scale: float):
 
 
 def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: int, kv_heads: int, dtype,
-                           layout: str, kernels=None, head_dim: int = 8):
+                           layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False):
     """A rank task: run fcp_attn_func forward and backward on this rank's rows of seeded global Q, K, V (the
     plan layout takes rows at the plan's token_index, the user layout its contiguous chunk) and assert out, dq, dk
     and dv equal dense attention's at those rows (fp64 1e-10, else 1e-5). Returns the number of all-to-all calls
     the runtime made, and the number of kernel calls when `kernels` counts them (a `num_calls` attribute). The
-    reference is computed once, here, and inherited by the forked ranks."""
+    reference is computed once, here, and inherited by the forked ranks.
+
+    order_matching: send every point-to-point message with tag 0, so gloo matches them by posting order per pair
+    of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order."""
     total = sum(lengths)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
@@ -57,6 +60,10 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
             return real(*args, **kwargs)
 
         dist.all_to_all_single = counting
+        real_op = dist.P2POp
+        if order_matching:
+            dist.P2POp = lambda op, tensor, peer=None, group=None, tag=0, **kw: real_op(op, tensor, peer, group, 0,
+                                                                                      **kw)
         try:
             plan = load_rank_plan(plan_bytes, rank)
             rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
@@ -66,6 +73,7 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
             out.backward(d_out[rows])
         finally:
             dist.all_to_all_single = real
+            dist.P2POp = real_op
         tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
         for got, want in zip((out, *(x.grad for x in mine)), expected):
             torch.testing.assert_close(got, want[rows], **tolerance)

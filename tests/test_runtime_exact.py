@@ -129,3 +129,23 @@ def test_plans_with_relays_replay_exactly(case):
     assert plan.stats["num_relayed_transfers"] > 0
     assert any(pull.source >= 0 for rank in range(gpus) for pull in load_rank_plan(plan.to_bytes(), rank).pull_send)
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", 2, 1, torch.float64, layout))
+
+
+ORDER_CASES = [CASES[1], CASES[5], ("relayed",) + RELAYED[2][1:]]
+
+
+@pytest.mark.parametrize("case", ORDER_CASES, ids=["mixed-full", "causal-8-ranks", "relayed-8-ranks"])
+def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
+    """Every tag 0: gloo then pairs each rank pair's messages in posting order, as NCCL does, so a difference in
+    the order the two ends post would mismatch sizes or data."""
+    if case[0] == "relayed":
+        _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
+        plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
+                             layout=layout, profile=SLOW_NETWORK)
+        hq, hkv, dtype = 2, 1, torch.float64
+    else:
+        _, lengths, gpus, block, coalesce, mask, zigzag, hq, hkv, dtype, *_ = case
+        plan = _compile(case, "user")
+        layout = "user"
+    run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", hq, hkv, dtype, layout,
+                                           order_matching=True))
