@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
@@ -37,6 +38,7 @@ MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
 MAX_HEADER_BYTES = 2**26
+_HEX = re.compile(r"[0-9a-f]*")
 _PREFIX = len(MAGIC) + 4 + 32  # magic, header length, sha256 of the header
 _ARRAY_DTYPE = np.dtype("<i4")
 
@@ -104,11 +106,27 @@ class PlanHeader(BaseModel):
     global_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the global section's bytes")
     rank_sha256: list[str] = Field(..., description="sha256 of each rank section's bytes (hex)")
 
+    @model_validator(mode="after")
+    def _counts_bounded(self) -> "PlanHeader":
+        # Every count a reader loops over is bounded by what the plan can hold: each pass has at most one pull of
+        # each kind per (rank, block) and one push back along each, so at most 4 N B messages; the backward spreads
+        # them over every other round and pushes up to two stages late.
+        for name, rounds, stages, per_stage in (("fwd", self.num_fwd_rounds, self.num_fwd_stages, self.coalesce),
+                                                 ("bwd", self.num_bwd_rounds, self.num_bwd_stages, self.bwd_coalesce)):
+            most_rounds = 8 * self.num_ranks * self.num_blocks + 4 * per_stage
+            if rounds > most_rounds or stages > rounds // per_stage + 2:
+                raise ValueError(f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
+                                 f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")
+        if self.num_rounds > self.num_fwd_rounds or self.num_blocks > self.total_tokens:
+            raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
+                             f"holds")
+        return self
+
     @field_validator("rank_sha256")
     @classmethod
     def _hex_digests(cls, digests: list[str]) -> list[str]:
-        bad = next((d for d in digests if len(d) != 64 or any(c not in "0123456789abcdef" for c in d)), None)
-        if bad is not None:
+        if any(len(d) != 64 for d in digests) or not _HEX.fullmatch("".join(digests)):
+            bad = next(d for d in digests if len(d) != 64 or not _HEX.fullmatch(d))
             raise ValueError(f"rank_sha256 entry {bad[:80]!r} is not a sha256 hex digest")
         return digests
 

@@ -102,10 +102,12 @@ def rank_program_text(program: RankProgram) -> str:
     a = program.arrays
     header = program.header
     stage_rows = []
-    for name, num_stages, pull_round, tile_stage, coalesce in (
-            ("fwd", header.num_fwd_stages, "round", "tile_stage", header.coalesce),
-            ("bwd", header.num_bwd_stages, "bwd_round", "tile_bwd_stage", header.bwd_coalesce)):
-        for stage in range(num_stages):
+    for name, pull_round, tile_stage, coalesce in (("fwd", "round", "tile_stage", header.coalesce),
+                                                   ("bwd", "bwd_round", "tile_bwd_stage", header.bwd_coalesce)):
+        stages = np.concatenate((a[f"pull_send_{pull_round}"] // coalesce, a[f"pull_recv_{pull_round}"] // coalesce,
+                                 a[tile_stage], a[f"{name}_push_send_round"] // coalesce,
+                                 a[f"{name}_push_recv_round"] // coalesce))
+        for stage in np.unique(stages).tolist():  # only the stages this rank uses (a header may claim many)
             counts = [int((a[f"pull_send_{pull_round}"] // coalesce == stage).sum()),
                       int((a[f"pull_recv_{pull_round}"] // coalesce == stage).sum()),
                       int((a[tile_stage] == stage).sum()),

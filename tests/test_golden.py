@@ -38,7 +38,7 @@ def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypat
     import fcp_compiler.pipeline as pipeline
 
     original = pipeline.coalesce
-    monkeypatch.setattr(pipeline, "coalesce", lambda rounds, degree, pipelined=True: original(rounds, 4, pipelined))
+    monkeypatch.setattr(pipeline, "coalesce", lambda rounds, degree, pipelined=True: original(rounds, degree, False))
     expected = (GOLDEN / "small_8gpu.fcp").read_bytes()
     changed = compile_case("small_8gpu")
     with pytest.raises(AssertionError, match="num_fwd_stages"):

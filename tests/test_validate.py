@@ -176,8 +176,11 @@ def test_backward_rounds_per_stage_must_be_twice_the_forward(plan_bytes):
 
 
 def test_rounds_must_equal_delta(plan_bytes):
-    rounds = PlanReader(plan_bytes).header.num_rounds
-    expect(edited(plan_bytes, lambda arrays: None, num_rounds=rounds + 1), 3, "largest degree")
+    header = PlanReader(plan_bytes).header
+    expect(edited(plan_bytes, lambda arrays: None, num_rounds=header.num_rounds + 1,
+                  num_fwd_rounds=header.num_fwd_rounds + 1), 3, "largest degree")
+    expect_structure_error(edited(plan_bytes, lambda arrays: None, num_rounds=header.num_rounds - 1),
+                           "pull_(send|recv)_round holds")
 
 
 def test_corrupt_files_are_format_errors(plan_bytes, tmp_path):
