@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--gpus", type=int, default=64)
     args = parser.parse_args()
-    batches = [parse_batch(lognormal_batch(args.gpus * 32768, 4096, 1.8, 64, 524288, seed))
+    batches = [(f"seed {seed}", parse_batch(lognormal_batch(args.gpus * 32768, 4096, 1.8, 64, 524288, seed)))
                for seed in range(args.batches)]
     cores = os.cpu_count() or 1
     walls = {}

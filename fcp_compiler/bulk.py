@@ -1,6 +1,7 @@
 """Bulk compile: a JSONL file of batches (one training step a line) into a folder of plans, on every core.
 
-Resumable: a plan file is named by its step and inputs digest, and a step whose file exists is skipped.
+Resumable: a plan file is named by its step and inputs digest; a step whose file exists, reads back with every
+sha256 intact and carries that digest is skipped, and a damaged one (cut short, empty, corrupt) is compiled again.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.errors import FcpError, InfeasibleError, InvalidInputError
 from fcp_compiler.inputs import BatchSpec, parse_batch
 from fcp_compiler.parallel import map_on_cores
 from fcp_compiler.safe_io import parse_json, read_input_bytes
@@ -30,7 +31,7 @@ class BulkSummary:
 
 
 def read_jsonl(path: Path) -> list[BatchSpec]:
-    """Parse every line of a JSONL batch file.
+    """Parse every line of a JSONL batch file; each batch's `origin` is its file:line.
 
     Raises:
         InvalidInputError: naming the file and line of the first bad batch.
@@ -44,7 +45,8 @@ def read_jsonl(path: Path) -> list[BatchSpec]:
             raise InvalidInputError(f"{path}:{number}: not UTF-8 text (byte {raw[error.start]:#04x})") from None
         if not line.strip():
             continue
-        batches.append(parse_batch(parse_json(line, f"{path}:{number}"), origin=f"{path}:{number}"))
+        origin = f"{path}:{number}"
+        batches.append((origin, parse_batch(parse_json(line, origin), origin=origin)))
     if not batches:
         raise InvalidInputError(f"batch file {str(path)!r} holds no batches")
     return batches
@@ -55,35 +57,62 @@ def _plan_name(step: int, digest: str) -> str:
 
 
 def _compile_one(job):
-    step, batch, gpus, options, out_dir = job
+    step, origin, batch, gpus, options, out_dir = job
     from fcp_compiler.pipeline import compile_plan
 
-    plan = compile_plan(batch, gpus, **options)
+    try:
+        plan = compile_plan(batch, gpus, **options)
+    except FcpError as error:  # named by its line, raised in the parent
+        return step, f"{origin}: {error}", error.__class__.__name__
     plan.write(Path(out_dir) / _plan_name(step, plan.header.inputs_digest))
     stats = plan.stats
     return step, stats["compile_seconds"], stats["compute_imbalance"], stats["comm_imbalance"]
 
 
-def bulk_compile(batches: list[BatchSpec], out_dir: Path, gpus: int, jobs: int | None = None,
+def _intact(path: Path, digest: str) -> bool:
+    """Whether a plan file exists, reads back with every sha256 intact, and carries `digest`."""
+    from fcp_compiler.plan_format import PlanReader
+
+    if not path.exists():
+        return False
+    try:
+        reader = PlanReader(str(path))
+        reader.ranks()
+    except FcpError:
+        return False
+    return reader.header.inputs_digest == digest
+
+
+def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, gpus: int, jobs: int | None = None,
                  progress: Callable[[int, int], None] | None = None, **options) -> BulkSummary:
-    """Compile every batch into out_dir, skipping those already there, with `jobs` processes (default: all cores).
+    """Compile every (origin, batch) into out_dir, skipping those already there intact, with `jobs` processes
+    (default: all cores). Nothing is created when the options are bad.
 
     Raises:
-        InvalidInputError: bad options (checked on the first batch before any work).
+        InvalidInputError: bad options (checked before any work), or a batch the compiler refuses (named by its
+            origin, file:line); InfeasibleError: a batch no plan can hold (named likewise).
     """
     from fcp_compiler.pipeline import plan_digest
 
     start = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if batches:
+        plan_digest(batches[0][1], gpus, **options)  # bad options fail here, unnamed by any line, before any work
     todo = []
-    for step, batch in enumerate(batches):
-        if not (out_dir / _plan_name(step, plan_digest(batch, gpus, **options))).exists():
-            todo.append((step, batch, gpus, options, str(out_dir)))
+    for step, (origin, batch) in enumerate(batches):
+        try:
+            digest = plan_digest(batch, gpus, **options)
+        except FcpError as error:
+            raise error.__class__(f"{origin}: {error}") from None
+        if not _intact(out_dir / _plan_name(step, digest), digest):
+            todo.append((step, origin, batch, gpus, options, str(out_dir)))
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     done = len(batches) - len(todo)
     if progress:
         progress(done, len(batches))
     for result in map_on_cores(_compile_one, todo, jobs):
+        if isinstance(result[1], str):
+            raise (InfeasibleError if result[2] == "InfeasibleError" else InvalidInputError)(result[1])
         results.append(result)
         done += 1
         if progress:

@@ -308,6 +308,8 @@ class PlanReader:
                                                    "the global section"), GLOBAL_ARRAYS, what)
             check_tables(what, self.header, arrays)
             self._tables = GlobalTables(**arrays)
+            self._block_tokens = np.bincount(arrays["seg_block"], weights=arrays["seg_end"] - arrays["seg_start"],
+                                             minlength=self.header.num_blocks).astype(np.int64)
         return self._tables
 
     def rank(self, rank: int) -> RankProgram:
@@ -323,7 +325,7 @@ class PlanReader:
         arrays = _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
                                                f"rank {rank}'s section"), RANK_ARRAYS, what)
         tables = self.tables
-        check_rank_arrays(what, self.header, arrays, tables.seg_block.size)
+        check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens, rank)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
     def ranks(self) -> list[RankProgram]:

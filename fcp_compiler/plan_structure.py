@@ -82,8 +82,10 @@ def _check_pulls(where: str, header, a: dict[str, np.ndarray], num_segments: int
     return rows["send"], rows["recv"]
 
 
-def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments: int) -> None:
-    """One rank's section: tables of equal length, every index, round and stage within the header's counts."""
+def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments: int, block_tokens: np.ndarray,
+                      rank: int) -> None:
+    """One rank's section: tables of equal length, every index, round and stage within the header's counts, and
+    every reshuffle run within the rank's user-layout chunk and plan-layout tokens."""
     _within(where, "blocks", a["blocks"], 0, header.num_blocks)
     num_send, num_recv = _check_pulls(where, header, a, num_segments)
     _same_length(where, a, ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"))
@@ -105,11 +107,14 @@ def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments
         _within(where, f"{prefix}_round stage", a[f"{prefix}_round"] // per_stage, 0, num_stages)
         _within(where, f"{prefix}_bwd_round stage", a[f"{prefix}_bwd_round"] // header.bwd_coalesce, 0,
                 header.num_bwd_stages)
-    for side in ("send", "recv"):
+    user_tokens = (rank + 1) * header.total_tokens // header.num_ranks - rank * header.total_tokens // header.num_ranks
+    plan_tokens = int(block_tokens[a["blocks"]].sum())
+    for side, layout, tokens in (("send", "user", user_tokens), ("recv", "plan", plan_tokens)):
         names = tuple(f"reshuffle_{side}_{name}" for name in ("peer", "offset", "length"))
         _same_length(where, a, names)
         _within(where, f"reshuffle_{side}_peer", a[f"reshuffle_{side}_peer"], 0, header.num_ranks)
-        _within(where, f"reshuffle_{side}_offset", a[f"reshuffle_{side}_offset"], 0, header.total_tokens)
-        _within(where, f"reshuffle_{side}_length", a[f"reshuffle_{side}_length"], 1, header.total_tokens + 1)
-        if int(a[f"reshuffle_{side}_length"].sum()) > header.total_tokens:
-            _fail(where, f"reshuffle_{side}_length sums past the batch's {header.total_tokens} tokens")
+        _within(where, f"reshuffle_{side}_offset", a[f"reshuffle_{side}_offset"], 0, max(tokens, 1))
+        _within(where, f"reshuffle_{side}_length", a[f"reshuffle_{side}_length"], 1, tokens + 1)
+        end = a[f"reshuffle_{side}_offset"] + a[f"reshuffle_{side}_length"]
+        if end.size and int(end.max()) > tokens or int(a[f"reshuffle_{side}_length"].sum()) > tokens:
+            _fail(where, f"reshuffle_{side} runs reach past the rank's {tokens} {layout}-layout tokens")

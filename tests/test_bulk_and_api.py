@@ -1,8 +1,10 @@
 """Bulk compile (resumable) and the library API data loaders use."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cli import main
@@ -40,6 +42,103 @@ def test_a_bad_line_is_named(tmp_path, capsys):
     steps.write_text("[100, 200]\n[5, -1]\n")
     assert main(["compile", str(steps), "--gpus", "2", "-o", str(tmp_path / "plans")]) == 2
     assert "steps.jsonl:2" in capsys.readouterr().err
+
+
+def test_resume_recompiles_damaged_plans(tmp_path, capsys):
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("\n".join(json.dumps(lognormal_batch(4 * 8192, 4096, 1.8, 64, 65536, seed))
+                               for seed in range(3)) + "\n")
+    out = tmp_path / "plans"
+    assert main(["compile", str(steps), "--gpus", "4", "-o", str(out), "--jobs", "1", "-q"]) == 0
+    plans = sorted(out.glob("*.fcp"))
+    good = [p.read_bytes() for p in plans]
+    plans[0].write_bytes(b"")  # empty
+    plans[1].write_bytes(good[1][:-100])  # cut short
+    corrupt = bytearray(good[2])
+    corrupt[-5] ^= 1  # one flipped bit
+    plans[2].write_bytes(bytes(corrupt))
+    capsys.readouterr()
+    assert main(["compile", str(steps), "--gpus", "4", "-o", str(out), "--jobs", "1"]) == 0
+    assert " 3 " in capsys.readouterr().out  # all three compiled again
+    assert [p.read_bytes() for p in plans] == good
+
+
+def test_an_infeasible_line_is_named_and_bad_options_create_nothing(tmp_path, capsys):
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("[100, 200]\n[300, 400, 500]\n")
+    out = tmp_path / "plans"
+    assert main(["compile", str(steps), "--gpus", "2", "--token-cap", "300", "-o", str(out), "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "steps.jsonl:2" in err and err.count("\n") == 1
+    fresh = tmp_path / "fresh"
+    assert main(["compile", str(steps), "--gpus", "0", "-o", str(fresh)]) == 2
+    assert main(["compile", str(steps), "--gpus", "2", "--block-size", "100", "-o", str(fresh)]) == 2
+    assert not fresh.exists()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _start_bulk(tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("\n".join(json.dumps(lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed))
+                               for seed in range(200)) + "\n")
+    process = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "compile", str(steps), "--gpus", "64", "-o",
+                                str(tmp_path / "plans"), "--jobs", "2", "-q"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while len(_children(process.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    workers = _children(process.pid)
+    assert len(workers) >= 2
+    return process, workers
+
+
+def _gone(pids, within: float) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_ctrl_c_stops_a_bulk_compile_within_two_seconds(tmp_path):
+    process, workers = _start_bulk(tmp_path)
+    start = time.time()
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=10)
+    assert time.time() - start < 2.0 and process.returncode == 130
+    assert _gone(workers, 2.0)
+    assert "Traceback" not in process.stderr.read()
+
+
+def test_workers_die_with_a_killed_parent(tmp_path):
+    process, workers = _start_bulk(tmp_path)
+    process.kill()
+    process.wait(timeout=10)
+    assert _gone(workers, 2.0)
+    plans = tmp_path / "plans"
+    count = len(list(plans.glob("*.fcp")))
+    time.sleep(1.0)
+    assert len(list(plans.glob("*.fcp"))) == count  # nobody writes after the parent is gone
 
 
 def test_library_api_and_no_torch_on_import():

@@ -1,0 +1,23 @@
+"""A short run of benchmarks/fuzz_plans.py: mutated plans never crash a reader, never hang, and every mutant the
+validator accepts is identical in meaning to its source or replays exactly on gloo."""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from fuzz_plans import fuzz  # noqa: E402
+
+
+def test_mutated_plans_fail_cleanly_and_accepted_ones_replay_exactly():
+    with tempfile.TemporaryDirectory() as folder:
+        figures = fuzz(num_mutants=150, jobs=1, seed=7, timeout=30, replay=3, folder=folder)
+    assert figures["mutants"] >= 140
+    assert figures["bugs"] == [] and figures["hangs"] == [] and figures["replay_mismatches"] == []
+    assert figures["accepted_identical"] + figures["replayed_exactly"] >= 1
+    assert figures["replayed_exactly"] == min(figures["accepted_changed"], 3)
+    assert figures["peak_rss_mb"] <= 512
