@@ -121,3 +121,31 @@ def test_plan_and_stats_land_together_or_not_at_all(tmp_path, capsys):
 def test_a_plan_of_an_older_format_is_named(tmp_path, capsys):
     old = _write(tmp_path / "old.fcp", b"FCPPLAN\0" + b"\0" * 64)
     expect_one_line(capsys, ["validate", old], "older fcp")
+
+
+def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, capsys):
+    import numpy as np
+
+    from fcp_compiler.plan_format import PlanReader, rebuild_plan
+
+    plan = tmp_path / "p.fcp"
+    assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
+    reader = PlanReader(str(plan))
+    arrays = [{name: values.copy() for name, values in program.arrays.items()} for program in reader.ranks()]
+    remote = next((rank, np.flatnonzero(~np.isin(a["tile_kv_block"], a["blocks"]))) for rank, a in enumerate(arrays)
+                  if (~np.isin(a["tile_kv_block"], a["blocks"])).any())
+    arrays[remote[0]]["tile_stage"][remote[1][0]] = 0  # a tile before its data: sealed, structurally sound
+    bad = _write(tmp_path / "bad.fcp", rebuild_plan(reader, arrays))
+    for args in (["validate", bad], ["simulate", bad], ["diff", plan, bad]):
+        expect_one_line(capsys, args, "invalid plan", code=1)
+    code, _, err = run(capsys, "inspect", bad)
+    assert code == 0 and err == ""  # inspect shows what is there, valid or not
+
+
+def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):
+    import fcp_compiler.validate as validate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(validate, "validate_plan", broken)
+    expect_one_line(capsys, ["validate", ROOT / "tests" / "golden" / "small_8gpu.fcp"], "internal error", code=3)
