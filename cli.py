@@ -30,7 +30,8 @@ def _write_json(path: Path, data: object) -> None:
 def compile_command(
     batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": ..., \"sequences\": [...]} or a list of lengths"),
     gpus: int = GPUS,
-    block_size: int = typer.Option(4096, "--block-size", help="tokens per block, a positive multiple of 64"),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per block, a positive multiple of 64 "
+                                                                        "[4096; not for ring, bytescale, wlbllm]"),
     coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage"),
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),

@@ -27,6 +27,11 @@ class Planner(str, enum.Enum):
     MAGI = "magi"
 
 
+# Baselines that shard sequences over ranks and size their blocks themselves (a block is a rank's shard): a
+# --block-size does not apply to them and is refused rather than ignored.
+OWN_BLOCK_SIZE = frozenset({Planner.RING, Planner.BYTESCALE, Planner.WLBLLM})
+
+
 def _zigzag_pieces(seq: int, length: int, ranks: list[int]) -> list[tuple[int, int, int, int]]:
     """Cut a sequence into 2g chunks over g ranks; the j-th rank holds chunks j and 2g-1-j.
 

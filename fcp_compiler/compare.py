@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from fcp_compiler.baselines import Planner
+from fcp_compiler.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.parallel import map_on_cores
 from fcp_compiler.pipeline import compile_plan
@@ -25,7 +25,9 @@ def _one(job: tuple[int, str]) -> dict:
     batch = batch_for(gpus)
     planner, layout = (Planner.FCP, "user") if method == FCP_USER else (Planner(method), "plan")
     try:
-        plan = compile_plan(batch, gpus, planner=planner, layout=layout, **compile_options)
+        options = {key: value for key, value in compile_options.items()
+                   if not (key == "block_size" and planner in OWN_BLOCK_SIZE)}  # they size their own blocks
+        plan = compile_plan(batch, gpus, planner=planner, layout=layout, **options)
     except InfeasibleError as error:
         # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
         return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}

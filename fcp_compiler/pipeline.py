@@ -15,7 +15,7 @@ from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.safe_io import write_files_atomic
 from fcp_compiler.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile,
                                  Layout, MaskKind, parse_batch)
-from fcp_compiler.baselines import BASELINES, Planner
+from fcp_compiler.baselines import BASELINES, OWN_BLOCK_SIZE, Planner
 from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.passes.assign import assign, default_token_cap
 from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens
@@ -148,7 +148,7 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
     return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
 
 
-def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int = 16, token_cap: int | None = None,
+def _prepare(batch, gpus: int, *, block_size: int | None = None, coalesce_degree: int = 16, token_cap: int | None = None,
              token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan",
              shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
              mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
@@ -165,16 +165,20 @@ def _prepare(batch, gpus: int, *, block_size: int = 4096, coalesce_degree: int =
         the_layout = Layout(layout)
     except ValueError:
         raise InvalidInputError(f"layout {layout!r} must be one of plan, user") from None
+    try:
+        planner = Planner(planner)
+    except ValueError:
+        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
+    if block_size is not None and planner in OWN_BLOCK_SIZE:
+        raise InvalidInputError(f"--block-size {block_size!r} does not apply to --planner {planner.value}: it shards "
+                                f"each sequence over ranks and sizes its blocks itself; leave --block-size out")
+    block_size = 4096 if block_size is None else block_size
     options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
                              token_tolerance=token_tolerance, zigzag=zigzag_mode, layout=the_layout,
                              shape=shape or AttentionShape(), profile=profile,
                              pipelined=pipelined, matching_rounds=matching_rounds,
                              reshuffle_overlap=reshuffle_overlap)
     options.check()
-    try:
-        planner = Planner(planner)
-    except ValueError:
-        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
     the_batch = _to_batch(batch, mask)
     cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
     return options, planner, the_batch, cap
@@ -190,7 +194,7 @@ def plan_digest(batch, gpus: int, **compile_options) -> str:
     return inputs_digest(the_batch, options, cap, planner.value)
 
 
-def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int = 4096,
+def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int | None = None,
                  coalesce_degree: int = 16, token_cap: int | None = None,
                  token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto",
                  layout: Layout | str = "plan", shape: AttentionShape | None = None,
@@ -204,7 +208,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     Args:
         batch: a BatchSpec, or a list/array of lengths (causal unless `mask` says otherwise).
         gpus: number of ranks N.
-        block_size: tokens per block, a positive multiple of 64.
+        block_size: tokens per block, a positive multiple of 64 (default 4096); refused for the baselines that
+            size their own blocks (ring, bytescale, wlbllm).
         coalesce_degree: rounds per stage.
         token_cap: most tokens per rank (default: mean + one block).
         token_tolerance: keep every rank within (1 + token_tolerance) x the mean tokens where whole blocks allow
@@ -232,7 +237,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         token_tolerance=token_tolerance,
         zigzag=zigzag, layout=layout, shape=shape, profile=profile, mask=mask, pipelined=pipelined,
         matching_rounds=matching_rounds, reshuffle_overlap=reshuffle_overlap, planner=planner)
-    zigzag_mode = options.zigzag
+    zigzag_mode, block_size = options.zigzag, options.block_size
 
     if planner is Planner.FCP:
         # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the

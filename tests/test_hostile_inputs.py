@@ -54,6 +54,7 @@ def test_bad_batch_files(tmp_path, capsys, name, content, match):
     (["--gpus", 4, "--block-size", 2**70], "multiple of 64 from 64"),
     (["--gpus", 4, "--token-cap", "1e30"], "--token-cap"),
     (["--gpus", 4, "--coalesce", 2**40], "--coalesce"),
+    (["--gpus", 4, "--planner", "ring", "--block-size", 2048], "does not apply to --planner ring"),
 ])
 def test_bad_compile_options(tmp_path, capsys, flags, match):
     expect_one_line(capsys, ["compile", SMALL, *flags, "-o", tmp_path / "p.fcp"], match)

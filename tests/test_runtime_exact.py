@@ -43,8 +43,9 @@ BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 
 
 def _compile(case, layout):
     name, lengths, gpus, block, coalesce, mask, zigzag, hq, hkv, dtype, *planner = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
-                         planner=planner[0] if planner else "fcp", layout=layout)
+    own_blocks = planner and planner[0] in ("ring", "bytescale", "wlbllm")  # they size their own blocks
+    plan = compile_valid(lengths, gpus, block_size=None if own_blocks else block, coalesce_degree=coalesce,
+                         mask=mask, zigzag=zigzag, planner=planner[0] if planner else "fcp", layout=layout)
     if name.startswith("offloaded"):
         assert plan.stats["num_offloaded_tiles"] > 0
     return plan
