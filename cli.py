@@ -156,7 +156,8 @@ def inspect_command(
         return
     rows = rank_rows(reader)
     if as_json:
-        typer.echo(json.dumps({"header": header.model_dump(mode="json", exclude={"rank_sections", "rank_sha256"}), "ranks": rows}))
+        shown = header.model_dump(mode="json", exclude={"rank_sections", "rank_sha256"})
+        typer.echo(json.dumps({"header": shown, "ranks": rows}))
         return
     typer.echo(f"{plan}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
                f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "

@@ -148,7 +148,8 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
     return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
 
 
-def _prepare(batch, gpus: int, *, block_size: int | None = None, coalesce_degree: int = 16, token_cap: int | None = None,
+def _prepare(batch, gpus: int, *, block_size: int | None = None, coalesce_degree: int = 16,
+             token_cap: int | None = None,
              token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan",
              shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
              mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,

@@ -76,8 +76,9 @@ class PlanHeader(BaseModel):
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
     block_size: int = Field(..., ge=64, le=MAX_BLOCK_SIZE)
     coalesce: int = Field(..., ge=1, le=MAX_INT32, description="rounds per stage of the forward pass")
-    bwd_coalesce: int = Field(..., ge=1, le=MAX_INT32, description="rounds per stage of the backward pass, whose pulls take every "
-                                                   "other round: twice coalesce, so each stage holds as many pulls")
+    bwd_coalesce: int = Field(..., ge=1, le=MAX_INT32,
+                              description="rounds per stage of the backward pass, whose pulls take every other round: "
+                                          "twice coalesce, so each stage holds as many pulls")
     token_cap: int = Field(..., ge=1, le=MAX_INT32)
     zigzag: bool
     mask: MaskKind
@@ -95,8 +96,9 @@ class PlanHeader(BaseModel):
     num_bwd_stages: int = Field(..., ge=1, le=MAX_INT32)
     recv_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32, description="most pulled tokens a rank receives in "
                                                                          "one stage")
-    max_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32, description="most tokens of live received buffers (pulls, pushes, "
-                                                          "the stage in flight) on any rank in any stage")
+    max_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32,
+                                   description="most tokens of live received buffers (pulls, pushes, the stage in "
+                                               "flight) on any rank in any stage")
     pipelined: bool = Field(True, description="tiles run in the stage after their data (False: after all pulls)")
     rounds_kind: Literal["matching", "arbitrary"] = Field(
         "matching", description="matching: congestion-free rounds; arbitrary: pulls in edge order (ablation only)")

@@ -44,7 +44,8 @@ def compile_summary(stats: dict, path: str | None) -> str:
         table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "rounds", "stages", "compute imb",
                "comm imb", "LB ratio", "tokens/rank", "cap"],
               [[stats["num_blocks"], stats["num_tiles"], stats["num_offloaded_tiles"], stats["num_transfers"],
-                stats["num_relayed_transfers"], stats["max_degree"], stats["num_rounds"], stats["num_stages"], percent(stats["compute_imbalance"]),
+                stats["num_relayed_transfers"], stats["max_degree"], stats["num_rounds"], stats["num_stages"],
+                percent(stats["compute_imbalance"]),
                 percent(stats["comm_imbalance"]), f"{stats['makespan_lower_bound_ratio']:.4f}",
                 stats["max_tokens_per_rank"], stats["token_cap"]]]),
         f"  traffic {human_bytes(stats['total_comm_bytes'])} forward, most received by one rank "

@@ -74,7 +74,8 @@ def _check_relays(plan):
     for edge in relayed.tolist():
         p = parent[edge]
         assert transfers.edge_kind[edge] == transfers.edge_kind[p] == TransferKind.KV
-        assert transfers.edge_block[p] == transfers.edge_block[edge] and transfers.edge_dst[p] == transfers.edge_src[edge]
+        assert transfers.edge_block[p] == transfers.edge_block[edge]
+        assert transfers.edge_dst[p] == transfers.edge_src[edge]
         for program in (schedule.forward, schedule.backward):
             assert program.edge_stage[p] < program.edge_stage[edge]
         segs = lambda e: set(transfers.edge_segs[transfers.edge_seg_offsets[e]:transfers.edge_seg_offsets[e + 1]])
@@ -121,7 +122,8 @@ def test_a_relay_that_sends_before_its_block_arrives_is_refused(relayed_bytes):
         row = int(np.flatnonzero(a["pull_send_source"] >= 0)[0])
         arrival = a["pull_recv_round"][a["pull_send_source"][row]]
         child = arrays[a["pull_send_peer"][row]]
-        match = np.flatnonzero((child["pull_recv_peer"] == relay) & (child["pull_recv_block"] == a["pull_send_block"][row])
+        match = np.flatnonzero((child["pull_recv_peer"] == relay)
+                               & (child["pull_recv_block"] == a["pull_send_block"][row])
                                & (child["pull_recv_kind"] == a["pull_send_kind"][row]))
         a["pull_send_round"][row] = child["pull_recv_round"][match] = arrival  # re-sent as it arrives
     expect(edited(relayed_bytes, too_early), 2, "relays block .* but receives it in stage")

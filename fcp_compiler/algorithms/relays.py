@@ -91,7 +91,8 @@ def _candidates(edges: RelayEdges, parent: np.ndarray, by_block: np.ndarray, blo
     block = edges.block[edge]
     group = by_block[block_start[block]:block_start[block + 1]]
     stage, bwd_stage = edges.stage[edge], edges.bwd_stage[edge]
-    ok = (edges.relayable[group] & (parent[group] == NO_PARENT) & (edges.stage[group] < stage) & (edges.stage[group] >= stage - max_gap)
+    ok = (edges.relayable[group] & (parent[group] == NO_PARENT)
+          & (edges.stage[group] < stage) & (edges.stage[group] >= stage - max_gap)
           & (edges.bwd_stage[group] < bwd_stage) & (edges.bwd_stage[group] >= bwd_stage - max_gap)
           & (edges.dst[group] != edges.dst[edge]) & ((edges.seg_mask[edge] & ~edges.seg_mask[group]) == 0))
     return group[ok]
@@ -103,11 +104,11 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colo
 
     Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
     (the stage's mean compute, under which traffic hides anyway). Greedy: take the sender whose busiest link end is
-    slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn) to the
-    candidate holder (:func:`_candidates`) that is
-    free to send in the pull's round and leaves the largest of (old sender, new sender, receiver) link times
-    lowest; accept only if that is below the old sender's time. A sender none of whose pulls can move is done for
-    the stage. Stages are taken in order, so a parent's own sender is final before its children are chosen.
+    slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn)
+    to the candidate holder (:func:`_candidates`) that is free to send in the pull's round and leaves the largest
+    of (old sender, new sender, receiver) link times lowest; accept only if that is below the old sender's time. A
+    sender none of whose pulls can move is done for the stage. Stages are taken in order, so a parent's own sender is
+    final before its children are chosen.
     O(M * F) vectorised steps for M pulls tried and fan-out F.
 
     Args:

@@ -198,7 +198,8 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
     carries rounds [s * degree, (s + 1) * degree)); partial outputs
     of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
     that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x degree
-    rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes take the earliest round after their tiles in which both ends
+    rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes
+    take the earliest round after their tiles in which both ends
     are free, so every round stays a matching over all of the pass's messages. Local tiles run in stage 0 (hiding
     the first transfers); a tile that needs pulled data runs in the stage after its pulls arrive or, where that
     levels the stages' busiest ranks within the buffer budget (:func:`level_stages`), later.
