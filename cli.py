@@ -172,16 +172,10 @@ def inspect_command(
 
 def _is_plan_file(source: Path, magic: bytes) -> bool:
     """Whether a regular file starts with the plan magic (a FIFO or device is refused before it can block)."""
-    import os
-    import stat
+    from fcp_compiler.safe_io import open_regular_file
 
-    try:
-        fd = os.open(str(source), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as error:
-        raise InvalidInputError(f"file {str(source)!r} cannot be read: {error.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidInputError(f"file {str(source)!r} is not a regular file")
+    handle, _ = open_regular_file(str(source), "input")
+    with handle:
         return handle.read(len(magic)) == magic
 
 

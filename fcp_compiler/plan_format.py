@@ -14,9 +14,7 @@ bounds or allocates beyond what the file's own sizes imply; :mod:`fcp_compiler.v
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 from fcp_compiler.plan_structure import check_rank_arrays, check_tables
+from fcp_compiler.safe_io import open_regular_file
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
@@ -236,19 +235,7 @@ class _Source:
             return
         path = str(source)
         self.origin = f"plan file {path!r}"
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is then refused as not a regular file.
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except FileNotFoundError:
-            raise PlanFormatError(f"plan file {path!r} does not exist") from None
-        except OSError as error:
-            raise PlanFormatError(f"plan file {path!r} cannot be read: {error.strerror}") from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise PlanFormatError(f"plan file {path!r} is not a regular file")
-        self._file = os.fdopen(fd, "rb")
-        self.size = info.st_size
+        self._file, self.size = open_regular_file(path, "plan", PlanFormatError)
 
     def read(self, offset: int, length: int, what: str) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:

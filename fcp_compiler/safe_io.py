@@ -15,12 +15,33 @@ import stat
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
-from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.errors import FcpError, InvalidInputError
 
 MAX_INPUT_BYTES = 2**28  # 256 MiB: a batch of a million lengths is a few MB
 MAX_NUMBER_CHARS = 40  # digits (and sign, point, exponent) of one JSON number
 MAX_JSON_DEPTH = 64
+
+
+def open_regular_file(path: str, what: str, error: type[FcpError] = InvalidInputError) -> tuple[BinaryIO, int]:
+    """Open a regular file for reading, and its size; a FIFO or device is refused before it can block (the open
+    does not wait for a writer).
+
+    Raises:
+        `error`: missing, unreadable or not a regular file (one line, naming the file).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise error(f"{what} file {path!r} does not exist") from None
+    except OSError as failure:
+        raise error(f"{what} file {path!r} cannot be read: {failure.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise error(f"{what} file {path!r} is not a regular file")
+    return os.fdopen(fd, "rb"), info.st_size
 
 
 def read_input_bytes(path: str | Path, what: str, max_bytes: int = MAX_INPUT_BYTES) -> bytes:
@@ -30,19 +51,10 @@ def read_input_bytes(path: str | Path, what: str, max_bytes: int = MAX_INPUT_BYT
         InvalidInputError: missing, unreadable, not a regular file, or too large (one line, naming the file).
     """
     path = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InvalidInputError(f"{what} file {path!r} does not exist") from None
-    except OSError as error:
-        raise InvalidInputError(f"{what} file {path!r} cannot be read: {error.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidInputError(f"{what} file {path!r} is not a regular file")
-        if info.st_size > max_bytes:
-            raise InvalidInputError(f"{what} file {path!r} has {info.st_size} bytes, more than the {max_bytes} "
-                                    f"allowed")
+    handle, size = open_regular_file(path, what)
+    with handle:
+        if size > max_bytes:
+            raise InvalidInputError(f"{what} file {path!r} has {size} bytes, more than the {max_bytes} allowed")
         return handle.read(max_bytes + 1)
 
 

@@ -14,6 +14,15 @@ settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def run_cli(capsys, *args):
+    """Run the fcp command in process; (exit code, stdout, stderr)."""
+    from cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def compile_valid(lengths, gpus, **options):
     """Compile and validate; return the plan."""
     plan = compile_plan(lengths, gpus, **options)

@@ -7,17 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cli import main
+from conftest import run_cli as run
 from fcp_compiler.plan_format import PlanReader, rebuild_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "traces" / "small_8gpu.json"
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):

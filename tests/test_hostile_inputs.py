@@ -7,16 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cli import main
+from conftest import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "traces" / "small_8gpu.json"
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def expect_one_line(capsys, args, match, code=2):
