@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cli import main
 from fcp_compiler import compile_plan
 from fcp_compiler.traces import lognormal_batch
@@ -120,10 +122,11 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_ctrl_c_stops_a_bulk_compile_within_two_seconds(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_a_bulk_compile_within_two_seconds(tmp_path, stop):
     process, workers = _start_bulk(tmp_path)
     start = time.time()
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     process.wait(timeout=10)
     assert time.time() - start < 2.0 and process.returncode == 130
     assert _gone(workers, 2.0)
