@@ -145,24 +145,26 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
     # A pull in the backward's last pull stage is not re-sent: its relay's gradient would leave a stage later than
     # any other, lengthening the pass.
     movable = idx[edges.relayable[idx] & (edges.stage[idx] > 0) & (edges.bwd_stage[idx] < edges.bwd_stage.max())]
+    # Each sender's pulls, largest first: a slice of one sorted array, walked with a cursor per sender.
     movable = movable[np.lexsort((movable, -edges.nbytes[movable], src[movable]))]
-    rank_edges: dict[int, list[int]] = {}
-    for edge in movable.tolist():
-        rank_edges.setdefault(int(src[edge]), []).append(edge)
-    done = np.ones(num_ranks, dtype=bool)
-    done[list(rank_edges)] = False
+    sender = src[movable]
+    cursor = np.searchsorted(sender, np.arange(num_ranks))
+    end = np.searchsorted(sender, np.arange(num_ranks), side="right")
+    done = cursor == end
     while not done.all():
         send_time = np.where(done, -1.0, loads.send_time())
         top = int(np.argmax(send_time))
         if send_time[top] <= floor:
             return
-        pending = rank_edges[top]
         failures = 0
-        while pending and failures < MAX_FAILURES and not _move_one(
-                edges, loads, pending.pop(0), top, float(send_time[top]), src, parent, busy, by_block, block_start,
-                max_gap):
+        while cursor[top] < end[top] and failures < MAX_FAILURES:
+            edge = int(movable[cursor[top]])
+            cursor[top] += 1
+            if _move_one(edges, loads, edge, top, float(send_time[top]), src, parent, busy, by_block, block_start,
+                         max_gap):
+                break
             failures += 1
-        if not pending or failures == MAX_FAILURES:
+        if cursor[top] == end[top] or failures == MAX_FAILURES:
             done[top] = True
 
 
