@@ -135,7 +135,8 @@ def check_output_target(path: Path) -> None:
 
 
 def write_files_atomic(outputs: Sequence[tuple[Path, bytes]]) -> None:
-    """Write several files, all or none: each to a temporary name in its folder, then every rename at the end.
+    """Write several files together: each to a temporary name in its folder first, and only when all are written,
+    every rename, one after another (a write that fails, a full disk or a bad target, leaves none of them).
 
     Raises:
         InvalidInputError: a target that is not a regular file, or a folder that cannot be written (nothing is
