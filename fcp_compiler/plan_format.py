@@ -299,6 +299,7 @@ class PlanReader:
             self._tables = GlobalTables(**arrays)
             self._block_tokens = np.bincount(arrays["seg_block"], weights=arrays["seg_end"] - arrays["seg_start"],
                                              minlength=self.header.num_blocks).astype(np.int64)
+            self._block_seg_offsets = self._tables.block_seg_offsets
         return self._tables
 
     def rank(self, rank: int) -> RankProgram:
@@ -315,11 +316,32 @@ class PlanReader:
                                                f"rank {rank}'s section"), RANK_ARRAYS, what)
         tables = self.tables
         check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens, rank)
+        for side in ("send", "recv"):
+            _expand_whole_blocks(arrays, side, self._block_seg_offsets)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
     def ranks(self) -> list[RankProgram]:
         """Every rank's program."""
         return [self.rank(rank) for rank in range(self.header.num_ranks)]
+
+
+def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray) -> None:
+    """Write out the segment list of every pull stored as seg_count 0 (every segment of its block), so that every
+    reader sees explicit lists."""
+    counts = arrays[f"pull_{side}_seg_count"]
+    whole = counts == 0
+    if not whole.any():
+        return
+    blocks = arrays[f"pull_{side}_block"]
+    first, size = block_seg_offsets[blocks], np.diff(block_seg_offsets)[blocks]
+    full = np.where(whole, size, counts)
+    stored = np.concatenate(([0], np.cumsum(counts)))[:-1]
+    # Positions: a whole row's are its block's segment ids; another row's index its stored list.
+    positions = expand_ranges(np.where(whole, first, stored), full)
+    from_list = ~np.repeat(whole, full)
+    positions[from_list] = arrays[f"pull_{side}_segs"][positions[from_list]]
+    arrays[f"pull_{side}_segs"] = positions
+    arrays[f"pull_{side}_seg_count"] = full
 
 
 def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
