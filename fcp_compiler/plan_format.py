@@ -237,6 +237,10 @@ class _Source:
         self.origin = f"plan file {path!r}"
         self._file, self.size = open_regular_file(path, "plan", PlanFormatError)
 
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+
     def read(self, offset: int, length: int, what: str) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise PlanFormatError(f"{self.origin}: {what} [{offset}, {offset + length}) lies outside the file's "
