@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
-from fcp_compiler.plan_format import PlanReader, stack_ranks
+from fcp_compiler.plan_format import PlanReader, stack_ranks, stacked_pull_tokens
 
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
@@ -23,13 +23,10 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     header, tables = reader.header, reader.tables
     simulation = simulate_plan(reader)
     compute = simulation.planned_compute
-    programs = reader.ranks()
-    segs, rank = stack_ranks(programs, "pull_recv_segs")
+    programs = reader.ranks(expand=False)  # each pull's tokens suffice
     kv_bytes, q_bytes = header.shape.kv_bytes_per_token, header.shape.q_bytes_per_token
     kinds, pull_rank = stack_ranks(programs, "pull_recv_kind")
-    counts, _ = stack_ranks(programs, "pull_recv_seg_count")
-    seg_tokens = tables.seg_end - tables.seg_start
-    per_pull = np.bincount(np.repeat(np.arange(counts.size), counts), weights=seg_tokens[segs], minlength=counts.size)
+    per_pull = stacked_pull_tokens(programs, tables)
     received = np.bincount(pull_rank, weights=per_pull * np.where(kinds == 0, kv_bytes, q_bytes),
                            minlength=header.num_ranks)
     bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)  # tiles may move: mean bound

@@ -114,6 +114,11 @@ class TileSet:
         return int(self.tile_q_block.size)
 
     @property
+    def has_pairs(self) -> bool:
+        """False for a tile set costed in closed form (the ring at scale): its tiles read whole blocks."""
+        return self.pair_tile.size > 0 or self.num_tiles == 0
+
+    @property
     def block_seconds(self) -> np.ndarray:
         """Forward time of all tiles of each query block (its work when its owner computes it)."""
         return np.bincount(self.tile_q_block, weights=self.tile_seconds, minlength=self.sharding.num_blocks)
@@ -154,7 +159,7 @@ class Transfers:
     edge_src: np.ndarray  # the rank that sends it: the block's owner, or a relay that received it earlier
     edge_dst: np.ndarray  # the rank whose tiles need it
     edge_parent: np.ndarray  # -1 for a pull from the owner, else the earlier pull whose receiver re-sends it
-    edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]
+    edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]; none: all
     edge_segs: np.ndarray  # global segment indices
 
     @property
@@ -171,10 +176,12 @@ class Transfers:
 
     @property
     def edge_tokens(self) -> np.ndarray:
-        seg_tokens = self.assignment.tiles.sharding.seg_tokens
+        """Tokens each pull carries; a pull with no segment list carries its whole block."""
+        sharding = self.assignment.tiles.sharding
         counts = np.diff(self.edge_seg_offsets)
         edge_of_seg = np.repeat(np.arange(self.num_edges), counts)
-        return np.bincount(edge_of_seg, weights=seg_tokens[self.edge_segs], minlength=self.num_edges).astype(np.int64)
+        listed = np.bincount(edge_of_seg, weights=sharding.seg_tokens[self.edge_segs], minlength=self.num_edges)
+        return np.where(counts == 0, sharding.block_tokens[self.edge_block], listed).astype(np.int64)
 
     @property
     def edge_bytes(self) -> np.ndarray:

@@ -19,7 +19,7 @@ from fcp_compiler.baselines import BASELINES, OWN_BLOCK_SIZE, Planner
 from fcp_compiler.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.passes.assign import assign, default_token_cap
 from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens
-from fcp_compiler.passes.cost import cost
+from fcp_compiler.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost
 from fcp_compiler.passes.encode import encode
 from fcp_compiler.passes.localize import group_nodes, localize
 from fcp_compiler.passes.relay import relay
@@ -251,7 +251,10 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
         assignment = timer.run("assign", assign, tiles, gpus, cap, BALANCE_TOLERANCE, options.token_tolerance)
     else:
         sharding, block_rank = timer.run("shard", BASELINES[planner], the_batch, gpus, block_size, cap)
-        tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+        if planner is Planner.RING and count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS:
+            tiles = timer.run("cost", ring_cost, sharding, block_rank, gpus, options.shape, options.profile)
+        else:
+            tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
         rank_tokens = np.bincount(block_rank, weights=sharding.block_tokens, minlength=gpus)
         assignment = timer.run("assign", Assignment, tiles=tiles, num_ranks=gpus,
                                token_cap=max(cap, int(rank_tokens.max())), block_rank=block_rank,

@@ -306,8 +306,10 @@ class PlanReader:
             self._block_seg_offsets = self._tables.block_seg_offsets
         return self._tables
 
-    def rank(self, rank: int) -> RankProgram:
-        """Decode and structurally check one rank's program only.
+    def rank(self, rank: int, expand: bool = True) -> RankProgram:
+        """Decode and structurally check one rank's program only. With `expand` (the default) a pull stored as
+        seg_count 0 gets its block's full segment list; without it the compact rows stay (for readers that need
+        only each pull's tokens, on plans whose whole-block lists would be large).
 
         Raises:
             PlanFormatError: rank out of range, a corrupt section, or an index out of range.
@@ -320,13 +322,13 @@ class PlanReader:
                                                f"rank {rank}'s section"), RANK_ARRAYS, what)
         tables = self.tables
         check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens, rank)
-        for side in ("send", "recv"):
+        for side in ("send", "recv") if expand else ():
             _expand_whole_blocks(arrays, side, self._block_seg_offsets)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
-    def ranks(self) -> list[RankProgram]:
-        """Every rank's program."""
-        return [self.rank(rank) for rank in range(self.header.num_ranks)]
+    def ranks(self, expand: bool = True) -> list[RankProgram]:
+        """Every rank's program (see :meth:`rank` for `expand`)."""
+        return [self.rank(rank, expand) for rank in range(self.header.num_ranks)]
 
 
 def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray) -> None:
@@ -389,6 +391,18 @@ def stack_ranks(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.
     values = [program.arrays[name] for program in programs]
     ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
     return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
+
+
+def stacked_pull_tokens(programs: list[RankProgram], tables: GlobalTables) -> np.ndarray:
+    """Tokens of every received pull row, stacked over ranks; works on compact programs (seg_count 0: the whole
+    block) and expanded ones alike."""
+    counts, _ = stack_ranks(programs, "pull_recv_seg_count")
+    segs, _ = stack_ranks(programs, "pull_recv_segs")
+    blocks, _ = stack_ranks(programs, "pull_recv_block")
+    seg_tokens = tables.seg_end - tables.seg_start
+    listed = np.bincount(np.repeat(np.arange(counts.size), counts), weights=seg_tokens[segs], minlength=counts.size)
+    block_tokens = np.bincount(tables.seg_block, weights=seg_tokens, minlength=int(tables.seg_block[-1]) + 1)
+    return np.where(counts == 0, block_tokens[blocks], listed)
 
 
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:

@@ -28,8 +28,8 @@ from fcp_compiler.inputs import HardwareProfile, Layout
 from fcp_compiler.models import ModelPreset
 from fcp_compiler.ir import Batch, Sharding
 from fcp_compiler.algorithms.keys import unique_keys
-from fcp_compiler.passes.cost import cost, tile_efficiency
-from fcp_compiler.plan_format import PlanReader, stack_ranks, tiles_during_reshuffle
+from fcp_compiler.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost, tile_efficiency
+from fcp_compiler.plan_format import PlanReader, stack_ranks, stacked_pull_tokens, tiles_during_reshuffle
 from fcp_compiler.stats import LSE_BYTES
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
@@ -293,6 +293,8 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     Returns:
         seconds per plan tile.
     """
+    if not tiles.has_pairs:  # costed in closed form: each tile is one call (a ring step over every sequence)
+        return tiles.tile_seconds[tile_idx]
     sharding = tiles.sharding
     plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
@@ -321,6 +323,9 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
     Returns:
         int64 [num_stages, num_ranks].
     """
+    if not tiles.has_pairs:  # closed-form tiles: one call per stage and rank (two under a causal mask)
+        runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_stages * num_ranks) > 0
+        return (runs * (2 if causal else 1)).astype(np.int64).reshape(num_stages, num_ranks)
     plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
     pair_plan_tile = plan_tile_of[tiles.pair_tile]
@@ -371,7 +376,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     reader = source if isinstance(source, PlanReader) else PlanReader(source)
     header, tables = reader.header, reader.tables
     profile = profile or header.profile
-    programs = reader.ranks()
+    programs = reader.ranks(expand=False)  # each pull's tokens suffice: whole-block pulls stay compact
     n = header.num_ranks
     shape = header.shape
     sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, mask=header.mask), block_size=header.block_size,
@@ -379,6 +384,11 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                         seg_start=tables.seg_start, seg_end=tables.seg_end)
     if compiled_tiles is not None and compiled_tiles.profile == profile:
         tiles = compiled_tiles
+    elif header.planner == "ring" and count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS:
+        held, held_rank = stack_ranks(programs, "blocks")
+        block_rank = np.empty(header.num_blocks, dtype=np.int64)
+        block_rank[held] = held_rank
+        tiles = ring_cost(sharding, block_rank, n, shape, profile)
     else:
         tiles = cost(sharding, shape, profile)
     keys = tiles.tile_q_block * sharding.num_blocks + tiles.tile_kv_block
@@ -398,10 +408,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     r_kind, _ = stack_ranks(programs, "pull_recv_kind")
     r_block, _ = stack_ranks(programs, "pull_recv_block")
     r_peer, _ = stack_ranks(programs, "pull_recv_peer")
-    r_count, _ = stack_ranks(programs, "pull_recv_seg_count")
-    r_segs, _ = stack_ranks(programs, "pull_recv_segs")
-    r_tokens = np.bincount(np.repeat(np.arange(r_round.size), r_count), weights=seg_tokens[r_segs],
-                           minlength=r_round.size)
+    r_tokens = stacked_pull_tokens(programs, tables)
     recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == KIND_KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \

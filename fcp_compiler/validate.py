@@ -15,6 +15,10 @@ from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.plan_format import PlanReader, expand_ranges, stack_ranks
 
+# Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
+# validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
+MAX_VALIDATED_PAIRS = 64_000_000
+
 INVARIANTS = {
     0: "well-formed blocks",
     1: "coverage",
@@ -78,6 +82,12 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     reader = source if isinstance(source, PlanReader) else PlanReader(source)
     header = reader.header
     tables = reader.tables
+    per_sequence = np.bincount(tables.seg_seq, minlength=header.num_sequences).astype(np.int64)
+    num_pairs = int((per_sequence * per_sequence).sum())
+    if num_pairs > MAX_VALIDATED_PAIRS:
+        raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
+                              f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (a ring over hundreds of GPUs); "
+                              f"validate the same layout at fewer GPUs")
     programs = reader.ranks()
     num_ranks, block_size, coalesce = header.num_ranks, header.block_size, header.coalesce
     causal = header.mask.value == "causal"

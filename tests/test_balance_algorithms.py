@@ -94,3 +94,21 @@ def test_least_is_the_head_of_a_stable_argsort(values, count):
 
     values = np.array(values, dtype=float)
     assert np.array_equal(_least(values, count), np.argsort(values, kind="stable")[:count])
+
+
+def test_chunk_pair_sums_equal_brute_force():
+    from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 6, size=(5, 4))
+    weights = rng.random(5)
+    for causal in (True, False):
+        want = np.zeros((4, 4))
+        for s in range(5):
+            starts = np.concatenate(([0], np.cumsum(tokens[s])))
+            for a in range(4):
+                for b in range(4):
+                    for q in range(starts[a], starts[a + 1]):
+                        for k in range(starts[b], starts[b + 1]):
+                            want[a, b] += weights[s] * (k <= q if causal else 1)
+        np.testing.assert_allclose(chunk_pair_sums(tokens, weights, causal), want)

@@ -150,3 +150,21 @@ def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
         layout = "user"
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", hq, hkv, dtype, layout,
                                            order_matching=True))
+
+
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_ring_costed_in_closed_form_pulls_whole_blocks_and_replays_exactly(monkeypatch, mask):
+    """Past RING_CLOSED_FORM_PAIRS the ring is costed per sequence without segment pairs and pulls whole shards; forced
+    here on a small batch, its tiles and FLOPs equal the pair path's and the plan replays exactly."""
+    import fcp_compiler.pipeline as pipeline
+
+    lengths = [700, 90, 1500, 33, 260, 1200, 64]
+    exact = compile_valid(lengths, 4, planner="ring", mask=mask)
+    monkeypatch.setattr(pipeline, "RING_CLOSED_FORM_PAIRS", 0)
+    closed = compile_valid(lengths, 4, planner="ring", mask=mask)
+    tiles = [plan.ir.schedule.rounds.transfers.assignment.tiles for plan in (exact, closed)]
+    assert not tiles[1].has_pairs and tiles[0].has_pairs
+    assert tiles[0].tile_q_block.tolist() == tiles[1].tile_q_block.tolist()
+    assert tiles[0].tile_kv_block.tolist() == tiles[1].tile_kv_block.tolist()
+    torch.testing.assert_close(torch.from_numpy(tiles[1].tile_flops), torch.from_numpy(tiles[0].tile_flops))
+    run_ranks(4, compare_with_reference(closed.to_bytes(), lengths, mask == "causal", 4, 2, torch.float64, "plan"))

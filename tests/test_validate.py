@@ -227,3 +227,11 @@ def test_reshuffle_runs_that_cover_everything_but_swap_places_are_caught(plan_by
                     return
         raise AssertionError("no two runs of equal length from different peers")
     expect(edited(plan_bytes, swap), 5, "do not land")
+
+
+def test_a_plan_with_more_segment_pairs_than_the_validator_enumerates_is_refused(plan_bytes, monkeypatch):
+    import fcp_compiler.validate as validate
+
+    monkeypatch.setattr(validate, "MAX_VALIDATED_PAIRS", 10)
+    with pytest.raises(PlanFormatError, match="segment pairs, more than the 10"):
+        validate_plan(plan_bytes)

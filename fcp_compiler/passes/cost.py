@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.inputs import AttentionShape, HardwareProfile
@@ -14,6 +15,9 @@ from fcp_compiler.ir import Sharding, TileSet
 # the plan is refused rather than left to exhaust memory. Only layouts that cut every sequence N ways (ring at
 # hundreds of GPUs on batches of thousands of sequences) come near it; FCP's blocks stay far below.
 MAX_SEGMENT_PAIRS = 64_000_000
+# Past this many segment pairs the ring baseline is costed in closed form per sequence (ring_cost), without a list
+# of segment pairs: a zig-zag ring cuts every sequence into 2N chunks, hundreds of millions of pairs at 256 GPUs.
+RING_CLOSED_FORM_PAIRS = 4_000_000
 
 
 def count_segment_pairs(sharding: Sharding) -> int:
@@ -88,3 +92,50 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
                    tile_flops=np.bincount(pair_tile, weights=flops, minlength=num_tiles),
                    tile_seconds=np.bincount(pair_tile, weights=seconds, minlength=num_tiles),
                    pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg, pair_flops=flops)
+
+
+def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape: AttentionShape,
+              profile: HardwareProfile) -> TileSet:
+    """The ring baseline's tiles in closed form per sequence: no list of segment pairs (the TileSet's pair arrays
+    are empty; its tiles then read whole blocks, as a ring step moves a whole shard).
+
+    In a zig-zag ring every sequence has the same 2N chunk positions and rank r holds chunks r and 2N-1-r of each
+    (:func:`fcp_compiler.baselines.ring`), so tile (q rank i, kv rank j) sums, over the sequences, the visible pairs
+    between those chunks (:func:`chunk_pair_sums`: one matrix product). Its time charges each sequence's pairs at the
+    efficiency of its chunk size, max(L / 2N, 1) (the pair path uses each segment pair's own sizes, which differ from
+    it by at most a token). FLOPs are exact. O(S N + N^2 S) in BLAS for S sequences.
+
+    Args:
+        sharding: the ring's blocks (one per rank that holds tokens) and segments.
+        block_rank: the rank of each block.
+        num_ranks: N.
+        shape, profile: as for :func:`cost`.
+    Returns:
+        the TileSet, tiles sorted by (q_block, kv_block), pair arrays empty.
+    """
+    lengths = sharding.batch.lengths
+    num_chunks = 2 * num_ranks
+    rank = block_rank[sharding.seg_block]
+    first_half = sharding.seg_start < lengths[sharding.seg_seq] // 2
+    chunk = np.where(first_half, rank, num_chunks - 1 - rank)
+    chunk_tokens = np.zeros((lengths.size, num_chunks))
+    np.add.at(chunk_tokens, (sharding.seg_seq, chunk), sharding.seg_tokens)
+    chunk_size = np.maximum(lengths / num_chunks, 1.0)
+    per_pair = 4.0 * shape.q_heads * shape.head_dim
+    causal = sharding.batch.causal
+    by_rank = []
+    for weights in (np.ones(lengths.size), 1.0 / tile_efficiency(profile, chunk_size)):
+        sums = chunk_pair_sums(chunk_tokens, weights, causal)
+        rows = sums[:num_ranks] + sums[::-1][:num_ranks]  # query chunks r and 2N-1-r of rank r
+        by_rank.append(rows[:, :num_ranks] + rows[:, ::-1][:, :num_ranks])  # key chunks likewise
+    pairs, weighted = by_rank
+    block_of_rank = np.full(num_ranks, -1, dtype=np.int64)
+    block_of_rank[block_rank] = np.arange(block_rank.size)
+    q_rank, kv_rank = np.nonzero(pairs > 0)
+    q_block, kv_block = block_of_rank[q_rank], block_of_rank[kv_rank]
+    order = np.lexsort((kv_block, q_block))
+    empty = np.zeros(0, dtype=np.int64)
+    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=q_block[order],
+                   tile_kv_block=kv_block[order], tile_flops=per_pair * pairs[q_rank, kv_rank][order],
+                   tile_seconds=per_pair * weighted[q_rank, kv_rank][order] / (profile.peak_tflops * 1e12),
+                   pair_tile=empty, pair_q_seg=empty, pair_kv_seg=empty, pair_flops=np.zeros(0))

@@ -24,6 +24,23 @@ def _edges_from_segment_needs(seg_needed: np.ndarray, rank_needing: np.ndarray, 
     return blocks[starts], ranks[starts], offsets, segs
 
 
+def _whole_block_transfers(assignment: Assignment) -> Transfers:
+    """Pulls of whole blocks, for a tile set without segment pairs: each remote block a rank's tiles read (K, V)
+    or run for (Q), once, with no segment list (it carries every segment of the block)."""
+    tiles = assignment.tiles
+    num_ranks, num_blocks = assignment.num_ranks, tiles.sharding.num_blocks
+    owner = assignment.block_rank
+    found = []
+    for kind, block in ((TransferKind.KV, tiles.tile_kv_block), (TransferKind.Q, tiles.tile_q_block)):
+        remote = owner[block] != assignment.tile_rank
+        key = unique_keys(block[remote] * num_ranks + assignment.tile_rank[remote], num_blocks * num_ranks)
+        found.append((np.full(key.size, kind, dtype=np.int64), key // num_ranks, key % num_ranks))
+    kinds, blocks, receivers = (np.concatenate(column) for column in zip(*found))
+    return Transfers(assignment=assignment, edge_kind=kinds, edge_block=blocks, edge_src=owner[blocks],
+                     edge_dst=receivers, edge_parent=np.full(blocks.size, -1, dtype=np.int64),
+                     edge_seg_offsets=np.zeros(blocks.size + 1, dtype=np.int64), edge_segs=np.zeros(0, dtype=np.int64))
+
+
 def plan_transfers(assignment: Assignment) -> Transfers:
     """List the pulls: the K, V of each remote block a rank's tiles read, and the Q of each query block whose tiles
     run away from its owner.
@@ -37,6 +54,8 @@ def plan_transfers(assignment: Assignment) -> Transfers:
         the Transfers.
     """
     tiles = assignment.tiles
+    if not tiles.has_pairs:
+        return _whole_block_transfers(assignment)
     sharding = tiles.sharding
     seg_block = sharding.seg_block
     num_segments, num_ranks = sharding.num_segments, assignment.num_ranks
