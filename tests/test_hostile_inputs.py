@@ -144,3 +144,9 @@ def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsy
         raise RuntimeError("a bug")
     monkeypatch.setattr(validate, "validate_plan", broken)
     expect_one_line(capsys, ["validate", ROOT / "tests" / "golden" / "small_8gpu.fcp"], "internal error", code=3)
+
+
+def test_a_bulk_line_that_is_not_utf8_is_named(tmp_path, capsys):
+    steps = _write(tmp_path / "steps.jsonl", b"[100, 200]\n[\xff]\n")
+    expect_one_line(capsys, ["compile", steps, "--gpus", 2, "-o", tmp_path / "plans"], "steps.jsonl:2")
+    assert not (tmp_path / "plans").exists()
