@@ -304,6 +304,7 @@ class PlanReader:
             self._block_tokens = np.bincount(arrays["seg_block"], weights=arrays["seg_end"] - arrays["seg_start"],
                                              minlength=self.header.num_blocks).astype(np.int64)
             self._block_seg_offsets = self._tables.block_seg_offsets
+            self._block_num_segments = np.diff(self._block_seg_offsets)
         return self._tables
 
     def rank(self, rank: int, expand: bool = True) -> RankProgram:
@@ -321,7 +322,8 @@ class PlanReader:
         arrays = _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
                                                f"rank {rank}'s section"), RANK_ARRAYS, what)
         tables = self.tables
-        check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens, rank)
+        check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
+                          self._block_num_segments, rank)
         for side in ("send", "recv") if expand else ():
             _expand_whole_blocks(arrays, side, self._block_seg_offsets)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)

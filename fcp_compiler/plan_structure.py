@@ -83,11 +83,18 @@ def _check_pulls(where: str, header, a: dict[str, np.ndarray], num_segments: int
 
 
 def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments: int, block_tokens: np.ndarray,
-                      rank: int) -> None:
+                      block_num_segments: np.ndarray, rank: int) -> None:
     """One rank's section: tables of equal length, every index, round and stage within the header's counts, and
     every reshuffle run within the rank's user-layout chunk and plan-layout tokens."""
     _within(where, "blocks", a["blocks"], 0, header.num_blocks)
     num_send, num_recv = _check_pulls(where, header, a, num_segments)
+    # Whole-block rows (seg_count 0) expand on read: a rank receives each block at most once a kind, and sends at
+    # most one row a kind to each other rank, which bounds what the expansion may allocate.
+    for side, most in (("recv", 2 * num_segments), ("send", 2 * header.num_ranks * num_segments)):
+        counts = a[f"pull_{side}_seg_count"]
+        expanded = int(np.where(counts == 0, block_num_segments[a[f"pull_{side}_block"]], counts).sum())
+        if expanded > most:
+            _fail(where, f"pull_{side} rows carry {expanded} segments, more than the {most} a rank can {side}")
     _same_length(where, a, ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"))
     _within(where, "tile_stage", a["tile_stage"], 0, header.num_fwd_stages)
     _within(where, "tile_bwd_stage", a["tile_bwd_stage"], 0, header.num_bwd_stages)

@@ -235,3 +235,13 @@ def test_a_plan_with_more_segment_pairs_than_the_validator_enumerates_is_refused
     monkeypatch.setattr(validate, "MAX_VALIDATED_PAIRS", 10)
     with pytest.raises(PlanFormatError, match="segment pairs, more than the 10"):
         validate_plan(plan_bytes)
+
+
+def test_whole_block_rows_that_would_expand_past_what_a_rank_can_receive_are_refused(plan_bytes):
+    def flood(arrays):
+        a = arrays[0]
+        extra = 2 * int(PlanReader(plan_bytes).tables.seg_block.size) + 1
+        for name in ("round", "bwd_round", "kind", "block", "peer"):
+            a[f"pull_recv_{name}"] = np.concatenate((a[f"pull_recv_{name}"], np.full(extra, a[f"pull_recv_{name}"][0])))
+        a["pull_recv_seg_count"] = np.concatenate((a["pull_recv_seg_count"], np.zeros(extra, dtype=np.int64)))
+    expect_structure_error(edited(plan_bytes, flood), "more than the")
