@@ -325,7 +325,7 @@ class PlanReader:
         check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
                           self._block_num_segments, rank)
         for side in ("send", "recv") if expand else ():
-            _expand_whole_blocks(arrays, side, self._block_seg_offsets)
+            _expand_whole_blocks(arrays, side, self._block_seg_offsets, self._block_num_segments)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
     def ranks(self, expand: bool = True) -> list[RankProgram]:
@@ -333,7 +333,8 @@ class PlanReader:
         return [self.rank(rank, expand) for rank in range(self.header.num_ranks)]
 
 
-def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray) -> None:
+def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray,
+                         block_num_segments: np.ndarray) -> None:
     """Write out the segment list of every pull stored as seg_count 0 (every segment of its block), so that every
     reader sees explicit lists."""
     counts = arrays[f"pull_{side}_seg_count"]
@@ -341,7 +342,7 @@ def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_off
     if not whole.any():
         return
     blocks = arrays[f"pull_{side}_block"]
-    first, size = block_seg_offsets[blocks], np.diff(block_seg_offsets)[blocks]
+    first, size = block_seg_offsets[blocks], block_num_segments[blocks]
     full = np.where(whole, size, counts)
     stored = np.concatenate(([0], np.cumsum(counts)))[:-1]
     # Positions: a whole row's are its block's segment ids; another row's index its stored list.
