@@ -21,7 +21,7 @@ GPUS = typer.Option(..., "--gpus", help="number of ranks (GPUs), >= 1")
 
 
 def _write_json(path: Path, data: object) -> None:
-    from fcp_compiler.pipeline import write_atomic
+    from fcp_compiler.format.safe_io import write_atomic
 
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
@@ -59,10 +59,10 @@ def compile_command(
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]"),
 ) -> None:
     """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
-    from fcp_compiler.inputs import load_batch, load_profile, make_shape
-    from fcp_compiler.pipeline import compile_plan
-    from fcp_compiler.report import compile_summary
-    from fcp_compiler.safe_io import check_output_target, write_files_atomic
+    from fcp_compiler.format.inputs import load_batch, load_profile, make_shape
+    from fcp_compiler.core.pipeline import compile_plan
+    from fcp_compiler.tools.report import compile_summary
+    from fcp_compiler.format.safe_io import check_output_target, write_files_atomic
 
     if mask is not None and mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
@@ -91,8 +91,8 @@ def compile_command(
 def _bulk(batch: Path, gpus: int, out_dir: Path, jobs: Optional[int], quiet: bool, options: dict) -> None:
     import sys
 
-    from fcp_compiler.bulk import bulk_compile, read_jsonl
-    from fcp_compiler.report import table
+    from fcp_compiler.tools.bulk import bulk_compile, read_jsonl
+    from fcp_compiler.tools.report import table
 
     if jobs is not None and jobs < 1:
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
@@ -122,7 +122,7 @@ def _bulk(batch: Path, gpus: int, out_dir: Path, jobs: Optional[int], quiet: boo
 @app.command("validate")
 def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
     """Check every invariant of DESIGN section 4; exit 1 naming the first one broken."""
-    from fcp_compiler.validate import PlanInvalidError, validate_plan
+    from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 
     try:
         report = validate_plan(str(plan))
@@ -142,8 +142,8 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
-    from fcp_compiler.plan_format import PlanReader
-    from fcp_compiler.report import rank_program_text, rank_rows, table
+    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.tools.report import rank_program_text, rank_rows, table
 
     reader = PlanReader(str(plan))
     header = reader.header
@@ -172,7 +172,7 @@ def inspect_command(
 
 def _is_plan_file(source: Path, magic: bytes) -> bool:
     """Whether a regular file starts with the plan magic (a FIFO or device is refused before it can block)."""
-    from fcp_compiler.safe_io import open_regular_file
+    from fcp_compiler.format.safe_io import open_regular_file
 
     handle, _ = open_regular_file(str(source), "input")
     with handle:
@@ -181,11 +181,11 @@ def _is_plan_file(source: Path, magic: bytes) -> bool:
 
 def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
     """A plan file as it is, or a batch JSON compiled for --gpus."""
-    from fcp_compiler.inputs import load_batch, load_profile
-    from fcp_compiler.pipeline import compile_plan
-    from fcp_compiler.plan_format import MAGIC
+    from fcp_compiler.format.inputs import load_batch, load_profile
+    from fcp_compiler.core.pipeline import compile_plan
+    from fcp_compiler.format.plan_format import MAGIC
 
-    from fcp_compiler.plan_format import PlanReader
+    from fcp_compiler.format.plan_format import PlanReader
 
     if _is_plan_file(source, MAGIC):
         return PlanReader(str(source))
@@ -205,12 +205,12 @@ def simulate_command(
                                         help="add a whole layer's linear parts: llama3-8b or llama3-70b"),
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
-    from fcp_compiler.inputs import load_profile
-    from fcp_compiler.models import load_model
-    from fcp_compiler.report import table
-    from fcp_compiler.simulate import simulate_plan, write_trace
+    from fcp_compiler.format.inputs import load_profile
+    from fcp_compiler.tools.models import load_model
+    from fcp_compiler.tools.report import table
+    from fcp_compiler.tools.simulate import simulate_plan, write_trace
 
-    from fcp_compiler.validate import validate_plan
+    from fcp_compiler.format.validate import validate_plan
 
     layer_model = load_model(model) if model else None
     data = _plan_or_batch(source, gpus, profile)
@@ -250,9 +250,9 @@ def ablate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON"),
 ) -> None:
     """The seed's Table 2: each technique switched on in turn, normalized MFU beside the seed's."""
-    from fcp_compiler.ablation import run_ablation
-    from fcp_compiler.inputs import load_batch, load_profile
-    from fcp_compiler.report import table
+    from fcp_compiler.tools.ablation import run_ablation
+    from fcp_compiler.format.inputs import load_batch, load_profile
+    from fcp_compiler.tools.report import table
 
     steps = run_ablation(load_batch(batch), gpus, profile=load_profile(profile))
     if json_out:
@@ -276,26 +276,6 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _trace_spec(spec: str, tokens_per_gpu: int):
-    """gpus -> batch, from lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or file:PATH:TAIL_FRACTION[:SEED]."""
-    from fcp_compiler.traces import empirical_batch, lognormal_batch, read_lengths_file
-
-    parts = spec.split(":")
-    try:
-        if parts[0] == "lognormal" and len(parts) in (4, 5):
-            median, sigma, max_len = float(parts[1]), float(parts[2]), int(parts[3])
-            seed = int(parts[4]) if len(parts) == 5 else 0
-            return lambda n: lognormal_batch(n * tokens_per_gpu, median, sigma, 64, max_len, seed)
-        if parts[0] == "file" and len(parts) in (3, 4):
-            values, tail = read_lengths_file(parts[1]), float(parts[2])
-            seed = int(parts[3]) if len(parts) == 4 else 0
-            return lambda n: empirical_batch(values, n * tokens_per_gpu, seed, 524288, tail)
-    except ValueError:
-        pass
-    raise InvalidInputError(f"--trace-spec {spec!r} must be lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or "
-                            f"file:PATH:TAIL_FRACTION[:SEED]")
-
-
 @app.command("compare")
 def compare_command(
     batch: Optional[Path] = typer.Argument(None, help="batch JSON (or give --trace-spec)"),
@@ -311,14 +291,15 @@ def compare_command(
                                                              "needs matplotlib)"),
 ) -> None:
     """FCP beside the baselines at each scale: balance, traffic, rounds, simulated normalized MFU, speedup."""
-    from fcp_compiler.baselines import Planner
-    from fcp_compiler.compare import compare
-    from fcp_compiler.inputs import load_batch, load_profile
-    from fcp_compiler.report import compare_rows
+    from fcp_compiler.core.baselines import Planner
+    from fcp_compiler.tools.compare import compare
+    from fcp_compiler.format.inputs import load_batch, load_profile
+    from fcp_compiler.tools.report import compare_rows
+    from fcp_compiler.tools.traces import parse_trace_spec
 
     scales = _int_list(gpus, "--gpus")
     if plot:
-        from fcp_compiler.plots import check_plot_path, compare_figure
+        from fcp_compiler.tools.plots import check_plot_path, compare_figure
 
         check_plot_path(plot)
     try:
@@ -329,7 +310,7 @@ def compare_command(
     if (batch is None) == (trace_spec is None):
         raise InvalidInputError("give either BATCH or --trace-spec")
     if trace_spec:
-        batch_for = _trace_spec(trace_spec, tokens_per_gpu)
+        batch_for = parse_trace_spec(trace_spec, tokens_per_gpu)
     else:
         fixed = load_batch(batch)
         batch_for = lambda n: fixed  # noqa: E731
@@ -353,13 +334,13 @@ def sweep_command(
                                                              "matplotlib)"),
 ) -> None:
     """FCP at several block sizes: balance and simulated normalized MFU."""
-    from fcp_compiler.compare import sweep_block_sizes
-    from fcp_compiler.inputs import load_batch, load_profile
-    from fcp_compiler.report import table
+    from fcp_compiler.tools.compare import sweep_block_sizes
+    from fcp_compiler.format.inputs import load_batch, load_profile
+    from fcp_compiler.tools.report import table
 
     sizes = _int_list(block_size, "--block-size")
     if plot:
-        from fcp_compiler.plots import check_plot_path, sweep_figure
+        from fcp_compiler.tools.plots import check_plot_path, sweep_figure
 
         check_plot_path(plot)
     rows = sweep_block_sizes(load_batch(batch), gpus, sizes, profile=load_profile(profile))
@@ -382,10 +363,10 @@ def diff_command(
     tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression"),
 ) -> None:
     """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
-    from fcp_compiler.diff import diff_plans
-    from fcp_compiler.plan_format import PlanReader
-    from fcp_compiler.report import table
-    from fcp_compiler.validate import validate_plan
+    from fcp_compiler.tools.diff import diff_plans
+    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.tools.report import table
+    from fcp_compiler.format.validate import validate_plan
 
     if fail_on not in (None, "change", "regression"):
         raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
@@ -429,8 +410,8 @@ def schemas_command(
     check: bool = typer.Option(False, "--check", help="exit 1 if the files differ from the models"),
 ) -> None:
     """Write (or check) the JSON Schema of the batch, hardware profile, attention shape and plan header."""
-    from fcp_compiler.inputs import schema_documents
-    from fcp_compiler.pipeline import write_atomic
+    from fcp_compiler.format.schemas import schema_documents
+    from fcp_compiler.format.safe_io import write_atomic
 
     stale = []
     for name, text in schema_documents().items():
@@ -453,7 +434,7 @@ def _total_tokens(gpus: int, tokens_per_gpu: int) -> int:
 
 
 def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> None:
-    from fcp_compiler.pipeline import write_atomic
+    from fcp_compiler.format.safe_io import write_atomic
 
     if mask not in ("causal", "full"):
         raise InvalidInputError(f"--mask {mask!r} must be causal or full")
@@ -475,7 +456,7 @@ def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
                     min_len: int = typer.Option(64, "--min-len"), max_len: int = typer.Option(524288, "--max-len"),
                     seed: int = SEED, mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
-    from fcp_compiler.traces import lognormal_batch
+    from fcp_compiler.tools.traces import lognormal_batch
 
     _write_batch(lognormal_batch(_total_tokens(gpus, tokens_per_gpu), median, sigma, min_len, max_len, seed), mask,
                  output, quiet)
@@ -486,7 +467,7 @@ def trace_histogram(histogram: Path = typer.Argument(..., help="CSV of bins: '[l
                     gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU, seed: int = SEED, mask: str = MASK,
                     output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lengths from a histogram: a bin by its count, then log-uniform inside it."""
-    from fcp_compiler.traces import histogram_batch, read_histogram_csv
+    from fcp_compiler.tools.traces import histogram_batch, read_histogram_csv
 
     edges, counts = read_histogram_csv(histogram)
     _write_batch(histogram_batch(edges, counts, _total_tokens(gpus, tokens_per_gpu), seed), mask, output, quiet)
@@ -498,7 +479,7 @@ def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one 
                max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this"),
                mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lengths drawn with replacement from a file of observed lengths."""
-    from fcp_compiler.traces import empirical_batch, read_lengths_file
+    from fcp_compiler.tools.traces import empirical_batch, read_lengths_file
 
     _write_batch(empirical_batch(read_lengths_file(lengths_file), _total_tokens(gpus, tokens_per_gpu), seed,
                                  max_len), mask,
@@ -535,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo(f"fcp{command}: error: {error.format_message()}{_offending_value(argv, error)}", err=True)
         return 2
     except FcpError as error:
-        from fcp_compiler.validate import PlanInvalidError
+        from fcp_compiler.format.validate import PlanInvalidError
 
         if isinstance(error, PlanInvalidError):
             typer.echo(f"fcp: invalid plan: {error}", err=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler import compile_plan
-from fcp_compiler.report import table
-from fcp_compiler.traces import (empirical_batch, histogram_batch, lognormal_batch, read_histogram_csv,
+from fcp_compiler.tools.report import table
+from fcp_compiler.tools.traces import (empirical_batch, histogram_batch, lognormal_batch, read_histogram_csv,
                                  read_lengths_file)
 
 TOKENS_PER_GPU = 32768
@@ -32,7 +32,7 @@ def received_floor(plan) -> float:
     1 - R / that. Running tiles elsewhere can go below it only by pulling Q and pushing partial outputs, each
     q_heads / (2 kv_heads) times a block's K,V.
     """
-    tiles = plan.ir.schedule.rounds.transfers.assignment.tiles
+    tiles = plan.ir.tiles
     sharding = tiles.sharding
     stats = plan.stats
     per_block = tiles.block_seconds

@@ -10,9 +10,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from fcp_compiler.bulk import bulk_compile
-from fcp_compiler.inputs import parse_batch
-from fcp_compiler.traces import lognormal_batch
+from fcp_compiler.tools.bulk import bulk_compile
+from fcp_compiler.format.inputs import parse_batch
+from fcp_compiler.tools.traces import lognormal_batch
 
 
 def main() -> None:

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from fcp_compiler import compile_plan
-from fcp_compiler.plan_format import PlanReader
-from fcp_compiler.simulate import simulate_plan
-from fcp_compiler.traces import lognormal_batch
+from fcp_compiler.format.plan_format import PlanReader
+from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.tools.traces import lognormal_batch
 
 
 def main() -> None:
@@ -86,7 +86,7 @@ def main() -> None:
 _SCALE_RUN = """
 import json, resource, statistics, sys
 from fcp_compiler import compile_plan
-from fcp_compiler.traces import lognormal_batch
+from fcp_compiler.tools.traces import lognormal_batch
 gpus = int(sys.argv[1])
 lengths = lognormal_batch(gpus * 32768, 4096, 1.8, 64, 524288, 0)
 seconds = [compile_plan(lengths, gpus).stats["compile_seconds"] for _ in range(3)]

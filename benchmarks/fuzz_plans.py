@@ -40,8 +40,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from cli import main as fcp  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.errors import FcpError  # noqa: E402
-from fcp_compiler.inputs import PRESET_PROFILES  # noqa: E402
-from fcp_compiler.plan_format import GLOBAL_ARRAYS, PlanReader, assemble, load_rank_program  # noqa: E402
+from fcp_compiler.format.inputs import PRESET_PROFILES  # noqa: E402
+from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble, load_rank_program  # noqa: E402
 
 SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,
                                                           "gpus_per_node": 2})

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler import compile_plan
-from fcp_compiler.baselines import Planner
-from fcp_compiler.report import table
-from fcp_compiler.simulate import simulate_plan
-from fcp_compiler.traces import empirical_batch, histogram_batch, read_histogram_csv, read_lengths_file
+from fcp_compiler.core.baselines import Planner
+from fcp_compiler.tools.report import table
+from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.tools.traces import empirical_batch, histogram_batch, read_histogram_csv, read_lengths_file
 
 TOKENS_PER_GPU = 32768
 TAIL_FRACTION = 0.2
@@ -35,7 +35,7 @@ BASELINES = (Planner.RING, Planner.BYTESCALE, Planner.WLBLLM, Planner.MAGI)
 
 def batches(eval_data: Path) -> dict:
     """Name -> function(total_tokens, seed) giving lengths."""
-    from fcp_compiler.traces import lognormal_batch
+    from fcp_compiler.tools.traces import lognormal_batch
 
     out = {"paper": lambda total, seed: lognormal_batch(total, 4096, 1.8, 64, 524288, seed)}
     files = {"wlbllm": "distca/dist_wlbllm.json", "prolong": "distca/dist_prolong.json",
@@ -59,7 +59,7 @@ def batches(eval_data: Path) -> dict:
 def token_floor(plan) -> float:
     """A floor on the token imbalance of any placement of this plan's blocks, from the batch alone: the largest
     rank holds at least the mean, at least the largest block, and, by pigeonhole, ceil(F / N) full blocks of the F."""
-    sharding = plan.ir.schedule.rounds.transfers.assignment.tiles.sharding
+    sharding = plan.ir.sharding
     gpus = plan.stats["gpus"]
     mean = sharding.batch.total_tokens / gpus
     num_full = int((sharding.block_tokens == sharding.block_size).sum())

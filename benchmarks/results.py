@@ -19,12 +19,12 @@ import argparse
 import statistics
 from pathlib import Path
 
-from fcp_compiler.baselines import Planner
-from fcp_compiler.compare import compare, sweep_block_sizes
+from fcp_compiler.core.baselines import Planner
+from fcp_compiler.tools.compare import compare, sweep_block_sizes
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.inputs import load_batch
-from fcp_compiler.plots import compare_figure, line_plot, series_by_method, sweep_figure
-from fcp_compiler.traces import empirical_batch, lognormal_batch, read_lengths_file
+from fcp_compiler.format.inputs import load_batch
+from fcp_compiler.tools.plots import compare_figure, line_plot, series_by_method, sweep_figure
+from fcp_compiler.tools.traces import empirical_batch, lognormal_batch, read_lengths_file
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = list(Planner)

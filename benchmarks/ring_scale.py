@@ -24,7 +24,7 @@ sys.path[:0] = {paths!r}
 from pathlib import Path
 from placement import batches
 from fcp_compiler import compile_plan
-from fcp_compiler.simulate import simulate_plan
+from fcp_compiler.tools.simulate import simulate_plan
 lengths = batches(Path({eval_data!r}))[{name!r}]({tokens}, {seed})
 start = time.perf_counter()
 plan = compile_plan(lengths, {gpus}, planner="ring")
@@ -39,7 +39,7 @@ print(json.dumps({{"compile_s": compiled, "simulate_s": time.perf_counter() - st
 
 def main() -> None:
     from placement import TOKENS_PER_GPU, batches
-    from fcp_compiler.report import table
+    from fcp_compiler.tools.report import table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=256)

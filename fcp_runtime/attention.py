@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge
-from fcp_runtime.plan import KIND_KV, KIND_Q, LAYOUTS, Message, PassProgram, RankPlan
+from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
 from fcp_runtime.stage_calls import LOCAL, KernelCall, stage_calls
 
 
@@ -249,16 +250,16 @@ class _ForwardPass:
                                              device=ex.device))
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
-        names = ("k", "v") if pull.kind == KIND_KV else ("q",)
+        names = ("k", "v") if pull.kind == TransferKind.KV else ("q",)
         return [self.ex.payload_rows(local, name, pull.segs) for name in names]
 
     def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
-        if pull.kind == KIND_KV:
+        if pull.kind == TransferKind.KV:
             return {"k": self.ex.empty(rows, self.hkv), "v": self.ex.empty(rows, self.hkv)}
         return {"q": self.ex.empty(rows, self.hq)}
 
     def accumulators(self, pull, store: _Store) -> None:
-        if pull.kind == KIND_Q:
+        if pull.kind == TransferKind.Q:
             ex = self.ex
             store.tensors["out"] = torch.zeros((store.rows, self.hq, ex.head_dim), dtype=ex.acc_dtype,
                                                device=ex.device)
@@ -305,35 +306,35 @@ class _BackwardPass:
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
         ex = self.ex
-        if pull.kind == KIND_KV:
+        if pull.kind == TransferKind.KV:
             return [ex.payload_rows(local, "k", pull.segs), ex.payload_rows(local, "v", pull.segs)]
         return [ex.payload_rows(local, "q", pull.segs), ex.payload_rows(local, "do", pull.segs),
                 ex.payload_rows(local, "out", pull.segs), ex.payload_rows(local, "lse", pull.segs, heads_first=True)]
 
     def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
         ex = self.ex
-        if pull.kind == KIND_KV:
+        if pull.kind == TransferKind.KV:
             return {"k": ex.empty(rows, self.hkv), "v": ex.empty(rows, self.hkv)}
         return {"q": ex.empty(rows, self.hq), "do": ex.empty(rows, self.hq), "out": ex.empty(rows, self.hq),
                 "lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)}
 
     def accumulators(self, pull, store: _Store) -> None:
         ex = self.ex
-        names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
-        heads = self.hkv if pull.kind == KIND_KV else self.hq
+        names = ("dk", "dv") if pull.kind == TransferKind.KV else ("dq",)
+        heads = self.hkv if pull.kind == TransferKind.KV else self.hq
         for name in names:
             store.tensors[name] = ex.empty(store.rows, heads, ex.acc_dtype).zero_()
 
     def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
-        names = ("dk", "dv") if pull.kind == KIND_KV else ("dq",)
+        names = ("dk", "dv") if pull.kind == TransferKind.KV else ("dq",)
         return [store.tensors[name].contiguous() for name in names]
 
     def push_buffers(self, pull, rows: int) -> list[torch.Tensor]:
-        heads, count = (self.hkv, 2) if pull.kind == KIND_KV else (self.hq, 1)
+        heads, count = (self.hkv, 2) if pull.kind == TransferKind.KV else (self.hq, 1)
         return [self.ex.empty(rows, heads, self.ex.acc_dtype) for _ in range(count)]
 
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
-        for name, tensor in zip(("dk", "dv") if kind == KIND_KV else ("dq",), tensors):
+        for name, tensor in zip(("dk", "dv") if kind == TransferKind.KV else ("dq",), tensors):
             local.tensors[name][rows] += tensor[part]
 
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:

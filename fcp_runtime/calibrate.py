@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fcp calibrate: error: flash-attn is not installed (pip install flash-attn)", file=sys.stderr)
         return 2
     from fcp_compiler.errors import FcpError  # pragma: no cover
-    from fcp_compiler.inputs import HardwareProfile, load_profile
-    from fcp_compiler.pipeline import write_atomic
+    from fcp_compiler.format.inputs import HardwareProfile, load_profile
+    from fcp_compiler.format.safe_io import write_atomic
 
     try:  # pragma: no cover
         base = load_profile(args.base)

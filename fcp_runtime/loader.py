@@ -37,7 +37,9 @@ class PlanningCollate:
         self.compile_options = compile_options
 
     def __call__(self, documents: Sequence[torch.Tensor]) -> dict:
-        from fcp_compiler import compile_plan  # imported in the worker; never imports torch
+        # The one runtime module that calls the compiler (pyproject.toml lists it beside the layer contracts);
+        # imported in the worker, and the compiler never imports torch.
+        from fcp_compiler.core.pipeline import compile_plan
 
         lengths = [int(doc.shape[0]) for doc in documents]
         plan = compile_plan(lengths, self.world_size, layout=self.layout, **self.compile_options)

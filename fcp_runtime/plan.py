@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcp_compiler.plan_format import PlanReader, RankProgram, expand_ranges, tiles_during_reshuffle
+from fcp_compiler.format.plan_format import PlanReader, RankProgram, TransferKind, expand_ranges, tiles_during_reshuffle
 
-KIND_KV, KIND_Q = 0, 1
 LAYOUTS = ("plan", "user")
 
 
@@ -138,7 +137,7 @@ def _pass_program(name: str, a: dict[str, np.ndarray], pull_send: list[Pull], pu
     stage_tiles: list[list[int]] = [[] for _ in range(num_stages)]
     for idx, ((q_block, kv_block), stage) in enumerate(zip(tiles, tile_stages.tolist())):
         stage_tiles[stage].append(idx)
-        for key in ((KIND_Q, q_block), (KIND_KV, kv_block)):
+        for key in ((TransferKind.Q, q_block), (TransferKind.KV, kv_block)):
             if key in by_block:
                 last_stage[by_block[key]] = max(last_stage[by_block[key]], stage)
     for side, what in (("send", "push_send"), ("recv", "push_recv")):

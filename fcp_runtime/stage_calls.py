@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fcp_runtime.plan import KIND_KV, KIND_Q, RankPlan
+from fcp_compiler.format.plan_format import TransferKind
+from fcp_runtime.plan import RankPlan
 
 LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pull_recv row
 
@@ -54,8 +55,8 @@ def _entries(plan: RankPlan, tiles: list[int]):
     entries: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for idx in tiles:
         q_block, kv_block = plan.tiles[idx]
-        q_source = LOCAL if q_block in plan.local_blocks else sources[(KIND_Q, q_block)]
-        kv_source = LOCAL if kv_block in plan.local_blocks else sources[(KIND_KV, kv_block)]
+        q_source = LOCAL if q_block in plan.local_blocks else sources[(TransferKind.Q, q_block)]
+        kv_source = LOCAL if kv_block in plan.local_blocks else sources[(TransferKind.KV, kv_block)]
         q_segs = plan.block_segs[q_block] if q_source == LOCAL else plan.pull_recv[q_source].segs
         kv_segs = plan.block_segs[kv_block] if kv_source == LOCAL else plan.pull_recv[kv_source].segs
         for qs in q_segs:

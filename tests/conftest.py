@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 
 from fcp_compiler import compile_plan
-from fcp_compiler.validate import validate_plan
+from fcp_compiler.format.validate import validate_plan
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

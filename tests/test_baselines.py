@@ -5,7 +5,7 @@ import pytest
 
 from cli import main
 from conftest import compile_valid
-from fcp_compiler.traces import lognormal_batch
+from fcp_compiler.tools.traces import lognormal_batch
 
 LENGTHS = lognormal_batch(16 * 32768, 4096, 1.8, 64, 131072, seed=2)
 
@@ -64,10 +64,10 @@ def test_compare_and_sweep_commands(tmp_path, capsys):
 
 def test_segment_pair_count_is_exact_and_guards_memory(monkeypatch):
     from fcp_compiler.errors import InfeasibleError
-    from fcp_compiler.passes import cost as cost_pass
+    from fcp_compiler.core.passes import cost as cost_pass
 
     for planner in ("fcp", "ring"):
-        tiles = compile_valid([5000, 300, 20000], 4, planner=planner).ir.schedule.rounds.transfers.assignment.tiles
+        tiles = compile_valid([5000, 300, 20000], 4, planner=planner).ir.tiles
         assert cost_pass.count_segment_pairs(tiles.sharding) == tiles.pair_tile.size
     monkeypatch.setattr(cost_pass, "MAX_SEGMENT_PAIRS", 20)
     with pytest.raises(InfeasibleError, match="segment pairs, over the 20 a plan may hold"):
@@ -77,7 +77,7 @@ def test_segment_pair_count_is_exact_and_guards_memory(monkeypatch):
 def test_compare_reports_a_method_that_cannot_plan_and_goes_on(tmp_path, capsys, monkeypatch):
     import json
 
-    from fcp_compiler.passes import cost as cost_pass
+    from fcp_compiler.core.passes import cost as cost_pass
 
     # Ring cuts these sequences 2N ways: over the limit at 8 GPUs, under it at 4; FCP's blocks stay far below.
     batch = tmp_path / "b.json"
@@ -119,8 +119,8 @@ def test_magi_cuts_fixed_slices_of_the_packed_sequence_and_gives_every_rank_as_m
     lengths = [5000, 300, 70000, 12, 4096, 8192, 20000, 999]
     block = 1024
     plan = compile_valid(lengths, 4, block_size=block, planner="magi")
-    sharding = plan.ir.schedule.rounds.transfers.assignment.tiles.sharding
-    block_rank = plan.ir.schedule.rounds.transfers.assignment.block_rank
+    sharding = plan.ir.sharding
+    block_rank = plan.ir.assignment.block_rank
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     # Block b holds exactly the global tokens [b * block, (b + 1) * block), in order, across document boundaries.
     starts = offsets[sharding.seg_seq] + sharding.seg_start

@@ -11,7 +11,7 @@ import pytest
 
 from cli import main
 from fcp_compiler import compile_plan
-from fcp_compiler.traces import lognormal_batch
+from fcp_compiler.tools.traces import lognormal_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 

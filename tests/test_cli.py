@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli as run
-from fcp_compiler.plan_format import PlanReader, rebuild_plan
+from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "traces" / "small_8gpu.json"

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from conftest import compile_valid
 from fcp_compiler.algorithms.exchange import place_messages
 from fcp_compiler.algorithms.liveness import live_tokens, peak_live_tokens
-from fcp_compiler.passes.coalesce import coalesce, max_buffer_tokens, pass_buffers
-from fcp_compiler.stats import exchange_degree
+from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens, pass_buffers
+from fcp_compiler.core.stats import exchange_degree
 
 
 def _is_matching(rounds, src, dst):
@@ -59,8 +59,7 @@ def test_live_tokens_equal_a_brute_force_count(num_ranks, num_buffers, seed):
        st.sampled_from(["causal", "full"]))
 def test_both_passes_are_congestion_free_exchanges_with_pushes_after_their_tiles(lengths, gpus, degree, mask):
     plan = compile_valid(lengths, gpus, block_size=512, coalesce_degree=degree, mask=mask)
-    schedule = plan.ir.schedule
-    transfers = schedule.rounds.transfers
+    schedule, transfers = plan.ir.schedule, plan.ir.transfers
     for program in (schedule.forward, schedule.backward):
         rounds = np.concatenate((program.edge_round, program.push_round))
         src = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
@@ -77,7 +76,7 @@ def test_both_passes_are_congestion_free_exchanges_with_pushes_after_their_tiles
 
 
 def test_levelling_stays_within_the_buffer_budget_that_the_earliest_placement_meets(small_plan):
-    rounds = small_plan.ir.schedule.rounds
+    rounds = small_plan.ir.rounds
     transfers = rounds.transfers
     tile_rank = transfers.assignment.tile_rank
 

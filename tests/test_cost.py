@@ -2,10 +2,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fcp_compiler.inputs import PRESET_PROFILES, AttentionShape, MaskKind
-from fcp_compiler.ir import Batch
-from fcp_compiler.passes.cost import cost, tile_efficiency
-from fcp_compiler.passes.shard import shard
+from fcp_compiler.format.inputs import PRESET_PROFILES, AttentionShape, MaskKind
+from fcp_compiler.core.ir import Batch
+from fcp_compiler.core.passes.cost import cost, tile_efficiency
+from fcp_compiler.core.passes.shard import shard
 
 
 @given(st.lists(st.integers(1, 9000), min_size=1, max_size=12), st.sampled_from(["causal", "full"]),

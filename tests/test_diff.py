@@ -7,7 +7,7 @@ import pytest
 
 from cli import main
 from fcp_compiler import compile_plan
-from fcp_compiler.inputs import load_batch
+from fcp_compiler.format.inputs import load_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json")

@@ -11,8 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 from refresh import CASES, GOLDEN, compile_case  # noqa: E402
 
-from fcp_compiler.diff import diff_plans  # noqa: E402
-from fcp_compiler.plan_format import PlanReader  # noqa: E402
+from fcp_compiler.tools.diff import diff_plans  # noqa: E402
+from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
+from fcp_compiler.format.validate import validate_plan  # noqa: E402
 
 
 def describe(expected: bytes, actual: bytes) -> str:
@@ -34,8 +35,16 @@ def test_golden_plan_bytes_are_unchanged(name):
                                 f"{describe(expected, actual)}\nIf intended: python tests/golden/refresh.py")
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_plans_are_valid(name):
+    report = validate_plan((GOLDEN / f"{name}.fcp").read_bytes())
+    assert report.num_tiles > 0 and report.num_rounds == report.max_degree
+
+
 def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypatch, tmp_path):
-    import fcp_compiler.pipeline as pipeline
+    import refresh
+
+    import fcp_compiler.core.pipeline as pipeline
 
     original = pipeline.coalesce
     monkeypatch.setattr(pipeline, "coalesce", lambda rounds, degree, pipelined=True: original(rounds, degree, False))
@@ -43,6 +52,9 @@ def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypat
     changed = compile_case("small_8gpu")
     with pytest.raises(AssertionError, match="num_fwd_stages"):
         assert changed == expected, describe(expected, changed)
-    refreshed = tmp_path / "small_8gpu.fcp"  # what refresh.py writes, here into a scratch folder
-    refreshed.write_bytes(changed)
-    assert compile_case("small_8gpu") == refreshed.read_bytes()
+    # Run refresh.py as a developer would after an intended change, into a scratch copy of the golden folder.
+    monkeypatch.setattr(refresh, "GOLDEN", tmp_path)
+    refresh.main()
+    assert sorted(path.name for path in tmp_path.glob("*.fcp")) == sorted(f"{name}.fcp" for name in CASES)
+    assert (tmp_path / "small_8gpu.fcp").read_bytes() == changed  # the refreshed plan is what the change compiles
+    assert compile_case("small_8gpu") == (tmp_path / "small_8gpu.fcp").read_bytes()  # and it passes again

@@ -121,7 +121,7 @@ def test_a_plan_of_an_older_format_is_named(tmp_path, capsys):
 def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, capsys):
     import numpy as np
 
-    from fcp_compiler.plan_format import PlanReader, rebuild_plan
+    from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
 
     plan = tmp_path / "p.fcp"
     assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
@@ -138,7 +138,7 @@ def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, cap
 
 
 def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):
-    import fcp_compiler.validate as validate
+    import fcp_compiler.format.validate as validate
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")

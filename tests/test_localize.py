@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fcp_compiler.passes.localize import match_ranks
+from fcp_compiler.core.passes.localize import match_ranks
 
 
 @given(st.integers(1, 5), st.integers(0, 2**32 - 1))
@@ -28,12 +28,12 @@ def test_largest_overlaps_are_kept_and_ties_go_to_the_lower_rank():
 @pytest.mark.parametrize("gpus", [4, 16])
 def test_renumbered_pulls_are_what_plan_transfers_lists_for_the_renumbered_placement(gpus):
     from fcp_compiler import compile_plan
-    from fcp_compiler.passes.localize import renumber
-    from fcp_compiler.passes.transfers import plan_transfers
-    from fcp_compiler.traces import lognormal_batch
+    from fcp_compiler.core.passes.localize import renumber
+    from fcp_compiler.core.passes.transfers import plan_transfers
+    from fcp_compiler.tools.traces import lognormal_batch
 
     plan = compile_plan(lognormal_batch(gpus * 32768, 4096, 1.8, 64, 262144, seed=2), gpus)
-    before = plan.ir.schedule.rounds.transfers
+    before = plan.ir.transfers
     perm = np.random.default_rng(gpus).permutation(gpus)
     assert not np.array_equal(perm, np.arange(gpus))
     shuffled = renumber(before, perm)

@@ -4,13 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import compile_valid
 from fcp_compiler import InfeasibleError, InvalidInputError, compile_plan
-from fcp_compiler.inputs import load_batch
+from fcp_compiler.format.inputs import load_batch
+from fcp_compiler.format.plan_format import PlanReader
 
 ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
@@ -31,8 +33,17 @@ def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size
     plan = compile_valid(lengths, gpus, block_size=block_size, coalesce_degree=coalesce, mask=mask, zigzag=zigzag)
     stats = plan.stats
     assert stats["num_rounds"] == stats["max_degree"]
-    assert stats["num_stages"] == -(-stats["num_rounds"] // coalesce)
     assert stats["max_tokens_per_rank"] <= stats["token_cap"] <= -(-sum(lengths) // gpus) + block_size
+    # The coalescer keeps every rank's messages a stage, each way and pulls and pushes together, within the stage's
+    # rounds: c forward, 2c backward (DESIGN, Stages).
+    for rank in range(gpus):
+        a = plan.rank(rank).arrays
+        for stage_rounds, rounds in ((coalesce, ("pull_recv_round", "fwd_push_recv_round")),
+                                     (coalesce, ("pull_send_round", "fwd_push_send_round")),
+                                     (2 * coalesce, ("pull_recv_bwd_round", "bwd_push_recv_round")),
+                                     (2 * coalesce, ("pull_send_bwd_round", "bwd_push_send_round"))):
+            stage = np.concatenate([a[name] for name in rounds]) // stage_rounds
+            assert np.bincount(stage).max(initial=0) <= stage_rounds
 
 
 def test_stats_hold_every_documented_key(small_plan):
@@ -77,10 +88,20 @@ def test_a_block_heavier_than_the_mean_is_split_by_tiles():
     assert plan.stats["num_rounds"] == plan.stats["max_degree"]
 
 
-def test_rank_slices_decode_the_same_as_the_whole(small_plan):
+def test_rank_slices_decode_the_same_as_the_whole(small_plan, tmp_path):
+    from fcp_compiler import load_rank_program
+
+    path = tmp_path / "plan.fcp"
+    small_plan.write(path)
+    whole = PlanReader(small_plan.to_bytes()).ranks()
     for rank in range(small_plan.num_ranks):
-        program = small_plan.rank(rank)
-        assert set(program.arrays) and program.rank == rank
+        alone = load_rank_program(path, rank)  # only the header and this rank's section are read
+        assert alone.rank == rank and set(alone.arrays) == set(whole[rank].arrays)
+        for name, values in whole[rank].arrays.items():
+            np.testing.assert_array_equal(alone.arrays[name], values, err_msg=f"rank {rank} {name}")
+    # The blocks of all ranks together are every block once: the slices are the plan, not copies of one rank.
+    held = np.concatenate([program.arrays["blocks"] for program in whole])
+    assert np.array_equal(np.sort(held), np.arange(small_plan.header.num_blocks))
 
 
 def test_bad_parameters_are_named():
@@ -97,7 +118,7 @@ def test_bad_parameters_are_named():
 
 
 def test_token_tolerance_brings_ranks_near_the_mean_tokens():
-    from fcp_compiler.traces import lognormal_batch
+    from fcp_compiler.tools.traces import lognormal_batch
 
     lengths = lognormal_batch(16 * 32768, 4096, 1.8, 64, 131072, seed=0)
     loose = compile_valid(lengths, 16).stats
@@ -108,7 +129,7 @@ def test_token_tolerance_brings_ranks_near_the_mean_tokens():
 
 
 def test_same_inputs_give_byte_identical_plans_across_hash_seeds(tmp_path):
-    script = ("import sys; from fcp_compiler import compile_plan; from fcp_compiler.inputs import load_batch; "
+    script = ("import sys; from fcp_compiler import compile_plan; from fcp_compiler.format.inputs import load_batch; "
               "compile_plan(load_batch(sys.argv[1]), 64, block_size=2048).write(sys.argv[2])")
     outputs = []
     for seed in ("0", "12345"):
@@ -127,11 +148,9 @@ def test_pair_token_and_link_figures_agree_with_the_plan(small_plan):
 
     stats = small_plan.stats
     ir = small_plan.ir
-    assignment = ir.schedule.rounds.transfers.assignment
+    assignment, sharding, tiles = ir.assignment, ir.sharding, ir.tiles
     # Visible pairs per rank, counted token by token from the tiles' segment pairs (causal: key position <= query).
-    sharding = assignment.tiles.sharding
     pairs = np.zeros(assignment.num_ranks)
-    tiles = assignment.tiles
     for pair in range(tiles.pair_tile.size):
         q, k = tiles.pair_q_seg[pair], tiles.pair_kv_seg[pair]
         q_pos = np.arange(sharding.seg_start[q], sharding.seg_end[q])

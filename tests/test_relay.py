@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from conftest import compile_valid
 from fcp_compiler.algorithms.relays import RelayEdges, RelayLinks, choose_relays
-from fcp_compiler.inputs import PRESET_PROFILES
-from fcp_compiler.ir import TransferKind
+from fcp_compiler.format.inputs import PRESET_PROFILES
+from fcp_compiler.core.ir import TransferKind
 from test_validate import edited, expect
 
 # Traffic 1000x slower than H100's: stages are bound by their sends, so relays are worth choosing.
@@ -65,8 +65,7 @@ def test_no_relay_without_a_holder_of_every_segment():
 
 
 def _check_relays(plan):
-    schedule = plan.ir.schedule
-    transfers = schedule.rounds.transfers
+    schedule, transfers = plan.ir.schedule, plan.ir.transfers
     parent = transfers.edge_parent
     relayed = np.flatnonzero(parent >= 0)
     owner = transfers.edge_owner

@@ -9,7 +9,7 @@ from conftest import compile_valid  # noqa: E402
 from runtime_harness import compare_with_reference, run_ranks  # noqa: E402
 
 from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func  # noqa: E402
-from fcp_compiler.inputs import PRESET_PROFILES  # noqa: E402
+from fcp_compiler.format.inputs import PRESET_PROFILES  # noqa: E402
 from fcp_runtime import load_rank_plan  # noqa: E402
 from fcp_runtime.kernels import FlashAttnKernels  # noqa: E402
 
@@ -156,13 +156,13 @@ def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
 def test_ring_costed_in_closed_form_pulls_whole_blocks_and_replays_exactly(monkeypatch, mask):
     """Past RING_CLOSED_FORM_PAIRS the ring is costed per sequence without segment pairs and pulls whole shards; forced
     here on a small batch, its tiles and FLOPs equal the pair path's and the plan replays exactly."""
-    import fcp_compiler.pipeline as pipeline
+    import fcp_compiler.core.pipeline as pipeline
 
     lengths = [700, 90, 1500, 33, 260, 1200, 64]
     exact = compile_valid(lengths, 4, planner="ring", mask=mask)
     monkeypatch.setattr(pipeline, "RING_CLOSED_FORM_PAIRS", 0)
     closed = compile_valid(lengths, 4, planner="ring", mask=mask)
-    tiles = [plan.ir.schedule.rounds.transfers.assignment.tiles for plan in (exact, closed)]
+    tiles = [plan.ir.tiles for plan in (exact, closed)]
     assert not tiles[1].has_pairs and tiles[0].has_pairs
     assert tiles[0].tile_q_block.tolist() == tiles[1].tile_q_block.tolist()
     assert tiles[0].tile_kv_block.tolist() == tiles[1].tile_kv_block.tolist()

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import compile_valid  # noqa: E402
-from fcp_compiler.inputs import PRESET_PROFILES  # noqa: E402
+from fcp_compiler.format.inputs import PRESET_PROFILES  # noqa: E402
 from runtime_harness import run_ranks  # noqa: E402
 
 CASES = [

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from fcp_compiler.inputs import schema_documents
+from fcp_compiler.format.schemas import schema_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ import pytest
 
 from cli import main
 from conftest import compile_valid
-from fcp_compiler.ablation import run_ablation
-from fcp_compiler.inputs import load_batch
-from fcp_compiler.simulate import TRACKS, LinkModel, PassInput, simulate_pass, simulate_plan
+from fcp_compiler.tools.ablation import run_ablation
+from fcp_compiler.format.inputs import load_batch
+from fcp_compiler.tools.simulate import TRACKS, LinkModel, PassInput, simulate_pass, simulate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BW, LAT, LAUNCH = 1e9, 1e-5, 2e-6
@@ -141,7 +141,7 @@ def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout)
 
 
 def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
-    from fcp_compiler.models import MODEL_PRESETS
+    from fcp_compiler.tools.models import MODEL_PRESETS
 
     lengths = [3000, 700, 90, 1500, 260, 1200]
     model = MODEL_PRESETS["llama3-8b"]
@@ -163,7 +163,7 @@ def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
 
 
 def test_seed_profiles_keep_the_seeds_compute_to_network_ratios():
-    from fcp_compiler.inputs import PRESET_PROFILES
+    from fcp_compiler.format.inputs import PRESET_PROFILES
 
     for name, ratio in (("seed-x", 5920), ("seed-y", 2500)):
         profile = PRESET_PROFILES[name]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.traces import empirical_batch, histogram_batch, lognormal_batch
+from fcp_compiler.tools.traces import empirical_batch, histogram_batch, lognormal_batch
 
 
 def test_lognormal_is_seeded_and_exact():

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import compile_valid
 from fcp_compiler.errors import PlanFormatError
-from fcp_compiler.plan_format import PlanReader, rebuild_plan
-from fcp_compiler.validate import PlanInvalidError, validate_plan
+from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
+from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_reshuffle_runs_that_cover_everything_but_swap_places_are_caught(plan_by
 
 
 def test_a_plan_with_more_segment_pairs_than_the_validator_enumerates_is_refused(plan_bytes, monkeypatch):
-    import fcp_compiler.validate as validate
+    import fcp_compiler.format.validate as validate
 
     monkeypatch.setattr(validate, "MAX_VALIDATED_PAIRS", 10)
     with pytest.raises(PlanFormatError, match="segment pairs, more than the 10"):

@@ -181,12 +181,10 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         if stuck.any():
             open_excess = np.where(limits.hard_excess(search.compute, search.tokens, search.pairs) > 1.0,
                                    open_excess, -np.inf)
-        top = int(np.argmax(open_excess))
-        top_excess = open_excess[top]
+        top_excess = open_excess[top := int(np.argmax(open_excess))]
         if top_excess <= 1.0:
             break
-        partners = _least(rank_excess, num_partner_ranks)
-        partners = partners[partners != top]
+        partners = (least := _least(rank_excess, num_partner_ranks))[least != top]
         partner_blocks = search.partner_blocks(top, partners, rank_excess, affinity_per_sequence)
         score, xs, ys, partner_of, new_tops, new_partners = search.candidates(
             top, top_excess, partners, partner_blocks, limits, token_cap)

@@ -12,7 +12,8 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
     largest degree Delta (Konig); each colour class is a matching. Algorithm: edges in order; an edge (u, v) takes
     a colour free at both ends if one exists; otherwise, with a free at u and b free at v, the a/b alternating path
     from v is recoloured (it cannot reach u in a bipartite graph), which frees a at v. Free colours are found with
-    bit tricks on per-vertex masks. O(E * Delta) worst case, near O(E) on the graphs the planner makes.
+    bit tricks on per-vertex masks. An alternating path has at most V edges, so O(E * V) worst case (E edges, V
+    vertices); on the graphs the planner makes the paths are short and it runs near O(E).
 
     Args:
         left, right: int arrays, the endpoints of each edge (left in [0, num_left), right in [0, num_right)).

@@ -14,7 +14,7 @@ CASES = {
 
 def compile_case(name: str) -> bytes:
     from fcp_compiler import compile_plan
-    from fcp_compiler.inputs import load_batch
+    from fcp_compiler.format.inputs import load_batch
 
     trace, gpus, options = CASES[name]
     return compile_plan(load_batch(ROOT / "traces" / trace), gpus, **options).to_bytes()
@@ -24,7 +24,7 @@ def main() -> None:
     for name in CASES:
         path = GOLDEN / f"{name}.fcp"
         path.write_bytes(compile_case(name))
-        print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+        print(f"wrote {path} ({path.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

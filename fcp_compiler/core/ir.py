@@ -1,0 +1,303 @@
+"""Frozen IR objects passed from one compiler pass to the next.
+
+Each pass is a pure function from one of these to the next; later objects hold the earlier ones, so the last
+one carries everything. Arrays are numpy and never mutated after construction. Derived figures are properties.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, MaskKind
+from fcp_compiler.format.plan_format import TransferKind
+
+
+class ZigzagMode(str, enum.Enum):
+    """Whether long sequences pair chunk i with chunk 2n-1-i inside a block."""
+
+    AUTO = "auto"  # on for causal batches with a sequence of two blocks or more
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Sequence lengths in batch order and the mask kind."""
+
+    lengths: np.ndarray  # int64 [num_sequences]
+    mask: MaskKind
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def seq_offsets(self) -> np.ndarray:
+        """Global token offset of each sequence in the user layout's concatenation (num_sequences + 1 entries)."""
+        return np.concatenate(([0], np.cumsum(self.lengths))).astype(np.int64)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask is MaskKind.CAUSAL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharding:
+    """Blocks as lists of segments (sequence, start, end); segments sorted by block."""
+
+    batch: Batch
+    block_size: int
+    zigzag: bool
+    seg_block: np.ndarray  # int64 [num_segments]
+    seg_seq: np.ndarray
+    seg_start: np.ndarray  # position inside the sequence
+    seg_end: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.seg_block[-1]) + 1 if self.seg_block.size else 0
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_block.size)
+
+    @property
+    def seg_tokens(self) -> np.ndarray:
+        return self.seg_end - self.seg_start
+
+    @property
+    def block_tokens(self) -> np.ndarray:
+        return np.bincount(self.seg_block, weights=self.seg_tokens, minlength=self.num_blocks).astype(np.int64)
+
+    @property
+    def block_seg_offsets(self) -> np.ndarray:
+        """Segments of block b are [offsets[b], offsets[b + 1])."""
+        counts = np.bincount(self.seg_block, minlength=self.num_blocks)
+        return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TileSet:
+    """Every (query block, key/value block) pair with visible token pairs, and its modelled cost.
+
+    Segment pairs (pair_*) are the kernel calls inside tiles; tiles are sorted by (q_block, kv_block).
+    """
+
+    sharding: Sharding
+    shape: AttentionShape
+    profile: HardwareProfile
+    tile_q_block: np.ndarray  # int64 [num_tiles]
+    tile_kv_block: np.ndarray
+    tile_flops: np.ndarray  # float64 forward FLOPs
+    tile_seconds: np.ndarray  # float64 modelled forward time at the profile's peak and efficiency
+    pair_tile: np.ndarray  # int64 [num_pairs] tile of each segment pair
+    pair_q_seg: np.ndarray
+    pair_kv_seg: np.ndarray
+    pair_flops: np.ndarray  # float64 forward FLOPs of each segment pair
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_q_block.size)
+
+    @property
+    def has_pairs(self) -> bool:
+        """False for a tile set costed in closed form (the ring at scale): its tiles read whole blocks."""
+        return self.pair_tile.size > 0 or self.num_tiles == 0
+
+    @property
+    def block_seconds(self) -> np.ndarray:
+        """Forward time of all tiles of each query block (its work when its owner computes it)."""
+        return np.bincount(self.tile_q_block, weights=self.tile_seconds, minlength=self.sharding.num_blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """Where each block lives and where each tile runs."""
+
+    tiles: TileSet
+    num_ranks: int
+    token_cap: int
+    block_rank: np.ndarray  # int64 [num_blocks]
+    tile_rank: np.ndarray  # int64 [num_tiles]
+
+    @property
+    def rank_tokens(self) -> np.ndarray:
+        return np.bincount(self.block_rank, weights=self.tiles.sharding.block_tokens,
+                           minlength=self.num_ranks).astype(np.int64)
+
+    @property
+    def rank_seconds(self) -> np.ndarray:
+        """Modelled forward compute time per rank."""
+        return np.bincount(self.tile_rank, weights=self.tiles.tile_seconds, minlength=self.num_ranks)
+
+    @property
+    def num_offloaded_tiles(self) -> int:
+        return int((self.tile_rank != self.block_rank[self.tiles.tile_q_block]).sum())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transfers:
+    """Pull edges: one per (remote block, receiving rank, kind), with the segments each carries."""
+
+    assignment: Assignment
+    edge_kind: np.ndarray  # int64 TransferKind
+    edge_block: np.ndarray
+    edge_src: np.ndarray  # the rank that sends it: the block's owner, or a relay that received it earlier
+    edge_dst: np.ndarray  # the rank whose tiles need it
+    edge_parent: np.ndarray  # -1 for a pull from the owner, else the earlier pull whose receiver re-sends it
+    edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]; none: all
+    edge_segs: np.ndarray  # global segment indices
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_kind.size)
+
+    @property
+    def num_relayed(self) -> int:
+        return int((self.edge_parent >= 0).sum())
+
+    @property
+    def edge_owner(self) -> np.ndarray:
+        return self.assignment.block_rank[self.edge_block]
+
+    @property
+    def edge_tokens(self) -> np.ndarray:
+        """Tokens each pull carries; a pull with no segment list carries its whole block."""
+        sharding = self.assignment.tiles.sharding
+        counts = np.diff(self.edge_seg_offsets)
+        edge_of_seg = np.repeat(np.arange(self.num_edges), counts)
+        listed = np.bincount(edge_of_seg, weights=sharding.seg_tokens[self.edge_segs], minlength=self.num_edges)
+        return np.where(counts == 0, sharding.block_tokens[self.edge_block], listed).astype(np.int64)
+
+    @property
+    def edge_bytes(self) -> np.ndarray:
+        """Forward bytes of each pull: K and V for KV edges, Q for Q edges."""
+        shape = self.assignment.tiles.shape
+        per_token = np.where(self.edge_kind == TransferKind.KV, shape.kv_bytes_per_token, shape.q_bytes_per_token)
+        return self.edge_tokens * per_token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rounds:
+    """Pull edges split into congestion-free rounds (matchings)."""
+
+    transfers: Transfers
+    edge_round: np.ndarray  # int64 [num_edges]
+    num_rounds: int
+
+    @property
+    def max_degree(self) -> int:
+        """Largest number of pulls any rank owns or receives (Delta of the owner-to-puller graph: relays re-send
+        some pulls in the rounds this graph's colouring gave them)."""
+        transfers = self.transfers
+        if transfers.num_edges == 0:
+            return 0
+        num_ranks = transfers.assignment.num_ranks
+        return int(max(np.bincount(transfers.edge_owner, minlength=num_ranks).max(),
+                       np.bincount(transfers.edge_dst, minlength=num_ranks).max()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassSchedule:
+    """One pass's program: its pulls in rounds, its tiles in stages, its pushes in rounds.
+
+    In every round each rank sends at most one message and receives at most one, pulls and pushes together. Stage s
+    holds rounds [s * coalesce, (s + 1) * coalesce): it posts their messages, runs its tiles (which read only what
+    earlier stages delivered), then waits. A push leaves in a stage after every tile that made it.
+    """
+
+    coalesce: int
+    edge_round: np.ndarray  # int64 [num_edges], the round of each pull
+    tile_stage: np.ndarray  # int64 [num_tiles]
+    push_edge: np.ndarray  # the pull edges a result returns along (from the puller to the owner) ...
+    push_round: np.ndarray  # ... and the round it does
+
+    @property
+    def edge_stage(self) -> np.ndarray:
+        return self.edge_round // self.coalesce
+
+    @property
+    def push_stage(self) -> np.ndarray:
+        return self.push_round // self.coalesce
+
+    @property
+    def num_rounds(self) -> int:
+        """Rounds that carry a message."""
+        return max([int(a.max()) + 1 for a in (self.edge_round, self.push_round) if a.size] + [0])
+
+    @property
+    def num_stages(self) -> int:
+        return max([int(a.max()) + 1 for a in (self.edge_stage, self.tile_stage, self.push_stage) if a.size] + [1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """The forward and backward programs, and which pull each tile reads."""
+
+    rounds: Rounds
+    coalesce: int
+    forward: PassSchedule  # pushes: partial O and LSE back along Q pulls
+    backward: PassSchedule  # pushes: dK, dV (or dQ) back along every pull
+    tile_kv_edge: np.ndarray  # int64 [num_tiles], the KV pull each tile reads, -1 where its K,V are local
+    tile_q_edge: np.ndarray  # the Q pull, -1 where its queries are local
+    tile_order: np.ndarray  # tiles in forward pipeline order: by rank, stage, arrival round, index
+
+    @property
+    def num_comm_stages(self) -> int:
+        """Stages that carry forward pulls: ceil(num_rounds / coalesce)."""
+        return -(-self.rounds.num_rounds // self.coalesce)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reshuffle:
+    """Runs of tokens moved between the user layout and the plan layout.
+
+    Run i moves run_length[i] tokens starting at global token run_global_start[i] from user rank run_user_rank[i]
+    (at local offset run_user_offset[i]) to plan rank run_plan_rank[i] (at local offset run_plan_offset[i]).
+    Runs are sorted by (user rank, plan rank, global start), the order both sides pack them in.
+    """
+
+    schedule: Schedule
+    run_user_rank: np.ndarray
+    run_plan_rank: np.ndarray
+    run_global_start: np.ndarray
+    run_length: np.ndarray
+    run_user_offset: np.ndarray
+    run_plan_offset: np.ndarray
+    user_bounds: np.ndarray  # [num_ranks + 1] token bounds of the user layout
+
+    # The final IR holds every earlier one; these name them directly, so no reader walks the chain.
+    @property
+    def rounds(self) -> Rounds:
+        return self.schedule.rounds
+
+    @property
+    def transfers(self) -> Transfers:
+        return self.schedule.rounds.transfers
+
+    @property
+    def assignment(self) -> Assignment:
+        return self.schedule.rounds.transfers.assignment
+
+    @property
+    def tiles(self) -> TileSet:
+        return self.schedule.rounds.transfers.assignment.tiles
+
+    @property
+    def sharding(self) -> Sharding:
+        return self.schedule.rounds.transfers.assignment.tiles.sharding
+
+    @property
+    def batch(self) -> Batch:
+        return self.sharding.batch
+
+    @property
+    def num_ranks(self) -> int:
+        return self.assignment.num_ranks

@@ -1,0 +1,165 @@
+"""Pass 3: place blocks on ranks (LPT under a token cap, refined) and decide where each tile runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.bounds import makespan_lower_bound
+from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
+from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
+from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
+from fcp_compiler.algorithms.ranges import user_layout_bounds
+from fcp_compiler.core.ir import Assignment, TileSet
+from fcp_compiler.errors import InfeasibleError
+
+
+# How far above the mean compute and the mean received volume the joint search lets a rank go.
+TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.045)
+TWO_DIMENSIONAL_ROUNDS = 3
+# How far above the mean visible (q, k) pairs the joint search lets a rank go: balance that holds without trusting
+# the efficiency curve.
+PAIR_TOLERANCE = 0.025
+# LPT sends a block to its user-layout rank when that rank is within this fraction of the mean of the least loaded.
+HOME_SLACK = 0.0
+# Work a heavy block's owner keeps, and the most work per batch of its other tiles, as a share of the mean.
+HELPER_PIECE = 0.75
+
+
+def default_token_cap(total_tokens: int, num_ranks: int, block_size: int) -> int:
+    """The mean tokens per rank (rounded up) plus one block: always feasible, and memory stays balanced."""
+    return -(-total_tokens // num_ranks) + block_size
+
+
+def _place_items(weights: np.ndarray, sizes: np.ndarray, num_ranks: int, token_cap: int,
+                 block_size: int, preferred: np.ndarray | None = None, slack: float = 0.0,
+                 token_tolerance: float | None = None) -> tuple[np.ndarray, int]:
+    """LPT under the cap, then move/swap refinement of compute (steps 1 and 2 of :func:`assign`).
+
+    With a token tolerance, LPT runs under the tighter cap of (1 + token_tolerance) x the mean tokens (or the
+    largest item); items that find no room there go to the rank with the most room, and moves and swaps of sizes
+    then bring ranks under the tight cap where whole blocks allow. Returns the placement and the cap it keeps.
+    """
+    total = int(sizes.sum())
+    if token_cap * num_ranks < total or (sizes.size and token_cap < int(sizes.max())):
+        raise InfeasibleError(
+            f"token cap {token_cap} cannot hold {total} tokens on {num_ranks} ranks in blocks of up to "
+            f"{int(sizes.max())} tokens; it must be at least {max(-(-total // num_ranks), int(sizes.max()))} "
+            f"(the default, {default_token_cap(total, num_ranks, block_size)}, always fits)")
+    tight = token_cap
+    if token_tolerance is not None:
+        tight = min(token_cap, max(int(np.ceil(total / num_ranks * (1.0 + token_tolerance))), int(sizes.max())))
+    item_rank = lpt_with_cap(weights, sizes, num_ranks, tight, preferred, slack)
+    unplaced = np.flatnonzero(item_rank == UNPLACED)
+    if unplaced.size and tight < token_cap:
+        used = np.bincount(item_rank[item_rank >= 0], weights=sizes[item_rank >= 0], minlength=num_ranks)
+        for item in unplaced.tolist():
+            rank = int(np.argmin(used))
+            if used[rank] + sizes[item] <= token_cap:
+                item_rank[item] = rank
+                used[rank] += sizes[item]
+        if (item_rank >= 0).all():
+            item_rank = level_sizes(weights, sizes, item_rank, num_ranks, tight)
+        else:  # the cap itself is tight: place under it alone, as without a tolerance
+            item_rank = lpt_with_cap(weights, sizes, num_ranks, token_cap, preferred, slack)
+    if (item_rank == UNPLACED).any():
+        block = int(np.flatnonzero(item_rank == UNPLACED)[0])
+        raise InfeasibleError(
+            f"token cap {token_cap}: no rank has room for block {block} ({int(sizes[block])} tokens); use a cap of "
+            f"at least {default_token_cap(total, num_ranks, block_size)}")
+    kept = max(tight, int(np.bincount(item_rank, weights=sizes, minlength=num_ranks).max()))
+    return refine_moves_swaps(weights, sizes, item_rank, num_ranks, kept), kept
+
+
+def home_ranks(sharding, num_ranks: int) -> np.ndarray:
+    """The user-layout rank holding each block's first token (where most of a block's tokens usually are)."""
+    bounds = user_layout_bounds(sharding.batch.total_tokens, num_ranks)
+    first = sharding.block_seg_offsets[:-1]
+    start = sharding.batch.seq_offsets[sharding.seg_seq[first]] + sharding.seg_start[first]
+    return np.searchsorted(bounds, start, side="right") - 1
+
+
+def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (block b, segment k of another block that b's queries read), unique, sorted by block."""
+    seg_block = tiles.sharding.seg_block
+    q_block = seg_block[tiles.pair_q_seg]
+    foreign = seg_block[tiles.pair_kv_seg] != q_block
+    key = np.unique(q_block[foreign] * tiles.sharding.num_segments + tiles.pair_kv_seg[foreign])
+    return key // tiles.sharding.num_segments, key % tiles.sharding.num_segments
+
+
+def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: float = 0.01,
+           token_tolerance: float | None = None) -> Assignment:
+    """Place every block on a rank within the token cap, balancing modelled compute.
+
+    1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N). A block heavier than the
+       mean keeps three quarters of the mean of its tiles; the rest go in batches of at most that, placed by LPT
+       like blocks of no tokens (the rank a batch lands on runs those tiles for the owner). Large batches, because
+       each costs a pull of the block's Q and a push of its partial output, four times a block's K,V with 8:1
+       grouped-query heads; larger still and whole batches no longer balance (benchmarks/placement.py, mean
+       normalized MFU forward with batches of a half, three quarters and all of the mean: 0.737, 0.751, 0.745, the
+       last with compute imbalance up to 0.060). With a token tolerance, LPT runs under a tight token cap and moves
+       and swaps of sizes fix what it overflows.
+    2. Refinement: moves and swaps off the most loaded rank while they lower it.
+    3. Compute and traffic together: moves and swaps off the rank furthest above either mean (1% for compute,
+       4.5% for bytes received, and the token tolerance when given), counting each pulled segment once per rank.
+    4. Where a rank is still above (1 + balance_tolerance) x the lower bound, some tiles of its heaviest query
+       blocks run on the least-loaded ranks instead.
+
+    Args:
+        tiles: the tile set (work per block).
+        num_ranks: N.
+        token_cap: most tokens a rank may hold.
+        balance_tolerance: relative slack over the lower bound before tiles are moved.
+        token_tolerance: keep ranks within (1 + token_tolerance) x the mean tokens where whole blocks allow (None:
+            only the cap); the Assignment's token_cap is then the cap the placement keeps.
+    Returns:
+        the Assignment.
+    Raises:
+        InfeasibleError: when no rank has room for some block under the cap.
+    """
+    sharding = tiles.sharding
+    sizes = sharding.block_tokens
+    num_blocks = sharding.num_blocks
+    bound, _ = makespan_lower_bound(float(tiles.tile_seconds.sum()), num_ranks,
+                                    float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
+    # Blocks heavier than the mean cannot balance whole: their tiles beyond HELPER_PIECE of the mean go into
+    # batches that are placed like blocks of no tokens.
+    mean = float(tiles.tile_seconds.sum()) / num_ranks
+    tile_batch, batch_block, batch_seconds = split_heavy_blocks(
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean,
+        piece=mean * HELPER_PIECE)
+    weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
+                          minlength=num_blocks)
+    # A block prefers the rank that holds most of its tokens in the user layout, when that costs little balance:
+    # the reshuffle then moves less, and more tiles run while it is in flight.
+    home = np.concatenate((home_ranks(sharding, num_ranks), np.full(batch_seconds.size, -1, dtype=np.int64)))
+    item_rank, token_cap = _place_items(np.concatenate((weights, batch_seconds)),
+                                        np.concatenate((sizes, np.zeros(batch_seconds.size, dtype=np.int64))),
+                                        num_ranks, token_cap, sharding.block_size, home, HOME_SLACK * mean,
+                                        token_tolerance)
+    block_rank, batch_rank = item_rank[:num_blocks], item_rank[num_blocks:]
+    batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
+    # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
+    own = tile_batch < 0
+    block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=num_blocks)
+    batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
+        if batch_rank.size else np.zeros(num_ranks)
+    need_block, need_seg = block_needs(tiles)
+    for _ in range(TWO_DIMENSIONAL_ROUNDS):
+        # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
+        # traffic is still outside its tolerance.
+        moved = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
+                                        sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
+                                        fixed_compute=batch_compute, token_tolerance=token_tolerance,
+                                        block_pairs=block_pairs, fixed_pairs=batch_pairs,
+                                        pair_tolerance=PAIR_TOLERANCE,
+                                        **TWO_DIMENSIONAL_SEARCH)
+        if np.array_equal(moved, block_rank):
+            break
+        block_rank = moved
+    tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
+                         block_rank[tiles.tile_q_block])
+    tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
+                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank)
+    return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
+                      tile_rank=tile_rank)

@@ -1,0 +1,190 @@
+"""Pass 6: the forward and backward programs: rounds coalesced into stages, tiles pipelined, pushes placed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.exchange import backward_push_rounds, forward_push_rounds
+from fcp_compiler.algorithms.leveling import BufferLimit, level_stages
+from fcp_compiler.algorithms.liveness import peak_live_tokens
+from fcp_compiler.algorithms.round_order import order_rounds
+from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
+
+
+def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Index of the pull edge (kind, block, receiving rank) for each query, -1 where there is none."""
+    num_ranks = transfers.assignment.num_ranks
+    of_kind = np.flatnonzero(transfers.edge_kind == kind)
+    keys = transfers.edge_block[of_kind] * num_ranks + transfers.edge_dst[of_kind]
+    assert (np.diff(keys) > 0).all()
+    wanted = blocks * num_ranks + ranks
+    pos = np.minimum(np.searchsorted(keys, wanted), max(keys.size - 1, 0))
+    found = keys.size > 0
+    hit = (keys[pos] == wanted) if found else np.zeros(wanted.size, dtype=bool)
+    return np.where(hit, of_kind[pos] if found else -1, -1)
+
+
+def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndarray, tile_kv_edge: np.ndarray,
+                 tile_q_edge: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The received buffers of one pass under the liveness rule (:mod:`fcp_compiler.algorithms.liveness`).
+
+    Returns:
+        (rank, first stage, last stage, tokens) per buffer: each pull on its receiver, from its stage to its last
+        tile or the push back along it, and each push on the owner it lands on, for its stage.
+    """
+    edge_stage = program.edge_stage
+    last = edge_stage.copy()
+    for edge in (tile_kv_edge, tile_q_edge):
+        reads = edge >= 0
+        np.maximum.at(last, edge[reads], program.tile_stage[reads])
+    push_stage = program.push_stage
+    np.maximum.at(last, program.push_edge, push_stage)
+    # A relay holds its pulled block until it has re-sent it and, when a result comes back along the re-sent pull,
+    # until that result has been folded into the block's own partial result.
+    relayed = np.flatnonzero(transfers.edge_parent >= 0)
+    np.maximum.at(last, transfers.edge_parent[relayed], edge_stage[relayed])
+    pushed_relayed = transfers.edge_parent[program.push_edge] >= 0
+    np.maximum.at(last, transfers.edge_parent[program.push_edge[pushed_relayed]], push_stage[pushed_relayed])
+    tokens = transfers.edge_tokens
+    return (np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge])),
+            np.concatenate((edge_stage, push_stage)), np.concatenate((last, push_stage)),
+            np.concatenate((tokens, tokens[program.push_edge])))
+
+
+def max_buffer_tokens(schedule: Schedule) -> int:
+    """The most live buffer tokens any rank holds in any stage of either pass."""
+    transfers = schedule.rounds.transfers
+    tile_rank = transfers.assignment.tile_rank
+    return max(int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
+                                                  schedule.tile_q_edge), transfers.assignment.num_ranks).max())
+               for program in (schedule.forward, schedule.backward))
+
+
+def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local."""
+    round_or_local = np.append(pull_round, -1)  # index -1 (no pull) reads -1 (local)
+    return np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+
+
+def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, degree: int, pipelined: bool,
+                 tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int | None) -> np.ndarray:
+    """Each tile's stage: after its pulls arrive, levelled within the buffer budget (None: not levelled)."""
+    assignment = transfers.assignment
+    tiles = assignment.tiles
+    if not pipelined:
+        return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // degree + 1, dtype=np.int64)
+    arrival_round = _arrival_round(pull_round, tile_kv_edge, tile_q_edge)
+    tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
+    if budget is None:
+        return tile_stage
+    # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
+    # level each stage's busiest rank, as far as the buffers they read may stay live. Local tiles stay in stage 0
+    # (they hide the first transfers), and tiles run for another rank stay put so that their partial outputs leave
+    # early.
+    q_remote = tile_q_edge >= 0
+    pushed = np.zeros(transfers.num_edges, dtype=np.int64)
+    pushed[push_edge] = 1
+    limit = BufferLimit(tile_buffer=np.where(q_remote, -1, tile_kv_edge), buffer_rank=transfers.edge_dst,
+                        buffer_first=pull_round // degree, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
+                        budget=budget)
+    return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
+                        movable=(tile_stage > 0) & ~q_remote, limit=limit)
+
+
+def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipelined: bool, tile_kv_edge: np.ndarray,
+             tile_q_edge: np.ndarray, budget: int) -> PassSchedule:
+    """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds."""
+    push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, budget)
+    return _forward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+
+
+def _forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+                   tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """The forward program with its partial outputs pushed back along the Q pulls
+    (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
+    push_edge, push_round = forward_push_rounds(
+        transfers.edge_kind == TransferKind.Q, transfers.edge_src, transfers.edge_dst, transfers.assignment.num_ranks,
+        pull_round, tile_stage, tile_kv_edge, tile_q_edge, degree)
+    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+                        push_round=push_round)
+
+
+def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipelined: bool,
+              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """Pulls in the even rounds (round 2r for round r of the backward order); tiles as soon as their data is there
+    (a later tile would hold its block longer); gradients pushed back by :func:`_backward_pushes`."""
+    pull_round = 2 * forward_round
+    push_edge = np.arange(transfers.num_edges)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, None)
+    return _backward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+
+
+def _backward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+                    tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
+    """The backward program with every gradient pushed back along its pull, relays after the pushes they sum
+    (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
+    push_edge, push_round = backward_push_rounds(
+        transfers.edge_src, transfers.edge_dst, transfers.edge_parent, transfers.assignment.num_ranks, pull_round,
+        tile_stage, tile_kv_edge, tile_q_edge, degree)
+    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+                        push_round=push_round)
+
+
+def _round_work(rounds: Rounds, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Work each round makes runnable on each rank: a tile counts in the round of its later pull."""
+    transfers = rounds.transfers
+    assignment = transfers.assignment
+    arrival = _arrival_round(rounds.edge_round, tile_kv_edge, tile_q_edge)
+    remote = arrival >= 0
+    num_ranks = assignment.num_ranks
+    work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
+                       weights=assignment.tiles.tile_seconds[remote], minlength=rounds.num_rounds * num_ranks)
+    return work.reshape(rounds.num_rounds, num_ranks)
+
+
+def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
+    """Merge `degree` consecutive rounds into a stage and place every tile and push of both passes.
+
+    Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
+    carries rounds [s * degree, (s + 1) * degree)); partial outputs
+    of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
+    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x degree
+    rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes
+    take the earliest round after their tiles in which both ends
+    are free, so every round stays a matching over all of the pass's messages. Local tiles run in stage 0 (hiding
+    the first transfers); a tile that needs pulled data runs in the stage after its pulls arrive or, where that
+    levels the stages' busiest ranks within the buffer budget (:func:`level_stages`), later.
+
+    Args:
+        rounds: the congestion-free rounds of the pulls.
+        degree: c, rounds per stage (>= 1).
+        pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
+        buffer_budget: most live buffer tokens levelling may make a rank hold (default 2 x degree x block size).
+    Returns:
+        the Schedule.
+    """
+    transfers = rounds.transfers
+    assignment = transfers.assignment
+    tiles = assignment.tiles
+    tile_rank = assignment.tile_rank
+    kv_edge = _edge_lookup(transfers, TransferKind.KV, tiles.tile_kv_block, tile_rank)
+    q_edge = _edge_lookup(transfers, TransferKind.Q, tiles.tile_q_block, tile_rank)
+    assert ((kv_edge >= 0) == (assignment.block_rank[tiles.tile_kv_block] != tile_rank)).all()
+    assert ((q_edge >= 0) == (assignment.block_rank[tiles.tile_q_block] != tile_rank)).all()
+    budget = buffer_budget if buffer_budget is not None else 2 * degree * tiles.sharding.block_size
+    forward_round, backward_round = rounds.edge_round, rounds.edge_round
+    if pipelined:
+        # Any order of the matchings is congestion-free; choose, per pass, the one whose stages carry even work
+        # (the backward pass has half as many pull rounds a stage).
+        work = _round_work(rounds, kv_edge, q_edge)
+        forward_round = order_rounds(work, degree)[rounds.edge_round]
+        backward_round = order_rounds(work, max(degree // 2, 1))[rounds.edge_round]
+    forward = _forward(transfers, forward_round, degree, pipelined, kv_edge, q_edge, budget)
+    # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
+    # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
+    backward = _backward(transfers, backward_round, 2 * degree, pipelined, kv_edge, q_edge)
+    arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
+    tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
+    return Schedule(rounds=rounds, coalesce=degree, forward=forward, backward=backward, tile_kv_edge=kv_edge,
+                    tile_q_edge=q_edge, tile_order=tile_order)

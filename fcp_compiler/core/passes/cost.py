@@ -1,0 +1,140 @@
+"""Pass 2: enumerate tiles and model their cost."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
+from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.core.ir import AttentionShape, HardwareProfile, Sharding, TileSet
+
+
+# Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past this many pairs (~8 GB)
+# the plan is refused rather than left to exhaust memory. Only layouts that cut every sequence N ways (ring at
+# hundreds of GPUs on batches of thousands of sequences) come near it; FCP's blocks stay far below.
+MAX_SEGMENT_PAIRS = 64_000_000
+# Past this many segment pairs the ring baseline is costed in closed form per sequence (ring_cost), without a list
+# of segment pairs: a zig-zag ring cuts every sequence into 2N chunks, hundreds of millions of pairs at 256 GPUs.
+RING_CLOSED_FORM_PAIRS = 4_000_000
+
+
+def count_segment_pairs(sharding: Sharding) -> int:
+    """How many (query segment, key segment) pairs of the same sequence the tile set will hold: per sequence cut
+    into g segments, g(g+1)/2 causal or g^2 full."""
+    per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
+    return int((per_seq * (per_seq + 1) // 2).sum() if sharding.batch.causal else (per_seq * per_seq).sum())
+
+
+def tile_efficiency(profile: HardwareProfile, tokens: np.ndarray) -> np.ndarray:
+    """Fraction of peak a tile of `tokens` (geometric mean of its query and key lengths) reaches.
+
+    Linear in log2(tokens) between the profile's curve points, flat above the last, and proportional to tokens
+    below the first (a kernel on a tiny tile is latency bound).
+    """
+    curve_tokens = np.array([point.tokens for point in profile.efficiency_curve], dtype=np.float64)
+    curve_eff = np.array([point.efficiency for point in profile.efficiency_curve], dtype=np.float64)
+    tokens = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
+    interpolated = np.interp(np.log2(tokens), np.log2(curve_tokens), curve_eff)
+    return np.where(tokens < curve_tokens[0], curve_eff[0] * tokens / curve_tokens[0], interpolated)
+
+
+def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) -> TileSet:
+    """List every (query block, key/value block) tile with visible pairs, with its FLOPs and modelled time.
+
+    A segment pair (query segment, key segment of the same sequence) is one kernel call; its forward FLOPs are
+    4 * visible_pairs * q_heads * head_dim and its time FLOPs / (peak * efficiency(sqrt(q_len * k_len))). A tile
+    sums the segment pairs of one block pair. O(sum over sequences of segments^2), vectorised.
+
+    Args:
+        sharding: blocks and segments.
+        shape: head counts and head size.
+        profile: peak and efficiency curve.
+    Returns:
+        the TileSet, tiles sorted by (q_block, kv_block).
+    Raises:
+        InfeasibleError: when the layout has more than MAX_SEGMENT_PAIRS segment pairs.
+    """
+    num_pairs = count_segment_pairs(sharding)
+    if num_pairs > MAX_SEGMENT_PAIRS:
+        raise InfeasibleError(
+            f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
+            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
+            f"cut every sequence into 2N chunks")
+    # Segments of one sequence never overlap, so in start order a key segment before the query one is seen whole,
+    # the same segment is a causal triangle, and (causal) a later one is not seen at all.
+    seg_seq = sharding.seg_seq
+    by_seq = np.lexsort((sharding.seg_start, seg_seq))
+    group_count = np.bincount(seg_seq, minlength=sharding.batch.num_sequences)
+    group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
+    sorted_seq = seg_seq[by_seq]
+    sorted_tokens = sharding.seg_tokens[by_seq]
+    causal = sharding.batch.causal
+    position = np.arange(by_seq.size) - group_first[sorted_seq]
+    pairs_per_seg = position + 1 if causal else group_count[sorted_seq]
+    q_pos = np.repeat(np.arange(by_seq.size), pairs_per_seg)
+    pair_first = np.concatenate(([0], np.cumsum(pairs_per_seg)[:-1]))
+    k_pos = np.repeat(group_first[sorted_seq], pairs_per_seg) + np.arange(q_pos.size) - np.repeat(pair_first,
+                                                                                                    pairs_per_seg)
+    q_len, k_len = sorted_tokens[q_pos], sorted_tokens[k_pos]
+    pairs = np.where(q_pos == k_pos, q_len * (q_len + 1) // 2, q_len * k_len) if causal else q_len * k_len
+    q_seg, k_seg = by_seq[q_pos], by_seq[k_pos]
+    flops = 4.0 * pairs * shape.q_heads * shape.head_dim
+    efficiency = tile_efficiency(profile, np.sqrt(q_len * k_len.astype(np.float64)))
+    seconds = flops / (profile.peak_tflops * 1e12 * efficiency)
+    num_blocks = sharding.num_blocks
+    key = sharding.seg_block[q_seg] * num_blocks + sharding.seg_block[k_seg]
+    tile_key, pair_tile = unique_keys(key, num_blocks * num_blocks, return_inverse=True)
+    num_tiles = tile_key.size
+    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=tile_key // num_blocks,
+                   tile_kv_block=tile_key % num_blocks,
+                   tile_flops=np.bincount(pair_tile, weights=flops, minlength=num_tiles),
+                   tile_seconds=np.bincount(pair_tile, weights=seconds, minlength=num_tiles),
+                   pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg, pair_flops=flops)
+
+
+def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape: AttentionShape,
+              profile: HardwareProfile) -> TileSet:
+    """The ring baseline's tiles in closed form per sequence: no list of segment pairs (the TileSet's pair arrays
+    are empty; its tiles then read whole blocks, as a ring step moves a whole shard).
+
+    In a zig-zag ring every sequence has the same 2N chunk positions and rank r holds chunks r and 2N-1-r of each
+    (:func:`~fcp_compiler.core.baselines.ring`), so tile (q rank i, kv rank j) sums, over the sequences, the visible
+    pairs between those chunks (:func:`chunk_pair_sums`: one matrix product). Its time charges each sequence's pairs
+    at the efficiency of its chunk size, max(L / 2N, 1) (the pair path uses each segment pair's own sizes, which differ from
+    it by at most a token). FLOPs are exact. O(S N + N^2 S) in BLAS for S sequences.
+
+    Args:
+        sharding: the ring's blocks (one per rank that holds tokens) and segments.
+        block_rank: the rank of each block.
+        num_ranks: N.
+        shape, profile: as for :func:`cost`.
+    Returns:
+        the TileSet, tiles sorted by (q_block, kv_block), pair arrays empty.
+    """
+    lengths = sharding.batch.lengths
+    num_chunks = 2 * num_ranks
+    rank = block_rank[sharding.seg_block]
+    first_half = sharding.seg_start < lengths[sharding.seg_seq] // 2
+    chunk = np.where(first_half, rank, num_chunks - 1 - rank)
+    chunk_tokens = np.zeros((lengths.size, num_chunks))
+    np.add.at(chunk_tokens, (sharding.seg_seq, chunk), sharding.seg_tokens)
+    chunk_size = np.maximum(lengths / num_chunks, 1.0)
+    per_pair = 4.0 * shape.q_heads * shape.head_dim
+    causal = sharding.batch.causal
+    by_rank = []
+    for weights in (np.ones(lengths.size), 1.0 / tile_efficiency(profile, chunk_size)):
+        sums = chunk_pair_sums(chunk_tokens, weights, causal)
+        rows = sums[:num_ranks] + sums[::-1][:num_ranks]  # query chunks r and 2N-1-r of rank r
+        by_rank.append(rows[:, :num_ranks] + rows[:, ::-1][:, :num_ranks])  # key chunks likewise
+    pairs, weighted = by_rank
+    block_of_rank = np.full(num_ranks, -1, dtype=np.int64)
+    block_of_rank[block_rank] = np.arange(block_rank.size)
+    q_rank, kv_rank = np.nonzero(pairs > 0)
+    q_block, kv_block = block_of_rank[q_rank], block_of_rank[kv_rank]
+    order = np.lexsort((kv_block, q_block))
+    empty = np.zeros(0, dtype=np.int64)
+    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=q_block[order],
+                   tile_kv_block=kv_block[order], tile_flops=per_pair * pairs[q_rank, kv_rank][order],
+                   tile_seconds=per_pair * weighted[q_rank, kv_rank][order] / (profile.peak_tflops * 1e12),
+                   pair_tile=empty, pair_q_seg=empty, pair_kv_seg=empty, pair_flops=np.zeros(0))

@@ -1,0 +1,112 @@
+"""Pass 8: serialise the plan, one section per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.ranges import expand_ranges
+from fcp_compiler.core.ir import Reshuffle
+from fcp_compiler.format.plan_format import RANK_ARRAYS, assemble, int32_bytes
+
+
+class _RankSlicer:
+    """Named arrays, each sorted by rank, cut into per-rank byte slices without per-rank copies."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.columns: dict[str, tuple[memoryview, np.ndarray]] = {}
+
+    def add(self, names: tuple[str, ...], rank_of_row: np.ndarray, *columns: np.ndarray) -> None:
+        """Add columns whose rows belong to rank_of_row (sorted)."""
+        bounds = np.searchsorted(rank_of_row, np.arange(self.num_ranks + 1)) * 4
+        for name, column in zip(names, columns):
+            self.columns[name] = (int32_bytes(column), bounds)
+
+    def rank(self, rank: int) -> dict[str, memoryview]:
+        return {name: data[bounds[rank]:bounds[rank + 1]] for name, (data, bounds) in self.columns.items()}
+
+
+def _add_pulls(out: _RankSlicer, transfers, forward, backward, num_ranks: int) -> dict[str, np.ndarray]:
+    """The pull rows of both sides, each rank's by forward round; returns each edge's row on each side.
+
+    A pull that carries every segment of its block is written with seg_count 0 and no segment list (the readers
+    expand it), which keeps plans with many-segment blocks small."""
+    num_edges = transfers.num_edges
+    edge_ids = np.arange(num_edges)
+    seg_count = np.diff(transfers.edge_seg_offsets)
+    block_segs = np.diff(transfers.assignment.tiles.sharding.block_seg_offsets)
+    written = np.where(seg_count == block_segs[transfers.edge_block], 0, seg_count)
+    sides = (("send", transfers.edge_src, transfers.edge_dst), ("recv", transfers.edge_dst, transfers.edge_src))
+    side_order = {side: np.lexsort((edge_ids, forward.edge_round, me)) for side, me, _ in sides}
+    row_of_edge = {}
+    for side, me, _ in sides:
+        order = side_order[side]
+        rank_first = np.searchsorted(me[order], np.arange(num_ranks))
+        row = np.empty(num_edges, dtype=np.int64)
+        row[order] = np.arange(num_edges) - rank_first[me[order]]
+        row_of_edge[side] = row
+    parent = transfers.edge_parent
+    source = np.where(parent >= 0, row_of_edge["recv"][parent], -1)  # the relay's pull_recv row of the block
+    for side, me, peer in sides:
+        order = side_order[side]
+        out.add(tuple(f"pull_{side}_{name}" for name in ("round", "bwd_round", "kind", "block", "peer", "seg_count")),
+                me[order], forward.edge_round[order], backward.edge_round[order], transfers.edge_kind[order],
+                transfers.edge_block[order], peer[order], written[order])
+        counts = written[order]
+        segs = transfers.edge_segs[expand_ranges(transfers.edge_seg_offsets[order], counts)]
+        out.add((f"pull_{side}_segs",), np.repeat(me[order], counts), segs)
+        if side == "send":
+            out.add(("pull_send_source",), me[order], source[order])
+    return row_of_edge
+
+
+def _add_pushes(out: _RankSlicer, transfers, forward, backward, row_of_edge: dict[str, np.ndarray]) -> None:
+    """The push rows: a push returns along its pull, leaving the pull's receiver (pointing at its pull_recv row) and
+    arriving at the pull's sender (pointing at its pull_send row)."""
+    for prefix, program in (("fwd", forward), ("bwd", backward)):
+        push_edge, push_round = program.push_edge, program.push_round
+        sender = transfers.edge_dst[push_edge]
+        receiver = transfers.edge_src[push_edge]
+        by_sender = np.lexsort((row_of_edge["recv"][push_edge], push_round, sender))
+        out.add((f"{prefix}_push_send_round", f"{prefix}_push_send_pull"), sender[by_sender], push_round[by_sender],
+                row_of_edge["recv"][push_edge[by_sender]])
+        by_receiver = np.lexsort((row_of_edge["send"][push_edge], push_round, receiver))
+        out.add((f"{prefix}_push_recv_round", f"{prefix}_push_recv_pull"), receiver[by_receiver],
+                push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
+
+
+def encode(plan: Reshuffle, header_fields: dict) -> bytes:
+    """Write the plan file bytes: header, batch-wide tables, then each rank's program.
+
+    Rows of each rank are in execution order: pulls by forward round, tiles in forward pipeline order, pushes by
+    round.
+
+    Args:
+        plan: the last IR object (it holds all the earlier ones).
+        header_fields: every PlanHeader field but the section table.
+    Returns:
+        the plan file's bytes (deterministic for the same IR and header).
+    """
+    schedule, transfers, assignment, tiles, sharding = plan.schedule, plan.transfers, plan.assignment, plan.tiles, \
+        plan.sharding
+    forward, backward, num_ranks = schedule.forward, schedule.backward, plan.num_ranks
+    out = _RankSlicer(num_ranks)
+
+    block_order = np.lexsort((np.arange(assignment.block_rank.size), assignment.block_rank))
+    out.add(("blocks",), assignment.block_rank[block_order], block_order)
+    # Runs are sorted by (user rank, plan rank, start): the user side's order. The plan side sorts by user rank.
+    out.add(("reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length"), plan.run_user_rank,
+            plan.run_plan_rank, plan.run_user_offset, plan.run_length)
+    recv_runs = np.lexsort((plan.run_global_start, plan.run_user_rank, plan.run_plan_rank))
+    out.add(("reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length"), plan.run_plan_rank[recv_runs],
+            plan.run_user_rank[recv_runs], plan.run_plan_offset[recv_runs], plan.run_length[recv_runs])
+    row_of_edge = _add_pulls(out, transfers, forward, backward, num_ranks)
+    tile_order = schedule.tile_order
+    out.add(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"), assignment.tile_rank[tile_order],
+            forward.tile_stage[tile_order], backward.tile_stage[tile_order], tiles.tile_q_block[tile_order],
+            tiles.tile_kv_block[tile_order])
+    _add_pushes(out, transfers, forward, backward, row_of_edge)
+    assert set(out.columns) == set(RANK_ARRAYS)
+    global_arrays = {"seq_lengths": sharding.batch.lengths, "seg_block": sharding.seg_block,
+                     "seg_seq": sharding.seg_seq, "seg_start": sharding.seg_start, "seg_end": sharding.seg_end}
+    return assemble(header_fields, global_arrays, [out.rank(rank) for rank in range(num_ranks)])

@@ -1,0 +1,76 @@
+"""Pass 4: the pull edges every rank needs, one per (remote block, receiving rank, kind)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.keys import unique_keys
+
+from fcp_compiler.core.ir import Assignment, TransferKind, Transfers
+
+
+def _edges_from_segment_needs(seg_needed: np.ndarray, rank_needing: np.ndarray, seg_block: np.ndarray,
+                              num_segments: int, num_ranks: int) -> tuple[np.ndarray, ...]:
+    """Deduplicate (segment, rank) needs into edges (block, rank) with the sorted segments each carries."""
+    key = unique_keys(rank_needing * num_segments + seg_needed, num_ranks * num_segments)
+    ranks, segs = key // num_segments, key % num_segments
+    blocks = seg_block[segs]
+    order = np.lexsort((segs, ranks, blocks))
+    ranks, segs, blocks = ranks[order], segs[order], blocks[order]
+    new_edge = np.ones(segs.size, dtype=bool)
+    new_edge[1:] = (blocks[1:] != blocks[:-1]) | (ranks[1:] != ranks[:-1])
+    starts = np.flatnonzero(new_edge)
+    offsets = np.append(starts, segs.size).astype(np.int64)
+    return blocks[starts], ranks[starts], offsets, segs
+
+
+def _whole_block_transfers(assignment: Assignment) -> Transfers:
+    """Pulls of whole blocks, for a tile set without segment pairs: each remote block a rank's tiles read (K, V)
+    or run for (Q), once, with no segment list (it carries every segment of the block)."""
+    tiles = assignment.tiles
+    num_ranks, num_blocks = assignment.num_ranks, tiles.sharding.num_blocks
+    owner = assignment.block_rank
+    found = []
+    for kind, block in ((TransferKind.KV, tiles.tile_kv_block), (TransferKind.Q, tiles.tile_q_block)):
+        remote = owner[block] != assignment.tile_rank
+        key = unique_keys(block[remote] * num_ranks + assignment.tile_rank[remote], num_blocks * num_ranks)
+        found.append((np.full(key.size, kind, dtype=np.int64), key // num_ranks, key % num_ranks))
+    kinds, blocks, receivers = (np.concatenate(column) for column in zip(*found))
+    return Transfers(assignment=assignment, edge_kind=kinds, edge_block=blocks, edge_src=owner[blocks],
+                     edge_dst=receivers, edge_parent=np.full(blocks.size, -1, dtype=np.int64),
+                     edge_seg_offsets=np.zeros(blocks.size + 1, dtype=np.int64), edge_segs=np.zeros(0, dtype=np.int64))
+
+
+def plan_transfers(assignment: Assignment) -> Transfers:
+    """List the pulls: the K, V of each remote block a rank's tiles read, and the Q of each query block whose tiles
+    run away from its owner.
+
+    A rank pulls a block once however many of its tiles use it, and only the segments those tiles read. Edges are
+    sorted by (kind, block, receiver). O(P log P) for P segment pairs.
+
+    Args:
+        assignment: block owners and tile ranks.
+    Returns:
+        the Transfers.
+    """
+    tiles = assignment.tiles
+    if not tiles.has_pairs:
+        return _whole_block_transfers(assignment)
+    sharding = tiles.sharding
+    seg_block = sharding.seg_block
+    num_segments, num_ranks = sharding.num_segments, assignment.num_ranks
+    pair_rank = assignment.tile_rank[tiles.pair_tile]
+    seg_owner = assignment.block_rank[seg_block]
+    remote_kv = seg_owner[tiles.pair_kv_seg] != pair_rank
+    remote_q = seg_owner[tiles.pair_q_seg] != pair_rank
+    kv = _edges_from_segment_needs(tiles.pair_kv_seg[remote_kv], pair_rank[remote_kv], seg_block, num_segments,
+                                   num_ranks)
+    q = _edges_from_segment_needs(tiles.pair_q_seg[remote_q], pair_rank[remote_q], seg_block, num_segments,
+                                  num_ranks)
+    kinds = np.concatenate((np.full(kv[0].size, TransferKind.KV), np.full(q[0].size, TransferKind.Q)))
+    blocks = np.concatenate((kv[0], q[0]))
+    return Transfers(assignment=assignment, edge_kind=kinds.astype(np.int64), edge_block=blocks,
+                     edge_src=assignment.block_rank[blocks], edge_dst=np.concatenate((kv[1], q[1])),
+                     edge_parent=np.full(blocks.size, -1, dtype=np.int64),
+                     edge_seg_offsets=np.concatenate((kv[2][:-1], kv[2][-1] + q[2])),
+                     edge_segs=np.concatenate((kv[3], q[3])))

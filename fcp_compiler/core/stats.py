@@ -1,0 +1,132 @@
+"""The figures of a compiled plan (the --stats JSON), as DESIGN section 5 defines them."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
+from fcp_compiler.core.ir import PassSchedule, Reshuffle, TransferKind, Transfers
+from fcp_compiler.core.passes.coalesce import max_buffer_tokens
+
+LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output
+
+
+def forward_messages(final: Reshuffle) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every forward message as (sender, receiver, bytes): pulls, and partial outputs pushed back along Q pulls."""
+    transfers, shape = final.transfers, final.tiles.shape
+    is_q = transfers.edge_kind == TransferKind.Q
+    push_bytes = transfers.edge_tokens[is_q] * (shape.q_bytes_per_token + LSE_BYTES * shape.q_heads)
+    return (np.concatenate((transfers.edge_src, transfers.edge_dst[is_q])),
+            np.concatenate((transfers.edge_dst, transfers.edge_src[is_q])),
+            np.concatenate((transfers.edge_bytes, push_bytes)).astype(np.float64))
+
+
+def forward_comm_bytes(final: Reshuffle) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each rank receives and sends in the forward pass: pulls, and partial outputs pushed back."""
+    num_ranks = final.num_ranks
+    sender, receiver, nbytes = forward_messages(final)
+    return (np.bincount(receiver, weights=nbytes, minlength=num_ranks),
+            np.bincount(sender, weights=nbytes, minlength=num_ranks))
+
+
+def link_figures(final: Reshuffle) -> dict:
+    """Forward traffic per link type (the NIC across nodes, NVLink inside one) and direction, and each rank's
+    busiest link time against its compute time (DESIGN section 5, exposure)."""
+    assignment, num_ranks, profile = final.assignment, final.num_ranks, final.tiles.profile
+    sender, receiver, nbytes = forward_messages(final)
+    node = np.arange(num_ranks) // profile.gpus_per_node
+    across = node[sender] != node[receiver]
+
+    def per_rank(who: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.bincount(who[mask], weights=nbytes[mask], minlength=num_ranks)
+
+    nic_send, nic_recv = per_rank(sender, across), per_rank(receiver, across)
+    nvlink_send, nvlink_recv = per_rank(sender, ~across), per_rank(receiver, ~across)
+    link_seconds = np.maximum(np.maximum(nic_send, nic_recv) / (profile.network_gbps * 1e9),
+                              np.maximum(nvlink_send, nvlink_recv) / (profile.nvlink_gbps * 1e9))
+    compute = assignment.rank_seconds
+    ratio = np.divide(link_seconds, compute, out=np.where(link_seconds > 0, np.inf, 0.0), where=compute > 0)
+    return {"nic_bytes": int(nbytes[across].sum()), "nvlink_bytes": int(nbytes[~across].sum()),
+            "max_rank_nic_send_bytes": int(nic_send.max()), "max_rank_nic_recv_bytes": int(nic_recv.max()),
+            "max_link_to_compute": float(ratio.max()) if num_ranks else 0.0}
+
+
+def rank_visible_pairs(final: Reshuffle) -> np.ndarray:
+    """Visible (query, key) token pairs each rank computes: its compute load free of any efficiency model."""
+    assignment, tiles = final.assignment, final.tiles
+    pairs_per_flop = 1.0 / (4 * tiles.shape.q_heads * tiles.shape.head_dim)
+    return np.bincount(assignment.tile_rank, weights=tiles.tile_flops * pairs_per_flop,
+                       minlength=assignment.num_ranks)
+
+
+def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
+    """Largest number of messages (pulls and the pass's pushes) any rank sends or receives in one pass: the fewest
+    rounds that pass could take if pushes did not have to wait for their tiles."""
+    num_ranks = transfers.assignment.num_ranks
+    senders = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
+    receivers = np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge]))
+    if senders.size == 0:
+        return 0
+    return int(max(np.bincount(senders, minlength=num_ranks).max(), np.bincount(receivers, minlength=num_ranks).max()))
+
+
+def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
+               layout: str) -> dict:
+    """Every figure of the --stats JSON for a compiled plan."""
+    schedule = final.schedule
+    rounds = schedule.rounds
+    transfers = rounds.transfers
+    assignment = transfers.assignment
+    tiles = assignment.tiles
+    sharding = tiles.sharding
+    compute = assignment.rank_seconds
+    received, sent = forward_comm_bytes(final)
+    bound, bound_kind = makespan_lower_bound(float(tiles.tile_seconds.sum()), assignment.num_ranks,
+                                             float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
+    return {
+        "gpus": assignment.num_ranks,
+        "block_size": sharding.block_size,
+        "coalesce": schedule.coalesce,
+        "zigzag": sharding.zigzag,
+        "layout": layout,
+        "mask": sharding.batch.mask.value,
+        "num_sequences": sharding.batch.num_sequences,
+        "total_tokens": sharding.batch.total_tokens,
+        "num_blocks": sharding.num_blocks,
+        "num_tiles": tiles.num_tiles,
+        "num_offloaded_tiles": assignment.num_offloaded_tiles,
+        "num_relayed_transfers": rounds.transfers.num_relayed,
+        "num_transfers": transfers.num_edges,
+        "max_degree": rounds.max_degree,
+        "num_rounds": rounds.num_rounds,
+        "num_stages": schedule.num_comm_stages,
+        "num_fwd_rounds": schedule.forward.num_rounds,
+        "num_bwd_rounds": schedule.backward.num_rounds,
+        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward),
+        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward),
+        "num_fwd_stages": schedule.forward.num_stages,
+        "num_bwd_stages": schedule.backward.num_stages,
+        "max_buffer_tokens": max_buffer_tokens(schedule),
+        "compute_imbalance": imbalance_ratio(compute),
+        "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
+        "token_imbalance": imbalance_ratio(assignment.rank_tokens),
+        "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()
+                                      / max(sharding.batch.total_tokens, 1)),
+        "comm_imbalance": imbalance_ratio(received),
+        "comm_sent_imbalance": imbalance_ratio(sent),
+        "max_tokens_per_rank": int(assignment.rank_tokens.max()),
+        "token_cap": assignment.token_cap,
+        "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
+        "lower_bound_kind": bound_kind,
+        "max_rank_compute_seconds": float(compute.max()),
+        "total_comm_bytes": int(received.sum()),
+        "max_rank_recv_bytes": int(received.max()),
+        "max_rank_sent_bytes": int(sent.max()),
+        **link_figures(final),
+        "plan_bytes": len(data),
+        "compile_seconds": compile_seconds,
+        "pass_seconds": dict(pass_seconds),
+        "plan_sha256": hashlib.sha256(data).hexdigest(),
+    }

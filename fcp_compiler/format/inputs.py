@@ -1,0 +1,256 @@
+"""Boundary models: the batch, the attention shape and the hardware profile.
+
+Pydantic lives here and in :mod:`fcp_compiler.format.plan_format` only; the passes work on frozen dataclasses.
+The JSON Schema of each model is written into ``schemas/`` (see :func:`write_schemas`).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.format.safe_io import parse_json, read_input_text
+
+SCHEMA_VERSION = 1
+
+
+class Layout(str, enum.Enum):
+    """Where tokens live outside attention."""
+
+    PLAN = "plan"  # dispatched once per step into the plan's layout; attention moves only blocks
+    USER = "user"  # contiguous user-layout chunks; attention reshuffles Q, K, V in and O out
+
+
+class MaskKind(str, enum.Enum):
+    """Which keys a query token sees inside its own sequence."""
+
+    CAUSAL = "causal"
+    FULL = "full"
+
+
+class DType(str, enum.Enum):
+    """Element type of Q, K, V on the wire."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    FP64 = "fp64"
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes per element."""
+        return {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[self.value]
+
+
+MAX_BATCH_TOKENS = 2**31 - 1  # a plan stores token counts and offsets as int32
+
+
+class BatchSpec(BaseModel):
+    """A batch: an ordered list of sequence lengths and one mask kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mask: MaskKind = Field(MaskKind.CAUSAL, description="causal: token t sees 0..t of its sequence; full: all of it")
+    sequences: list[int] = Field(..., description="token length of each sequence, in batch order", min_length=1)
+
+    @field_validator("sequences", mode="before")
+    @classmethod
+    def _lengths_are_positive_integers(cls, value: object) -> object:
+        if not isinstance(value, list):
+            raise ValueError(f"sequences must be a list of positive integers, got {type(value).__name__}")
+        if not value:
+            raise ValueError("sequences is empty; a batch needs at least one sequence")
+        for seq_idx, length in enumerate(value):
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ValueError(f"sequence {seq_idx} has length {length!r}; lengths must be positive integers")
+        total = sum(value)
+        if total > MAX_BATCH_TOKENS:
+            raise ValueError(f"the batch holds {total} tokens, more than {MAX_BATCH_TOKENS} (a plan's arrays are "
+                             f"int32)")
+        return value
+
+
+class AttentionShape(BaseModel):
+    """Head counts, head size and wire dtype of the attention being planned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    q_heads: int = Field(64, ge=1, le=4096, description="query heads")
+    kv_heads: int = Field(8, ge=1, le=4096, description="key/value heads; divides q_heads")
+    head_dim: int = Field(128, ge=1, le=4096, description="size of one head")
+    dtype: DType = Field(DType.BF16, description="element type of Q, K, V, O")
+
+    @model_validator(mode="after")
+    def _gqa(self) -> "AttentionShape":
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
+        return self
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype.num_bytes
+
+    @property
+    def q_bytes_per_token(self) -> int:
+        """Bytes of Q (or of a partial output) of one token."""
+        return self.q_heads * self.head_dim * self.dtype.num_bytes
+
+
+class EfficiencyPoint(BaseModel):
+    """One point of the tile-efficiency curve: fraction of peak reached by a square tile of `tokens`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    tokens: Annotated[int, Field(ge=1)]
+    efficiency: Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class HardwareProfile(BaseModel):
+    """What the cost model needs to know about one GPU and its network."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: str = Field(..., min_length=1)
+    peak_tflops: float = Field(..., gt=0, description="dense bf16 tensor-core peak, TFLOP/s")
+    network_gbps: float = Field(..., gt=0, description="per-GPU network bandwidth across nodes, GB/s per direction")
+    nvlink_gbps: float = Field(..., gt=0, description="per-GPU NVLink bandwidth inside a node, GB/s per direction")
+    gpus_per_node: int = Field(8, ge=1)
+    latency_us: float = Field(10.0, ge=0, description="per-message latency, microseconds")
+    launch_us: float = Field(5.0, ge=0, description="fixed cost of launching one stage's kernels, microseconds")
+    comm_sm_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of SMs given to communication kernels")
+    efficiency_curve: list[EfficiencyPoint] = Field(..., min_length=1)
+    source: str = Field("", description="where the figures come from")
+
+    @field_validator("efficiency_curve")
+    @classmethod
+    def _curve_sorted(cls, points: list[EfficiencyPoint]) -> list[EfficiencyPoint]:
+        tokens = [point.tokens for point in points]
+        if tokens != sorted(set(tokens)):
+            raise ValueError(f"efficiency_curve tokens must be strictly increasing, got {tokens}")
+        return points
+
+
+# Tile efficiency versus tile size, after the shape of the seed's Figure 3 (flash-attn on Hopper, 64 query heads,
+# 8 KV heads, head_dim 128): tiles under 2K tokens fall steeply (512 tokens: about 25% of peak), 4K and above saturate.
+# The absolute level is flash-attn 3's public forward figure (about 75% of dense peak on H100).
+_HOPPER_CURVE = [(128, 0.07), (256, 0.14), (512, 0.25), (1024, 0.43), (2048, 0.62), (4096, 0.73), (8192, 0.76),
+                 (16384, 0.77)]
+_AMPERE_CURVE = [(128, 0.10), (256, 0.19), (512, 0.33), (1024, 0.50), (2048, 0.63), (4096, 0.70), (8192, 0.72),
+                 (16384, 0.73)]
+_BLACKWELL_CURVE = [(128, 0.05), (256, 0.10), (512, 0.19), (1024, 0.35), (2048, 0.55), (4096, 0.68),
+                    (8192, 0.73), (16384, 0.75)]
+
+
+def _curve(points: list[tuple[int, float]]) -> list[EfficiencyPoint]:
+    return [EfficiencyPoint(tokens=tokens, efficiency=efficiency) for tokens, efficiency in points]
+
+
+PRESET_PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        name="h100", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, gpus_per_node=8, latency_us=10.0,
+        comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, NVLink 4 900 GB/s (450 per direction); "
+               "ConnectX-7 400 Gb/s InfiniBand = 50 GB/s per GPU; 6 of 132 SMs for communication (seed, GPU-X)"),
+    "h200": HardwareProfile(
+        name="h200", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, gpus_per_node=8, latency_us=10.0,
+        comm_sm_fraction=8 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s; "
+               "ConnectX-7 400 Gb/s = 50 GB/s per GPU; 8 of 132 SMs for communication (seed, GPU-Y)"),
+    "a100": HardwareProfile(
+        name="a100", peak_tflops=312.0, network_gbps=25.0, nvlink_gbps=300.0, gpus_per_node=8, latency_us=10.0,
+        comm_sm_fraction=6 / 108, efficiency_curve=_curve(_AMPERE_CURVE),
+        source="NVIDIA A100 SXM datasheet: 312 TFLOP/s dense BF16, NVLink 3 600 GB/s (300 per direction); "
+               "HDR 200 Gb/s InfiniBand = 25 GB/s per GPU"),
+    "b200": HardwareProfile(
+        name="b200", peak_tflops=2250.0, network_gbps=50.0, nvlink_gbps=900.0, gpus_per_node=8, latency_us=8.0,
+        comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
+        source="NVIDIA DGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU, NVLink 5 1.8 TB/s (900 per direction); "
+               "ConnectX-7 400 Gb/s = 50 GB/s per GPU"),
+    # The seed's two anonymous GPUs, by the compute/network ratios of its Table 1 (BF16 tensor throughput over
+    # network bandwidth): 5920 and 2500 FLOP per byte. Peaks are assumed (a Hopper- and a Blackwell-class GPU);
+    # the network bandwidth follows from the ratio.
+    "seed-x": HardwareProfile(
+        name="seed-x", peak_tflops=989.0, network_gbps=989.0 / 5.920, nvlink_gbps=450.0, gpus_per_node=8,
+        latency_us=10.0, comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        source="seed Table 1 GPU-X: 5920 FLOP/byte; 989 TFLOP/s assumed (Hopper class), so 167 GB/s per GPU; "
+               "6 SMs for communication (seed)"),
+    "seed-y": HardwareProfile(
+        name="seed-y", peak_tflops=2250.0, network_gbps=2250.0 / 2.500, nvlink_gbps=900.0, gpus_per_node=8,
+        latency_us=8.0, comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
+        source="seed Table 1 GPU-Y: 2500 FLOP/byte; 2.25 PFLOP/s assumed (Blackwell class), so 900 GB/s per GPU; "
+               "8 SMs for communication (seed)"),
+}
+
+
+def _first_error(error: ValidationError) -> str:
+    detail = error.errors()[0]
+    where = ".".join(str(part) for part in detail["loc"]) or "value"
+    message = detail["msg"].removeprefix("Value error, ")
+    shown = repr(detail.get("input"))
+    return f"{where}: {message} (got {shown})" if "got" not in message and len(shown) < 60 else f"{where}: {message}"
+
+
+def _read_json(path: Path, what: str) -> object:
+    return parse_json(read_input_text(path, what), f"{what} file {str(path)!r}")
+
+
+def parse_batch(data: object, origin: str = "batch") -> BatchSpec:
+    """Validate a decoded batch: ``{"mask": ..., "sequences": [...]}`` or a bare list of lengths (causal).
+
+    Raises:
+        InvalidInputError: naming the first bad value.
+    """
+    if isinstance(data, list):
+        data = {"mask": "causal", "sequences": data}
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"{origin}: expected an object with 'sequences' or a list of lengths, "
+                                f"got {type(data).__name__}")
+    try:
+        return BatchSpec.model_validate(data)
+    except ValidationError as error:
+        raise InvalidInputError(f"{origin}: {_first_error(error)}") from None
+
+
+def load_batch(path: str | Path) -> BatchSpec:
+    """Read and validate a batch JSON file.
+
+    Raises:
+        InvalidInputError: missing file, bad JSON, or a bad length (named).
+    """
+    return parse_batch(_read_json(Path(path), "batch"), origin=str(path))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """Return a preset profile by name, or read a profile JSON file.
+
+    Raises:
+        InvalidInputError: unknown preset, missing file or bad field (named).
+    """
+    if name_or_path in PRESET_PROFILES:
+        return PRESET_PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        raise InvalidInputError(f"unknown hardware profile {name_or_path!r}; presets are "
+                                f"{', '.join(sorted(PRESET_PROFILES))}, or give a JSON file")
+    data = _read_json(path, "profile")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as error:
+        raise InvalidInputError(f"profile {name_or_path!r}: {_first_error(error)}") from None
+
+
+def make_shape(q_heads: int, kv_heads: int, head_dim: int, dtype: str) -> AttentionShape:
+    """Build an attention shape from CLI flags.
+
+    Raises:
+        InvalidInputError: naming the bad flag value.
+    """
+    try:
+        return AttentionShape(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    except ValidationError as error:
+        raise InvalidInputError(f"attention shape: {_first_error(error)}") from None

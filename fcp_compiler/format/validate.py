@@ -1,0 +1,727 @@
+"""The plan validator: checks every invariant of DESIGN section 4 from the per-rank programs alone.
+
+It shares no code with the passes: it reads what each rank will execute (blocks, pulls, tiles, pushes, reshuffle
+runs) and rebuilds every global property from that. The first broken invariant raises PlanInvalidError naming the
+invariant and where it breaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.algorithms.liveness import peak_live_tokens
+from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
+                                             stacked_pull_tokens)
+
+# Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
+# validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
+MAX_VALIDATED_PAIRS = 64_000_000
+
+INVARIANTS = {
+    0: "well-formed blocks",
+    1: "coverage",
+    2: "data before use",
+    3: "congestion freedom",
+    4: "memory",
+    5: "reshuffle bijection",
+}
+
+
+class PlanInvalidError(PlanFormatError):
+    """A plan breaks an invariant; `invariant` is its number in DESIGN section 4 (0: the blocks themselves)."""
+
+    def __init__(self, invariant: int, message: str):
+        super().__init__(f"invariant {invariant} ({INVARIANTS[invariant]}) broken: {message}")
+        self.invariant = invariant
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationReport:
+    """What the validator counted on a valid plan."""
+
+    num_ranks: int
+    num_blocks: int
+    num_tiles: int
+    num_pulls: int
+    num_rounds: int
+    max_degree: int
+    num_pushes_fwd: int
+    num_pushes_bwd: int
+    max_buffer_tokens: int
+
+
+def _fail(invariant: int, message: str) -> None:
+    raise PlanInvalidError(invariant, message)
+
+
+def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
+    """Check every invariant of a plan; return counts, or raise naming the first broken invariant.
+
+    Every reader first checks the file's integrity (sha256 of the header and of each section) and its structure
+    (:mod:`fcp_compiler.format.plan_structure`: sizes agree, every index, round and stage within the header's counts).
+    This function then checks what the plan means, one function per invariant of DESIGN section 4, in its order:
+
+    0. :func:`_check_blocks`: segments tile every sequence once, no block over the block size, one owner a block.
+    1. :func:`_check_coverage`: every block pair with a visible (query, key) pair is one tile, run exactly once.
+    2. :func:`_check_data_before_use`: every pull is received as it is sent (block, kind, segments, rounds) from
+       the block's owner or a relay that holds it; every tile's data arrives in an earlier stage of its pass; every
+       result is pushed after its last tile; a relay re-sends only after it receives, and pushes after the
+       gradients it sums.
+    3. :func:`_check_congestion_freedom`: every round of each pass is a matching over pulls and pushes; the forward
+       pulls take exactly Delta rounds; the header's round and stage counts are the ones used.
+    4. :func:`_check_memory`: the token cap, the per-stage receive bound and the live buffers (equal to the header's
+       max_buffer_tokens, by the liveness rule the runtime uses) hold.
+    5. :func:`_check_reshuffle`: the reshuffle maps user-layout tokens one to one onto the plan layout, as both sides
+       pack them.
+
+    Invariant 6 (determinism) is a property of the compiler, not of one plan: the tests compile twice and compare.
+    Not checked, because nothing a reader does depends on them: the inputs digest (a hash of the compile's inputs,
+    which the plan does not carry), the profile's and shape's figures (they only feed the simulator), the order of
+    tiles inside a stage (any order gives the same sums up to floating-point rounding), and whether the schedule is
+    a good one.
+
+    Raises:
+        PlanFormatError: the file cannot be read, or it is too large to enumerate its segment pairs.
+        PlanInvalidError: an invariant is broken (its number, name and where).
+    """
+    plan = _read(source if isinstance(source, PlanReader) else PlanReader(source))
+    blocks = _check_blocks(plan)
+    tiles = _check_coverage(plan, blocks)
+    pulls = _stack_pulls(plan)
+    passes = _check_data_before_use(plan, blocks, tiles, pulls)
+    max_degree = _check_congestion_freedom(plan, blocks, pulls, passes)
+    max_buffer = _check_memory(plan, blocks, pulls, passes)
+    _check_reshuffle(plan)
+    return ValidationReport(num_ranks=plan.header.num_ranks, num_blocks=blocks.num_blocks,
+                            num_tiles=int(tiles.q.size), num_pulls=int(pulls.kind.size),
+                            num_rounds=plan.header.num_rounds, max_degree=max_degree,
+                            num_pushes_fwd=int(passes[0].push.round.size),
+                            num_pushes_bwd=int(passes[1].push.round.size), max_buffer_tokens=max_buffer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    """What the validator reads: the header, the global tables and every rank's program."""
+
+    header: object
+    tables: object
+    programs: list
+
+    @property
+    def num_ranks(self) -> int:
+        return self.header.num_ranks
+
+    def stacked(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """One per-rank array over every rank, and the rank of each row."""
+        return stack_ranks(self.programs, name)
+
+    def row_base(self, name: str) -> np.ndarray:
+        """Per rank, the first stacked row of its `name` table."""
+        return np.concatenate(([0], np.cumsum([p.arrays[name].size for p in self.programs])))
+
+
+def _read(reader: PlanReader) -> _Plan:
+    """Decode every rank, refusing a plan too large to enumerate its segment pairs."""
+    header, tables = reader.header, reader.tables
+    per_sequence = np.bincount(tables.seg_seq, minlength=header.num_sequences).astype(np.int64)
+    num_pairs = int((per_sequence * per_sequence).sum())
+    if num_pairs > MAX_VALIDATED_PAIRS:
+        raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
+                              f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (a ring over hundreds of GPUs); "
+                              f"validate the same layout at fewer GPUs")
+    return _Plan(header=header, tables=tables, programs=reader.ranks())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Blocks:
+    """The blocks as the plan states them: tokens and owner of each, and each rank's held blocks."""
+
+    num_blocks: int
+    block_tokens: np.ndarray
+    owner: np.ndarray
+    held: np.ndarray  # stacked `blocks` rows ...
+    held_rank: np.ndarray  # ... and the rank holding each
+
+
+def _check_segments_tile_sequences(plan: _Plan) -> None:
+    """0. Segments tile every sequence exactly once, in order, and the lengths agree with the header."""
+    header, tables = plan.header, plan.tables
+    lengths = tables.seq_lengths
+    if lengths.size != header.num_sequences or int(lengths.sum()) != header.total_tokens or (lengths < 1).any():
+        _fail(0, f"sequence lengths ({lengths.size} sequences, {int(lengths.sum())} tokens) disagree with the "
+                 f"header ({header.num_sequences}, {header.total_tokens})")
+    seg_block, seg_seq, seg_start, seg_end = tables.seg_block, tables.seg_seq, tables.seg_start, tables.seg_end
+    if (seg_end <= seg_start).any() or (seg_seq < 0).any() or (seg_seq >= lengths.size).any():
+        bad = int(np.flatnonzero((seg_end <= seg_start) | (seg_seq < 0) | (seg_seq >= lengths.size))[0])
+        _fail(0, f"segment {bad} is empty or names no sequence")
+    if (np.diff(seg_block) < 0).any() or seg_block[0] != 0:
+        _fail(0, "segments are not sorted by block")
+    by_seq = np.lexsort((seg_start, seg_seq))
+    s_seq, s_start, s_end = seg_seq[by_seq], seg_start[by_seq], seg_end[by_seq]
+    first = np.ones(seg_block.size, dtype=bool)
+    first[1:] = s_seq[1:] != s_seq[:-1]
+    last = np.ones(seg_block.size, dtype=bool)
+    last[:-1] = s_seq[1:] != s_seq[:-1]
+    gaps = (first & (s_start != 0)) | (~first & (s_start != np.concatenate(([0], s_end[:-1]))))
+    if gaps.any() or (s_end[last] != lengths[s_seq[last]]).any() or np.unique(s_seq).size != lengths.size:
+        where = int(s_seq[np.flatnonzero(gaps)[0]]) if gaps.any() else -1
+        _fail(0, f"segments do not cover every sequence exactly once (sequence {where})")
+
+
+def _check_blocks(plan: _Plan) -> _Blocks:
+    """0. Well-formed blocks: segments tile the sequences, no block over the block size, one owner a block."""
+    _check_segments_tile_sequences(plan)
+    tables, block_size = plan.tables, plan.header.block_size
+    num_blocks = int(tables.seg_block[-1]) + 1
+    block_tokens = np.bincount(tables.seg_block, weights=tables.seg_end - tables.seg_start,
+                               minlength=num_blocks).astype(np.int64)
+    if block_tokens.max() > block_size:
+        bad = int(np.argmax(block_tokens))
+        _fail(0, f"block {bad} holds {int(block_tokens[bad])} tokens, more than the block size {block_size}")
+    held, held_rank = plan.stacked("blocks")
+    counts = np.bincount(held, minlength=num_blocks) if held.size else np.zeros(num_blocks, dtype=np.int64)
+    if (counts != 1).any():
+        bad = int(np.flatnonzero(counts != 1)[0])
+        _fail(0, f"block {bad} is held by {int(counts[bad])} ranks")
+    owner = np.empty(num_blocks, dtype=np.int64)
+    owner[held] = held_rank
+    return _Blocks(num_blocks=num_blocks, block_tokens=block_tokens, owner=owner, held=held, held_rank=held_rank)
+
+
+def _visible_segment_pairs(tables, causal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly."""
+    seg_seq, seg_start, seg_end = tables.seg_seq, tables.seg_start, tables.seg_end
+    group = np.argsort(seg_seq, kind="stable")
+    group_count = np.bincount(seg_seq, minlength=tables.seq_lengths.size)
+    group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
+    per = group_count[seg_seq[group]]
+    q_pos = np.repeat(np.arange(seg_seq.size), per)
+    pair_first = np.concatenate(([0], np.cumsum(per)[:-1]))
+    k_pos = group_first[seg_seq[group][q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, per)
+    q_seg, k_seg = group[q_pos], group[k_pos]
+    # Causal: some key position <= some query position; full: always.
+    visible = seg_start[k_seg] < seg_end[q_seg] if causal else np.ones(q_seg.size, dtype=bool)
+    return q_seg[visible], k_seg[visible]
+
+
+def _check_coverage(plan: _Plan, blocks: _Blocks) -> _Tiles:
+    """1. Coverage: every block pair with a visible (query, key) pair is one tile, run exactly once."""
+    num_blocks, seg_block = blocks.num_blocks, plan.tables.seg_block
+    q_seg, k_seg = _visible_segment_pairs(plan.tables, plan.header.mask.value == "causal")
+    required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
+    tile_q, tile_rank = plan.stacked("tile_q_block")
+    tile_kv, _ = plan.stacked("tile_kv_block")
+    tile_key = tile_q * num_blocks + tile_kv
+    keys, key_count = np.unique(tile_key, return_counts=True)
+    if (key_count > 1).any():
+        dup = int(keys[np.argmax(key_count > 1)])
+        _fail(1, f"tile (q block {dup // num_blocks}, kv block {dup % num_blocks}) runs "
+                 f"{int(key_count.max())} times")
+    missing = np.setdiff1d(required, keys)
+    if missing.size:
+        _fail(1, f"tile (q block {int(missing[0]) // num_blocks}, kv block {int(missing[0]) % num_blocks}) "
+                 f"has visible pairs but runs nowhere ({missing.size} such tiles)")
+    extra = np.setdiff1d(keys, required)
+    if extra.size:
+        _fail(1, f"tile (q block {int(extra[0]) // num_blocks}, kv block {int(extra[0]) % num_blocks}) has no "
+                 f"visible pair (an empty tile)")
+    return _Tiles(q=tile_q, kv=tile_kv, rank=tile_rank, q_seg=q_seg, k_seg=k_seg, key=tile_key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pulls:
+    """Every pull row as its receiver states it, and as its sender does, each stacked over ranks."""
+
+    kind: np.ndarray
+    block: np.ndarray
+    me: np.ndarray
+    peer: np.ndarray
+    count: np.ndarray
+    seg_first: np.ndarray  # where each row's segments start in `segs`
+    segs: np.ndarray
+    tokens: np.ndarray
+    send_me: np.ndarray
+    send_kind: np.ndarray
+    send_block: np.ndarray
+    send_peer: np.ndarray
+    send_count: np.ndarray
+    send_seg_first: np.ndarray
+    send_segs: np.ndarray
+    send_source: np.ndarray  # per sent row, the received row (stacked) it relays, -1 for the sender's own block
+
+    @property
+    def send_order(self) -> np.ndarray:
+        """Sent rows in (sender, receiver, kind, block) order; recv_order lists the received rows the same way."""
+        return np.lexsort((self.send_block, self.send_kind, self.send_peer, self.send_me))
+
+    @property
+    def recv_order(self) -> np.ndarray:
+        return np.lexsort((self.block, self.kind, self.me, self.peer))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Tiles:
+    """Every tile row stacked over ranks, and the visible segment pairs of the batch."""
+
+    q: np.ndarray
+    kv: np.ndarray
+    rank: np.ndarray
+    q_seg: np.ndarray
+    k_seg: np.ndarray
+    key: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PassProgram:
+    """One pass's rounds and stages, as the ranks state them."""
+
+    label: str
+    recv_round: np.ndarray
+    send_round: np.ndarray
+    tile_stage: np.ndarray
+    push_kinds: tuple[int, ...]
+    num_rounds: int
+    num_stages: int
+    coalesce: int  # rounds per stage of this pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PassFacts:
+    """What invariant 2 established about one pass, which invariants 3 and 4 read."""
+
+    program: _PassProgram
+    last_use: np.ndarray  # per received pull row, the last stage a tile reads it
+    push: _Pushes
+    relay_last: np.ndarray  # per received pull row, the last stage it serves a relay (-1: none)
+
+
+def _stack_pulls(plan: _Plan) -> _Pulls:
+    """Both ends' pull tables, stacked over ranks (no checks: invariant 2 compares them)."""
+    sides = {}
+    for side in ("send", "recv"):
+        sides[side] = {name: plan.stacked(f"pull_{side}_{name}")[0]
+                       for name in ("kind", "block", "peer", "seg_count", "segs")}
+        sides[side]["me"] = plan.stacked(f"pull_{side}_round")[1]
+        count = sides[side]["seg_count"]
+        sides[side]["seg_first"] = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
+    send, recv = sides["send"], sides["recv"]
+    source, _ = plan.stacked("pull_send_source")
+    send_source = np.where(source >= 0, source + plan.row_base("pull_recv_round")[send["me"]], -1)
+    return _Pulls(kind=recv["kind"], block=recv["block"], me=recv["me"], peer=recv["peer"], count=recv["seg_count"],
+                  seg_first=recv["seg_first"], segs=recv["segs"],
+                  tokens=stacked_pull_tokens(plan.programs, plan.tables).astype(np.int64), send_me=send["me"],
+                  send_kind=send["kind"], send_block=send["block"], send_peer=send["peer"],
+                  send_count=send["seg_count"], send_seg_first=send["seg_first"], send_segs=send["segs"],
+                  send_source=send_source)
+
+
+def _pass_programs(plan: _Plan) -> tuple[_PassProgram, _PassProgram]:
+    """The forward and the backward program, with the rounds a stage the header states for each."""
+    header = plan.header
+    programs = []
+    for label, recv_name, send_name, stage_name, kinds, num_rounds, num_stages, coalesce in (
+            ("fwd", "pull_recv_round", "pull_send_round", "tile_stage", (TransferKind.Q,), header.num_fwd_rounds,
+             header.num_fwd_stages, header.coalesce),
+            ("bwd", "pull_recv_bwd_round", "pull_send_bwd_round", "tile_bwd_stage", (TransferKind.Q, TransferKind.KV),
+             header.num_bwd_rounds, header.num_bwd_stages, header.bwd_coalesce)):
+        programs.append(_PassProgram(label=label, recv_round=plan.stacked(recv_name)[0],
+                                     send_round=plan.stacked(send_name)[0], tile_stage=plan.stacked(stage_name)[0],
+                                     push_kinds=kinds, num_rounds=num_rounds, num_stages=num_stages,
+                                     coalesce=coalesce))
+    return programs[0], programs[1]
+
+
+def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
+    """2. Each pull is received as it is sent: the same endpoints, kind, block, forward round and segments; the
+    sender owns the block or names the pull it received it by; a rank pulls a block of a kind at most once."""
+    num_pulls = pulls.send_me.size
+    if pulls.me.size != num_pulls:
+        _fail(2, f"{num_pulls} pulls are sent but {pulls.me.size} are received")
+    fwd_send_round, fwd_recv_round = plan.stacked("pull_send_round")[0], plan.stacked("pull_recv_round")[0]
+    s_key = np.lexsort((pulls.send_block, pulls.send_kind, pulls.send_peer, pulls.send_me, fwd_send_round))
+    r_key = np.lexsort((pulls.block, pulls.kind, pulls.me, pulls.peer, fwd_recv_round))
+    send_rows = np.stack([fwd_send_round, pulls.send_me, pulls.send_peer, pulls.send_kind, pulls.send_block,
+                          pulls.send_count])[:, s_key]
+    recv_rows = np.stack([fwd_recv_round, pulls.peer, pulls.me, pulls.kind, pulls.block, pulls.count])[:, r_key]
+    if not np.array_equal(send_rows, recv_rows):
+        bad = int(np.flatnonzero((send_rows != recv_rows).any(axis=0))[0])
+        _fail(2, f"the pull sent in round {int(send_rows[0, bad])} from rank {int(send_rows[1, bad])} to rank "
+                 f"{int(send_rows[2, bad])} (block {int(send_rows[4, bad])}) is not received as sent")
+    sent_segs = pulls.send_segs[expand_ranges(pulls.send_seg_first[s_key], pulls.send_count[s_key])]
+    received_segs = pulls.segs[expand_ranges(pulls.seg_first[r_key], pulls.count[r_key])]
+    if not np.array_equal(sent_segs, received_segs):
+        _fail(2, "a pull's segments differ between its sender and its receiver")
+    owner, from_owner = blocks.owner, pulls.send_source < 0
+    if (owner[pulls.send_block[from_owner]] != pulls.send_me[from_owner]).any():
+        bad = int(np.flatnonzero(from_owner & (owner[pulls.send_block] != pulls.send_me))[0])
+        _fail(2, f"rank {int(pulls.send_me[bad])} sends block {int(pulls.send_block[bad])}, which rank "
+                 f"{int(owner[pulls.send_block[bad]])} holds, and names no pull it received the block by")
+    if pulls.segs.size and (plan.tables.seg_block[pulls.segs] != np.repeat(pulls.block, pulls.count)).any():
+        _fail(2, "a pull carries a segment of another block")
+    unknown = np.isin(pulls.kind, (TransferKind.KV, TransferKind.Q), invert=True)
+    if unknown.any():
+        _fail(2, f"a pull has unknown kind {int(pulls.kind[unknown][0])}")
+    pull_key = (pulls.kind * blocks.num_blocks + pulls.block) * plan.num_ranks + pulls.me
+    if np.unique(pull_key).size != pull_key.size:
+        _fail(2, "a rank pulls the same block twice")
+    _check_relay_data(pulls)
+
+
+def _check_data_before_use(plan: _Plan, blocks: _Blocks, tiles: _Tiles, pulls: _Pulls) -> tuple[_PassFacts, ...]:
+    """2. Data before use: pulls agree between their ends; in each pass every tile's data arrives in an earlier
+    stage, every result leaves after its last tile, and relays re-send and push in order.
+
+    Returns:
+        what each pass's check found (forward, backward), for invariants 3 and 4.
+    """
+    _check_pulls_agree(plan, blocks, pulls)
+    facts = []
+    for program in _pass_programs(plan):
+        # The sender and the receiver of each pull agree on its round in this pass.
+        if not np.array_equal(program.send_round[pulls.send_order], program.recv_round[pulls.recv_order]):
+            _fail(2, f"{program.label}: a pull's sender and receiver disagree on its round")
+        last_use = _check_tiles_after_data(plan, blocks, pulls, tiles, program)
+        push = _check_pushes(plan, pulls, program, last_use)
+        facts.append(_PassFacts(program=program, last_use=last_use, push=push,
+                                relay_last=_check_relay_order(pulls, program, push)))
+    return tuple(facts)
+
+
+def _check_congestion_freedom(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_PassFacts, ...]) -> int:
+    """3. Congestion freedom: the forward pulls take exactly Delta rounds (Konig's optimum) of the owner-to-puller
+    graph; in every round of each pass a rank sends at most one message and receives at most one, pulls and pushes
+    together; the header's round and stage counts are the ones used. Returns Delta."""
+    header, num_ranks = plan.header, plan.num_ranks
+    if header.bwd_coalesce != 2 * header.coalesce:
+        _fail(3, f"the backward pass has {header.bwd_coalesce} rounds a stage; its pulls take every other round, so "
+                 f"it must be twice the forward's {header.coalesce}")
+    # Relays re-send pulls in the rounds the owner-to-puller graph's colouring gave them.
+    max_degree = int(max(np.bincount(blocks.owner[pulls.block], minlength=num_ranks).max(),
+                         np.bincount(pulls.me, minlength=num_ranks).max())) if pulls.me.size else 0
+    if header.num_rounds != max_degree:
+        _fail(3, f"the plan uses {header.num_rounds} rounds but its largest degree is {max_degree}")
+    for facts in passes:
+        _check_pass_matchings(facts, pulls)
+    return max_degree
+
+
+def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls) -> None:
+    """3, for one pass: messages within its rounds, every round a matching, the stated counts the used ones."""
+    program, push = facts.program, facts.push
+    label, coalesce = program.label, program.coalesce
+    for rounds, what in ((program.recv_round, "pull"), (program.send_round, "pull"), (push.round, "push")):
+        if rounds.size and (rounds.min() < 0 or rounds.max() >= program.num_rounds):
+            bad = int(rounds.min() if rounds.min() < 0 else rounds.max())
+            _fail(3, f"{label}: a {what} is in round {bad}, outside the pass's {program.num_rounds} rounds")
+    # A pull row is received by `me` from `peer` (invariant 2 checked that both ends agree).
+    senders = np.concatenate((pulls.peer, push.sender))
+    receivers = np.concatenate((pulls.me, push.receiver))
+    rounds = np.concatenate((program.recv_round, push.round))
+    if rounds.size:
+        width = program.num_rounds
+        for side, who in (("receives", receivers), ("sends", senders)):
+            per_round = np.bincount(who * width + rounds)
+            if per_round.max() > 1:
+                bad = int(np.argmax(per_round))
+                _fail(3, f"{label}: in round {bad % width} rank {bad // width} {side} {int(per_round[bad])} "
+                         f"messages (pulls and pushes together)")
+        if int(rounds.max()) + 1 != program.num_rounds:
+            _fail(3, f"{label}: the header states {program.num_rounds} rounds, the messages use "
+                     f"{int(rounds.max()) + 1}")
+    used = max(int(rounds.max(initial=-1)) // coalesce, int(program.tile_stage.max(initial=0))) + 1
+    if used != program.num_stages:
+        _fail(3, f"{label}: the header states {program.num_stages} stages, the tiles and messages use {used}")
+
+
+def _check_memory(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_PassFacts, ...]) -> int:
+    """4. Memory: no rank over the token cap; the forward's per-stage receive bound and every pass's live buffers
+    (under the liveness rule the runtime uses) equal what the header states. Returns the peak live buffer tokens."""
+    header, num_ranks = plan.header, plan.num_ranks
+    rank_tokens = np.bincount(blocks.held_rank, weights=blocks.block_tokens[blocks.held], minlength=num_ranks)
+    if rank_tokens.max() > header.token_cap:
+        bad = int(np.argmax(rank_tokens))
+        _fail(4, f"rank {bad} holds {int(rank_tokens[bad])} tokens, over the token cap {header.token_cap}")
+    forward = passes[0].program
+    if pulls.me.size:
+        stage_of_pull = forward.recv_round // forward.coalesce
+        num_stages = int(stage_of_pull.max()) + 1
+        per_stage = np.bincount(pulls.me * num_stages + stage_of_pull, weights=pulls.tokens)
+        if per_stage.max() != header.recv_buffer_tokens:
+            bad = int(np.argmax(per_stage))
+            _fail(4, f"rank {bad // num_stages} receives {int(per_stage[bad])} tokens in stage "
+                     f"{bad % num_stages}, the most any rank does, but the header states {header.recv_buffer_tokens}")
+    if header.recv_buffer_tokens > header.coalesce * header.block_size:
+        _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds coalesce x block size "
+                 f"({header.coalesce * header.block_size})")
+    worst = max(_pass_peak_buffer(facts, pulls, num_ranks) for facts in passes)
+    if worst != header.max_buffer_tokens:
+        _fail(4, f"the busiest rank holds {worst} tokens of live buffers, but the header's max_buffer_tokens states "
+                 f"{header.max_buffer_tokens}")
+    return worst
+
+
+def _pass_peak_buffer(facts: _PassFacts, pulls: _Pulls, num_ranks: int) -> int:
+    """Live buffers of one pass under the liveness rule: each pull from its stage to its last use, push or relay,
+    each push landing for its stage; the busiest rank's peak."""
+    program, push, coalesce = facts.program, facts.push, facts.program.coalesce
+    arrival = program.recv_round // coalesce
+    last = np.maximum(np.maximum(np.maximum(facts.last_use, arrival), push.last_stage), facts.relay_last)
+    peak = peak_live_tokens(np.concatenate((pulls.me, push.receiver)),
+                            np.concatenate((arrival, push.round // coalesce)),
+                            np.concatenate((last, push.round // coalesce)),
+                            np.concatenate((pulls.tokens, push.tokens)), num_ranks)
+    return int(peak.max(initial=0))
+
+
+def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Tiles,
+                            program: _PassProgram) -> np.ndarray:
+    """2. Every tile's remote Q and K,V arrive (with the segments it reads) in an earlier stage of the pass.
+
+    Returns:
+        per received pull row, the last stage a tile uses it.
+    """
+    num_blocks, num_ranks, num_segments = blocks.num_blocks, plan.num_ranks, plan.tables.seg_block.size
+    owner, seg_block = blocks.owner, plan.tables.seg_block
+    num_pulls = pulls.kind.size
+    pull_key = pulls.kind * num_blocks * num_ranks + pulls.block * num_ranks + pulls.me
+    pull_order = np.argsort(pull_key, kind="stable")
+    sorted_key = pull_key[pull_order]
+    last_use = np.full(num_pulls, -1, dtype=np.int64)
+    check_segments = program.label == "fwd"  # which segments a pull carries is the same in both passes
+    if check_segments:
+        tile_sorted = np.argsort(tiles.key, kind="stable")
+        pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
+        pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
+        carried = np.unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
+                            + np.repeat(pulls.me, pulls.count)) if num_pulls else np.zeros(0, dtype=np.int64)
+    for kind, what, tile_block, needed_seg in ((TransferKind.Q, "Q", tiles.q, tiles.q_seg),
+                                               (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
+        remote = owner[tile_block] != tiles.rank
+        key = kind * num_blocks * num_ranks + tile_block * num_ranks + tiles.rank
+        pos = np.minimum(np.searchsorted(sorted_key, key), max(num_pulls - 1, 0))
+        found = (sorted_key[pos] == key) if num_pulls else np.zeros(key.size, dtype=bool)
+        missing = remote & ~found
+        if missing.any():
+            t = int(np.flatnonzero(missing)[0])
+            _fail(2, f"rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv {int(tiles.kv[t])}) without "
+                     f"pulling the {what} of block {int(tile_block[t])}")
+        rows = pull_order[pos[remote]]
+        arrival = program.recv_round[rows] // program.coalesce
+        late = arrival >= program.tile_stage[remote]
+        if late.any():
+            t = int(np.flatnonzero(remote)[np.argmax(late)])
+            _fail(2, f"{program.label}: rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv "
+                     f"{int(tiles.kv[t])}) in stage {int(program.tile_stage[t])}, but the {what} of block "
+                     f"{int(tile_block[t])} arrives in stage {int(arrival[np.argmax(late)])}")
+        np.maximum.at(last_use, rows, program.tile_stage[remote])
+        if not check_segments:
+            continue
+        # Every segment a remote tile reads must be among those its pull carries.
+        pair_rank = tiles.rank[pair_tile]
+        pair_remote = owner[seg_block[needed_seg]] != pair_rank
+        needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
+        lacking = ~np.isin(needed, carried)
+        if lacking.any():
+            bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
+            _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
+                     f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
+    if (last_use < 0).any():
+        bad = int(np.argmax(last_use < 0))
+        _fail(2, f"rank {int(pulls.me[bad])} pulls block {int(pulls.block[bad])} but no tile there uses it")
+    return last_use
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pushes:
+    sender: np.ndarray
+    receiver: np.ndarray
+    round: np.ndarray
+    tokens: np.ndarray
+    last_stage: np.ndarray  # per received pull row: the stage its result leaves in (-1: none)
+    arrive_send_row: np.ndarray  # per push, the sent pull row (stacked) it returns along ...
+    arrive_round: np.ndarray  # ... and the round it arrives in
+
+
+def _check_pushes(plan: _Plan, pulls: _Pulls, program: _PassProgram, last_use: np.ndarray) -> _Pushes:
+    """2. Partial outputs (forward) and gradients (backward) return along their pull after its last tile."""
+    prefix = program.label
+    num_pulls = pulls.kind.size
+    send_round, sender = plan.stacked(f"{prefix}_push_send_round")
+    send_pull, _ = plan.stacked(f"{prefix}_push_send_pull")
+    recv_round, receiver = plan.stacked(f"{prefix}_push_recv_round")
+    recv_pull, _ = plan.stacked(f"{prefix}_push_recv_pull")
+    recv_base, send_base = plan.row_base("pull_recv_round"), plan.row_base("pull_send_round")
+    if send_round.size != recv_round.size:
+        _fail(2, f"{prefix}: {send_round.size} pushes leave but {recv_round.size} arrive")
+    # The pull a push returns along, as (kind, block, puller, owner), and its round.
+    g_recv = send_pull + recv_base[sender]  # row in the stacked pull_recv table
+    sent = np.stack([pulls.kind[g_recv], pulls.block[g_recv], pulls.me[g_recv], pulls.peer[g_recv], send_round])
+    g_send = recv_pull + send_base[receiver]
+    arrived = np.stack([pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send],
+                        pulls.send_me[g_send], recv_round])
+    sent = sent[:, np.lexsort(sent[::-1])]
+    arrived = arrived[:, np.lexsort(arrived[::-1])]
+    if not np.array_equal(sent, arrived):
+        _fail(2, f"{prefix}: a push leaves and arrives differently")
+    # Each pull of these kinds returns exactly once, after the last tile that used it.
+    returned = np.bincount(g_recv, minlength=num_pulls) if num_pulls else np.zeros(0, dtype=np.int64)
+    expects = np.isin(pulls.kind, program.push_kinds)
+    wrong = returned != expects.astype(np.int64)
+    if wrong.any():
+        bad = int(np.argmax(wrong))
+        what = {TransferKind.Q: "partial output" if prefix == "fwd" else "dQ partial",
+                TransferKind.KV: "dK, dV partial"}
+        _fail(2, f"{prefix}: rank {int(pulls.me[bad])} pushes the {what[int(pulls.kind[bad])]} of block "
+                 f"{int(pulls.block[bad])} back {int(returned[bad])} times (expected {int(expects[bad])})")
+    send_stage = send_round // program.coalesce
+    early = send_stage <= last_use[g_recv]
+    if early.any():
+        bad = int(np.argmax(early))
+        _fail(2, f"{prefix}: rank {int(sender[bad])} pushes the result for block {int(pulls.block[g_recv[bad]])} in "
+                 f"stage {int(send_stage[bad])}, not after its last tile in stage {int(last_use[g_recv[bad]])}")
+    last_stage = np.full(num_pulls, -1, dtype=np.int64)
+    last_stage[g_recv] = send_stage
+    return _Pushes(sender=sender, receiver=pulls.peer[g_recv], round=send_round, tokens=pulls.tokens[g_recv],
+                   last_stage=last_stage, arrive_send_row=g_send, arrive_round=recv_round)
+
+
+def _merge_runs(key: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs in their order, with each run that continues the previous one of the same key merged into it."""
+    if key.size == 0:
+        return key, start, length
+    new = np.ones(key.size, dtype=bool)
+    new[1:] = (key[1:] != key[:-1]) | (start[1:] != start[:-1] + length[:-1])
+    group = np.cumsum(new) - 1
+    return key[new], start[new], np.bincount(group, weights=length).astype(np.int64)
+
+
+def _tiles_exactly(start: np.ndarray, length: np.ndarray, total: int) -> bool:
+    """Whether the ranges [start, start + length) cover [0, total) exactly once."""
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], start[order] + length[order]
+    return bool(start.size == 0 and total == 0 or start.size and start[0] == 0 and end[-1] == total
+                and (start[1:] == end[:-1]).all())
+
+
+def _plan_side_runs(a: dict, rank: int, num_ranks: int, seq_offset, seg_seq, seg_start, seg_end, seg_ptr):
+    """The receiver's runs as global token ranges: each run of plan-layout positions cut where the rank's segments
+    (its blocks' segments, in order) end. Returns (pair key, global start, length) in packing order, and the rank's
+    plan-layout size."""
+    blocks = a["blocks"]
+    segs = expand_ranges(seg_ptr[blocks], seg_ptr[blocks + 1] - seg_ptr[blocks])
+    seg_len = seg_end[segs] - seg_start[segs]
+    local = np.concatenate(([0], np.cumsum(seg_len))).astype(np.int64)
+    offset, length = a["reshuffle_recv_offset"], a["reshuffle_recv_length"]
+    if (offset + length > local[-1]).any():
+        _fail(5, f"rank {rank} receives a reshuffle run outside its {int(local[-1])}-token plan layout")
+    first = np.searchsorted(local, offset, side="right") - 1
+    last = np.searchsorted(local, offset + length, side="left")  # exclusive
+    piece_seg = expand_ranges(first, last - first)
+    piece_run = np.repeat(np.arange(offset.size), last - first)
+    low = np.maximum(offset[piece_run], local[piece_seg])
+    high = np.minimum((offset + length)[piece_run], local[piece_seg + 1])
+    global_start = seq_offset[seg_seq[segs[piece_seg]]] + seg_start[segs[piece_seg]] + (low - local[piece_seg])
+    key = rank * num_ranks + a["reshuffle_recv_peer"][piece_run]
+    return (key, global_start, high - low), int(local[-1])
+
+
+def _check_reshuffle(plan: _Plan) -> None:
+    """5. Reshuffle bijection: the runs map user-layout tokens one to one onto plan-layout tokens, as both sides
+    pack them.
+
+    Checked on ranges, never token by token: O(runs + segments) after sorting."""
+    programs, total_tokens, num_ranks, tables = plan.programs, plan.header.total_tokens, plan.num_ranks, plan.tables
+    lengths, seg_seq, seg_start, seg_end = tables.seq_lengths, tables.seg_seq, tables.seg_start, tables.seg_end
+    seg_ptr = np.searchsorted(tables.seg_block, np.arange(int(tables.seg_block[-1]) + 2))
+    bounds = (np.arange(num_ranks + 1, dtype=np.int64) * total_tokens) // num_ranks
+    seq_offset = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    sent, received = [], []
+    for program in programs:
+        rank, a = program.rank, program.arrays
+        # User side: each run is a token range of this rank's user-layout chunk.
+        length, offset = a["reshuffle_send_length"], a["reshuffle_send_offset"]
+        chunk = bounds[rank + 1] - bounds[rank]
+        if (length <= 0).any() or (offset < 0).any() or (offset + length > chunk).any():
+            _fail(5, f"rank {rank} sends a reshuffle run outside its {chunk}-token user chunk")
+        sent.append((a["reshuffle_send_peer"] * num_ranks + rank, bounds[rank] + offset, length))
+        runs, plan_tokens = _plan_side_runs(a, rank, num_ranks, seq_offset, seg_seq, seg_start, seg_end, seg_ptr)
+        if not _tiles_exactly(a["reshuffle_recv_offset"], a["reshuffle_recv_length"], plan_tokens):
+            _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
+        received.append(runs)
+    sent_key, sent_start, sent_length = (np.concatenate(column) for column in zip(*sent))
+    if not _tiles_exactly(sent_start, sent_length, total_tokens):
+        _fail(5, "the user layout's tokens are not each sent exactly once")
+    # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare the token ranges pair by pair.
+    received_key, received_start, received_length = (np.concatenate(column) for column in zip(*received))
+    sides = []
+    for key, start, length in ((sent_key, sent_start, sent_length), (received_key, received_start, received_length)):
+        order = np.argsort(key, kind="stable")
+        sides.append(np.stack(_merge_runs(key[order], start[order], length[order])))
+    if sides[0].shape != sides[1].shape or not np.array_equal(*sides):
+        common = min(sides[0].shape[1], sides[1].shape[1])
+        differ = np.flatnonzero((sides[0][:, :common] != sides[1][:, :common]).any(axis=0))
+        bad = int(differ[0]) if differ.size else max(common - 1, 0)
+        key = int(sides[0][0, bad]) if sides[0].shape[1] else 0
+        _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
+                 f"where the plan layout puts them")
+
+
+def _check_relay_data(pulls: _Pulls) -> None:
+    """2. A relay re-sends K,V it received: the same block, and every segment it re-sends among those it got."""
+    relayed = np.flatnonzero(pulls.send_source >= 0)
+    if relayed.size == 0:
+        return
+    source = pulls.send_source[relayed]
+    wrong = (pulls.block[source] != pulls.send_block[relayed]) | (pulls.kind[source] != TransferKind.KV) \
+        | (pulls.send_kind[relayed] != TransferKind.KV) | (pulls.me[source] != pulls.send_me[relayed])
+    if wrong.any():
+        bad = relayed[int(np.argmax(wrong))]
+        _fail(2, f"rank {int(pulls.send_me[bad])} relays block {int(pulls.send_block[bad])} from a pull of another "
+                 f"block or kind (only K,V pulls are relayed)")
+    sent = np.repeat(relayed, pulls.send_count[relayed])
+    sent_segs = pulls.send_segs[expand_ranges(pulls.send_seg_first[relayed], pulls.send_count[relayed])]
+    held = np.repeat(relayed, pulls.count[source])
+    held_segs = pulls.segs[expand_ranges(pulls.seg_first[source], pulls.count[source])]
+    width = max(int(pulls.send_segs.max(initial=0)), int(pulls.segs.max(initial=0))) + 1
+    lacking = ~np.isin(sent * width + sent_segs, held * width + held_segs)
+    if lacking.any():
+        bad = int(sent[np.argmax(lacking)])
+        _fail(2, f"rank {int(pulls.send_me[bad])} relays segment {int(sent_segs[np.argmax(lacking)])} of block "
+                 f"{int(pulls.send_block[bad])}, which the pull it relays from does not carry")
+
+
+def _check_relay_order(pulls: _Pulls, program: _PassProgram, push: _Pushes) -> np.ndarray:
+    """2. A relay re-sends a block in a later stage than it arrives, and (backward) pushes its own gradient in a
+    later stage than every gradient pushed to it along the pulls it re-sent.
+
+    Returns:
+        per received pull row, the last stage its buffer serves a relay (-1: none).
+    """
+    label, coalesce = program.label, program.coalesce
+    last = np.full(pulls.kind.size, -1, dtype=np.int64)
+    relayed = np.flatnonzero(pulls.send_source >= 0)
+    source = pulls.send_source[relayed]
+    send_stage = program.send_round[relayed] // coalesce
+    arrival = program.recv_round[source] // coalesce
+    early = send_stage <= arrival
+    if early.any():
+        bad = int(np.argmax(early))
+        _fail(2, f"{label}: rank {int(pulls.send_me[relayed[bad]])} relays block {int(pulls.send_block[relayed[bad]])}"
+                 f" in stage {int(send_stage[bad])}, but receives it in stage {int(arrival[bad])}")
+    np.maximum.at(last, source, send_stage)
+    back = pulls.send_source[push.arrive_send_row] >= 0
+    if back.any():
+        into = pulls.send_source[push.arrive_send_row[back]]
+        landed = push.arrive_round[back] // coalesce
+        np.maximum.at(last, into, landed)
+        own = push.last_stage[into]
+        premature = (own >= 0) & (own <= landed)
+        if premature.any():
+            bad = int(np.argmax(premature))
+            _fail(2, f"{label}: rank {int(pulls.me[into[bad]])} pushes its gradient of block "
+                     f"{int(pulls.block[into[bad]])} in stage {int(own[bad])}, before the gradient of a pull it "
+                     f"relayed lands in stage {int(landed[bad])}")
+    return last

@@ -1,0 +1,95 @@
+"""FCP against the baselines across scales (the seed's figures 9 to 12), and the block-size sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
+from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.tools.parallel import map_on_cores
+from fcp_compiler.core.pipeline import compile_plan
+from fcp_compiler.tools.simulate import simulate_plan
+
+
+_CONTEXT: dict = {}  # batch_for and compile options, inherited by forked workers
+FCP_USER = "fcp-user"  # FCP compiled for the user layout (reshuffle around attention), beside its plan layout
+
+
+FIGURES = ("compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_comm_bytes", "num_rounds",
+           "normalized_mfu_fwd", "normalized_mfu_bwd", "makespan_fwd_s", "makespan_bwd_s", "compile_seconds")
+
+
+def _one(job: tuple[int, str]) -> dict:
+    gpus, method = job
+    batch_for, compile_options = _CONTEXT["batch_for"], _CONTEXT["options"]
+    batch = batch_for(gpus)
+    planner, layout = (Planner.FCP, "user") if method == FCP_USER else (Planner(method), "plan")
+    try:
+        options = {key: value for key, value in compile_options.items()
+                   if not (key == "block_size" and planner in OWN_BLOCK_SIZE)}  # they size their own blocks
+        plan = compile_plan(batch, gpus, planner=planner, layout=layout, **options)
+    except InfeasibleError as error:
+        # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
+        return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}
+    figures = simulate_plan(plan).figures()
+    stats = plan.stats
+    return {"method": method, "gpus": gpus, "layout": layout, "compute_imbalance": stats["compute_imbalance"],
+            "comm_imbalance": stats["comm_imbalance"], "total_comm_bytes": stats["total_comm_bytes"],
+            "max_rank_comm_bytes": stats["max_rank_recv_bytes"], "num_rounds": stats["num_rounds"],
+            "normalized_mfu_fwd": figures["normalized_mfu_fwd"], "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
+            "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
+            "compile_seconds": stats["compile_seconds"]}
+
+
+def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],
+            progress: Callable[[str], None] | None = None, jobs: int | None = None, **compile_options) -> list[dict]:
+    """Compile and simulate every method at every scale, on every core.
+
+    Every baseline runs in the plan layout, as its real system dispatches tokens once per step; FCP runs in the plan
+    layout (method "fcp") and in the user layout (method "fcp-user", the seed's reshuffle around attention).
+
+    Args:
+        batch_for: gpus -> batch (the same batch for every scale, or one generated per scale; deterministic).
+        scales: GPU counts.
+        methods: planners to run.
+        progress: called with a line after each plan.
+        jobs: processes (default: all cores); the largest scales start first.
+        compile_options: forwarded to compile_plan (block_size, profile, ...).
+    Returns:
+        one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
+        FCP's speedup over each; a method that could not plan a scale has None figures and an "error" line.
+    """
+    names = [Planner(method).value for method in methods]
+    if Planner.FCP.value in names:
+        names.insert(names.index(Planner.FCP.value) + 1, FCP_USER)
+    order = [(gpus, name) for gpus in scales for name in names]
+    _CONTEXT.update(batch_for=batch_for, options=compile_options)
+    results: dict[tuple[int, str], dict] = {}
+    for row in map_on_cores(_one, sorted(order, key=lambda job: -job[0]), jobs):
+        results[(row["gpus"], row["method"])] = row
+        if progress:
+            progress(f"{row['method']:>9} @ {row['gpus']:>4} GPUs: " + (
+                f"not planned: {row['error']}" if row.get("error") else
+                f"normalized MFU fwd {row['normalized_mfu_fwd']:.3f}"))
+    rows = [results[job] for job in order]
+    for gpus in scales:
+        fcp = results.get((gpus, Planner.FCP.value))
+        if not fcp or fcp.get("error"):
+            continue
+        for row in (r for r in rows if r["gpus"] == gpus and not r.get("error")):
+            row["fcp_speedup_fwd"] = fcp["normalized_mfu_fwd"] / row["normalized_mfu_fwd"]
+            row["fcp_speedup_bwd"] = fcp["normalized_mfu_bwd"] / row["normalized_mfu_bwd"]
+    return rows
+
+
+def sweep_block_sizes(batch, gpus: int, block_sizes: Sequence[int], **compile_options) -> list[dict]:
+    """FCP at several block sizes: balance and simulated normalized MFU (the seed's figure 12)."""
+    rows = []
+    for block_size in block_sizes:
+        plan = compile_plan(batch, gpus, block_size=block_size, **compile_options)
+        figures = simulate_plan(plan).figures()
+        rows.append({"block_size": block_size, "compute_imbalance": plan.stats["compute_imbalance"],
+                     "comm_imbalance": plan.stats["comm_imbalance"], "num_rounds": plan.stats["num_rounds"],
+                     "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
+                     "normalized_mfu_bwd": figures["normalized_mfu_bwd"]})
+    return rows

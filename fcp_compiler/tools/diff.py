@@ -1,0 +1,99 @@
+"""Semantic diff of two plans: parameters, inputs, placement, schedule and quality figures."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
+from fcp_compiler.format.plan_format import PlanReader, stack_ranks, stacked_pull_tokens
+
+# Quality figures and whether a higher value is worse.
+QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
+           "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
+           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False}
+PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
+              "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
+              "reshuffle_overlap", "format_version")
+
+
+def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
+    """Quality figures of a plan, from the plan file alone (DESIGN section 5)."""
+    from fcp_compiler.tools.simulate import simulate_plan
+
+    header, tables = reader.header, reader.tables
+    simulation = simulate_plan(reader)
+    compute = simulation.planned_compute
+    programs = reader.ranks(expand=False)  # each pull's tokens suffice
+    kv_bytes, q_bytes = header.shape.kv_bytes_per_token, header.shape.q_bytes_per_token
+    kinds, pull_rank = stack_ranks(programs, "pull_recv_kind")
+    per_pull = stacked_pull_tokens(programs, tables)
+    received = np.bincount(pull_rank, weights=per_pull * np.where(kinds == 0, kv_bytes, q_bytes),
+                           minlength=header.num_ranks)
+    bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)  # tiles may move: mean bound
+    figures = {"compute_imbalance": imbalance_ratio(compute), "comm_imbalance": imbalance_ratio(received),
+               "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
+               "total_comm_bytes": int(received.sum()), "max_rank_recv_bytes": int(received.max()),
+               "num_rounds": header.num_rounds, "num_fwd_rounds": header.num_fwd_rounds,
+               "num_bwd_rounds": header.num_bwd_rounds, "num_fwd_stages": header.num_fwd_stages,
+               "num_bwd_stages": header.num_bwd_stages, "max_buffer_tokens": header.max_buffer_tokens}
+    if simulate:
+        sim = simulation.figures()
+        figures.update(normalized_mfu_fwd=sim["normalized_mfu_fwd"], normalized_mfu_bwd=sim["normalized_mfu_bwd"],
+                       makespan_fwd_s=sim["makespan_fwd_s"], makespan_bwd_s=sim["makespan_bwd_s"])
+    return figures
+
+
+def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int = 8) -> dict:
+    """What differs between plan a (before) and plan b (after).
+
+    Args:
+        a, b: the two plans.
+        tolerance: relative change of a quality figure below which it is not a regression.
+        sample: how many moved blocks to list.
+    Returns:
+        {"identical", "changed", "regressed", "parameters", "inputs", "blocks", "figures", "regressions"}.
+    """
+    ha, hb = a.header, b.header
+    parameters = {}
+    for name in PARAMETERS:
+        va = getattr(ha, name)
+        vb = getattr(hb, name)
+        if va != vb:
+            dump = lambda v: v.model_dump(mode="json") if hasattr(v, "model_dump") else (  # noqa: E731
+                v.value if hasattr(v, "value") else v)
+            parameters[name] = {"a": dump(va), "b": dump(vb)}
+    inputs = {"a": ha.inputs_digest, "b": hb.inputs_digest} if ha.inputs_digest != hb.inputs_digest else {}
+    blocks = {}
+    ta, tb = a.tables, b.tables
+    same_blocks = all(np.array_equal(getattr(ta, n), getattr(tb, n))
+                      for n in ("seq_lengths", "seg_block", "seg_seq", "seg_start", "seg_end"))
+    if same_blocks and ha.num_ranks == hb.num_ranks:
+        owner_a = np.empty(ha.num_blocks, dtype=np.int64)
+        owner_b = np.empty(hb.num_blocks, dtype=np.int64)
+        for program in a.ranks():
+            owner_a[program.blocks] = program.rank
+        for program in b.ranks():
+            owner_b[program.blocks] = program.rank
+        moved = np.flatnonzero(owner_a != owner_b)
+        if moved.size:
+            blocks = {"moved": int(moved.size), "of": int(ha.num_blocks),
+                      "sample": [{"block": int(x), "a": int(owner_a[x]), "b": int(owner_b[x])} for x in moved[:sample]]}
+    elif not same_blocks:
+        blocks = {"resharded": True, "a_blocks": ha.num_blocks, "b_blocks": hb.num_blocks}
+    fa, fb = plan_figures(a), plan_figures(b)
+    figures, regressions = {}, {}
+    for name in fa:
+        if fa[name] != fb[name]:
+            figures[name] = {"a": fa[name], "b": fb[name]}
+        if name in QUALITY:
+            worse_if_higher = QUALITY[name]
+            scale = max(abs(fa[name]), 1e-12)
+            change = (fb[name] - fa[name]) / scale
+            if (change > tolerance) if worse_if_higher else (-change > tolerance):
+                regressions[name] = {"a": fa[name], "b": fb[name], "relative_change": change}
+    program_bytes_equal = all(np.array_equal(pa.arrays[k], pb.arrays[k]) for pa, pb in zip(a.ranks(), b.ranks())
+                              for k in pa.arrays) if ha.num_ranks == hb.num_ranks else False
+    changed = bool(parameters or inputs or blocks or figures or not program_bytes_equal)
+    return {"identical": not changed, "changed": changed, "regressed": bool(regressions),
+            "parameters": parameters, "inputs": inputs, "blocks": blocks, "figures": figures,
+            "regressions": regressions}

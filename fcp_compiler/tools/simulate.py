@@ -1,0 +1,525 @@
+"""Cost-model simulation of a plan, rank by rank and stage by stage, forward and backward.
+
+Model (per rank: one compute stream, and a send and a receive link for each of NVLink and the NIC):
+- Plan layout (the default): tokens were dispatched once per step, so attention starts with stage 0. User layout:
+  the input reshuffle starts at time 0; tiles whose tokens stay on the rank run while it is in flight (when the
+  plan allows the overlap), and stage 0 starts when both are done.
+- A stage's messages (pulls of its rounds, pushes posted in it) launch together; a message starts when both ends
+  have begun the stage, pays the per-message latency, and ends when the busier of its two link ends has drained:
+  every message sharing a link end in the stage shares its bandwidth (NVLink within a node, the NIC across), so
+  two senders into one receiver each get half its rate. Messages of different stages never share a link end,
+  because a rank starts stage s + 1 only after its stage-s messages are done.
+- The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
+  the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
+  for a full mask and up to two under a causal one (query segments with their diagonal, and those without).
+- The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
+  reshuffle starts when both ends have finished their last stage.
+Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fcp_compiler.format.inputs import HardwareProfile, Layout
+from fcp_compiler.tools.models import ModelPreset
+from fcp_compiler.core.ir import Batch, Sharding
+from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.core.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost, tile_efficiency
+from fcp_compiler.format.plan_format import (PlanReader, TransferKind, stack_ranks, stacked_pull_tokens,
+                                             tiles_during_reshuffle)
+from fcp_compiler.core.stats import LSE_BYTES
+
+BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
+# Trace tracks (Chrome trace thread ids) of each rank's process.
+TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
+          ("bwd", "recv"): 5}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassInput:
+    """One pass (forward or backward) as plain arrays."""
+
+    num_ranks: int
+    num_stages: int
+    flow_src: np.ndarray
+    flow_dst: np.ndarray
+    flow_bytes: np.ndarray
+    flow_stage: np.ndarray
+    flow_name: list[str] | None
+    tile_rank: np.ndarray
+    tile_stage: np.ndarray
+    tile_seconds: np.ndarray
+    tile_early: np.ndarray  # bool: may run during the input reshuffle
+    tile_name: list[str] | None
+    reshuffle_in: tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, bytes)
+    reshuffle_out: tuple[np.ndarray, np.ndarray, np.ndarray]
+    stage_calls: np.ndarray | None = None  # kernel calls per (stage, rank); None: one per stage that runs tiles
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkModel:
+    """Bandwidths (bytes/s), latency and launch cost (s), and how ranks map to nodes."""
+
+    node_of_rank: np.ndarray
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float
+    launch_s: float
+    sm_fraction: float
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, num_ranks: int) -> "LinkModel":
+        return cls(node_of_rank=np.arange(num_ranks) // profile.gpus_per_node,
+                   intra_bytes_per_s=profile.nvlink_gbps * 1e9, inter_bytes_per_s=profile.network_gbps * 1e9,
+                   latency_s=profile.latency_us * 1e-6, launch_s=profile.launch_us * 1e-6,
+                   sm_fraction=profile.comm_sm_fraction)
+
+
+@dataclass(slots=True, kw_only=True)
+class PassResult:
+    """Timeline of one pass: when each rank ends, how long its compute stream was busy, and trace events."""
+
+    end: np.ndarray
+    busy: np.ndarray
+    compute: np.ndarray  # tile work at full speed per rank
+    calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
+    reshuffle: float = 0.0  # seconds the input and output reshuffles take (their slowest rank each; user layout)
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return float(self.end.max()) if self.end.size else 0.0
+
+
+def _message_ends(t0, src, dst, nbytes, links: LinkModel, num_ranks: int) -> np.ndarray:
+    """End time of each message of one group that launches together (shared link ends drain together)."""
+    if src.size == 0:
+        return np.zeros(0)
+    inter = links.node_of_rank[src] != links.node_of_rank[dst]
+    bandwidth = np.where(inter, links.inter_bytes_per_s, links.intra_bytes_per_s)
+    out_key = src * 2 + inter
+    in_key = dst * 2 + inter
+    out_drain = np.bincount(out_key, weights=nbytes, minlength=2 * num_ranks)[out_key] / bandwidth
+    in_drain = np.bincount(in_key, weights=nbytes, minlength=2 * num_ranks)[in_key] / bandwidth
+    return t0 + links.latency_s + np.maximum(out_drain, in_drain)
+
+
+def _compute_end(start, work, comm_end, has_comm, sm_fraction):
+    """When a compute stream starting at `start` with `work` seconds ends, slowed while messages are in flight."""
+    window = np.where(has_comm, np.maximum(comm_end - start, 0.0), 0.0)
+    slow = 1.0 - sm_fraction
+    within = work / slow <= window
+    return np.where(within, start + work / slow, start + window + (work - window * slow))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TraceRecorder:
+    """Appends one pass's Chrome trace events: a message on its sender's and its receiver's tracks, tiles back to
+    back over each rank's compute window."""
+
+    events: list
+    data: PassInput
+    links: LinkModel
+    time_offset: float
+    label: str
+
+    def messages(self, t0, ends, src, dst, names, stage_name) -> None:
+        for i in range(src.size):
+            ts, dur = (self.time_offset + t0[i]) * 1e6, (ends[i] - t0[i]) * 1e6
+            name = f"{names[i]} {stage_name}" if names is not None else stage_name
+            self.events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(src[i]),
+                                "tid": TRACKS[(self.label, "send")], "args": {"to": int(dst[i])}})
+            self.events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(dst[i]),
+                                "tid": TRACKS[(self.label, "recv")], "args": {"from": int(src[i])}})
+
+    def compute(self, rank_start, rank_end, mask, stage_name) -> None:
+        # Tiles of the stage back to back, stretched over the compute window (launch cost first).
+        data, track = self.data, TRACKS[(self.label, "compute")]
+        for rank in np.flatnonzero(rank_end > rank_start).tolist():
+            tiles = np.flatnonzero(mask & (data.tile_rank == rank))
+            span = rank_end[rank] - rank_start[rank]
+            launch = self.links.launch_s if tiles.size and stage_name != "reshuffle" else 0.0
+            scale = (span - launch) / max(float(data.tile_seconds[tiles].sum()), 1e-30)
+            t = rank_start[rank]
+            if launch:
+                self.events.append({"name": f"launch {stage_name}", "ph": "X", "ts": (self.time_offset + t) * 1e6,
+                                    "dur": launch * 1e6, "pid": rank, "tid": track})
+                t += launch
+            for tile in tiles.tolist():
+                dur = float(data.tile_seconds[tile]) * scale
+                name = data.tile_name[tile] if data.tile_name is not None else "tile"
+                self.events.append({"name": f"{name} {stage_name}", "ph": "X", "ts": (self.time_offset + t) * 1e6,
+                                    "dur": dur * 1e6, "pid": rank, "tid": track})
+                t += dur
+
+
+def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
+                  time_offset: float = 0.0, label: str = "fwd") -> PassResult:
+    """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised."""
+    n = data.num_ranks
+    events: list[dict] = []
+    work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
+                          minlength=max(data.num_stages, 1) * n).reshape(-1, n)
+    early = data.tile_early if overlap_reshuffle else np.zeros(data.tile_rank.size, dtype=bool)
+    early_work = np.bincount(data.tile_rank[early], weights=data.tile_seconds[early], minlength=n)
+    work_by[0] -= early_work
+    has_tiles = np.bincount(data.tile_stage * n + data.tile_rank, minlength=max(data.num_stages, 1) * n
+                            ).reshape(-1, n) > 0
+    busy = np.zeros(n)
+
+    trace = _TraceRecorder(events=events, data=data, links=links, time_offset=time_offset, label=label)
+    # Input reshuffle, with the tiles whose tokens stay local.
+    src, dst, nbytes = data.reshuffle_in
+    ends = _message_ends(np.zeros(src.size), src, dst, nbytes, links, n)
+    comm_end = np.zeros(n)
+    np.maximum.at(comm_end, src, ends)
+    np.maximum.at(comm_end, dst, ends)
+    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+    compute_end = _compute_end(np.zeros(n), early_work, comm_end, has_comm, links.sm_fraction)
+    busy += compute_end
+    if record:
+        trace.messages(np.zeros(src.size), ends, src, dst, None, "reshuffle in")
+        trace.compute(np.zeros(n), compute_end, early, "reshuffle")
+    start = np.maximum(comm_end, compute_end)
+    reshuffle_in = float(comm_end.max()) if src.size else 0.0
+
+    order = np.argsort(data.flow_stage, kind="stable")
+    bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
+    for stage in range(data.num_stages):
+        idx = order[bounds[stage]:bounds[stage + 1]]
+        src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
+        t0 = np.maximum(start[src], start[dst])
+        ends = _message_ends(t0, src, dst, nbytes, links, n)
+        comm_end = start.copy()
+        np.maximum.at(comm_end, src, ends)
+        np.maximum.at(comm_end, dst, ends)
+        has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+        launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
+        work = work_by[stage] + launches * links.launch_s
+        compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
+        busy += compute_end - start
+        if record:
+            names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
+            trace.messages(t0, ends, src, dst, names, f"stage {stage}")
+            trace.compute(start, compute_end, (data.tile_stage == stage) & ~early, f"stage {stage}")
+        start = np.maximum(compute_end, comm_end)
+
+    src, dst, nbytes = data.reshuffle_out
+    t0 = np.maximum(start[src], start[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    end = start.copy()
+    np.maximum.at(end, src, ends)
+    np.maximum.at(end, dst, ends)
+    if record:
+        trace.messages(t0, ends, src, dst, None, "reshuffle out")
+    compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
+    reshuffle_out = float((ends - t0).max()) if src.size else 0.0
+    return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
+                      reshuffle=reshuffle_in + reshuffle_out, events=events)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+    """Figures of a simulated plan (DESIGN section 5) and, when recorded, its Chrome trace events."""
+
+    forward: PassResult
+    backward: PassResult
+    flops_fwd: float
+    single_gpu_efficiency: float
+    peak_flops: float
+    num_ranks: int
+    planned_compute: np.ndarray  # per rank, the compiler's tile-by-tile cost (what its balance figures use)
+    layout: str = "plan"
+    rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
+
+    def layer_figures(self, model: ModelPreset) -> dict:
+        """One transformer layer of `model` around this attention: the linear layers' time per rank from the tokens
+        it holds (the plan layout's, or the user layout's even chunks), the attention as simulated (with its
+        reshuffles in the user layout), and MFU over the whole layer, forward and backward.
+
+        A layer's makespan is its slowest rank's linear time plus the attention makespan: attention's exchange
+        makes every rank wait for its partners, so a rank with more tokens delays them all.
+        """
+        linear_fwd = self.rank_tokens * model.linear_flops_per_token / (self.peak_flops * model.linear_efficiency)
+        linear_fwd_s, linear_bwd_s = float(linear_fwd.max()), float(linear_fwd.max()) * BACKWARD_LINEAR_WORK
+        layer_fwd = linear_fwd_s + self.forward.makespan
+        layer_bwd = linear_bwd_s + self.backward.makespan
+        useful = (float(self.rank_tokens.sum()) * model.linear_flops_per_token * (1 + BACKWARD_LINEAR_WORK)
+                  + self.flops_fwd * (1 + BACKWARD_WORK))
+        total = layer_fwd + layer_bwd
+        return {"model": model.name, "layout": self.layout, "reshuffle_fwd_s": self.forward.reshuffle,
+                "reshuffle_bwd_s": self.backward.reshuffle, "linear_fwd_s": linear_fwd_s,
+                "linear_bwd_s": linear_bwd_s, "layer_makespan_fwd_s": layer_fwd, "layer_makespan_bwd_s": layer_bwd,
+                "layer_mfu": useful / (self.num_ranks * self.peak_flops * total) if total > 0 else 0.0}
+
+    def figures(self) -> dict:
+        """The --json of fcp simulate."""
+        fwd, bwd = self.forward.makespan, self.backward.makespan
+        mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
+        mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
+        per_rank = [{"rank": r, "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
+                     "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r]
+                     else 0.0,
+                     "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
+                     else 0.0} for r in range(self.num_ranks)]
+        return {
+            "makespan_fwd_s": fwd, "makespan_bwd_s": bwd,
+            "attention_mfu_fwd": mfu_fwd, "attention_mfu_bwd": mfu_bwd,
+            "normalized_mfu_fwd": mfu_fwd / self.single_gpu_efficiency,
+            "normalized_mfu_bwd": mfu_bwd / self.single_gpu_efficiency,
+            "single_gpu_efficiency": self.single_gpu_efficiency,
+            "exposed_comm_fwd_s": float(np.max(self.forward.end - self.forward.busy)),
+            "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
+            "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
+            "per_rank": per_rank,
+        }
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace events (Perfetto opens them): a process per rank; compute, send and receive tracks."""
+        meta = []
+        for rank in range(self.num_ranks):
+            meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+            for (label, track), tid in TRACKS.items():
+                meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                             "args": {"name": f"{label} {track}"}})
+        events = self.forward.events + self.backward.events
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch_group: np.ndarray,
+                      profile: HardwareProfile) -> np.ndarray:
+    """Modelled time of each plan tile when a stage runs as one launch.
+
+    Scheduling is at block size, execution at the stage: the tiles a rank runs in one launch for the same query
+    segment form one kernel call over all their keys, whose efficiency is that of a tile of
+    sqrt(query tokens x all their key tokens). Each tile is charged its FLOPs at its call's efficiency.
+
+    Args:
+        tiles: the TileSet of the plan's blocks (segment pairs and FLOPs).
+        tile_idx: for each plan tile, its index in `tiles`.
+        tile_rank, launch_group: rank and launch (stage, or -1 for tiles run during the reshuffle) of each plan tile.
+        profile: peak and efficiency curve.
+    Returns:
+        seconds per plan tile.
+    """
+    if not tiles.has_pairs:  # costed in closed form: each tile is one call (a ring step over every sequence)
+        return tiles.tile_seconds[tile_idx]
+    sharding = tiles.sharding
+    plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
+    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
+    pair_plan_tile = plan_tile_of[tiles.pair_tile]
+    q_seg, kv_seg = tiles.pair_q_seg, tiles.pair_kv_seg
+    flops = tiles.pair_flops
+    seg_tokens = sharding.seg_tokens
+    num_segments = sharding.num_segments
+    num_groups = int(launch_group.max()) + 2 if launch_group.size else 1  # launch -1 (reshuffle) maps to 0
+    key = ((tile_rank[pair_plan_tile] * num_groups + launch_group[pair_plan_tile] + 1) * num_segments + q_seg)
+    _, group = unique_keys(key, int(tile_rank.max() + 1 if tile_rank.size else 1) * num_groups * num_segments,
+                           return_inverse=True)
+    key_tokens = np.bincount(group, weights=seg_tokens[kv_seg])
+    query_tokens = np.zeros(key_tokens.size)
+    query_tokens[group] = seg_tokens[q_seg]
+    efficiency = tile_efficiency(profile, np.sqrt(query_tokens * key_tokens))
+    pair_seconds = flops / (profile.peak_tflops * 1e12 * efficiency[group])
+    return np.bincount(pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
+
+
+def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
+                 num_ranks: int, causal: bool) -> np.ndarray:
+    """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
+    query segment; under a causal mask entries holding their diagonal segment form one call, the rest another.
+
+    Returns:
+        int64 [num_stages, num_ranks].
+    """
+    if not tiles.has_pairs:  # closed-form tiles: one call per stage and rank (two under a causal mask)
+        runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_stages * num_ranks) > 0
+        return (runs * (2 if causal else 1)).astype(np.int64).reshape(num_stages, num_ranks)
+    plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
+    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
+    pair_plan_tile = plan_tile_of[tiles.pair_tile]
+    q_seg = tiles.pair_q_seg
+    slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
+    if not causal:
+        return (np.bincount(slot, minlength=num_stages * num_ranks) > 0).astype(np.int64).reshape(num_stages, -1)
+    num_segments = tiles.sharding.num_segments
+    entries, entry = unique_keys(slot * num_segments + q_seg, num_stages * num_ranks * num_segments,
+                                 return_inverse=True)
+    diagonal = np.bincount(entry, weights=q_seg == tiles.pair_kv_seg, minlength=entries.size) > 0
+    entry_slot = entries // num_segments
+    calls = (np.bincount(entry_slot[diagonal], minlength=num_stages * num_ranks) > 0).astype(np.int64)
+    calls += np.bincount(entry_slot[~diagonal], minlength=num_stages * num_ranks) > 0
+    return calls.reshape(num_stages, num_ranks)
+
+
+def _reshuffle_flows(programs, bytes_per_token: float):
+    src, dst, nbytes = [], [], []
+    for program in programs:
+        peers = program.arrays["reshuffle_send_peer"]
+        lengths = program.arrays["reshuffle_send_length"]
+        remote = peers != program.rank
+        per_peer = np.bincount(peers[remote], weights=lengths[remote], minlength=len(programs))
+        targets = np.flatnonzero(per_peer)
+        src.append(np.full(targets.size, program.rank))
+        dst.append(targets)
+        nbytes.append(per_peer[targets] * bytes_per_token)
+    return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),
+            np.concatenate(nbytes).astype(np.float64))
+
+
+def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False) -> Simulation:
+    """Simulate a plan on a hardware profile (default: the one it was compiled for).
+
+    Args:
+        source: plan file, bytes, reader, or a CompiledPlan (whose tile costs are reused when the profile is the
+            one it was compiled for).
+        profile: hardware to simulate on.
+        record: keep Chrome trace events (tiles named by block and stage, messages by kind and block).
+    Returns:
+        the Simulation.
+    """
+    header, tables, programs, profile, tiles = _read_with_costs(source, profile)
+    n, shape = header.num_ranks, header.shape
+    tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(programs, tiles, record)
+    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
+    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile)
+    r_round, r_me = stack_ranks(programs, "pull_recv_round")
+    r_bwd_round, r_kind, r_block, r_peer = (stack_ranks(programs, f"pull_recv_{name}")[0]
+                                            for name in ("bwd_round", "kind", "block", "peer"))
+    r_tokens = stacked_pull_tokens(programs, tables)
+    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+    kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
+    pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
+        if record else None
+
+    def rounds_per_stage(prefix):
+        return header.coalesce if prefix == "fwd" else header.bwd_coalesce
+
+    def pushes(prefix):
+        push_round, sender = stack_ranks(programs, f"{prefix}_push_send_round")
+        pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
+        return push_round // rounds_per_stage(prefix), pull + recv_base[sender]
+
+    no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
+    in_user_layout = header.layout is Layout.USER
+
+    def pass_input(prefix, pull_bytes, pull_round, push_bytes_of, stages, seconds_of_tiles, num_stages, shuffle_in,
+                   shuffle_out):
+        # Tiles that run during the input reshuffle are not a stage's calls.
+        in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
+        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n,
+                             header.mask.value == "causal")[:num_stages]
+        push_stage, push_row = pushes(prefix)
+        names = None
+        if record:
+            names = pull_names + [f"{'dKV' if r_kind[r] == TransferKind.KV else ('O' if prefix == 'fwd' else 'dQ')} "
+                                  f"b{r_block[r]}" for r in push_row.tolist()]
+        return PassInput(
+            num_ranks=n, num_stages=num_stages,
+            flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
+            flow_bytes=np.concatenate((pull_bytes, push_bytes_of(push_row))),
+            flow_stage=np.concatenate((pull_round // rounds_per_stage(prefix), push_stage)), flow_name=names,
+            tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
+            tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
+            reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
+            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
+            stage_calls=calls)
+
+    fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
+    bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
+    links = LinkModel.from_profile(profile, n)
+    forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, r_round,
+                                       lambda rows: r_tokens[rows] * (q_bytes + lse_bytes), tile_stage, seconds,
+                                       header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
+                            links, header.reshuffle_overlap, record, 0.0, "fwd")
+    backward = simulate_pass(pass_input("bwd", bwd_pull_bytes, r_bwd_round,
+                                        lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV,
+                                                                               kv_bytes, q_bytes),
+                                        tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
+                                        q_bytes + kv_bytes),
+                             links, header.reshuffle_overlap, record, forward.makespan, "bwd")
+    planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
+    return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
+                      single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, header.mask.value == "causal",
+                                                                    profile),
+                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=planned,
+                      layout=header.layout.value, rank_tokens=_layer_tokens(header, tables, programs))
+
+
+def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
+    """(header, tables, programs, profile, tiles): the plan's ranks, unexpanded (each pull's tokens suffice), and its
+    tiles costed on `profile` (default: the plan's own; a CompiledPlan's costs are reused on its own profile)."""
+    compiled_tiles = None
+    if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
+        compiled_tiles = source.ir.tiles
+        source = source.to_bytes()
+    reader = source if isinstance(source, PlanReader) else PlanReader(source)
+    header, tables = reader.header, reader.tables
+    profile = profile or header.profile
+    programs = reader.ranks(expand=False)
+    if compiled_tiles is not None and compiled_tiles.profile == profile:
+        return header, tables, programs, profile, compiled_tiles
+    sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, mask=header.mask), block_size=header.block_size,
+                        zigzag=header.zigzag, seg_block=tables.seg_block, seg_seq=tables.seg_seq,
+                        seg_start=tables.seg_start, seg_end=tables.seg_end)
+    return header, tables, programs, profile, _tile_costs(header, sharding, programs, profile)
+
+
+def _stack_tiles(programs, tiles, record: bool) -> tuple:
+    """Every rank's tiles stacked: (index in `tiles`, rank, forward stage, backward stage, whether it runs during
+    the input reshuffle, and trace names when recording)."""
+    keys = tiles.tile_q_block * tiles.sharding.num_blocks + tiles.tile_kv_block
+    tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
+    tile_kv, _ = stack_ranks(programs, "tile_kv_block")
+    tile_idx = np.searchsorted(keys, tile_q * tiles.sharding.num_blocks + tile_kv)
+    early = np.concatenate([tiles_during_reshuffle(program) for program in programs])
+    names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
+    return (tile_idx, tile_rank, stack_ranks(programs, "tile_stage")[0], stack_ranks(programs, "tile_bwd_stage")[0],
+            early, names)
+
+
+def _tile_costs(header, sharding: Sharding, programs, profile: HardwareProfile):
+    """The plan's tiles costed on `profile`: in closed form for a ring past RING_CLOSED_FORM_PAIRS segment pairs,
+    as the compiler does, else pair by pair."""
+    if header.planner == "ring" and count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS:
+        held, held_rank = stack_ranks(programs, "blocks")
+        block_rank = np.empty(header.num_blocks, dtype=np.int64)
+        block_rank[held] = held_rank
+        return ring_cost(sharding, block_rank, header.num_ranks, header.shape, profile)
+    return cost(sharding, header.shape, profile)
+
+
+def _single_gpu_efficiency(lengths: np.ndarray, causal: bool, profile: HardwareProfile) -> float:
+    """The efficiency one GPU reaches on the batch's work with one sequence per GPU (normalised MFU's divisor)."""
+    lengths = lengths.astype(np.float64)
+    pairs = lengths * (lengths + 1) / 2 if causal else lengths ** 2
+    return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths)).sum())
+
+
+def _layer_tokens(header, tables, programs) -> np.ndarray:
+    """Tokens each rank's linear layers see: the user layout's even chunks, or the plan layout's blocks."""
+    n = header.num_ranks
+    if header.layout is Layout.USER:
+        return np.diff((np.arange(n + 1) * header.total_tokens) // n).astype(np.float64)
+    held, held_rank = stack_ranks(programs, "blocks")
+    block_tokens = np.bincount(tables.seg_block, weights=tables.seg_end - tables.seg_start,
+                               minlength=header.num_blocks)
+    return np.bincount(held_rank, weights=block_tokens[held], minlength=n)
+
+
+def _swap(flows):
+    """The output reshuffle runs the input's runs backwards: plan rank to user rank."""
+    src, dst, nbytes = flows
+    return dst, src, nbytes
+
+
+def write_trace(simulation: Simulation, path) -> None:
+    """Write the Chrome trace JSON atomically."""
+    from fcp_compiler.format.safe_io import write_atomic
+
+    write_atomic(path, json.dumps(simulation.chrome_trace()).encode())

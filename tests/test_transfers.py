@@ -1,0 +1,48 @@
+"""plan_transfers: exactly the pulls the tiles need, each once, carrying exactly the segments its tiles read."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fcp_compiler.core.ir import AttentionShape, Batch, TransferKind
+from fcp_compiler.core.passes.assign import assign
+from fcp_compiler.core.passes.cost import cost
+from fcp_compiler.core.passes.shard import shard
+from fcp_compiler.core.passes.transfers import plan_transfers
+from fcp_compiler.format.inputs import PRESET_PROFILES, MaskKind
+
+
+def needed_by_brute_force(assignment) -> dict:
+    """(kind, block, rank) -> the set of segments that rank's tiles read of that block, pair by pair."""
+    tiles, sharding = assignment.tiles, assignment.tiles.sharding
+    needs: dict = {}
+    for pair in range(tiles.pair_tile.size):
+        rank = int(assignment.tile_rank[tiles.pair_tile[pair]])
+        for kind, seg in ((TransferKind.KV, tiles.pair_kv_seg[pair]), (TransferKind.Q, tiles.pair_q_seg[pair])):
+            block = int(sharding.seg_block[seg])
+            if assignment.block_rank[block] != rank:
+                needs.setdefault((int(kind), block, rank), set()).add(int(seg))
+    return needs
+
+
+@given(st.lists(st.integers(64, 9000), min_size=1, max_size=12), st.integers(2, 6),
+       st.sampled_from(["causal", "full"]))
+def test_pulls_are_the_tiles_needs(lengths, num_ranks, mask):
+    batch = Batch(lengths=np.array(lengths), mask=MaskKind(mask))
+    tiles = cost(shard(batch, 1024, mask == "causal"), AttentionShape(), PRESET_PROFILES["h100"])
+    cap = -(-batch.total_tokens // num_ranks) + 1024
+    assignment = assign(tiles, num_ranks, cap, 0.01)
+    transfers = plan_transfers(assignment)
+    found = {}
+    for edge in range(transfers.num_edges):
+        key = (int(transfers.edge_kind[edge]), int(transfers.edge_block[edge]), int(transfers.edge_dst[edge]))
+        assert key not in found, f"pull {key} listed twice"
+        segs = transfers.edge_segs[transfers.edge_seg_offsets[edge]:transfers.edge_seg_offsets[edge + 1]]
+        assert (np.diff(segs) > 0).all()
+        found[key] = set(segs.tolist())
+        assert transfers.edge_src[edge] == assignment.block_rank[key[1]] != key[2]  # from the owner, to another
+    assert found == needed_by_brute_force(assignment)
+    assert (transfers.edge_parent == -1).all()
+    # Edges sorted by (kind, block, receiver), as coalesce's lookups need.
+    order = np.lexsort((transfers.edge_dst, transfers.edge_block, transfers.edge_kind))
+    assert np.array_equal(order, np.arange(transfers.num_edges))
