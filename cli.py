@@ -59,26 +59,25 @@ def compile_command(
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]"),
 ) -> None:
     """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
-    from fcp_compiler.format.inputs import load_batch, load_profile, make_shape
+    from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.pipeline import compile_plan
-    from fcp_compiler.tools.report import compile_summary
+    from fcp_compiler.format.inputs import load_batch, make_shape
     from fcp_compiler.format.safe_io import check_output_target, write_files_atomic
+    from fcp_compiler.tools.report import compile_summary
 
-    if mask is not None and mask not in ("causal", "full"):
-        raise InvalidInputError(f"--mask {mask!r} must be causal or full")
-    options = dict(block_size=block_size, coalesce_degree=coalesce, token_cap=token_cap,
-                   token_tolerance=token_tolerance, zigzag=zigzag,
-                   layout=layout, shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=load_profile(profile),
-                   mask=mask, pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
-                   reshuffle_overlap=not no_reshuffle_overlap, planner=planner)
+    options = CompileOptions.of(gpus, block_size=block_size, coalesce=coalesce, token_cap=token_cap,
+                                token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
+                                shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=profile, mask=mask,
+                                pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
+                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner)
     if batch.suffix == ".jsonl":
-        _bulk(batch, gpus, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
+        _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
     output = output or Path(batch.with_suffix(".fcp").name)
     for target in (output, stats):  # before compiling: a bad target costs nothing
         if target is not None:
             check_output_target(target)
-    plan = compile_plan(load_batch(batch), gpus, **options)
+    plan = compile_plan(load_batch(batch), options=options)
     # The plan and its figures land together or not at all.
     files = [(output, plan.to_bytes())]
     if stats:
@@ -88,11 +87,9 @@ def compile_command(
         typer.echo(compile_summary(plan.stats, str(output)))
 
 
-def _bulk(batch: Path, gpus: int, out_dir: Path, jobs: Optional[int], quiet: bool, options: dict) -> None:
-    import sys
-
+def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options) -> None:
     from fcp_compiler.tools.bulk import bulk_compile, read_jsonl
-    from fcp_compiler.tools.report import table
+    from fcp_compiler.tools.report import bulk_summary, progress_bar
 
     if jobs is not None and jobs < 1:
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
@@ -101,38 +98,26 @@ def _bulk(batch: Path, gpus: int, out_dir: Path, jobs: Optional[int], quiet: boo
     def progress(done: int, total: int) -> None:
         # A bar that redraws on a terminal; a single line at the end otherwise (logs, CI).
         if not quiet and (sys.stderr.isatty() or done == total):
-            width = 30
-            filled = width * done // max(total, 1)
-            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} plans")
+            sys.stderr.write(progress_bar(done, total) + ("\n" if done == total else ""))
             sys.stderr.flush()
-            if done == total:
-                sys.stderr.write("\n")
 
-    summary = bulk_compile(batches, out_dir, gpus, jobs=jobs, progress=progress, **options)
+    summary = bulk_compile(batches, out_dir, options, jobs=jobs, progress=progress)
     if not quiet:
-        per_plan = summary.compile_seconds / summary.compiled if summary.compiled else 0.0
-        typer.echo(table(["plans", "compiled", "skipped", "wall s", "s per plan", "worst compute imb",
-                          "worst comm imb"],
-                         [[summary.total, summary.compiled, summary.skipped, f"{summary.wall_seconds:.2f}",
-                           f"{per_plan:.3f}", f"{summary.worst_compute_imbalance:.4f}",
-                           f"{summary.worst_comm_imbalance:.4f}"]]))
-        typer.echo(f"  plans in {out_dir}/")
+        typer.echo(bulk_summary(summary, out_dir))
 
 
 @app.command("validate")
 def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
     """Check every invariant of DESIGN section 4; exit 1 naming the first one broken."""
     from fcp_compiler.format.validate import PlanInvalidError, validate_plan
+    from fcp_compiler.tools.report import validation_summary
 
     try:
         report = validate_plan(str(plan))
     except PlanInvalidError as error:
         typer.echo(f"fcp: invalid plan {plan}: {error}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{plan}: valid. {report.num_ranks} ranks, {report.num_blocks} blocks, {report.num_tiles} tiles, "
-               f"{report.num_pulls} pulls in {report.num_rounds} rounds (= max degree {report.max_degree}), "
-               f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, every round a matching "
-               f"over pulls and pushes, live buffers <= {report.max_buffer_tokens} tokens as stated")
+    typer.echo(validation_summary(plan, report))
 
 
 @app.command("inspect")
@@ -143,7 +128,7 @@ def inspect_command(
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
     from fcp_compiler.format.plan_format import PlanReader
-    from fcp_compiler.tools.report import rank_program_text, rank_rows, table
+    from fcp_compiler.tools.report import inspect_summary, rank_program_text, rank_rows
 
     reader = PlanReader(str(plan))
     header = reader.header
@@ -159,15 +144,7 @@ def inspect_command(
         shown = header.model_dump(mode="json", exclude={"rank_sections", "rank_sha256"})
         typer.echo(json.dumps({"header": shown, "ranks": rows}))
         return
-    typer.echo(f"{plan}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
-               f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "
-               f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}, "
-               f"{header.num_rounds} rounds, digest {header.inputs_digest[:16]}")
-    keys = list(rows[0].keys())
-    shown = rows if len(rows) <= 32 else rows[:16] + rows[-16:]
-    typer.echo(table(keys, [[row[k] for k in keys] for row in shown]))
-    if len(rows) > 32:
-        typer.echo(f"  ... {len(rows) - 32} more ranks (--json for all)")
+    typer.echo(inspect_summary(plan, header, rows))
 
 
 def _is_plan_file(source: Path, magic: bytes) -> bool:
@@ -181,17 +158,15 @@ def _is_plan_file(source: Path, magic: bytes) -> bool:
 
 def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
     """A plan file as it is, or a batch JSON compiled for --gpus."""
-    from fcp_compiler.format.inputs import load_batch, load_profile
     from fcp_compiler.core.pipeline import compile_plan
-    from fcp_compiler.format.plan_format import MAGIC
-
-    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.format.inputs import load_batch
+    from fcp_compiler.format.plan_format import MAGIC, PlanReader
 
     if _is_plan_file(source, MAGIC):
         return PlanReader(str(source))
     if gpus is None:
         raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
-    return compile_plan(load_batch(source), gpus, profile=load_profile(profile or "h100")).to_bytes()
+    return compile_plan(load_batch(source), gpus, profile=profile or "h100").to_bytes()
 
 
 @app.command("simulate")
@@ -206,11 +181,10 @@ def simulate_command(
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
     from fcp_compiler.format.inputs import load_profile
-    from fcp_compiler.tools.models import load_model
-    from fcp_compiler.tools.report import table
-    from fcp_compiler.tools.simulate import simulate_plan, write_trace
-
     from fcp_compiler.format.validate import validate_plan
+    from fcp_compiler.tools.models import load_model
+    from fcp_compiler.tools.report import simulation_summary
+    from fcp_compiler.tools.simulate import simulate_plan, write_trace
 
     layer_model = load_model(model) if model else None
     data = _plan_or_batch(source, gpus, profile)
@@ -224,22 +198,7 @@ def simulate_command(
         _write_json(json_out, figures)
     if trace:
         write_trace(simulation, trace)
-    busy_fwd = [row["busy_fwd_s"] for row in figures["per_rank"]]
-    typer.echo(table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms"], [
-        ["forward", f"{figures['makespan_fwd_s'] * 1e3:.2f}", f"{figures['attention_mfu_fwd']:.3f}",
-         f"{figures['normalized_mfu_fwd']:.3f}", f"{figures['exposed_comm_fwd_s'] * 1e3:.2f}"],
-        ["backward", f"{figures['makespan_bwd_s'] * 1e3:.2f}", f"{figures['attention_mfu_bwd']:.3f}",
-         f"{figures['normalized_mfu_bwd']:.3f}", f"{figures['exposed_comm_bwd_s'] * 1e3:.2f}"]]))
-    typer.echo(f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
-               f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
-               + (f"; trace in {trace}" if trace else ""))
-    if layer_model:
-        typer.echo(f"  one {layer_model.name} layer, {figures['layout']} layout:")
-        typer.echo(table(["pass", "linear ms", "reshuffle ms", "attention ms", "layer ms"], [
-            [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
-             f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}"]
-            for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
-        typer.echo(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}")
+    typer.echo(simulation_summary(figures, layer_model.name if layer_model else None, trace))
 
 
 @app.command("ablate")
@@ -250,20 +209,15 @@ def ablate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON"),
 ) -> None:
     """The seed's Table 2: each technique switched on in turn, normalized MFU beside the seed's."""
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.tools.ablation import run_ablation
-    from fcp_compiler.format.inputs import load_batch, load_profile
-    from fcp_compiler.tools.report import table
+    from fcp_compiler.tools.report import ablation_table
 
-    steps = run_ablation(load_batch(batch), gpus, profile=load_profile(profile))
+    steps = run_ablation(load_batch(batch), CompileOptions.of(gpus, profile=profile))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "batch": str(batch), "steps": steps})
-    def seed(value) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    typer.echo(table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
-        [s["name"], f"{s['normalized_mfu_fwd']:.2f}", seed(s["seed_normalized_mfu_fwd"]),
-         f"{s['normalized_mfu_bwd']:.2f}", seed(s["seed_normalized_mfu_bwd"]), f"{s['makespan_fwd_s'] * 1e3:.1f}",
-         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps]))
+    typer.echo(ablation_table(steps))
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -292,8 +246,9 @@ def compare_command(
 ) -> None:
     """FCP beside the baselines at each scale: balance, traffic, rounds, simulated normalized MFU, speedup."""
     from fcp_compiler.core.baselines import Planner
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.tools.compare import compare
-    from fcp_compiler.format.inputs import load_batch, load_profile
     from fcp_compiler.tools.report import compare_rows
     from fcp_compiler.tools.traces import parse_trace_spec
 
@@ -315,7 +270,7 @@ def compare_command(
         fixed = load_batch(batch)
         batch_for = lambda n: fixed  # noqa: E731
     rows = compare(batch_for, scales, chosen, progress=lambda line: typer.echo(line, err=True),
-                   profile=load_profile(profile))
+                   options=CompileOptions.of(1, profile=profile))
     if json_out:
         _write_json(json_out, {"results": rows})
     if plot:
@@ -334,24 +289,22 @@ def sweep_command(
                                                              "matplotlib)"),
 ) -> None:
     """FCP at several block sizes: balance and simulated normalized MFU."""
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.tools.compare import sweep_block_sizes
-    from fcp_compiler.format.inputs import load_batch, load_profile
-    from fcp_compiler.tools.report import table
+    from fcp_compiler.tools.report import sweep_table
 
     sizes = _int_list(block_size, "--block-size")
     if plot:
         from fcp_compiler.tools.plots import check_plot_path, sweep_figure
 
         check_plot_path(plot)
-    rows = sweep_block_sizes(load_batch(batch), gpus, sizes, profile=load_profile(profile))
+    rows = sweep_block_sizes(load_batch(batch), CompileOptions.of(gpus, profile=profile), sizes)
     if json_out:
         _write_json(json_out, {"gpus": gpus, "results": rows})
     if plot:
         sweep_figure(rows, plot, f"FCP normalized MFU vs block size ({batch}, {gpus} GPUs)")
-    typer.echo(table(["block", "compute imb", "comm imb", "rounds", "norm MFU fwd", "norm MFU bwd"],
-                     [[r["block_size"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
-                       r["num_rounds"], f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}"]
-                      for r in rows]))
+    typer.echo(sweep_table(rows))
 
 
 @app.command("diff")
@@ -363,10 +316,10 @@ def diff_command(
     tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression"),
 ) -> None:
     """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
-    from fcp_compiler.tools.diff import diff_plans
     from fcp_compiler.format.plan_format import PlanReader
-    from fcp_compiler.tools.report import table
     from fcp_compiler.format.validate import validate_plan
+    from fcp_compiler.tools.diff import diff_plans
+    from fcp_compiler.tools.report import diff_summary
 
     if fail_on not in (None, "change", "regression"):
         raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
@@ -378,30 +331,9 @@ def diff_command(
     result = diff_plans(*readers, tolerance)
     if json_out:
         _write_json(json_out, result)
-    if result["identical"]:
-        typer.echo(f"{plan_a} and {plan_b}: no semantic difference")
-    else:
-        rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), ""] for name, v in result["parameters"].items()]
-        if result["inputs"]:
-            rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], ""])
-        blocks = result["blocks"]
-        if blocks.get("moved"):
-            rows.append(["blocks moved", "", f"{blocks['moved']} of {blocks['of']}",
-                         ", ".join(f"{m['block']}: {m['a']}->{m['b']}" for m in blocks["sample"][:4])])
-        if blocks.get("resharded"):
-            rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "resharded"])
-        for name, v in result["figures"].items():
-            rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
-        typer.echo(table(["what", "a", "b", "note"], rows))
+    typer.echo(diff_summary(result, plan_a, plan_b))
     if (fail_on == "change" and result["changed"]) or (fail_on == "regression" and result["regressed"]):
         raise typer.Exit(1)
-
-
-def _short(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @app.command("schemas")
@@ -434,10 +366,11 @@ def _total_tokens(gpus: int, tokens_per_gpu: int) -> int:
 
 
 def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> None:
+    from fcp_compiler.format.inputs import MaskKind
     from fcp_compiler.format.safe_io import write_atomic
 
-    if mask not in ("causal", "full"):
-        raise InvalidInputError(f"--mask {mask!r} must be causal or full")
+    if mask not in {kind.value for kind in MaskKind}:
+        raise InvalidInputError(f"--mask {mask!r} must be one of {', '.join(kind.value for kind in MaskKind)}")
     write_atomic(output, (json.dumps({"mask": mask, "sequences": lengths}) + "\n").encode())
     if not quiet:
         typer.echo(f"wrote {output}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}")

@@ -36,7 +36,7 @@ def received_floor(plan) -> float:
     sharding = tiles.sharding
     stats = plan.stats
     per_block = tiles.block_seconds
-    budget = 1.03 * float(tiles.tile_seconds.sum()) / stats["gpus"]
+    budget = 1.03 * float(tiles.tile_seconds.sum()) / stats["num_ranks"]
     max_blocks = stats["token_cap"] // sharding.block_size
     worst = 0.0
     full = sharding.seg_tokens == sharding.block_size if not sharding.zigzag else np.ones(sharding.num_segments, bool)
@@ -45,7 +45,7 @@ def received_floor(plan) -> float:
         n = blocks.size
         k = int(min(n, max_blocks, max(1, budget // max(float(per_block[blocks].max()), 1e-300))))
         worst = max(worst, (n - k) * sharding.block_size)
-    mean_tokens = stats["total_comm_bytes"] / stats["gpus"] / tiles.shape.kv_bytes_per_token
+    mean_tokens = stats["total_comm_bytes"] / stats["num_ranks"] / tiles.shape.kv_bytes_per_token
     return max(0.0, 1.0 - mean_tokens / worst) if worst > 0 else 0.0
 
 

@@ -10,6 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from fcp_compiler import CompileOptions
 from fcp_compiler.tools.bulk import bulk_compile
 from fcp_compiler.format.inputs import parse_batch
 from fcp_compiler.tools.traces import lognormal_batch
@@ -26,7 +27,7 @@ def main() -> None:
     walls = {}
     for jobs in (1, cores):
         with tempfile.TemporaryDirectory() as folder:
-            summary = bulk_compile(batches, Path(folder), args.gpus, jobs=jobs)
+            summary = bulk_compile(batches, Path(folder), CompileOptions.of(args.gpus), jobs=jobs)
             walls[jobs] = summary.wall_seconds
             print(f"jobs {jobs}: {summary.compiled} plans in {summary.wall_seconds:.2f} s "
                   f"({summary.wall_seconds / summary.compiled * 1e3:.0f} ms a plan wall, "

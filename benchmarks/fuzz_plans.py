@@ -46,11 +46,11 @@ from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble,
 SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,
                                                           "gpus_per_node": 2})
 SOURCES = {  # name: (lengths, gpus, compile options)
-    "causal-4": ([700, 90, 1500, 33, 260, 1200, 64], 4, dict(block_size=256, coalesce_degree=1)),
-    "full-user-4": ([700, 90, 1500, 33, 260, 1200, 64], 4, dict(block_size=256, coalesce_degree=3, mask="full",
+    "causal-4": ([700, 90, 1500, 33, 260, 1200, 64], 4, dict(block_size=256, coalesce=1)),
+    "full-user-4": ([700, 90, 1500, 33, 260, 1200, 64], 4, dict(block_size=256, coalesce=3, mask="full",
                                                                 layout="user")),
-    "offloaded-8": ([2048, 100, 60], 8, dict(block_size=512, coalesce_degree=2, mask="full")),
-    "relayed-8": ([563, 209, 3467, 1669, 298, 1939], 8, dict(block_size=128, coalesce_degree=2, zigzag="off",
+    "offloaded-8": ([2048, 100, 60], 8, dict(block_size=512, coalesce=2, mask="full")),
+    "relayed-8": ([563, 209, 3467, 1669, 298, 1939], 8, dict(block_size=128, coalesce=2, zigzag="off",
                                                              profile=SLOW_NETWORK)),
 }
 HEADER_FIELDS = ("num_ranks", "block_size", "coalesce", "bwd_coalesce", "token_cap", "zigzag", "mask",

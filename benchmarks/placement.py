@@ -60,7 +60,7 @@ def token_floor(plan) -> float:
     """A floor on the token imbalance of any placement of this plan's blocks, from the batch alone: the largest
     rank holds at least the mean, at least the largest block, and, by pigeonhole, ceil(F / N) full blocks of the F."""
     sharding = plan.ir.sharding
-    gpus = plan.stats["gpus"]
+    gpus = plan.stats["num_ranks"]
     mean = sharding.batch.total_tokens / gpus
     num_full = int((sharding.block_tokens == sharding.block_size).sum())
     least_max = max(mean, float(sharding.block_tokens.max()), -(-num_full // gpus) * sharding.block_size)

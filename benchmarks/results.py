@@ -19,6 +19,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+from fcp_compiler import CompileOptions
 from fcp_compiler.core.baselines import Planner
 from fcp_compiler.tools.compare import compare, sweep_block_sizes
 from fcp_compiler.errors import InvalidInputError
@@ -154,7 +155,7 @@ def main() -> None:
         values = read_lengths_file(prolong_file)
         prolong = compare(lambda n: empirical_batch(values, n * 32768, 0, 524288, TAIL_FRACTION), scales, METHODS,
                           progress=progress)
-    sweep = sweep_block_sizes(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), 128,
+    sweep = sweep_block_sizes(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), CompileOptions.of(128),
                               [1024, 2048, 4096, 8192])
 
     plotted = []

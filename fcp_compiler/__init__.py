@@ -10,6 +10,7 @@ _EXPORTS = {
     "FcpError": "fcp_compiler.errors", "InfeasibleError": "fcp_compiler.errors",
     "InvalidInputError": "fcp_compiler.errors", "PlanFormatError": "fcp_compiler.errors",
     "CompiledPlan": "fcp_compiler.core.pipeline", "compile_plan": "fcp_compiler.core.pipeline",
+    "CompileOptions": "fcp_compiler.core.options",
     "PlanReader": "fcp_compiler.format.plan_format", "RankProgram": "fcp_compiler.format.plan_format",
     "load_rank_program": "fcp_compiler.format.plan_format",
 }

@@ -21,7 +21,7 @@ class PlanningCollate:
         rank, world_size: this process's rank and the context-parallel group size.
         layout: "plan" (the default, dispatch once: this rank's plan-layout tokens) or "user" (its contiguous
             chunk of the concatenated batch); the plan is compiled for it.
-        compile_options: forwarded to fcp_compiler.compile_plan (block_size, coalesce_degree, profile, ...).
+        compile_options: forwarded to fcp_compiler.compile_plan (block_size, coalesce, profile, ...).
 
     Each call returns a dict with `plan` (this rank's RankPlan), `lengths` (all documents' lengths) and `tokens`:
     in the plan layout, the batch's tokens at `token_index` (global positions in the concatenated batch, also

@@ -33,4 +33,4 @@ def compile_valid(lengths, gpus, **options):
 
 @pytest.fixture
 def small_plan():
-    return compile_valid([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce_degree=4)
+    return compile_valid([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce=4)

@@ -145,8 +145,8 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 
 def test_library_api_and_no_torch_on_import():
-    plan = compile_plan([5000, 300, 9000], gpus=4, block_size=1024)
-    assert plan.to_bytes() and plan.rank(3).rank == 3 and plan.stats["gpus"] == 4
+    plan = compile_plan([5000, 300, 9000], num_ranks=4, block_size=1024)
+    assert plan.to_bytes() and plan.rank(3).rank == 3 and plan.stats["num_ranks"] == 4
     code = ("import sys, fcp_compiler; from fcp_compiler import compile_plan; compile_plan([100, 200], 2); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -58,7 +58,7 @@ def test_live_tokens_equal_a_brute_force_count(num_ranks, num_buffers, seed):
 @given(st.lists(st.integers(1, 9000), min_size=1, max_size=16), st.integers(2, 8), st.sampled_from([1, 2, 4]),
        st.sampled_from(["causal", "full"]))
 def test_both_passes_are_congestion_free_exchanges_with_pushes_after_their_tiles(lengths, gpus, degree, mask):
-    plan = compile_valid(lengths, gpus, block_size=512, coalesce_degree=degree, mask=mask)
+    plan = compile_valid(lengths, gpus, block_size=512, coalesce=degree, mask=mask)
     schedule, transfers = plan.ir.schedule, plan.ir.transfers
     for program in (schedule.forward, schedule.backward):
         rounds = np.concatenate((program.edge_round, program.push_round))

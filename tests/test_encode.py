@@ -9,7 +9,7 @@ from fcp_compiler.format.plan_format import PlanReader
 
 
 def test_pull_rows_round_trip_and_whole_blocks_are_stored_compactly():
-    plan = compile_valid([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce_degree=4)
+    plan = compile_valid([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce=4)
     transfers, forward, sharding = plan.ir.transfers, plan.ir.schedule.forward, plan.ir.sharding
     block_segs = np.diff(sharding.block_seg_offsets)
     reader = PlanReader(plan.to_bytes())

@@ -15,7 +15,7 @@ from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.format.plan_format import PlanReader
 
 ROOT = Path(__file__).resolve().parents[1]
-STATS_KEYS = {"gpus", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
+STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
               "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
               "num_relayed_transfers"}
@@ -30,7 +30,7 @@ USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "
        st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2, 16]), st.sampled_from(["causal", "full"]),
        st.sampled_from(["auto", "on", "off"]))
 def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size, coalesce, mask, zigzag):
-    plan = compile_valid(lengths, gpus, block_size=block_size, coalesce_degree=coalesce, mask=mask, zigzag=zigzag)
+    plan = compile_valid(lengths, gpus, block_size=block_size, coalesce=coalesce, mask=mask, zigzag=zigzag)
     stats = plan.stats
     assert stats["num_rounds"] == stats["max_degree"]
     assert stats["max_tokens_per_rank"] <= stats["token_cap"] <= -(-sum(lengths) // gpus) + block_size
@@ -82,7 +82,7 @@ def test_one_rank_and_more_ranks_than_tokens():
 
 def test_a_block_heavier_than_the_mean_is_split_by_tiles():
     # Full mask: each of the 8 blocks of a 32K sequence is 8 tiles, twice the mean over 16 ranks.
-    plan = compile_valid([32768], 16, block_size=4096, mask="full", coalesce_degree=2)
+    plan = compile_valid([32768], 16, block_size=4096, mask="full", coalesce=2)
     assert plan.stats["num_offloaded_tiles"] >= 32
     assert plan.stats["makespan_lower_bound_ratio"] <= 1.03
     assert plan.stats["num_rounds"] == plan.stats["max_degree"]
@@ -173,3 +173,22 @@ def test_pair_token_and_link_figures_agree_with_the_plan(small_plan):
     assert stats["tokens_home_fraction"] == pytest.approx(home / total)
     assert 0 <= stats["max_rank_nic_recv_bytes"] <= stats["max_rank_recv_bytes"]
     assert stats["max_link_to_compute"] > 0
+
+
+def test_one_compile_options_object_gives_the_same_plan_as_keywords():
+    from fcp_compiler import CompileOptions
+
+    lengths = [5000, 300, 9000, 12000]
+    options = CompileOptions.of(4, block_size=1024, coalesce=4, layout="user", profile="h200")
+    via_options = compile_plan(lengths, options=options)
+    assert via_options.to_bytes() == compile_plan(lengths, 4, block_size=1024, coalesce=4, layout="user",
+                                                  profile="h200").to_bytes()
+    # A variant is the same options with one field replaced, checked like the original.
+    assert compile_plan(lengths, options=options.replace(coalesce=2)).to_bytes() == compile_plan(
+        lengths, 4, block_size=1024, coalesce=2, layout="user", profile="h200").to_bytes()
+    with pytest.raises(InvalidInputError, match="--coalesce 0"):
+        options.replace(coalesce=0)
+    with pytest.raises(InvalidInputError, match="unknown compile option 'coalesce_degree'"):
+        CompileOptions.of(4, coalesce_degree=4)
+    with pytest.raises(InvalidInputError, match="layout 'users' must be one of plan, user"):
+        CompileOptions.of(4, layout="users")

@@ -44,7 +44,7 @@ BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 
 def _compile(case, layout):
     name, lengths, gpus, block, coalesce, mask, zigzag, hq, hkv, dtype, *planner = case
     own_blocks = planner and planner[0] in ("ring", "bytescale", "wlbllm")  # they size their own blocks
-    plan = compile_valid(lengths, gpus, block_size=None if own_blocks else block, coalesce_degree=coalesce,
+    plan = compile_valid(lengths, gpus, block_size=None if own_blocks else block, coalesce=coalesce,
                          mask=mask, zigzag=zigzag, planner=planner[0] if planner else "fcp", layout=layout)
     if name.startswith("offloaded"):
         assert plan.stats["num_offloaded_tiles"] > 0
@@ -74,7 +74,7 @@ def test_baselines_replay_exactly(case):
 
 def test_position_and_sequence_ids_name_each_plan_row():
     lengths = [700, 90, 1500, 33, 260, 1200, 64]
-    plan = compile_valid(lengths, 4, block_size=256, coalesce_degree=2)
+    plan = compile_valid(lengths, 4, block_size=256, coalesce=2)
     starts = torch.cumsum(torch.tensor([0] + lengths), 0)
     seen = []
     for rank in range(4):
@@ -125,7 +125,7 @@ def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
 @pytest.mark.parametrize("case", RELAYED, ids=[c[0] for c in RELAYED])
 def test_plans_with_relays_replay_exactly(case):
     _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
                          layout=layout, profile=SLOW_NETWORK)
     assert plan.stats["num_relayed_transfers"] > 0
     assert any(pull.source >= 0 for rank in range(gpus) for pull in load_rank_plan(plan.to_bytes(), rank).pull_send)
@@ -141,7 +141,7 @@ def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
     the order the two ends post would mismatch sizes or data."""
     if case[0] == "relayed":
         _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
-        plan = compile_valid(lengths, gpus, block_size=block, coalesce_degree=coalesce, mask=mask, zigzag=zigzag,
+        plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
                              layout=layout, profile=SLOW_NETWORK)
         hq, hkv, dtype = 2, 1, torch.float64
     else:

@@ -8,6 +8,7 @@ import pytest
 
 from cli import main
 from conftest import compile_valid
+from fcp_compiler import CompileOptions
 from fcp_compiler.tools.ablation import run_ablation
 from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.tools.simulate import TRACKS, LinkModel, PassInput, simulate_pass, simulate_plan
@@ -75,7 +76,7 @@ def test_communication_takes_its_sm_share_from_compute():
 
 
 def test_trace_busy_time_matches_the_figures(tmp_path):
-    plan = compile_valid([5000, 300, 12000, 800, 64, 9000], 4, block_size=1024, coalesce_degree=2)
+    plan = compile_valid([5000, 300, 12000, 800, 64, 9000], 4, block_size=1024, coalesce=2)
     trace = tmp_path / "trace.json"
     figures_path = tmp_path / "sim.json"
     plan.write(tmp_path / "p.fcp")
@@ -108,7 +109,7 @@ def test_simulating_a_plan_is_consistent_with_its_stats():
 
 
 def test_ablation_never_loses_and_ends_at_least_twice_the_base():
-    steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), 128)
+    steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), CompileOptions.of(128))
     assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler", "plan layout"]
     forward = [s["normalized_mfu_fwd"] for s in steps]
     assert all(b >= a - 1e-12 for a, b in zip(forward, forward[1:])), forward
@@ -127,7 +128,7 @@ def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout)
     from fcp_runtime import load_rank_plan
     from fcp_runtime.stage_calls import stage_calls
 
-    plan = compile_valid([3000, 700, 90, 1500, 260, 1200], 4, block_size=256, coalesce_degree=2, mask=mask,
+    plan = compile_valid([3000, 700, 90, 1500, 260, 1200], 4, block_size=256, coalesce=2, mask=mask,
                          layout=layout)
     simulation = simulate_plan(plan)
     for rank in range(4):
@@ -148,7 +149,7 @@ def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
     # Q, K, V, O projections (4096 x (32 + 16) x 128 and 32 x 128 x 4096) and three 4096 x 14336 MLP matrices.
     assert model.linear_flops_per_token == 2 * (4096 * 48 * 128 + 4096 * 4096 + 3 * 4096 * 14336)
     for layout in ("plan", "user"):
-        plan = compile_valid(lengths, 4, block_size=256, coalesce_degree=2, layout=layout)
+        plan = compile_valid(lengths, 4, block_size=256, coalesce=2, layout=layout)
         simulation = simulate_plan(plan)
         figures = simulation.layer_figures(model)
         tokens = (plan.stats["max_tokens_per_rank"] if layout == "plan"

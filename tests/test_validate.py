@@ -13,12 +13,12 @@ from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 def plan_bytes():
     # Causal long sequences over 8 ranks: remote pulls, several rounds and stages.
     return compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024,
-                         coalesce_degree=2).to_bytes()
+                         coalesce=2).to_bytes()
 
 
 @pytest.fixture(scope="module")
 def offload_bytes():
-    return compile_valid([32768], 16, block_size=4096, mask="full", coalesce_degree=2).to_bytes()
+    return compile_valid([32768], 16, block_size=4096, mask="full", coalesce=2).to_bytes()
 
 
 def edited(data, edit, **header_changes):

@@ -42,23 +42,23 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
 
 
 def push_ready_rounds(num_edges: int, tile_stage: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray,
-                      degree: int) -> np.ndarray:
+                      coalesce: int) -> np.ndarray:
     """Per pull edge, the first round of the stage after the last tile that reads it (when a push along it may
     leave); tiles name the K,V and Q pulls they read in tile_kv_edge and tile_q_edge (-1: local)."""
     ready_stage = np.zeros(num_edges, dtype=np.int64)
     for edge in (tile_kv_edge, tile_q_edge):
         reads = edge >= 0
         np.maximum.at(ready_stage, edge[reads], tile_stage[reads] + 1)
-    return ready_stage * degree
+    return ready_stage * coalesce
 
 
 def forward_push_rounds(edge_is_q: np.ndarray, edge_src: np.ndarray, edge_dst: np.ndarray, num_ranks: int,
                         pull_round: np.ndarray, tile_stage: np.ndarray, tile_kv_edge: np.ndarray,
-                        tile_q_edge: np.ndarray, degree: int) -> tuple[np.ndarray, np.ndarray]:
+                        tile_q_edge: np.ndarray, coalesce: int) -> tuple[np.ndarray, np.ndarray]:
     """Partial outputs pushed back along the Q pulls, each in the first round after its tiles in which both ends
     are free (around the pulls): (push_edge, push_round)."""
     push_edge = np.flatnonzero(edge_is_q)
-    ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, degree)[push_edge]
+    ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, coalesce)[push_edge]
     push_round = place_messages(ready, edge_dst[push_edge], edge_src[push_edge], num_ranks, pull_round, edge_src,
                                 edge_dst)
     return push_edge, push_round
@@ -79,17 +79,17 @@ def relay_heights(parent: np.ndarray) -> np.ndarray:
 
 def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent: np.ndarray, num_ranks: int,
                          pull_round: np.ndarray, tile_stage: np.ndarray, tile_kv_edge: np.ndarray,
-                         tile_q_edge: np.ndarray, degree: int) -> tuple[np.ndarray, np.ndarray]:
+                         tile_q_edge: np.ndarray, coalesce: int) -> tuple[np.ndarray, np.ndarray]:
     """Every gradient pushed back along its pull: (push_edge, push_round), push_edge being every pull.
 
-    A push takes the odd round 2r + 2d + 1 for its pull's round 2r and d = `degree` rounds a stage (two stages
+    A push takes the odd round 2r + 2d + 1 for its pull's round 2r and d = `coalesce` rounds a stage (two stages
     later: the reverse of a matching is a matching, so these rounds are too), or, where its tiles run later than
     that, the first free round after them. Every pulled block is then freed two or three stages after it arrives.
     A relay's own push waits for the pushes of the pulls it re-sent, which it sums into its partial gradient: pulls
     are placed by relay height, leaves first, each after the stage its children's pushes land in."""
     push_edge = np.arange(edge_src.size)
-    ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, degree)
-    mirror = pull_round + 2 * degree + 1
+    ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, coalesce)
+    mirror = pull_round + 2 * coalesce + 1
     push_round = mirror.copy()
     height = relay_heights(edge_parent)
     # A relay's push waits for its children's, which land after their own pull's stage: past its mirror round.
@@ -100,7 +100,7 @@ def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent
         if level:
             children = np.flatnonzero(edge_parent >= 0)
             children = children[height[edge_parent[children]] == level]
-            np.maximum.at(ready, edge_parent[children], (push_round[children] // degree + 1) * degree)
+            np.maximum.at(ready, edge_parent[children], (push_round[children] // coalesce + 1) * coalesce)
         late = np.flatnonzero((height == level) & ~fits)
         push_round[late] = place_messages(ready[late], edge_dst[late], edge_src[late], num_ranks,
                                           np.concatenate(fixed_round), np.concatenate(fixed_src),

@@ -6,17 +6,14 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.format.safe_io import write_atomic
-from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, BatchSpec, HardwareProfile,
-                                 Layout, MaskKind, parse_batch)
-from fcp_compiler.core.baselines import BASELINES, OWN_BLOCK_SIZE, Planner
+from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, ZigzagMode
+from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
 from fcp_compiler.core.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost
@@ -27,53 +24,14 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import shard
 from fcp_compiler.core.passes.transfers import plan_transfers
-from fcp_compiler.format.plan_format import FORMAT_VERSION, MAX_BLOCK_SIZE, MAX_RANKS, PlanReader, RankProgram
 from fcp_compiler.core.stats import plan_stats
+from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.format.inputs import BatchSpec, Layout, MaskKind, parse_batch
+from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanReader, RankProgram
+from fcp_compiler.format.safe_io import write_atomic
 
-MAX_COALESCE = 2**16  # rounds per stage
 # A rank may be 2% above the compute lower bound before tiles of heavy blocks are moved off their owner.
 BALANCE_TOLERANCE = 0.02
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CompileOptions:
-    """Every parameter of a compile besides the batch. Defaults are the seed's setting."""
-
-    num_ranks: int
-    block_size: int = 4096
-    coalesce: int = 16
-    token_cap: int | None = None  # None: mean tokens per rank + one block
-    # Relative excess over the mean tokens a rank may hold, where whole blocks allow (None: the cap alone). In the
-    # plan layout every other layer works on a rank's own tokens; tighter token balance costs attention traffic.
-    token_tolerance: float | None = None
-    zigzag: ZigzagMode = ZigzagMode.AUTO
-    layout: Layout = Layout.PLAN
-    shape: AttentionShape = field(default_factory=AttentionShape)
-    profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
-    # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
-    pipelined: bool = True
-    matching_rounds: bool = True
-    reshuffle_overlap: bool = True
-
-    def check(self) -> None:
-        """Raise InvalidInputError naming the first parameter out of range."""
-        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or \
-                not 1 <= self.num_ranks <= MAX_RANKS:
-            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer from 1 to {MAX_RANKS}")
-        if not isinstance(self.block_size, int) or not 64 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size % 64:
-            raise InvalidInputError(f"--block-size {self.block_size!r} must be a multiple of 64 from 64 to "
-                                    f"{MAX_BLOCK_SIZE} (e.g. 1024, 2048, 4096)")
-        if not isinstance(self.coalesce, int) or not 1 <= self.coalesce <= MAX_COALESCE:
-            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer from 1 to {MAX_COALESCE}")
-        if self.token_cap is not None and (not isinstance(self.token_cap, int) or
-                                           not 1 <= self.token_cap <= MAX_BATCH_TOKENS):
-            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be an integer from 1 to "
-                                    f"{MAX_BATCH_TOKENS}")
-        if self.token_tolerance is not None and (
-                isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
-                or not 0.0 < self.token_tolerance < 1.0):
-            raise InvalidInputError(f"--token-tolerance {self.token_tolerance!r} must be a number in (0, 1), "
-                                    f"e.g. 0.02")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,11 +64,11 @@ class CompiledPlan:
         write_atomic(Path(path), self.data)
 
 
-def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, planner: str) -> str:
+def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
     """sha256 of a canonical JSON of everything the plan depends on."""
     canonical = {
-        "format_version": FORMAT_VERSION, "planner": planner, "lengths": batch.lengths.tolist(),
-        "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.block_size,
+        "format_version": FORMAT_VERSION, "planner": options.planner.value, "lengths": batch.lengths.tolist(),
+        "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.resolved_block_size,
         "coalesce": options.coalesce, "token_cap": token_cap, "zigzag": options.zigzag.value,
         "layout": options.layout.value,
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
@@ -142,83 +100,47 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | st
     return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
 
 
-def _prepare(batch, gpus: int, *, block_size: int | None = None, coalesce_degree: int = 16,
-             token_cap: int | None = None,
-             token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto", layout: Layout | str = "plan",
-             shape: AttentionShape | None = None, profile: HardwareProfile | str = "h100",
-             mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
-             reshuffle_overlap: bool = True, planner: Planner | str = "fcp"):
-    """Check and normalise compile_plan's arguments: (options, planner, batch, token cap)."""
-    if isinstance(profile, str):
-        from fcp_compiler.format.inputs import load_profile
-        profile = load_profile(profile)
-    try:
-        zigzag_mode = ZigzagMode(zigzag)
-    except ValueError:
-        raise InvalidInputError(f"zigzag {zigzag!r} must be one of auto, on, off") from None
-    try:
-        the_layout = Layout(layout)
-    except ValueError:
-        raise InvalidInputError(f"layout {layout!r} must be one of plan, user") from None
-    try:
-        planner = Planner(planner)
-    except ValueError:
-        raise InvalidInputError(f"planner {planner!r} must be one of {', '.join(p.value for p in Planner)}") from None
-    if block_size is not None and planner in OWN_BLOCK_SIZE:
-        raise InvalidInputError(f"--block-size {block_size!r} does not apply to --planner {planner.value}: it shards "
-                                f"each sequence over ranks and sizes its blocks itself; leave --block-size out")
-    block_size = 4096 if block_size is None else block_size
-    options = CompileOptions(num_ranks=gpus, block_size=block_size, coalesce=coalesce_degree, token_cap=token_cap,
-                             token_tolerance=token_tolerance, zigzag=zigzag_mode, layout=the_layout,
-                             shape=shape or AttentionShape(), profile=profile,
-                             pipelined=pipelined, matching_rounds=matching_rounds,
-                             reshuffle_overlap=reshuffle_overlap)
-    options.check()
-    the_batch = _to_batch(batch, mask)
-    cap = token_cap if token_cap is not None else default_token_cap(the_batch.total_tokens, gpus, block_size)
-    return options, planner, the_batch, cap
+def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, fields: dict):
+    """compile_plan's arguments checked into (options, batch, token cap)."""
+    if options is None:
+        if num_ranks is None:
+            raise InvalidInputError("give the number of ranks (num_ranks) or a CompileOptions")
+        options = CompileOptions.of(num_ranks, **fields)
+    elif num_ranks is not None or fields:
+        options = options.replace(**fields, **({} if num_ranks is None else {"num_ranks": num_ranks}))
+    the_batch = _to_batch(batch, options.mask)
+    cap = options.token_cap if options.token_cap is not None else default_token_cap(
+        the_batch.total_tokens, options.num_ranks, options.resolved_block_size)
+    return options, the_batch, cap
 
 
-def plan_digest(batch, gpus: int, **compile_options) -> str:
+def plan_digest(batch, num_ranks: int | None = None, *, options: CompileOptions | None = None, **fields) -> str:
     """The inputs digest compile_plan would record for these arguments, without compiling (for caches).
 
     Raises:
         InvalidInputError: as compile_plan.
     """
-    options, planner, the_batch, cap = _prepare(batch, gpus, **compile_options)
-    return inputs_digest(the_batch, options, cap, planner.value)
+    options, the_batch, cap = _prepare(batch, num_ranks, options, fields)
+    return inputs_digest(the_batch, options, cap)
 
 
-def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, block_size: int | None = None,
-                 coalesce_degree: int = 16, token_cap: int | None = None,
-                 token_tolerance: float | None = None, zigzag: ZigzagMode | str = "auto",
-                 layout: Layout | str = "plan", shape: AttentionShape | None = None,
-                 profile: HardwareProfile | str = "h100",
-                 mask: MaskKind | str | None = None, pipelined: bool = True, matching_rounds: bool = True,
-                 reshuffle_overlap: bool = True, planner: Planner | str = "fcp") -> CompiledPlan:
+def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int | None = None, *,
+                 options: CompileOptions | None = None, **fields) -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
 
-    Runs shard, cost, assign, plan_transfers, schedule_rounds, coalesce, reshuffle and encode, timing each.
+    Runs shard, cost, assign, plan_transfers, localize, schedule_rounds, coalesce, relay, reshuffle and encode,
+    timing each (stats["pass_seconds"]).
 
     Args:
-        batch: a BatchSpec, or a list/array of lengths (causal unless `mask` says otherwise).
-        gpus: number of ranks N.
-        block_size: tokens per block, a positive multiple of 64 (default 4096); refused for the baselines that
-            size their own blocks (ring, bytescale, wlbllm).
-        coalesce_degree: rounds per stage.
-        token_cap: most tokens per rank (default: mean + one block).
-        token_tolerance: keep every rank within (1 + token_tolerance) x the mean tokens where whole blocks allow
-            (default: only the cap); for the plan layout's linear layers, at some cost in attention traffic.
-        zigzag: "auto" (on for causal batches with a sequence of two blocks or more), "on" or "off".
-        layout: "plan" (the default: tokens are dispatched once into the plan's layout and every layer works there)
-            or "user" (attention reshuffles from and to contiguous user-layout chunks); recorded in the header.
-        shape: attention shape (default: 64 query heads, 8 KV heads, head_dim 128, bf16).
-        profile: a preset name or a HardwareProfile.
-        mask: override of the batch's mask kind.
-        pipelined, matching_rounds, reshuffle_overlap: switch off block-level pipelining, congestion-free rounds
-            (pulls in edge order instead; the plan then fails validation) or the overlap of the reshuffle with
-            local tiles, to measure what each is worth (fcp ablate).
-        planner: fcp, or a baseline in the same format: ring, bytescale, wlbllm, magi (DESIGN section 6).
+        batch: a BatchSpec, or a list/array of lengths (causal unless the options' `mask` says otherwise).
+        num_ranks: number of ranks N (the CLI's --gpus); or give `options`.
+        options: a CompileOptions (:mod:`fcp_compiler.core.options`); `num_ranks` and `fields` override it.
+        fields: CompileOptions fields by name, as :meth:`CompileOptions.of` takes them: block_size (a multiple of 64,
+            default 4096; refused for the baselines that size their own blocks), coalesce (rounds a stage, 16),
+            token_cap (default mean + one block), token_tolerance, zigzag ("auto", "on", "off"), layout ("plan":
+            tokens dispatched once into the plan's layout; "user": attention reshuffles), shape, profile (a preset
+            name or a HardwareProfile), mask, planner (fcp, or a baseline: ring, bytescale, wlbllm, magi), and the
+            ablation switches pipelined, matching_rounds (False fails validation), reshuffle_overlap.
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
@@ -227,12 +149,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     """
     total_start = time.perf_counter()
     timer = _PassTimer()
-    options, planner, the_batch, cap = timer.run(
-        "parse", _prepare, batch, gpus, block_size=block_size, coalesce_degree=coalesce_degree, token_cap=token_cap,
-        token_tolerance=token_tolerance,
-        zigzag=zigzag, layout=layout, shape=shape, profile=profile, mask=mask, pipelined=pipelined,
-        matching_rounds=matching_rounds, reshuffle_overlap=reshuffle_overlap, planner=planner)
-    assignment = _place(timer, planner, the_batch, options, cap)
+    options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
+    planner = options.planner
+    assignment = _place(timer, the_batch, options, cap)
     if planner is Planner.FCP and options.layout is Layout.PLAN:
         # Grouping ranks into nodes needs the traffic, and renumbering the pulls is cheaper than listing them again.
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
@@ -241,22 +160,22 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, gpus: int, *, bl
     else:
         assignment = timer.run("localize", localize, assignment)
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
-    rounds = timer.run("schedule_rounds", schedule_rounds if matching_rounds else arbitrary_rounds, transfers)
-    schedule = timer.run("coalesce", coalesce, rounds, coalesce_degree, pipelined)
-    if planner is Planner.FCP and matching_rounds:  # baselines keep their systems' star-shaped senders
+    rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
+                       transfers)
+    schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
+    if planner is Planner.FCP and options.matching_rounds:  # baselines keep their systems' star-shaped senders
         schedule = timer.run("relay", relay, schedule)
     final = timer.run("reshuffle", reshuffle, schedule)
-    header_fields = _header_fields(final, options, assignment.token_cap,
-                                   inputs_digest(the_batch, options, cap, planner.value), planner.value)
+    header_fields = _header_fields(final, options, assignment.token_cap, inputs_digest(the_batch, options, cap))
     data = timer.run("encode", encode, final, header_fields)
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
-def _place(timer: _PassTimer, planner: Planner, batch: Batch, options: CompileOptions, cap: int) -> Assignment:
+def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -> Assignment:
     """shard, cost and assign for FCP; a baseline's own sharding and placement (DESIGN section 6) otherwise."""
-    num_ranks, block_size = options.num_ranks, options.block_size
+    planner, num_ranks, block_size = options.planner, options.num_ranks, options.resolved_block_size
     if planner is Planner.FCP:
         # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
         # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
@@ -277,7 +196,7 @@ def _place(timer: _PassTimer, planner: Planner, batch: Batch, options: CompileOp
                      tile_rank=block_rank[tiles.tile_q_block])
 
 
-def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str, planner: str) -> dict:
+def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str) -> dict:
     schedule, rounds, transfers, sharding = final.schedule, final.rounds, final.transfers, final.sharding
     recv_buffer = 0
     if transfers.num_edges:
@@ -285,7 +204,8 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
         num_stages = int(edge_stage.max()) + 1
         per_stage = np.bincount(transfers.edge_dst * num_stages + edge_stage, weights=transfers.edge_tokens)
         recv_buffer = int(per_stage.max())
-    return dict(planner=planner, inputs_digest=digest, num_ranks=options.num_ranks, block_size=sharding.block_size,
+    return dict(planner=options.planner.value, inputs_digest=digest, num_ranks=options.num_ranks,
+                block_size=sharding.block_size,
                 coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
                 zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,

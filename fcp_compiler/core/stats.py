@@ -86,7 +86,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
     bound, bound_kind = makespan_lower_bound(float(tiles.tile_seconds.sum()), assignment.num_ranks,
                                              float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
     return {
-        "gpus": assignment.num_ranks,
+        "num_ranks": assignment.num_ranks,
         "block_size": sharding.block_size,
         "coalesce": schedule.coalesce,
         "zigzag": sharding.zigzag,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.tools.simulate import simulate_plan
 
@@ -11,31 +12,30 @@ SEED_TABLE = {"base": (0.29, 0.37), "pipeline": (0.48, 0.46), "solver": (0.62, 0
 # The seed's steps run in the user layout (its transparent reshuffle); the last step dispatches tokens once into the
 # plan layout instead, as MagiAttention and DCP do, which is fcp's default.
 STEPS = [
-    ("base", dict(pipelined=False, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False, layout="user")),
-    ("pipeline", dict(pipelined=True, matching_rounds=False, coalesce_degree=1, reshuffle_overlap=False,
+    ("base", dict(pipelined=False, matching_rounds=False, coalesce=1, reshuffle_overlap=False, layout="user")),
+    ("pipeline", dict(pipelined=True, matching_rounds=False, coalesce=1, reshuffle_overlap=False,
                       layout="user")),
-    ("solver", dict(pipelined=True, matching_rounds=True, coalesce_degree=1, reshuffle_overlap=False, layout="user")),
-    ("coalescer", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=False,
+    ("solver", dict(pipelined=True, matching_rounds=True, coalesce=1, reshuffle_overlap=False, layout="user")),
+    ("coalescer", dict(pipelined=True, matching_rounds=True, coalesce=16, reshuffle_overlap=False,
                        layout="user")),
-    ("reshuffler", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, reshuffle_overlap=True,
+    ("reshuffler", dict(pipelined=True, matching_rounds=True, coalesce=16, reshuffle_overlap=True,
                         layout="user")),
-    ("plan layout", dict(pipelined=True, matching_rounds=True, coalesce_degree=16, layout="plan")),
+    ("plan layout", dict(pipelined=True, matching_rounds=True, coalesce=16, layout="plan")),
 ]
 
 
-def run_ablation(batch, gpus: int, **compile_options) -> list[dict]:
+def run_ablation(batch, options: CompileOptions) -> list[dict]:
     """Compile and simulate the batch with each step of the ablation.
 
     Args:
         batch: lengths or a BatchSpec.
-        gpus: ranks.
-        compile_options: other compile_plan options (block_size, profile, ...); the ablated ones are set per step.
+        options: ranks and the other compile options (block size, profile, ...); the ablated ones are set per step.
     Returns:
         one dict per step: name, normalized_mfu_fwd, normalized_mfu_bwd, makespans and the seed's figures.
     """
     steps = []
     for name, switches in STEPS:
-        plan = compile_plan(batch, gpus, **{**compile_options, **switches})
+        plan = compile_plan(batch, options=options.replace(**switches))
         figures = simulate_plan(plan).figures()
         steps.append({"name": name, "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
                       "normalized_mfu_bwd": figures["normalized_mfu_bwd"],

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.errors import FcpError, InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import BatchSpec, parse_batch
-from fcp_compiler.tools.parallel import map_on_cores
 from fcp_compiler.format.safe_io import parse_json, read_input_bytes
+from fcp_compiler.tools.parallel import map_on_cores
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,11 +58,11 @@ def _plan_name(step: int, digest: str) -> str:
 
 
 def _compile_one(job):
-    step, origin, batch, gpus, options, out_dir = job
+    step, origin, batch, options, out_dir = job
     from fcp_compiler.core.pipeline import compile_plan
 
     try:
-        plan = compile_plan(batch, gpus, **options)
+        plan = compile_plan(batch, options=options)
     except FcpError as error:  # named by its line, raised in the parent
         return step, f"{origin}: {error}", error.__class__.__name__
     plan.write(Path(out_dir) / _plan_name(step, plan.header.inputs_digest))
@@ -83,10 +84,10 @@ def _intact(path: Path, digest: str) -> bool:
     return reader.header.inputs_digest == digest
 
 
-def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, gpus: int, jobs: int | None = None,
-                 progress: Callable[[int, int], None] | None = None, **options) -> BulkSummary:
-    """Compile every (origin, batch) into out_dir, skipping those already there intact, with `jobs` processes
-    (default: all cores). Nothing is created when the options are bad.
+def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, options: CompileOptions,
+                 jobs: int | None = None, progress: Callable[[int, int], None] | None = None) -> BulkSummary:
+    """Compile every (origin, batch) into out_dir with the same options, skipping those already there intact, with
+    `jobs` processes (default: all cores). Nothing is created when a batch is refused.
 
     Raises:
         InvalidInputError: bad options (checked before any work), or a batch the compiler refuses (named by its
@@ -95,16 +96,14 @@ def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, gpus: int,
     from fcp_compiler.core.pipeline import plan_digest
 
     start = time.perf_counter()
-    if batches:
-        plan_digest(batches[0][1], gpus, **options)  # bad options fail here, unnamed by any line, before any work
     todo = []
     for step, (origin, batch) in enumerate(batches):
         try:
-            digest = plan_digest(batch, gpus, **options)
+            digest = plan_digest(batch, options=options)
         except FcpError as error:
             raise error.__class__(f"{origin}: {error}") from None
         if not _intact(out_dir / _plan_name(step, digest), digest):
-            todo.append((step, origin, batch, gpus, options, str(out_dir)))
+            todo.append((step, origin, batch, options, str(out_dir)))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     done = len(batches) - len(todo)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
+from fcp_compiler.core.options import CompileOptions
+from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.tools.parallel import map_on_cores
-from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.tools.simulate import simulate_plan
 
 
-_CONTEXT: dict = {}  # batch_for and compile options, inherited by forked workers
+_CONTEXT: dict = {}  # batch_for and the base CompileOptions, inherited by forked workers
 FCP_USER = "fcp-user"  # FCP compiled for the user layout (reshuffle around attention), beside its plan layout
 
 
@@ -21,13 +22,13 @@ FIGURES = ("compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_
 
 def _one(job: tuple[int, str]) -> dict:
     gpus, method = job
-    batch_for, compile_options = _CONTEXT["batch_for"], _CONTEXT["options"]
+    batch_for, base = _CONTEXT["batch_for"], _CONTEXT["options"]
     batch = batch_for(gpus)
     planner, layout = (Planner.FCP, "user") if method == FCP_USER else (Planner(method), "plan")
     try:
-        options = {key: value for key, value in compile_options.items()
-                   if not (key == "block_size" and planner in OWN_BLOCK_SIZE)}  # they size their own blocks
-        plan = compile_plan(batch, gpus, planner=planner, layout=layout, **options)
+        options = base.replace(num_ranks=gpus, planner=planner, layout=layout,
+                               block_size=None if planner in OWN_BLOCK_SIZE else base.block_size)  # their own blocks
+        plan = compile_plan(batch, options=options)
     except InfeasibleError as error:
         # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
         return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}
@@ -42,7 +43,8 @@ def _one(job: tuple[int, str]) -> dict:
 
 
 def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],
-            progress: Callable[[str], None] | None = None, jobs: int | None = None, **compile_options) -> list[dict]:
+            progress: Callable[[str], None] | None = None, jobs: int | None = None,
+            options: CompileOptions | None = None) -> list[dict]:
     """Compile and simulate every method at every scale, on every core.
 
     Every baseline runs in the plan layout, as its real system dispatches tokens once per step; FCP runs in the plan
@@ -54,7 +56,8 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
         methods: planners to run.
         progress: called with a line after each plan.
         jobs: processes (default: all cores); the largest scales start first.
-        compile_options: forwarded to compile_plan (block_size, profile, ...).
+        options: the other compile options (block size, profile, ...; default the seed's setting); each job sets its
+            own ranks, planner and layout.
     Returns:
         one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
         FCP's speedup over each; a method that could not plan a scale has None figures and an "error" line.
@@ -63,7 +66,7 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
     if Planner.FCP.value in names:
         names.insert(names.index(Planner.FCP.value) + 1, FCP_USER)
     order = [(gpus, name) for gpus in scales for name in names]
-    _CONTEXT.update(batch_for=batch_for, options=compile_options)
+    _CONTEXT.update(batch_for=batch_for, options=options or CompileOptions(num_ranks=1))
     results: dict[tuple[int, str], dict] = {}
     for row in map_on_cores(_one, sorted(order, key=lambda job: -job[0]), jobs):
         results[(row["gpus"], row["method"])] = row
@@ -82,11 +85,11 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
     return rows
 
 
-def sweep_block_sizes(batch, gpus: int, block_sizes: Sequence[int], **compile_options) -> list[dict]:
+def sweep_block_sizes(batch, options: CompileOptions, block_sizes: Sequence[int]) -> list[dict]:
     """FCP at several block sizes: balance and simulated normalized MFU (the seed's figure 12)."""
     rows = []
     for block_size in block_sizes:
-        plan = compile_plan(batch, gpus, block_size=block_size, **compile_options)
+        plan = compile_plan(batch, options=options.replace(block_size=block_size))
         figures = simulate_plan(plan).figures()
         rows.append({"block_size": block_size, "compute_imbalance": plan.stats["compute_imbalance"],
                      "comm_imbalance": plan.stats["comm_imbalance"], "num_rounds": plan.stats["num_rounds"],

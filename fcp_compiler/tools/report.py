@@ -39,7 +39,7 @@ def compile_summary(stats: dict, path: str | None) -> str:
     blocks = "zigzag" if stats["zigzag"] else "plain"
     lines = [
         f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
-        f"{stats['gpus']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}, "
+        f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}, "
         f"{stats['layout']} layout",
         table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "rounds", "stages", "compute imb",
                "comm imb", "LB ratio", "tokens/rank", "cap"],
@@ -124,3 +124,103 @@ def rank_program_text(program: RankProgram) -> str:
         f"receives {a['reshuffle_recv_length'].sum()} tokens in {a['reshuffle_recv_length'].size} runs",
         table(["pass", "stage", "pulls sent", "pulls recv", "tiles", "pushes sent", "pushes recv"], stage_rows),
     ])
+
+
+def bulk_summary(summary, out_dir) -> str:
+    """The table a bulk `fcp compile steps.jsonl` prints."""
+    per_plan = summary.compile_seconds / summary.compiled if summary.compiled else 0.0
+    return table(["plans", "compiled", "skipped", "wall s", "s per plan", "worst compute imb", "worst comm imb"],
+                 [[summary.total, summary.compiled, summary.skipped, f"{summary.wall_seconds:.2f}", f"{per_plan:.3f}",
+                   f"{summary.worst_compute_imbalance:.4f}", f"{summary.worst_comm_imbalance:.4f}"]]) + \
+        f"\n  plans in {out_dir}/"
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    """`[####......] done/total plans`, redrawn in place on a terminal."""
+    filled = width * done // max(total, 1)
+    return f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} plans"
+
+
+def validation_summary(path, report) -> str:
+    """The line `fcp validate` prints for a valid plan."""
+    return (f"{path}: valid. {report.num_ranks} ranks, {report.num_blocks} blocks, {report.num_tiles} tiles, "
+            f"{report.num_pulls} pulls in {report.num_rounds} rounds (= max degree {report.max_degree}), "
+            f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, every round a matching "
+            f"over pulls and pushes, live buffers <= {report.max_buffer_tokens} tokens as stated")
+
+
+def inspect_summary(path, header, rows: list[dict]) -> str:
+    """What `fcp inspect PLAN` prints: the parameters, then per-rank figures (the first and last 16 of many)."""
+    lines = [f"{path}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
+             f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "
+             f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}, "
+             f"{header.num_rounds} rounds, digest {header.inputs_digest[:16]}"]
+    keys = list(rows[0].keys())
+    shown = rows if len(rows) <= 32 else rows[:16] + rows[-16:]
+    lines.append(table(keys, [[row[k] for k in keys] for row in shown]))
+    if len(rows) > 32:
+        lines.append(f"  ... {len(rows) - 32} more ranks (--json for all)")
+    return "\n".join(lines)
+
+
+def simulation_summary(figures: dict, model_name: str | None = None, trace=None) -> str:
+    """The tables `fcp simulate` prints: each pass's makespan and MFU, and a whole layer's with --model."""
+    busy_fwd = [row["busy_fwd_s"] for row in figures["per_rank"]]
+    lines = [table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms"], [
+        [name, f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'attention_mfu_{key}']:.3f}",
+         f"{figures[f'normalized_mfu_{key}']:.3f}", f"{figures[f'exposed_comm_{key}_s'] * 1e3:.2f}"]
+        for name, key in (("forward", "fwd"), ("backward", "bwd"))]),
+        f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
+        f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
+        + (f"; trace in {trace}" if trace else "")]
+    if model_name:
+        lines.append(f"  one {model_name} layer, {figures['layout']} layout:")
+        lines.append(table(["pass", "linear ms", "reshuffle ms", "attention ms", "layer ms"], [
+            [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
+             f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}"]
+            for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
+        lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}")
+    return "\n".join(lines)
+
+
+def ablation_table(steps: list[dict]) -> str:
+    """`fcp ablate`: each step's normalized MFU beside the seed's Table 2."""
+    def seed(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    return table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
+        [s["name"], f"{s['normalized_mfu_fwd']:.2f}", seed(s["seed_normalized_mfu_fwd"]),
+         f"{s['normalized_mfu_bwd']:.2f}", seed(s["seed_normalized_mfu_bwd"]), f"{s['makespan_fwd_s'] * 1e3:.1f}",
+         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps])
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """`fcp sweep`: balance and normalized MFU at each block size."""
+    return table(["block", "compute imb", "comm imb", "rounds", "norm MFU fwd", "norm MFU bwd"],
+                 [[r["block_size"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}", r["num_rounds"],
+                   f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}"] for r in rows])
+
+
+def diff_summary(result: dict, path_a, path_b) -> str:
+    """`fcp diff`: what changed between two plans, regressions marked."""
+    if result["identical"]:
+        return f"{path_a} and {path_b}: no semantic difference"
+    rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), ""] for name, v in result["parameters"].items()]
+    if result["inputs"]:
+        rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], ""])
+    blocks = result["blocks"]
+    if blocks.get("moved"):
+        rows.append(["blocks moved", "", f"{blocks['moved']} of {blocks['of']}",
+                     ", ".join(f"{m['block']}: {m['a']}->{m['b']}" for m in blocks["sample"][:4])])
+    if blocks.get("resharded"):
+        rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "resharded"])
+    for name, v in result["figures"].items():
+        rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
+    return table(["what", "a", "b", "note"], rows)
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -66,15 +66,15 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
     return np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
 
 
-def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, degree: int, pipelined: bool,
+def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int, pipelined: bool,
                  tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int | None) -> np.ndarray:
     """Each tile's stage: after its pulls arrive, levelled within the buffer budget (None: not levelled)."""
     assignment = transfers.assignment
     tiles = assignment.tiles
     if not pipelined:
-        return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // degree + 1, dtype=np.int64)
+        return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // coalesce + 1, dtype=np.int64)
     arrival_round = _arrival_round(pull_round, tile_kv_edge, tile_q_edge)
-    tile_stage = np.where(arrival_round >= 0, arrival_round // degree + 1, 0)
+    tile_stage = np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
     if budget is None:
         return tile_stage
     # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
@@ -85,49 +85,49 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
     pushed = np.zeros(transfers.num_edges, dtype=np.int64)
     pushed[push_edge] = 1
     limit = BufferLimit(tile_buffer=np.where(q_remote, -1, tile_kv_edge), buffer_rank=transfers.edge_dst,
-                        buffer_first=pull_round // degree, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
+                        buffer_first=pull_round // coalesce, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
                         budget=budget)
     return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
                         movable=(tile_stage > 0) & ~q_remote, limit=limit)
 
 
-def _forward(transfers: Transfers, pull_round: np.ndarray, degree: int, pipelined: bool, tile_kv_edge: np.ndarray,
+def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipelined: bool, tile_kv_edge: np.ndarray,
              tile_q_edge: np.ndarray, budget: int) -> PassSchedule:
     """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds."""
     push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
-    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, budget)
-    return _forward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, coalesce, pipelined, tile_kv_edge, tile_q_edge, budget)
+    return _forward_pushes(transfers, pull_round, tile_stage, coalesce, tile_kv_edge, tile_q_edge)
 
 
-def _forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+def _forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, coalesce: int,
                    tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
     """The forward program with its partial outputs pushed back along the Q pulls
     (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
     push_edge, push_round = forward_push_rounds(
         transfers.edge_kind == TransferKind.Q, transfers.edge_src, transfers.edge_dst, transfers.assignment.num_ranks,
-        pull_round, tile_stage, tile_kv_edge, tile_q_edge, degree)
-    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+        pull_round, tile_stage, tile_kv_edge, tile_q_edge, coalesce)
+    return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
 
-def _backward(transfers: Transfers, forward_round: np.ndarray, degree: int, pipelined: bool,
+def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pipelined: bool,
               tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
     """Pulls in the even rounds (round 2r for round r of the backward order); tiles as soon as their data is there
     (a later tile would hold its block longer); gradients pushed back by :func:`_backward_pushes`."""
     pull_round = 2 * forward_round
     push_edge = np.arange(transfers.num_edges)
-    tile_stage = _tile_stages(transfers, pull_round, push_edge, degree, pipelined, tile_kv_edge, tile_q_edge, None)
-    return _backward_pushes(transfers, pull_round, tile_stage, degree, tile_kv_edge, tile_q_edge)
+    tile_stage = _tile_stages(transfers, pull_round, push_edge, coalesce, pipelined, tile_kv_edge, tile_q_edge, None)
+    return _backward_pushes(transfers, pull_round, tile_stage, coalesce, tile_kv_edge, tile_q_edge)
 
 
-def _backward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, degree: int,
+def _backward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, coalesce: int,
                     tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
     """The backward program with every gradient pushed back along its pull, relays after the pushes they sum
     (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     push_edge, push_round = backward_push_rounds(
         transfers.edge_src, transfers.edge_dst, transfers.edge_parent, transfers.assignment.num_ranks, pull_round,
-        tile_stage, tile_kv_edge, tile_q_edge, degree)
-    return PassSchedule(coalesce=degree, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
+        tile_stage, tile_kv_edge, tile_q_edge, coalesce)
+    return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
 
@@ -143,13 +143,13 @@ def _round_work(rounds: Rounds, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarra
     return work.reshape(rounds.num_rounds, num_ranks)
 
 
-def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
-    """Merge `degree` consecutive rounds into a stage and place every tile and push of both passes.
+def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
+    """Merge `coalesce` consecutive rounds into a stage and place every tile and push of both passes.
 
     Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
-    carries rounds [s * degree, (s + 1) * degree)); partial outputs
+    carries rounds [s * coalesce, (s + 1) * coalesce)); partial outputs
     of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
-    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x degree
+    that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x coalesce
     rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes
     take the earliest round after their tiles in which both ends
     are free, so every round stays a matching over all of the pass's messages. Local tiles run in stage 0 (hiding
@@ -158,9 +158,9 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
 
     Args:
         rounds: the congestion-free rounds of the pulls.
-        degree: c, rounds per stage (>= 1).
+        coalesce: c, rounds per stage (>= 1; the backward pass takes 2c).
         pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
-        buffer_budget: most live buffer tokens levelling may make a rank hold (default 2 x degree x block size).
+        buffer_budget: most live buffer tokens levelling may make a rank hold (default 2 x coalesce x block size).
     Returns:
         the Schedule.
     """
@@ -172,19 +172,19 @@ def coalesce(rounds: Rounds, degree: int, pipelined: bool = True, buffer_budget:
     q_edge = _edge_lookup(transfers, TransferKind.Q, tiles.tile_q_block, tile_rank)
     assert ((kv_edge >= 0) == (assignment.block_rank[tiles.tile_kv_block] != tile_rank)).all()
     assert ((q_edge >= 0) == (assignment.block_rank[tiles.tile_q_block] != tile_rank)).all()
-    budget = buffer_budget if buffer_budget is not None else 2 * degree * tiles.sharding.block_size
+    budget = buffer_budget if buffer_budget is not None else 2 * coalesce * tiles.sharding.block_size
     forward_round, backward_round = rounds.edge_round, rounds.edge_round
     if pipelined:
         # Any order of the matchings is congestion-free; choose, per pass, the one whose stages carry even work
         # (the backward pass has half as many pull rounds a stage).
         work = _round_work(rounds, kv_edge, q_edge)
-        forward_round = order_rounds(work, degree)[rounds.edge_round]
-        backward_round = order_rounds(work, max(degree // 2, 1))[rounds.edge_round]
-    forward = _forward(transfers, forward_round, degree, pipelined, kv_edge, q_edge, budget)
+        forward_round = order_rounds(work, coalesce)[rounds.edge_round]
+        backward_round = order_rounds(work, max(coalesce // 2, 1))[rounds.edge_round]
+    forward = _forward(transfers, forward_round, coalesce, pipelined, kv_edge, q_edge, budget)
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
-    backward = _backward(transfers, backward_round, 2 * degree, pipelined, kv_edge, q_edge)
+    backward = _backward(transfers, backward_round, 2 * coalesce, pipelined, kv_edge, q_edge)
     arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
-    return Schedule(rounds=rounds, coalesce=degree, forward=forward, backward=backward, tile_kv_edge=kv_edge,
+    return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)

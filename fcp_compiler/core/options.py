@@ -1,0 +1,115 @@
+"""CompileOptions: every parameter of a compile besides the batch, checked once at the boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
+from fcp_compiler.core.ir import ZigzagMode
+from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
+                                        MaskKind, load_profile)
+from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
+
+MAX_COALESCE = 2**16  # rounds per stage
+DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """Every parameter of a compile besides the batch; the defaults are the seed's setting.
+
+    Build one with :meth:`of` from user-facing values (names of presets and enums as strings, with a one-line
+    error for a bad one), pass it to :func:`fcp_compiler.core.pipeline.compile_plan`, bulk compile, compare,
+    sweep and ablation, and derive variants with :meth:`replace`.
+    """
+
+    num_ranks: int
+    block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or the baseline's own sizing (ring, bytescale, wlbllm)
+    coalesce: int = 16  # rounds a forward stage (the backward's stages hold twice as many)
+    token_cap: int | None = None  # None: mean tokens per rank + one block
+    # Relative excess over the mean tokens a rank may hold, where whole blocks allow (None: the cap alone). In the
+    # plan layout every other layer works on a rank's own tokens; tighter token balance costs attention traffic.
+    token_tolerance: float | None = None
+    zigzag: ZigzagMode = ZigzagMode.AUTO
+    layout: Layout = Layout.PLAN
+    shape: AttentionShape = field(default_factory=AttentionShape)
+    profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
+    mask: MaskKind | None = None  # overrides the batch's own mask
+    planner: Planner = Planner.FCP
+    # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
+    pipelined: bool = True
+    matching_rounds: bool = True
+    reshuffle_overlap: bool = True
+
+    @classmethod
+    def of(cls, num_ranks: int, **fields) -> CompileOptions:
+        """Options from user-facing values: enums by name, the profile by preset name or file, shape None for
+        the default; every field checked.
+
+        Raises:
+            InvalidInputError: an unknown field, or a value out of range (named, with what would be valid).
+        """
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InvalidInputError(f"unknown compile option {unknown[0]!r}; valid: "
+                                    f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        for name, kind, what in (("zigzag", ZigzagMode, "zigzag"), ("layout", Layout, "layout"),
+                                 ("planner", Planner, "planner"), ("mask", MaskKind, "--mask")):
+            if fields.get(name) is not None:
+                fields[name] = _enum(kind, fields[name], what)
+        if isinstance(fields.get("profile"), str):
+            fields["profile"] = load_profile(fields["profile"])
+        if "shape" in fields and fields["shape"] is None:
+            del fields["shape"]
+        if "profile" in fields and fields["profile"] is None:
+            del fields["profile"]
+        options = cls(num_ranks=num_ranks, **fields)
+        options.check()
+        return options
+
+    def replace(self, **changes) -> CompileOptions:
+        """A copy with `changes` applied and checked (the same values :meth:`of` takes)."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return CompileOptions.of(**{**current, **changes})
+
+    @property
+    def resolved_block_size(self) -> int:
+        """The block size the passes use (a baseline that sizes its own blocks ignores it)."""
+        return DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
+
+    def check(self) -> None:
+        """Raise InvalidInputError naming the first parameter out of range."""
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or \
+                not 1 <= self.num_ranks <= MAX_RANKS:
+            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer from 1 to {MAX_RANKS}")
+        block_size = self.block_size
+        if block_size is not None and self.planner in OWN_BLOCK_SIZE:
+            raise InvalidInputError(f"--block-size {block_size!r} does not apply to --planner {self.planner.value}: "
+                                    f"it shards each sequence over ranks and sizes its blocks itself; leave "
+                                    f"--block-size out")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or not 64 <= block_size <= MAX_BLOCK_SIZE or block_size % 64):
+            raise InvalidInputError(f"--block-size {block_size!r} must be a multiple of 64 from 64 to "
+                                    f"{MAX_BLOCK_SIZE} (e.g. 1024, 2048, 4096)")
+        if isinstance(self.coalesce, bool) or not isinstance(self.coalesce, int) or \
+                not 1 <= self.coalesce <= MAX_COALESCE:
+            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer from 1 to {MAX_COALESCE}")
+        if self.token_cap is not None and (not isinstance(self.token_cap, int) or
+                                           not 1 <= self.token_cap <= MAX_BATCH_TOKENS):
+            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be an integer from 1 to "
+                                    f"{MAX_BATCH_TOKENS}")
+        if self.token_tolerance is not None and (
+                isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
+                or not 0.0 < self.token_tolerance < 1.0):
+            raise InvalidInputError(f"--token-tolerance {self.token_tolerance!r} must be a number in (0, 1), "
+                                    f"e.g. 0.02")
+
+
+def _enum(kind, value, what: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidInputError(f"{what} {value!r} must be one of "
+                                f"{', '.join(member.value for member in kind)}") from None
