@@ -47,7 +47,8 @@ def compile_command(
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
     no_reshuffle_overlap: bool = typer.Option(False, "--no-reshuffle-overlap",
                                               help="ablation: no tiles during the reshuffle"),
-    mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask: causal or full"),
+    mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
+                                                            "sliding_window:W (the W most recent keys)"),
     q_heads: int = typer.Option(64, "--q-heads"),
     kv_heads: int = typer.Option(8, "--kv-heads"),
     head_dim: int = typer.Option(128, "--head-dim"),
@@ -366,12 +367,12 @@ def _total_tokens(gpus: int, tokens_per_gpu: int) -> int:
 
 
 def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> None:
-    from fcp_compiler.format.inputs import MaskKind
+    from fcp_compiler.format.inputs import parse_mask
     from fcp_compiler.format.safe_io import write_atomic
 
-    if mask not in {kind.value for kind in MaskKind}:
-        raise InvalidInputError(f"--mask {mask!r} must be one of {', '.join(kind.value for kind in MaskKind)}")
-    write_atomic(output, (json.dumps({"mask": mask, "sequences": lengths}) + "\n").encode())
+    spec = parse_mask(mask)
+    as_json = spec.kind.value if spec.window is None else {"kind": spec.kind.value, "window": spec.window}
+    write_atomic(output, (json.dumps({"mask": as_json, "sequences": lengths}) + "\n").encode())
     if not quiet:
         typer.echo(f"wrote {output}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}")
 
@@ -379,7 +380,7 @@ def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> No
 TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu")
 SEED = typer.Option(0, "--seed")
 OUTPUT = typer.Option(..., "-o", "--output", help="batch JSON to write")
-MASK = typer.Option("causal", "--mask", help="causal or full")
+MASK = typer.Option("causal", "--mask", help="causal, full or sliding_window:W")
 QUIET = typer.Option(False, "--quiet", "-q")
 
 

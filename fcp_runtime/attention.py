@@ -284,7 +284,8 @@ class _ForwardPass:
         q = ex.gather(call.q_index, "q", local, remote)
         k = ex.gather(call.kv_index, "k", local, remote)
         v = ex.gather(call.kv_index, "v", local, remote)
-        out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal)
+        out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal,
+                                      call.window)
         for entry in call.q_index:
             store = ex.store_of(entry.source, local, remote)
             merge(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
@@ -345,7 +346,7 @@ class _BackwardPass:
         k = ex.gather(call.kv_index, "k", local, remote)
         v = ex.gather(call.kv_index, "v", local, remote)
         dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
-                                         ex.scale, call.causal)
+                                         ex.scale, call.causal, call.window)
         ex.scatter_add(call.q_index, "dq", dq, local, remote)
         ex.scatter_add(call.kv_index, "dk", dk, local, remote)
         ex.scatter_add(call.kv_index, "dv", dv, local, remote)

@@ -1,8 +1,9 @@
 """Varlen attention kernels behind one contract, and log-sum-exp merging.
 
 The contract is flash-attn 2.8's varlen interface: a batch of entries packed along the token axis, entry i pairing
-query rows [cu_q[i], cu_q[i+1]) with key rows [cu_k[i], cu_k[i+1]); a causal entry aligns its mask bottom-right
-(query i sees keys j <= i + Lk - Lq); the forward returns out [Tq, Hq, D] and lse [Hq, Tq]; the backward, given the
+query rows [cu_q[i], cu_q[i+1]) with key rows [cu_k[i], cu_k[i+1]); masks align bottom-right: with
+window_size (left, right), query i sees keys i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded), and a
+causal entry has right = 0; the forward returns out [Tq, Hq, D] and lse [Hq, Tq]; the backward, given the
 final out and lse of the query rows, returns this call's share of dq, dk, dv (D = rowsum(dO * out) is computed from
 the out it is given, so calls over disjoint key sets sum to the full gradient).
 
@@ -20,12 +21,19 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def _entry_scores(q, k, scale: float, causal: bool):
+def _entry_scores(q, k, scale: float, causal: bool, window: tuple[int, int] = (-1, -1)):
     group = q.shape[1] // k.shape[1]
     scores = torch.einsum("qhd,khd->hqk", q, _expand_kv(k, group)) * scale
-    if causal:
+    left, right = window
+    right = 0 if causal else right
+    if left >= 0 or right >= 0:
         lq, lk = q.shape[0], k.shape[0]
-        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        shift = torch.arange(lk, device=q.device)[None, :] - torch.arange(lq, device=q.device)[:, None] - (lk - lq)
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            visible &= shift <= right
+        if left >= 0:
+            visible &= shift >= -left
         scores = scores.masked_fill(~visible[None], float("-inf"))
     return scores
 
@@ -39,7 +47,8 @@ class ExactKernels:
 
     name = "exact"
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                window: tuple[int, int] = (-1, -1)):
         """Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] in q's dtype, fp32 for half types)."""
         lse_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         out = torch.empty_like(q)
@@ -47,7 +56,7 @@ class ExactKernels:
         bq, bk = _bounds(cu_q), _bounds(cu_k)
         for i in range(len(bq) - 1):
             qs, ks, vs = q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]
-            scores = _entry_scores(qs.to(lse_dtype), ks.to(lse_dtype), scale, causal)
+            scores = _entry_scores(qs.to(lse_dtype), ks.to(lse_dtype), scale, causal, window)
             entry_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - entry_lse[..., None])
             group = qs.shape[1] // ks.shape[1]
@@ -55,7 +64,8 @@ class ExactKernels:
             lse[:, bq[i]:bq[i + 1]] = entry_lse
         return out, lse
 
-    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                 window: tuple[int, int] = (-1, -1)):
         """Returns (dq, dk, dv) of this call, in the inputs' dtype."""
         acc = lse.dtype
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -64,7 +74,7 @@ class ExactKernels:
             rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
             qs, ks, vs, dos, outs = (x.to(acc) for x in (q[rq], k[rk], v[rk], d_out[rq], out[rq]))
             group = qs.shape[1] // ks.shape[1]
-            probs = torch.exp(_entry_scores(qs, ks, scale, causal) - lse[:, rq][..., None])
+            probs = torch.exp(_entry_scores(qs, ks, scale, causal, window) - lse[:, rq][..., None])
             delta = (dos * outs).sum(-1).transpose(0, 1)
             d_probs = torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group))
             d_scores = probs * (d_probs - delta[..., None])
@@ -96,18 +106,21 @@ class FlashAttnKernels:
 
         return cls(flash_attn_varlen_func, _flash_attn_varlen_backward)
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                window: tuple[int, int] = (-1, -1)):
         out, lse, _ = self.varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
-                                       causal=causal, return_attn_probs=True)
+                                       causal=causal, window_size=window, return_attn_probs=True)
         return out, lse
 
-    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                 window: tuple[int, int] = (-1, -1)):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         #  dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
         #  deterministic, rng_state)
         self.varlen_backward(d_out.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), dq, dk, dv,
-                             cu_q, cu_k, max_q, max_k, 0.0, scale, causal, -1, -1, 0.0, None, False, None)
+                             cu_q, cu_k, max_q, max_k, 0.0, scale, causal, window[0], window[1], 0.0, None, False,
+                             None)
         return dq, dk, dv
 
 

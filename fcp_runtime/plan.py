@@ -64,7 +64,7 @@ class RankPlan:
     rank: int
     num_ranks: int
     digest: str
-    causal: bool
+    seq_window: np.ndarray  # per sequence: keys a query sees back, itself included (its length: causal; 0: full)
     layout: str  # the compiled layout: "plan" or "user"
     coalesce: int  # rounds per stage, forward
     bwd_coalesce: int  # rounds per stage, backward
@@ -207,7 +207,8 @@ def from_program(program: RankProgram) -> RankPlan:
     self_plan = expand_ranges(a["reshuffle_recv_offset"][mine_recv], a["reshuffle_recv_length"][mine_recv])
     early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
-        rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest, causal=header.mask.value == "causal",
+        rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest,
+        seq_window=tables.seq_window,
         layout=header.layout.value, coalesce=coalesce, bwd_coalesce=header.bwd_coalesce,
         q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
         head_dim=header.shape.head_dim, max_buffer_tokens=header.max_buffer_tokens,

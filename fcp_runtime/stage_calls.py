@@ -1,11 +1,13 @@
 """The varlen kernel calls of one stage: its tiles' segment pairs grouped by query segment.
 
-A stage runs at most two calls (one for a full mask): every query segment with visible keys in the stage is one
-entry whose keys are all of its key segments in the stage packed together. Under a causal mask a key segment of the
-same sequence is either wholly before the query segment (all visible) or the query segment itself; the diagonal one
-goes last, so the bottom-right-aligned causal mask of flash-attn is exactly right for the entry, and entries
-without a diagonal segment run in a second, unmasked call. Calls and their cu_seqlens tensors are built once per
-plan, stage and device.
+Every query segment with visible keys in the stage is one entry whose keys are all of its wholly visible key
+segments in the stage packed together. Under a causal mask a key segment of the same sequence is either wholly
+before the query segment (all visible) or the query segment itself; the diagonal one goes last, so the
+bottom-right-aligned causal mask of flash-attn is exactly right for the entry, and entries without a diagonal
+segment run in a second, unmasked call (a full mask has only that one). Under a sliding window a key segment partly
+out of reach, or a diagonal longer than the window, is an entry of its own with the window flash-attn applies
+(:mod:`fcp_compiler.algorithms.kernel_entries`); entries with the same mask share a call, a query segment at most
+once per call. Calls and their cu_seqlens tensors are built once per plan, stage and device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fcp_compiler.algorithms.kernel_entries import CAUSAL, UNMASKED, WINDOW_DIAGONAL, classify_pairs
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.plan import RankPlan
 
@@ -35,6 +38,7 @@ class KernelCall:
     [cu_k[i], cu_k[i+1]) of the packed keys; the index tensors say where each packed row comes from."""
 
     causal: bool
+    window: tuple[int, int]  # flash-attn's window_size (left, right) of every entry; (-1, -1): none
     q_index: tuple[RowIndex, ...]  # per source: the packed query rows, to gather inputs and scatter results
     kv_index: tuple[RowIndex, ...]
     cu_q: torch.Tensor  # int32 [entries + 1] on the device
@@ -60,8 +64,10 @@ def _entries(plan: RankPlan, tiles: list[int]):
         q_segs = plan.block_segs[q_block] if q_source == LOCAL else plan.pull_recv[q_source].segs
         kv_segs = plan.block_segs[kv_block] if kv_source == LOCAL else plan.pull_recv[kv_source].segs
         for qs in q_segs:
+            window = int(plan.seq_window[plan.seg_seq[qs]])
             for ks in kv_segs:
-                if plan.seg_seq[ks] != plan.seg_seq[qs] or (plan.causal and plan.seg_start[ks] >= plan.seg_end[qs]):
+                if plan.seg_seq[ks] != plan.seg_seq[qs] or (window and (
+                        plan.seg_start[ks] >= plan.seg_end[qs] or plan.seg_start[qs] - plan.seg_end[ks] + 1 >= window)):
                     continue
                 entries.setdefault((q_source, qs), []).append((kv_source, ks))
     return entries
@@ -82,12 +88,12 @@ def _store_rows(plan: RankPlan, source: int) -> dict[int, int]:
 
 
 def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
+    """Index tensors of packed rows: parts are (source, segment, first row, rows) in packing order."""
     positions: dict[int, list[torch.Tensor]] = {}
     rows: dict[int, list[torch.Tensor]] = {}
     offset = 0
-    for source, seg in parts:
-        length = plan.seg_len(seg)
-        start = _store_rows(plan, source)[seg]
+    for source, seg, first, length in parts:
+        start = _store_rows(plan, source)[seg] + first
         positions.setdefault(source, []).append(torch.arange(offset, offset + length))
         rows.setdefault(source, []).append(torch.arange(start, start + length))
         offset += length
@@ -95,36 +101,66 @@ def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
                           rows=torch.cat(rows[source]).to(device)) for source in sorted(positions))
 
 
-def _call(plan: RankPlan, causal: bool, entries: list, tiles: tuple[int, ...], device) -> KernelCall:
+def _call(plan: RankPlan, causal: bool, window: tuple[int, int], entries: list, tiles: tuple[int, ...],
+          device) -> KernelCall:
+    """One call from entries ((query source, segment, first row, rows), [(key source, segment, first, rows)])."""
     q_parts, kv_parts, cu_q, cu_k = [], [], [0], [0]
     pulls = set()
-    for (q_source, qs), keys in entries:
-        # Keys wholly before the queries first, the diagonal segment (the query segment itself) last.
-        keys = sorted(keys, key=lambda part: (part[1] == qs, plan.seg_start[part[1]]))
-        q_parts.append((q_source, qs))
+    for q_part, keys in entries:
+        q_parts.append(q_part)
         kv_parts.extend(keys)
-        cu_q.append(cu_q[-1] + plan.seg_len(qs))
-        cu_k.append(cu_k[-1] + sum(plan.seg_len(ks) for _, ks in keys))
-        pulls.update(source for source, _ in [(q_source, qs), *keys] if source != LOCAL)
+        cu_q.append(cu_q[-1] + q_part[3])
+        cu_k.append(cu_k[-1] + sum(part[3] for part in keys))
+        pulls.update(part[0] for part in [q_part, *keys] if part[0] != LOCAL)
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    return KernelCall(causal=causal, q_index=_row_index(plan, q_parts, device),
+    return KernelCall(causal=causal, window=window, q_index=_row_index(plan, q_parts, device),
                       kv_index=_row_index(plan, kv_parts, device),
                       cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
                       cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device), max_q=max(lengths_q),
                       max_k=max(lengths_k), tile_rows=tiles, pull_rows=tuple(sorted(pulls)))
 
 
+def _grouped_entries(plan: RankPlan, entries: dict) -> dict[tuple, list]:
+    """(causal, window) -> the entries of that mask: each query segment's packed keys (wholly visible ones, the
+    diagonal last), and one entry per key segment a sliding window cuts."""
+    groups: dict[tuple, list] = {}
+    for (q_source, qs), keys in entries.items():
+        window = int(plan.seq_window[plan.seg_seq[qs]])
+        kinds, lefts, q_rows, k_firsts = classify_pairs(
+            [plan.seg_start[qs]] * len(keys), [plan.seg_end[qs]] * len(keys), [plan.seg_start[ks] for _, ks in keys],
+            [plan.seg_end[ks] for _, ks in keys], [window] * len(keys))
+        packed, diagonal = [], False
+        for (kv_source, ks), kind, left, rows, first in zip(keys, kinds.tolist(), lefts.tolist(), q_rows.tolist(),
+                                                           k_firsts.tolist()):
+            if kind in (UNMASKED, CAUSAL):
+                packed.append((kind == CAUSAL, plan.seg_start[ks], (kv_source, ks, 0, plan.seg_len(ks))))
+                diagonal |= kind == CAUSAL
+                continue
+            mask = (True, (left, 0)) if kind == WINDOW_DIAGONAL else (False, (left, -1))
+            groups.setdefault(mask, []).append(((q_source, qs, 0, rows),
+                                                [(kv_source, ks, first, plan.seg_len(ks) - first)]))
+        if packed:
+            # Keys wholly before the queries first, the diagonal segment (the query segment itself) last.
+            keys_in_order = [part for _, _, part in sorted(packed, key=lambda item: (item[0], item[1]))]
+            groups.setdefault((diagonal, (-1, -1)), []).append(((q_source, qs, 0, plan.seg_len(qs)), keys_in_order))
+    return groups
+
+
 def _build(plan: RankPlan, tiles: tuple[int, ...], device) -> list[KernelCall]:
     entries = _entries(plan, list(tiles))
-    if not entries:
-        return []
-    if not plan.causal:
-        return [_call(plan, False, list(entries.items()), tiles, device)]
-    diagonal = [(key, keys) for key, keys in entries.items() if any(ks == key[1] for _, ks in keys)]
-    before = [(key, keys) for key, keys in entries.items() if all(ks != key[1] for _, ks in keys)]
-    return [_call(plan, causal, group, tiles, device) for causal, group in ((True, diagonal), (False, before))
-            if group]
+    calls = []
+    for (causal, window), group in sorted(_grouped_entries(plan, entries).items(), key=lambda item: (
+            not item[0][0], item[0][1])):
+        # A query segment at most once a call: its partial outputs merge one call at a time.
+        rounds: list[list] = []
+        for entry in group:
+            slot = next((r for r in rounds if all(e[0][:2] != entry[0][:2] for e in r)), None)
+            if slot is None:
+                rounds.append(slot := [])
+            slot.append(entry)
+        calls.extend(_call(plan, causal, window, entries_of_call, tiles, device) for entries_of_call in rounds)
+    return calls
 
 
 def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], device) -> list[KernelCall]:

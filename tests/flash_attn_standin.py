@@ -6,8 +6,9 @@ It lets CI run the runtime's CUDA call sites on the CPU:
   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
   return_attn_probs=False, block_table=None)``: q [total_q, nheads, d], k and v [total_k, nheads_k, d] packed by
   cu_seqlens (int32); returns out, or (out, softmax_lse [nheads, total_q] in fp32, S_dmask) with
-  return_attn_probs. A causal entry is aligned bottom-right: query i of Lq sees keys j <= i + Lk - Lq; a row that
-  sees no key gets out 0 and lse +inf.
+  return_attn_probs. Masks are aligned bottom-right: with window_size (left, right), query i of Lq sees keys
+  i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded); causal sets right = 0; a row that sees no key gets
+  out 0 and lse +inf.
 - ``_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
   alibi_slopes, deterministic, rng_state=None, zero_tensors=False)``: writes dq, dk, dv in place from the given out
@@ -36,22 +37,28 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
         raise RuntimeError("FlashAttention: cu_seqlens must end at the packed lengths")
     if int(torch.diff(cu_seqlens_q).max()) > max_seqlen_q or int(torch.diff(cu_seqlens_k).max()) > max_seqlen_k:
         raise RuntimeError("FlashAttention: max_seqlen smaller than a sequence")
-    if dropout_p != 0.0 or tuple(window) != (-1, -1) or softcap != 0.0 or alibi is not None:
-        raise NotImplementedError("the stand-in implements dropout 0, no window, no softcap, no alibi")
+    if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
+        raise RuntimeError(f"FlashAttention: window_size {tuple(window)!r} must be two integers >= -1")
+    if dropout_p != 0.0 or softcap != 0.0 or alibi is not None:
+        raise NotImplementedError("the stand-in implements dropout 0, no softcap, no alibi")
 
 
-def _visible(cu_seqlens_q, cu_seqlens_k, causal: bool, device) -> torch.Tensor:
-    """[total_q, total_k]: block-diagonal over entries, bottom-right causal inside each when asked."""
+def _visible(cu_seqlens_q, cu_seqlens_k, causal: bool, device, window=(-1, -1)) -> torch.Tensor:
+    """[total_q, total_k]: block-diagonal over entries, bottom-right causal and windowed inside each when asked."""
     cu_q, cu_k = cu_seqlens_q.long().cpu(), cu_seqlens_k.long().cpu()
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
     entry_q = torch.repeat_interleave(torch.arange(cu_q.numel() - 1), torch.diff(cu_q))
     entry_k = torch.repeat_interleave(torch.arange(cu_k.numel() - 1), torch.diff(cu_k))
     visible = entry_q[:, None] == entry_k[None, :]
-    if causal:
-        pos_q = torch.arange(total_q) - cu_q[entry_q]
-        pos_k = torch.arange(total_k) - cu_k[entry_k]
-        shift = (torch.diff(cu_k) - torch.diff(cu_q))[entry_q]  # Lk - Lq of each query's entry
-        visible &= pos_k[None, :] <= (pos_q + shift)[:, None]
+    left, right = window
+    right = 0 if causal else right
+    pos_q = torch.arange(total_q) - cu_q[entry_q]
+    pos_k = torch.arange(total_k) - cu_k[entry_k]
+    diagonal = (pos_q + (torch.diff(cu_k) - torch.diff(cu_q))[entry_q])[:, None]  # i + Lk - Lq of each query
+    if right >= 0:
+        visible &= pos_k[None, :] <= diagonal + right
+    if left >= 0:
+        visible &= pos_k[None, :] >= diagonal - left
     return visible.to(device)
 
 
@@ -76,7 +83,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
            alibi_slopes)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     compute = _compute_dtype(q.dtype)
-    probs, lse = _probs(q, k, scale, _visible(cu_seqlens_q, cu_seqlens_k, causal, q.device), compute)
+    probs, lse = _probs(q, k, scale, _visible(cu_seqlens_q, cu_seqlens_k, causal, q.device, tuple(window_size)),
+                        compute)
     group = q.shape[1] // k.shape[1]
     out = torch.einsum("hqk,khd->qhd", probs, v.to(compute).repeat_interleave(group, dim=1)).to(q.dtype)
     return (out, lse, None) if return_attn_probs else out
@@ -92,7 +100,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     if out.dtype != q.dtype or dout.dtype != q.dtype:
         raise RuntimeError("FlashAttention: out and dout must have the dtype of q")
     compute = _compute_dtype(q.dtype)
-    visible = _visible(cu_seqlens_q, cu_seqlens_k, causal, q.device)
+    visible = _visible(cu_seqlens_q, cu_seqlens_k, causal, q.device, (window_size_left, window_size_right))
     group = q.shape[1] // k.shape[1]
     qc, kc, vc, doc, oc = (x.to(compute) for x in (q, k, v, dout, out))
     k_rep, v_rep = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)

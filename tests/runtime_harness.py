@@ -10,23 +10,32 @@ import traceback
 import torch
 
 
-def reference_attention(lengths, q, k, v, causal: bool, scale: float):
-    """Plain dense attention, sequence by sequence, written apart from the runtime."""
+def sequence_windows(lengths, masks) -> list[int]:
+    """Per sequence, keys a query sees back, itself included (0: full): from True (causal), False (full), or a list
+    of windows already."""
+    if isinstance(masks, bool):
+        return [length if masks else 0 for length in lengths]
+    return [int(w) for w in masks]
+
+
+def reference_attention(lengths, q, k, v, masks, scale: float):
+    """Plain dense attention, sequence by sequence, written apart from the runtime: query t of a sequence with
+    window w sees keys t - w < s <= t (w 0: every key)."""
     outs, start = [], 0
     group = q.shape[1] // k.shape[1]
-    for length in lengths:
+    for length, window in zip(lengths, sequence_windows(lengths, masks)):
         qs, ks, vs = (x[start:start + length] for x in (q, k, v))
         ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:
-            mask = torch.ones(length, length, dtype=torch.bool).tril()
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if window:
+            back = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # query position - key position
+            scores = scores.masked_fill(~((back >= 0) & (back < window)), float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs))
         start += length
     return torch.cat(outs)
 
 
-def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: int, kv_heads: int, dtype,
+def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_heads: int, dtype,
                            layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False):
     """A rank task: run fcp_attn_func forward and backward on this rank's rows of seeded global Q, K, V (the
     plan layout takes rows at the plan's token_index, the user layout its contiguous chunk) and assert out, dq, dk
@@ -34,6 +43,7 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal: bool, q_heads: in
     the runtime made, and the number of kernel calls when `kernels` counts them (a `num_calls` attribute). The
     reference is computed once, here, and inherited by the forked ranks.
 
+    causal: True (every sequence causal), False (full), or each sequence's window (0: full).
     order_matching: send every point-to-point message with tag 0, so gloo matches them by posting order per pair
     of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order."""
     total = sum(lengths)

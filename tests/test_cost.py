@@ -12,7 +12,7 @@ from fcp_compiler.core.passes.shard import shard
        st.booleans())
 def test_tiles_cover_exactly_the_visible_pairs(values, mask, zigzag):
     shape = AttentionShape(q_heads=8, kv_heads=2, head_dim=16)
-    batch = Batch(lengths=np.array(values), mask=MaskKind(mask))
+    batch = Batch.uniform(np.array(values), MaskKind(mask))
     tiles = cost(shard(batch, 1024, zigzag), shape, PRESET_PROFILES["h100"])
     lengths = np.array(values, dtype=np.int64)
     visible = (lengths * (lengths + 1) // 2).sum() if mask == "causal" else (lengths ** 2).sum()
@@ -26,3 +26,23 @@ def test_efficiency_curve_interpolates_and_saturates():
     eff = tile_efficiency(profile, np.array([512, 4096, 1 << 20, 64]))
     assert eff[0] == 0.25 and eff[1] == 0.73 and eff[2] == profile.efficiency_curve[-1].efficiency
     assert 0 < eff[3] < profile.efficiency_curve[0].efficiency
+
+
+@given(st.lists(st.tuples(st.integers(1, 1500), st.integers(0, 1600)), min_size=1, max_size=8), st.booleans())
+def test_windowed_and_mixed_masks_give_exactly_the_visible_pairs(sequences, zigzag):
+    # Each sequence its own mask: window 0 is full, a window >= its length causal, anything between a window.
+    lengths = np.array([length for length, _ in sequences], dtype=np.int64)
+    windows = np.array([0 if w == 0 else min(w, length) for length, w in sequences], dtype=np.int64)
+    shape = AttentionShape(q_heads=8, kv_heads=2, head_dim=16)
+    tiles = cost(shard(Batch(lengths=lengths, windows=windows), 256, zigzag), shape, PRESET_PROFILES["h100"])
+    sharding = tiles.sharding
+    # Every segment pair counted token by token: k <= q < k + w, or all for a full mask.
+    for q_seg, k_seg, flops in zip(tiles.pair_q_seg, tiles.pair_kv_seg, tiles.pair_flops):
+        q = np.arange(sharding.seg_start[q_seg], sharding.seg_end[q_seg])[:, None]
+        k = np.arange(sharding.seg_start[k_seg], sharding.seg_end[k_seg])[None, :]
+        w = windows[sharding.seg_seq[q_seg]]
+        seen = np.ones((q.size, k.size), dtype=bool) if w == 0 else (k <= q) & (q - k < w)
+        assert flops == 4.0 * seen.sum() * 8 * 16 and seen.any()  # and no tile without a visible pair
+    # ... and together they are every visible pair of the batch (per sequence: W(W+1)/2 + (L - W) W, or L^2).
+    per_seq = np.where(windows == 0, lengths ** 2, windows * (windows + 1) // 2 + (lengths - windows) * windows)
+    assert tiles.tile_flops.sum() == 4.0 * per_seq.sum() * 8 * 16

@@ -101,3 +101,4 @@ def test_level_sizes_swaps_when_no_bin_has_room_for_a_move():
     levelled = level_sizes(weights, sizes, start, 3, 7)
     assert over_cap(levelled, sizes, 3, 7).sum() == 0
     assert levelled[2] == 0 and sorted(levelled[:2].tolist()) == [0, 1] and levelled[5] == 2
+

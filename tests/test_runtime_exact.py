@@ -156,11 +156,11 @@ def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
 def test_ring_costed_in_closed_form_pulls_whole_blocks_and_replays_exactly(monkeypatch, mask):
     """Past RING_CLOSED_FORM_PAIRS the ring is costed per sequence without segment pairs and pulls whole shards; forced
     here on a small batch, its tiles and FLOPs equal the pair path's and the plan replays exactly."""
-    import fcp_compiler.core.pipeline as pipeline
+    import fcp_compiler.core.passes.cost as cost
 
     lengths = [700, 90, 1500, 33, 260, 1200, 64]
     exact = compile_valid(lengths, 4, planner="ring", mask=mask)
-    monkeypatch.setattr(pipeline, "RING_CLOSED_FORM_PAIRS", 0)
+    monkeypatch.setattr(cost, "RING_CLOSED_FORM_PAIRS", 0)
     closed = compile_valid(lengths, 4, planner="ring", mask=mask)
     tiles = [plan.ir.tiles for plan in (exact, closed)]
     assert not tiles[1].has_pairs and tiles[0].has_pairs

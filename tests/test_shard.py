@@ -12,7 +12,7 @@ lengths = st.lists(st.integers(1, 20000), min_size=1, max_size=30)
 
 @given(lengths, st.sampled_from([64, 256, 1024, 4096]), st.booleans())
 def test_segments_partition_every_sequence_and_blocks_fit(values, block_size, zigzag):
-    batch = Batch(lengths=np.array(values), mask=MaskKind.CAUSAL)
+    batch = Batch.uniform(np.array(values), MaskKind.CAUSAL)
     sharding = shard(batch, block_size, zigzag)
     assert sharding.block_tokens.max() <= block_size
     covered = np.zeros(batch.total_tokens, dtype=int)
@@ -31,7 +31,7 @@ def test_segments_partition_every_sequence_and_blocks_fit(values, block_size, zi
 
 
 def test_zigzag_pairs_chunk_i_with_its_mirror():
-    batch = Batch(lengths=np.array([8 * 1024]), mask=MaskKind.CAUSAL)
+    batch = Batch.uniform(np.array([8 * 1024]), MaskKind.CAUSAL)
     sharding = shard(batch, 1024, zigzag=True)
     assert sharding.num_blocks == 8
     for block in range(8):
@@ -41,7 +41,7 @@ def test_zigzag_pairs_chunk_i_with_its_mirror():
 
 
 def test_short_sequences_are_packed_whole():
-    batch = Batch(lengths=np.array([100, 200, 300, 4000]), mask=MaskKind.CAUSAL)
+    batch = Batch.uniform(np.array([100, 200, 300, 4000]), MaskKind.CAUSAL)
     sharding = shard(batch, 4096, zigzag=False)
     assert sharding.num_segments == 4  # none split
     assert sharding.num_blocks == 2

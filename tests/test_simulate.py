@@ -122,14 +122,25 @@ def test_ablation_never_loses_and_ends_at_least_twice_the_base():
         assert values[-1] >= 2 * values[0], values
 
 
-@pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan")])
+MIXED_MASKS = {"masks": [{"kind": "sliding_window", "window": 300}, "full", "causal",
+                         {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
+
+
+@pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
+                                         ("sliding_window:200", "plan"), ("mixed", "user")])
 def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout):
     pytest.importorskip("torch")
     from fcp_runtime import load_rank_plan
     from fcp_runtime.stage_calls import stage_calls
 
-    plan = compile_valid([3000, 700, 90, 1500, 260, 1200], 4, block_size=256, coalesce=2, mask=mask,
-                         layout=layout)
+    from fcp_compiler.format.inputs import BatchSpec
+
+    lengths = [3000, 700, 90, 1500, 260, 1200]
+    if mask == "mixed":
+        plan = compile_valid(BatchSpec.model_validate({**MIXED_MASKS, "sequences": lengths}), 4, block_size=256,
+                             coalesce=2, layout=layout)
+    else:
+        plan = compile_valid(lengths, 4, block_size=256, coalesce=2, mask=mask, layout=layout)
     simulation = simulate_plan(plan)
     for rank in range(4):
         rank_plan = load_rank_plan(plan.to_bytes(), rank)

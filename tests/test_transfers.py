@@ -26,10 +26,13 @@ def needed_by_brute_force(assignment) -> dict:
 
 
 @given(st.lists(st.integers(64, 9000), min_size=1, max_size=12), st.integers(2, 6),
-       st.sampled_from(["causal", "full"]))
+       st.sampled_from(["causal", "full", "window 300", "window 2500"]))
 def test_pulls_are_the_tiles_needs(lengths, num_ranks, mask):
-    batch = Batch(lengths=np.array(lengths), mask=MaskKind(mask))
-    tiles = cost(shard(batch, 1024, mask == "causal"), AttentionShape(), PRESET_PROFILES["h100"])
+    if mask.startswith("window"):  # a sliding window: blocks wholly out of reach are never pulled
+        batch = Batch.uniform(np.array(lengths), MaskKind.SLIDING_WINDOW, int(mask.split()[1]))
+    else:
+        batch = Batch.uniform(np.array(lengths), MaskKind(mask))
+    tiles = cost(shard(batch, 1024, mask != "full"), AttentionShape(), PRESET_PROFILES["h100"])
     cap = -(-batch.total_tokens // num_ranks) + 1024
     assignment = assign(tiles, num_ranks, cap, 0.01)
     transfers = plan_transfers(assignment)

@@ -3,6 +3,11 @@
 Each takes the batch and returns a Sharding (blocks of segments, of any size) and the rank of each block; the
 common passes (cost, transfers, rounds, coalesce, reshuffle, encode) make the rest of the plan, so a baseline is
 validated, simulated and replayed by the same code as FCP. Every tile runs on its query block's owner.
+
+Sliding windows: every baseline's tiles and pulls come from the common cost pass, so a block pair a window leaves
+wholly masked has no tile and no transfer. MagiAttention and WLB-LLM plan with the mask in their real systems
+(area and cost under the window), and so do ours. A real ring (and ByteScale's ring groups) passes every shard
+around the ring whatever the window; the ring plans here skip the fully masked steps, which favours them.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import heapq
 
 import numpy as np
 
-from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import Batch, Sharding
+from fcp_compiler.errors import InfeasibleError
 
 
 class Planner(str, enum.Enum):
@@ -47,8 +53,9 @@ def _zigzag_pieces(seq: int, length: int, ranks: list[int]) -> list[tuple[int, i
     return pieces
 
 
-def _visible_pairs(length: int, causal: bool) -> int:
-    return length * (length + 1) // 2 if causal else length * length
+def _document_work(batch: Batch) -> list[int]:
+    """Visible (q, k) pairs of each whole sequence under its mask."""
+    return visible_pairs(0, batch.lengths, 0, batch.lengths, batch.windows).tolist()
 
 
 def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]],
@@ -121,9 +128,8 @@ def wlbllm(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tup
     does not fit one), else pack it whole onto the least-loaded rank by work, within a token cap. Kept from the
     real system: the per-document choice between packing and sharding by a cost estimate, and work-balanced
     packing."""
-    causal = batch.causal
     lengths = batch.lengths.tolist()
-    work = [_visible_pairs(length, causal) for length in lengths]
+    work = _document_work(batch)
     mean_work = sum(work) / num_ranks
     share = -(-batch.total_tokens // num_ranks)
     pieces = []
@@ -167,7 +173,7 @@ def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
     offsets = batch.seq_offsets
     total = batch.total_tokens
     num_slices = -(-total // block_size)
-    pieces, area = [], np.zeros(num_slices)
+    pieces = []
     for idx in range(num_slices):
         lo, hi = idx * block_size, min((idx + 1) * block_size, total)
         first = int(np.searchsorted(offsets, lo, side="right")) - 1
@@ -177,9 +183,12 @@ def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
             start, end = max(lo, base) - base, min(hi, int(offsets[seq + 1])) - base
             if end > start:
                 pieces.append((idx, -1, seq, start, end))
-                # Queries [start, end) see [0, q] (causal) or the whole document (full).
-                area[idx] += (_visible_pairs(end, True) - _visible_pairs(start, True) if batch.causal
-                              else (end - start) * int(batch.lengths[seq]))
+    # A slice's area: its queries against their whole document, under the document's mask (causal, window, full).
+    piece_slice, piece_seq, piece_start, piece_end = (np.array([piece[i] for piece in pieces], dtype=np.int64)
+                                                      for i in (0, 2, 3, 4))
+    area = np.zeros(num_slices)
+    np.add.at(area, piece_slice, visible_pairs(piece_start, piece_end, 0, batch.lengths[piece_seq],
+                                               batch.windows[piece_seq]).astype(np.float64))
     quota = [num_slices // num_ranks + (1 if r < num_slices % num_ranks else 0) for r in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks) if quota[r]]
     heapq.heapify(heap)

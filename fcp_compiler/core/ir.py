@@ -25,10 +25,27 @@ class ZigzagMode(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Batch:
-    """Sequence lengths in batch order and the mask kind."""
+    """Sequence lengths in batch order and each sequence's mask, as a window.
+
+    windows[s] is how many keys a query of sequence s sees back, itself included: query t sees keys
+    t - windows[s] + 1 .. t. A causal sequence has windows[s] = its length, a sliding window min(W, length), and a
+    full mask 0 (every key of the sequence, before and after).
+    """
 
     lengths: np.ndarray  # int64 [num_sequences]
-    mask: MaskKind
+    windows: np.ndarray  # int64 [num_sequences]
+
+    @classmethod
+    def uniform(cls, lengths, mask: MaskKind = MaskKind.CAUSAL, window: int | None = None) -> Batch:
+        """Every sequence with the same mask (a window of `window` for SLIDING_WINDOW)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if mask is MaskKind.FULL:
+            return cls(lengths=lengths, windows=np.zeros(lengths.size, dtype=np.int64))
+        if mask is MaskKind.SLIDING_WINDOW:
+            assert window is not None and window >= 1
+            return cls(lengths=lengths, windows=np.minimum(lengths, window))
+        assert mask is MaskKind.CAUSAL
+        return cls(lengths=lengths, windows=lengths.copy())
 
     @property
     def num_sequences(self) -> int:
@@ -44,8 +61,26 @@ class Batch:
         return np.concatenate(([0], np.cumsum(self.lengths))).astype(np.int64)
 
     @property
-    def causal(self) -> bool:
-        return self.mask is MaskKind.CAUSAL
+    def seq_causal(self) -> np.ndarray:
+        """Per sequence, whether it is causal (a sliding window included)."""
+        return self.windows > 0
+
+    @property
+    def mask(self) -> MaskKind:
+        """The batch's mask in one word: causal, full or sliding_window when every sequence has it, else mixed."""
+        return mask_summary(self.lengths, self.windows)
+
+
+def mask_summary(lengths: np.ndarray, windows: np.ndarray) -> MaskKind:
+    """causal, full or sliding_window when every sequence has that mask, else mixed (a window as long as its
+    sequence is causal)."""
+    if (windows == 0).all():
+        return MaskKind.FULL
+    if (windows == lengths).all():
+        return MaskKind.CAUSAL
+    if (windows > 0).all():
+        return MaskKind.SLIDING_WINDOW
+    return MaskKind.MIXED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,7 +9,7 @@ from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.ir import ZigzagMode
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
-                                        MaskKind, load_profile)
+                                        Mask, load_profile, parse_mask)
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
 
 MAX_COALESCE = 2**16  # rounds per stage
@@ -36,7 +36,7 @@ class CompileOptions:
     layout: Layout = Layout.PLAN
     shape: AttentionShape = field(default_factory=AttentionShape)
     profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
-    mask: MaskKind | None = None  # overrides the batch's own mask
+    mask: Mask | None = None  # overrides the batch's own mask (or masks)
     planner: Planner = Planner.FCP
     # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
     pipelined: bool = True
@@ -56,9 +56,11 @@ class CompileOptions:
             raise InvalidInputError(f"unknown compile option {unknown[0]!r}; valid: "
                                     f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         for name, kind, what in (("zigzag", ZigzagMode, "zigzag"), ("layout", Layout, "layout"),
-                                 ("planner", Planner, "planner"), ("mask", MaskKind, "--mask")):
+                                 ("planner", Planner, "planner")):
             if fields.get(name) is not None:
                 fields[name] = _enum(kind, fields[name], what)
+        if fields.get("mask") is not None:
+            fields["mask"] = parse_mask(fields["mask"])
         if isinstance(fields.get("profile"), str):
             fields["profile"] = load_profile(fields["profile"])
         if "shape" in fields and fields["shape"] is None:

@@ -16,17 +16,17 @@ from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, ZigzagMode
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
-from fcp_compiler.core.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost
+from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.localize import group_nodes, localize
 from fcp_compiler.core.passes.relay import relay
 from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
-from fcp_compiler.core.passes.shard import shard
+from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.format.inputs import BatchSpec, Layout, MaskKind, parse_batch
+from fcp_compiler.format.inputs import BatchSpec, Layout, Mask, MaskKind, parse_batch
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
 
@@ -77,6 +77,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
     }
     if options.token_tolerance is not None:  # absent by default, so earlier plans keep their digest
         canonical["token_tolerance"] = options.token_tolerance
+    if batch.mask not in (MaskKind.CAUSAL, MaskKind.FULL):  # the lengths say every window of the others
+        canonical["windows"] = batch.windows.tolist()
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -91,13 +93,14 @@ class _PassTimer:
         return result
 
 
-def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: MaskKind | str | None) -> Batch:
-    if isinstance(batch, BatchSpec):
-        spec = batch if mask is None else BatchSpec(mask=MaskKind(mask), sequences=batch.sequences)
-    else:
+def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: Mask | None) -> Batch:
+    """The IR batch: lengths and each sequence's window; `mask` overrides the batch's mask (or masks)."""
+    if not isinstance(batch, BatchSpec):
         lengths = batch.tolist() if isinstance(batch, np.ndarray) else list(batch)
-        spec = parse_batch({"mask": MaskKind(mask or "causal").value, "sequences": lengths})
-    return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), mask=spec.mask)
+        batch = parse_batch({"sequences": lengths})
+    spec = batch if mask is None else BatchSpec(mask=mask, sequences=batch.sequences)
+    return Batch(lengths=np.asarray(spec.sequences, dtype=np.int64), windows=np.asarray(spec.windows(),
+                                                                                          dtype=np.int64))
 
 
 def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, fields: dict):
@@ -181,12 +184,13 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
         # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
         # heavy last blocks of a long sequence leave it unbalanced: measured in benchmarks/balance.py).
         zigzag_on = options.zigzag is ZigzagMode.ON or (
-            options.zigzag is ZigzagMode.AUTO and batch.causal and bool((batch.lengths >= 2 * block_size).any()))
+            options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
+                                                        & (batch.lengths >= 2 * block_size)).any()))
         sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
         return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, options.token_tolerance)
     sharding, block_rank = timer.run("shard", BASELINES[planner], batch, num_ranks, block_size, cap)
-    if planner is Planner.RING and count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS:
+    if planner is Planner.RING and ring_in_closed_form(sharding):
         tiles = timer.run("cost", ring_cost, sharding, block_rank, num_ranks, options.shape, options.profile)
     else:
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)

@@ -28,8 +28,49 @@ class Layout(str, enum.Enum):
 class MaskKind(str, enum.Enum):
     """Which keys a query token sees inside its own sequence."""
 
-    CAUSAL = "causal"
-    FULL = "full"
+    CAUSAL = "causal"  # token t sees 0..t
+    FULL = "full"  # every token of its sequence
+    SLIDING_WINDOW = "sliding_window"  # causal, the W most recent keys: t - W + 1 .. t
+    MIXED = "mixed"  # a plan's summary when its sequences have different masks (never an input)
+
+
+class Mask(BaseModel):
+    """One sequence's mask: ``"causal"``, ``"full"`` or ``{"kind": "sliding_window", "window": W}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: MaskKind
+    window: Annotated[int, Field(strict=True)] | None = Field(
+        None, description="sliding_window only: keys a query sees back, itself included (>= 1)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: object) -> object:
+        return {"kind": value} if isinstance(value, (str, MaskKind)) else value
+
+    @model_validator(mode="after")
+    def _window_matches_kind(self) -> "Mask":
+        if self.kind is MaskKind.MIXED:
+            raise ValueError("mask 'mixed' only describes a plan; give each sequence's mask in 'masks'")
+        if self.kind is MaskKind.SLIDING_WINDOW:
+            window = self.window
+            if window is None:
+                raise ValueError("a sliding_window mask needs a window: {\"kind\": \"sliding_window\", \"window\": "
+                                 "4096}")
+            if not 1 <= window <= MAX_BATCH_TOKENS:
+                raise ValueError(f"window {window!r} must be an integer from 1 to {MAX_BATCH_TOKENS} (the keys a "
+                                 f"query sees back, itself included)")
+        elif self.window is not None:
+            raise ValueError(f"a window ({self.window!r}) is given for a {self.kind.value} mask; only sliding_window "
+                             f"takes one")
+        return self
+
+    def window_for(self, length: int) -> int:
+        """The keys a query of a sequence of `length` tokens sees back, itself included: 0 for a full mask (every
+        key), `length` for causal, min(W, length) for a window of W."""
+        if self.kind is MaskKind.FULL:
+            return 0
+        return length if self.kind is MaskKind.CAUSAL else min(self.window, length)
 
 
 class DType(str, enum.Enum):
@@ -50,12 +91,26 @@ MAX_BATCH_TOKENS = 2**31 - 1  # a plan stores token counts and offsets as int32
 
 
 class BatchSpec(BaseModel):
-    """A batch: an ordered list of sequence lengths and one mask kind."""
+    """A batch: an ordered list of sequence lengths, one mask for all of them or one a sequence."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mask: MaskKind = Field(MaskKind.CAUSAL, description="causal: token t sees 0..t of its sequence; full: all of it")
+    mask: Mask = Field(Mask(kind=MaskKind.CAUSAL), description="causal: token t sees 0..t of its sequence; full: all "
+                       "of it; {\"kind\": \"sliding_window\", \"window\": W}: t - W + 1 .. t")
+    masks: list[Mask] | None = Field(None, description="one mask a sequence, in batch order (instead of mask)")
     sequences: list[int] = Field(..., description="token length of each sequence, in batch order", min_length=1)
+
+    @model_validator(mode="after")
+    def _one_mask_a_sequence(self) -> "BatchSpec":
+        if self.masks is not None and len(self.masks) != len(self.sequences):
+            raise ValueError(f"masks holds {len(self.masks)} masks for {len(self.sequences)} sequences; give one a "
+                             f"sequence, or one 'mask' for all")
+        return self
+
+    def windows(self) -> list[int]:
+        """Per sequence, the keys a query sees back, itself included (0: every key, a full mask)."""
+        masks = self.masks if self.masks is not None else [self.mask] * len(self.sequences)
+        return [mask.window_for(length) for mask, length in zip(masks, self.sequences)]
 
     @field_validator("sequences", mode="before")
     @classmethod
@@ -197,6 +252,29 @@ def _first_error(error: ValidationError) -> str:
 
 def _read_json(path: Path, what: str) -> object:
     return parse_json(read_input_text(path, what), f"{what} file {str(path)!r}")
+
+
+def parse_mask(value: object, what: str = "--mask") -> Mask:
+    """A mask from its name (``causal``, ``full``), ``sliding_window:W`` or a Mask / its JSON object.
+
+    Raises:
+        InvalidInputError: naming the value and what would be valid.
+    """
+    if isinstance(value, Mask):
+        return value
+    given = value
+    if isinstance(value, str) and value.startswith(f"{MaskKind.SLIDING_WINDOW.value}:"):
+        window = value.split(":", 1)[1]
+        if not window.isdigit():
+            raise InvalidInputError(f"{what} {given!r}: the window must be a positive integer, e.g. "
+                                    f"sliding_window:4096")
+        value = {"kind": MaskKind.SLIDING_WINDOW.value, "window": int(window)}
+    try:
+        return Mask.model_validate(value)
+    except ValidationError as error:
+        reason = error.errors()[0]["msg"].removeprefix("Value error, ")
+        raise InvalidInputError(f"{what} {given!r}: {reason}; valid: causal, full or sliding_window:W "
+                                f"(W >= 1)") from None
 
 
 def parse_batch(data: object, origin: str = "batch") -> BatchSpec:

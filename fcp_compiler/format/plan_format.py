@@ -44,7 +44,7 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6  # 6: per-sequence masks (seq_window)
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
@@ -72,7 +72,7 @@ RANK_ARRAYS = (
     "fwd_push_send_round", "fwd_push_send_pull", "fwd_push_recv_round", "fwd_push_recv_pull",
     "bwd_push_send_round", "bwd_push_send_pull", "bwd_push_recv_round", "bwd_push_recv_pull",
 )
-GLOBAL_ARRAYS = ("seq_lengths", "seg_block", "seg_seq", "seg_start", "seg_end")
+GLOBAL_ARRAYS = ("seq_lengths", "seq_window", "seg_block", "seg_seq", "seg_start", "seg_end")
 
 
 class PlanHeader(BaseModel):
@@ -81,7 +81,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[5] = FORMAT_VERSION
+    format_version: Literal[6] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
@@ -149,6 +149,9 @@ class GlobalTables:
     """What every rank needs to know of the whole batch: lengths and the block/segment table."""
 
     seq_lengths: np.ndarray
+    # Keys a query of each sequence sees back, itself included: query t sees t - w + 1 .. t; w = the length is
+    # causal, 0 a full mask (every key of the sequence).
+    seq_window: np.ndarray
     seg_block: np.ndarray
     seg_seq: np.ndarray
     seg_start: np.ndarray

@@ -42,6 +42,12 @@ def check_tables(where: str, header, tables: dict[str, np.ndarray]) -> None:
     _within(where, "seq_lengths", lengths, 1, MAX_TOKENS + 1)
     if int(lengths.sum()) != header.total_tokens:
         _fail(where, f"seq_lengths sum to {int(lengths.sum())} tokens, the header says {header.total_tokens}")
+    windows = tables["seq_window"]
+    if windows.size != lengths.size:
+        _fail(where, f"seq_window holds {windows.size} windows for {lengths.size} sequences")
+    if (windows < 0).any() or (windows > lengths).any():
+        bad = int(np.flatnonzero((windows < 0) | (windows > lengths))[0])
+        _fail(where, f"seq_window[{bad}] = {int(windows[bad])} is outside [0, its length {int(lengths[bad])}]")
     num_segments = _same_length(where, tables, ("seg_block", "seg_seq", "seg_start", "seg_end"))
     if num_segments == 0:
         _fail(where, "the plan has no segments")

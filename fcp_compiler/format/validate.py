@@ -191,8 +191,12 @@ def _check_blocks(plan: _Plan) -> _Blocks:
     return _Blocks(num_blocks=num_blocks, block_tokens=block_tokens, owner=owner, held=held, held_rank=held_rank)
 
 
-def _visible_segment_pairs(tables, causal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly."""
+def _visible_segment_pairs(tables) -> tuple[np.ndarray, np.ndarray]:
+    """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly.
+
+    Sequence s's window w (seq_window) lets query q see key k when 0 <= q - k < w, or always when w is 0 (full).
+    The differences q - k of two segments cover [q_start - k_end + 1, q_end - 1 - k_start]: a pair is visible when
+    that range meets [0, w - 1]."""
     seg_seq, seg_start, seg_end = tables.seg_seq, tables.seg_start, tables.seg_end
     group = np.argsort(seg_seq, kind="stable")
     group_count = np.bincount(seg_seq, minlength=tables.seq_lengths.size)
@@ -202,15 +206,16 @@ def _visible_segment_pairs(tables, causal: bool) -> tuple[np.ndarray, np.ndarray
     pair_first = np.concatenate(([0], np.cumsum(per)[:-1]))
     k_pos = group_first[seg_seq[group][q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, per)
     q_seg, k_seg = group[q_pos], group[k_pos]
-    # Causal: some key position <= some query position; full: always.
-    visible = seg_start[k_seg] < seg_end[q_seg] if causal else np.ones(q_seg.size, dtype=bool)
+    window = tables.seq_window[seg_seq[q_seg]]
+    reaches = (seg_end[q_seg] - 1 - seg_start[k_seg] >= 0) & (seg_start[q_seg] - seg_end[k_seg] + 1 <= window - 1)
+    visible = (window == 0) | reaches
     return q_seg[visible], k_seg[visible]
 
 
 def _check_coverage(plan: _Plan, blocks: _Blocks) -> _Tiles:
     """1. Coverage: every block pair with a visible (query, key) pair is one tile, run exactly once."""
     num_blocks, seg_block = blocks.num_blocks, plan.tables.seg_block
-    q_seg, k_seg = _visible_segment_pairs(plan.tables, plan.header.mask.value == "causal")
+    q_seg, k_seg = _visible_segment_pairs(plan.tables)
     required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
     tile_q, tile_rank = plan.stacked("tile_q_block")
     tile_kv, _ = plan.stacked("tile_kv_block")

@@ -11,7 +11,8 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
   because a rank starts stage s + 1 only after its stage-s messages are done.
 - The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
   the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
-  for a full mask and up to two under a causal one (query segments with their diagonal, and those without).
+  for a full mask and up to two under a causal one (query segments with their diagonal, and those without), and
+  one more per window a sliding window cuts a key segment with (:func:`kernel_calls`).
 - The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
   reshuffle starts when both ends have finished their last stage.
 Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
@@ -27,8 +28,10 @@ import numpy as np
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.tools.models import ModelPreset
 from fcp_compiler.core.ir import Batch, Sharding
+from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
-from fcp_compiler.core.passes.cost import RING_CLOSED_FORM_PAIRS, cost, count_segment_pairs, ring_cost, tile_efficiency
+from fcp_compiler.algorithms.visibility import visible_pairs
+from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, stack_ranks, stacked_pull_tokens,
                                              tiles_during_reshuffle)
 from fcp_compiler.core.stats import LSE_BYTES
@@ -330,30 +333,46 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
 
 
 def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 num_ranks: int, causal: bool) -> np.ndarray:
+                 num_ranks: int) -> np.ndarray:
     """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
-    query segment; under a causal mask entries holding their diagonal segment form one call, the rest another.
+    query segment with its wholly visible keys, those holding their diagonal segment in one causal call, the rest
+    in one unmasked call; under a sliding window each cut key segment (or a diagonal longer than the window) is an
+    entry of its own, one call per distinct window, and as many calls as a query segment has entries in it
+    (:mod:`fcp_compiler.algorithms.kernel_entries`).
 
     Returns:
         int64 [num_stages, num_ranks].
     """
-    if not tiles.has_pairs:  # closed-form tiles: one call per stage and rank (two under a causal mask)
-        runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_stages * num_ranks) > 0
-        return (runs * (2 if causal else 1)).astype(np.int64).reshape(num_stages, num_ranks)
+    num_slots = num_stages * num_ranks
+    sharding = tiles.sharding
+    if not tiles.has_pairs:  # closed-form tiles (all causal or all full): one call per stage and rank, two causal
+        runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_slots) > 0
+        per_run = 2 if bool(sharding.batch.seq_causal.any()) else 1
+        return (runs * per_run).astype(np.int64).reshape(num_stages, num_ranks)
     plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
     pair_plan_tile = plan_tile_of[tiles.pair_tile]
-    q_seg = tiles.pair_q_seg
+    q_seg, k_seg = tiles.pair_q_seg, tiles.pair_kv_seg
     slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
-    if not causal:
-        return (np.bincount(slot, minlength=num_stages * num_ranks) > 0).astype(np.int64).reshape(num_stages, -1)
-    num_segments = tiles.sharding.num_segments
-    entries, entry = unique_keys(slot * num_segments + q_seg, num_stages * num_ranks * num_segments,
+    start, end = sharding.seg_start, sharding.seg_end
+    kind, left, _, _ = classify_pairs(start[q_seg], end[q_seg], start[k_seg], end[k_seg],
+                                      sharding.batch.windows[sharding.seg_seq[q_seg]])
+    num_segments = sharding.num_segments
+    packed = kind <= CAUSAL
+    entries, entry = unique_keys(slot[packed] * num_segments + q_seg[packed], num_slots * num_segments,
                                  return_inverse=True)
-    diagonal = np.bincount(entry, weights=q_seg == tiles.pair_kv_seg, minlength=entries.size) > 0
+    diagonal = np.bincount(entry, weights=kind[packed] == CAUSAL, minlength=entries.size) > 0
     entry_slot = entries // num_segments
-    calls = (np.bincount(entry_slot[diagonal], minlength=num_stages * num_ranks) > 0).astype(np.int64)
-    calls += np.bincount(entry_slot[~diagonal], minlength=num_stages * num_ranks) > 0
+    calls = (np.bincount(entry_slot[diagonal], minlength=num_slots) > 0).astype(np.int64)
+    calls += np.bincount(entry_slot[~diagonal], minlength=num_slots) > 0
+    cut = ~packed
+    if cut.any():
+        # One call per (slot, window kind, left), repeated as often as one query segment recurs in it.
+        groups, group_of = np.unique(np.stack([slot[cut], kind[cut], left[cut]]), axis=1, return_inverse=True)
+        per_query, counts = np.unique(np.stack([group_of.ravel(), q_seg[cut]]), axis=1, return_counts=True)
+        most = np.zeros(groups.shape[1], dtype=np.int64)
+        np.maximum.at(most, per_query[0], counts)
+        calls += np.bincount(groups[0], weights=most, minlength=num_slots).astype(np.int64)
     return calls.reshape(num_stages, num_ranks)
 
 
@@ -412,8 +431,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                    shuffle_out):
         # Tiles that run during the input reshuffle are not a stage's calls.
         in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
-        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n,
-                             header.mask.value == "causal")[:num_stages]
+        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n)[:num_stages]
         push_stage, push_row = pushes(prefix)
         names = None
         if record:
@@ -445,8 +463,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                              links, header.reshuffle_overlap, record, forward.makespan, "bwd")
     planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
     return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
-                      single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, header.mask.value == "causal",
-                                                                    profile),
+                      single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=planned,
                       layout=header.layout.value, rank_tokens=_layer_tokens(header, tables, programs))
 
@@ -464,9 +481,9 @@ def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     programs = reader.ranks(expand=False)
     if compiled_tiles is not None and compiled_tiles.profile == profile:
         return header, tables, programs, profile, compiled_tiles
-    sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, mask=header.mask), block_size=header.block_size,
-                        zigzag=header.zigzag, seg_block=tables.seg_block, seg_seq=tables.seg_seq,
-                        seg_start=tables.seg_start, seg_end=tables.seg_end)
+    sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, windows=tables.seq_window),
+                        block_size=header.block_size, zigzag=header.zigzag, seg_block=tables.seg_block,
+                        seg_seq=tables.seg_seq, seg_start=tables.seg_start, seg_end=tables.seg_end)
     return header, tables, programs, profile, _tile_costs(header, sharding, programs, profile)
 
 
@@ -484,9 +501,9 @@ def _stack_tiles(programs, tiles, record: bool) -> tuple:
 
 
 def _tile_costs(header, sharding: Sharding, programs, profile: HardwareProfile):
-    """The plan's tiles costed on `profile`: in closed form for a ring past RING_CLOSED_FORM_PAIRS segment pairs,
-    as the compiler does, else pair by pair."""
-    if header.planner == "ring" and count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS:
+    """The plan's tiles costed on `profile`: in closed form for a ring where the compiler costs it so, else pair
+    by pair."""
+    if header.planner == "ring" and ring_in_closed_form(sharding):
         held, held_rank = stack_ranks(programs, "blocks")
         block_rank = np.empty(header.num_blocks, dtype=np.int64)
         block_rank[held] = held_rank
@@ -494,11 +511,11 @@ def _tile_costs(header, sharding: Sharding, programs, profile: HardwareProfile):
     return cost(sharding, header.shape, profile)
 
 
-def _single_gpu_efficiency(lengths: np.ndarray, causal: bool, profile: HardwareProfile) -> float:
-    """The efficiency one GPU reaches on the batch's work with one sequence per GPU (normalised MFU's divisor)."""
-    lengths = lengths.astype(np.float64)
-    pairs = lengths * (lengths + 1) / 2 if causal else lengths ** 2
-    return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths)).sum())
+def _single_gpu_efficiency(lengths: np.ndarray, windows: np.ndarray, profile: HardwareProfile) -> float:
+    """The efficiency one GPU reaches on the batch's work with one sequence per GPU (normalised MFU's divisor),
+    each sequence's visible pairs under its own mask."""
+    pairs = visible_pairs(0, lengths, 0, lengths, windows).astype(np.float64)
+    return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths.astype(np.float64))).sum())
 
 
 def _layer_tokens(header, tables, programs) -> np.ndarray:

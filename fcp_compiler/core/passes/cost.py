@@ -6,8 +6,9 @@ import numpy as np
 
 from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.core.ir import AttentionShape, HardwareProfile, Sharding, TileSet
+from fcp_compiler.core.ir import AttentionShape, HardwareProfile, MaskKind, Sharding, TileSet
 
 
 # Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past this many pairs (~8 GB)
@@ -20,10 +21,17 @@ RING_CLOSED_FORM_PAIRS = 4_000_000
 
 
 def count_segment_pairs(sharding: Sharding) -> int:
-    """How many (query segment, key segment) pairs of the same sequence the tile set will hold: per sequence cut
-    into g segments, g(g+1)/2 causal or g^2 full."""
+    """How many (query segment, key segment) pairs of the same sequence cost enumerates: per sequence cut into g
+    segments, g(g+1)/2 causal (a window drops some of them afterwards) or g^2 full."""
     per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
-    return int((per_seq * (per_seq + 1) // 2).sum() if sharding.batch.causal else (per_seq * per_seq).sum())
+    return int(np.where(sharding.batch.seq_causal, per_seq * (per_seq + 1) // 2, per_seq * per_seq).sum())
+
+
+def ring_in_closed_form(sharding: Sharding) -> bool:
+    """Whether the ring baseline is costed in closed form (:func:`ring_cost`): past RING_CLOSED_FORM_PAIRS segment
+    pairs, for a batch all causal or all full (windows are costed pair by pair)."""
+    return sharding.batch.mask in (MaskKind.CAUSAL, MaskKind.FULL) and \
+        count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS
 
 
 def tile_efficiency(profile: HardwareProfile, tokens: np.ndarray) -> np.ndarray:
@@ -61,23 +69,26 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
             f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
             f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
             f"cut every sequence into 2N chunks")
-    # Segments of one sequence never overlap, so in start order a key segment before the query one is seen whole,
-    # the same segment is a causal triangle, and (causal) a later one is not seen at all.
+    # Segments of one sequence never overlap, so in start order (causal) a later key segment is never seen; the
+    # earlier ones and the query segment itself are counted in closed form, under the sequence's window.
     seg_seq = sharding.seg_seq
     by_seq = np.lexsort((sharding.seg_start, seg_seq))
     group_count = np.bincount(seg_seq, minlength=sharding.batch.num_sequences)
     group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
     sorted_seq = seg_seq[by_seq]
-    sorted_tokens = sharding.seg_tokens[by_seq]
-    causal = sharding.batch.causal
+    window = sharding.batch.windows[sorted_seq]
     position = np.arange(by_seq.size) - group_first[sorted_seq]
-    pairs_per_seg = position + 1 if causal else group_count[sorted_seq]
+    pairs_per_seg = np.where(window > 0, position + 1, group_count[sorted_seq])
     q_pos = np.repeat(np.arange(by_seq.size), pairs_per_seg)
     pair_first = np.concatenate(([0], np.cumsum(pairs_per_seg)[:-1]))
     k_pos = np.repeat(group_first[sorted_seq], pairs_per_seg) + np.arange(q_pos.size) - np.repeat(pair_first,
                                                                                                     pairs_per_seg)
+    start, end = sharding.seg_start[by_seq], sharding.seg_end[by_seq]
+    pairs = visible_pairs(start[q_pos], end[q_pos], start[k_pos], end[k_pos], window[q_pos])
+    seen = pairs > 0  # under a window, earlier segments past its reach have no tile
+    q_pos, k_pos, pairs = q_pos[seen], k_pos[seen], pairs[seen]
+    sorted_tokens = sharding.seg_tokens[by_seq]
     q_len, k_len = sorted_tokens[q_pos], sorted_tokens[k_pos]
-    pairs = np.where(q_pos == k_pos, q_len * (q_len + 1) // 2, q_len * k_len) if causal else q_len * k_len
     q_seg, k_seg = by_seq[q_pos], by_seq[k_pos]
     flops = 4.0 * pairs * shape.q_heads * shape.head_dim
     efficiency = tile_efficiency(profile, np.sqrt(q_len * k_len.astype(np.float64)))
@@ -101,8 +112,9 @@ def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape:
     In a zig-zag ring every sequence has the same 2N chunk positions and rank r holds chunks r and 2N-1-r of each
     (:func:`~fcp_compiler.core.baselines.ring`), so tile (q rank i, kv rank j) sums, over the sequences, the visible
     pairs between those chunks (:func:`chunk_pair_sums`: one matrix product). Its time charges each sequence's pairs
-    at the efficiency of its chunk size, max(L / 2N, 1) (the pair path uses each segment pair's own sizes, which differ from
-    it by at most a token). FLOPs are exact. O(S N + N^2 S) in BLAS for S sequences.
+    at the efficiency of its chunk size, max(L / 2N, 1) (the pair path uses each segment pair's own sizes, which
+    differ from it by at most a token). FLOPs are exact. O(S N + N^2 S) in BLAS for S sequences. Only for a batch
+    whose sequences are all causal or all full (:func:`ring_in_closed_form` says when).
 
     Args:
         sharding: the ring's blocks (one per rank that holds tokens) and segments.
@@ -121,7 +133,8 @@ def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape:
     np.add.at(chunk_tokens, (sharding.seg_seq, chunk), sharding.seg_tokens)
     chunk_size = np.maximum(lengths / num_chunks, 1.0)
     per_pair = 4.0 * shape.q_heads * shape.head_dim
-    causal = sharding.batch.causal
+    assert sharding.batch.mask in (MaskKind.CAUSAL, MaskKind.FULL)
+    causal = sharding.batch.mask is MaskKind.CAUSAL
     by_rank = []
     for weights in (np.ones(lengths.size), 1.0 / tile_efficiency(profile, chunk_size)):
         sums = chunk_pair_sums(chunk_tokens, weights, causal)

@@ -107,6 +107,7 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
             tiles.tile_kv_block[tile_order])
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
-    global_arrays = {"seq_lengths": sharding.batch.lengths, "seg_block": sharding.seg_block,
+    global_arrays = {"seq_lengths": sharding.batch.lengths, "seq_window": sharding.batch.windows,
+                     "seg_block": sharding.seg_block,
                      "seg_seq": sharding.seg_seq, "seg_start": sharding.seg_start, "seg_end": sharding.seg_end}
     return assemble(header_fields, global_arrays, [out.rank(rank) for rank in range(num_ranks)])

@@ -8,12 +8,21 @@ from fcp_compiler.algorithms.packing import best_fit_decreasing
 from fcp_compiler.core.ir import Batch, Sharding
 
 
+def pairs_chunks(batch: Batch) -> np.ndarray:
+    """Per sequence, whether zig-zag pairing pays under its mask: always for causal and full ones (as asked), and
+    for a sliding window only when it reaches back half the sequence or more. Under a shorter window every block
+    past the first window carries the same work already, and pairing a chunk with its mirror would make the block
+    read keys at both ends of the sequence."""
+    return (batch.windows == 0) | (2 * batch.windows >= batch.lengths)
+
+
 def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     """Cut every sequence into blocks of at most `block_size` tokens.
 
-    A sequence of length L >= B gives floor(L / B) full blocks; with `zigzag` and at least two full blocks, its
-    first floor(L / B) * B tokens are cut into 2n chunks of B / 2 and block i holds chunks i and 2n - 1 - i, so that
-    every block of the sequence carries the same causal work. Short sequences and tails are packed whole into as few
+    A sequence of length L >= B gives floor(L / B) full blocks; with `zigzag`, at least two full blocks and a mask
+    under which pairing pays (:func:`pairs_chunks`), its first floor(L / B) * B tokens are cut into 2n chunks of
+    B / 2 and block i holds chunks i and 2n - 1 - i, so that every block of the sequence carries the same causal
+    work. Short sequences and tails are packed whole into as few
     blocks as best-fit decreasing finds, the tails of the longest sequences in blocks of their own where that
     costs no extra block. Full blocks come first in batch order, then packed blocks.
 
@@ -31,7 +40,8 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     full_first_block = np.concatenate(([0], np.cumsum(num_full)[:-1]))
     full_idx = np.arange(full_seq.size, dtype=np.int64) - np.repeat(full_first_block, num_full)
     num_full_blocks = int(full_seq.size)
-    paired = zigzag & (num_full[full_seq] >= 2) if num_full_blocks else np.zeros(0, dtype=bool)
+    pays = pairs_chunks(batch)
+    paired = zigzag & (num_full[full_seq] >= 2) & pays[full_seq] if num_full_blocks else np.zeros(0, dtype=bool)
     half = block_size // 2
     chunks_of_seq = 2 * num_full[full_seq]
     # Unpaired full blocks: one segment [i * B, (i + 1) * B). Paired: [i * h, (i + 1) * h) and its mirror chunk.

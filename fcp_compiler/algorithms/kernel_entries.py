@@ -1,0 +1,42 @@
+"""How a (query segment, key segment) pair of one sequence enters a varlen attention call under its mask.
+
+flash-attn's varlen contract aligns masks bottom-right: in an entry of Lq query rows and Lk key rows, row i sees key
+j when i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded; causal sets right = 0). Under a causal mask a
+key segment is wholly before the query segment (all visible) or is the query segment (the diagonal), so one entry
+packs all of a query segment's keys, the diagonal last. A sliding window of w keys splits that: a key segment
+partly out of reach gets an entry of its own, its rows trimmed to those that see something, with the window that
+makes bottom-right alignment exact; so does a diagonal longer than the window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+UNMASKED = 0  # every key seen: packed into the query segment's entry (a full mask, or an earlier key within reach)
+CAUSAL = 1  # the diagonal within one window: packed last into the entry, which runs causal
+WINDOW_DIAGONAL = 2  # the diagonal longer than the window: its own entry, causal with window (w - 1, 0)
+WINDOW_BEFORE = 3  # an earlier key segment partly out of reach: its own trimmed entry, window (left, -1)
+
+
+def classify_pairs(q_start, q_end, k_start, k_end, window) -> tuple[np.ndarray, ...]:
+    """Classify visible segment pairs (same sequence, keys not after the queries under a causal-type mask).
+
+    Args:
+        q_start, q_end, k_start, k_end: int arrays, positions inside the sequence (ends exclusive).
+        window: int array: keys a query sees back, itself included; 0 for a full mask.
+    Returns:
+        (kind, left, q_rows, k_first): kind as above; left, the window's left extent for WINDOW_* entries (w - 1,
+        or k_end - trimmed query end + w - 1), -1 otherwise; q_rows, how many query rows from the segment's start
+        the entry keeps (rows past k_end + w - 2 see no key of the segment); k_first, the first key row kept
+        (keys before q_start - w + 1 are seen by no query). O(1) per pair.
+    """
+    q_start, q_end, k_start, k_end, window = (np.asarray(a, dtype=np.int64) for a in (
+        q_start, q_end, k_start, k_end, window))
+    diagonal = (q_start == k_start) & (window > 0)
+    within = q_end - 1 - k_start <= window - 1  # the farthest pair is within reach: no key masked by the window
+    kind = np.where(window == 0, UNMASKED, np.where(
+        diagonal, np.where(within, CAUSAL, WINDOW_DIAGONAL), np.where(within, UNMASKED, WINDOW_BEFORE)))
+    q_stop = np.where(kind == WINDOW_BEFORE, np.minimum(q_end, k_end + window - 1), q_end)
+    k_first = np.where(kind == WINDOW_BEFORE, np.maximum(k_start, q_start - window + 1) - k_start, 0)
+    left = np.select([kind == WINDOW_DIAGONAL, kind == WINDOW_BEFORE], [window - 1, k_end - q_stop + window - 1], -1)
+    return kind, left, q_stop - q_start, k_first
