@@ -74,7 +74,17 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
         exhausted: set[int] = set()
         past_target = False  # second pass: helpers may pass the target while they stay below this rank
         while loads[overloaded] > target:
-            candidates = np.flatnonzero((loads < (loads[overloaded] if past_target else target))
+            mine = np.flatnonzero(tile_rank == overloaded)  # its own blocks' tiles and those it runs for others
+            if mine.size == 0:
+                break
+            block_load = np.bincount(tile_q_block[mine], weights=tile_seconds[mine])
+            heavy_block = int(np.argmax(block_load))
+            candidates_tiles = mine[tile_q_block[mine] == heavy_block]
+            # A helper takes something only if the smallest candidate tile fits it: the others are skipped at once
+            # rather than tried one by one (the choice is the same: the least loaded helper that takes a tile).
+            after = loads + float(tile_seconds[candidates_tiles].min())
+            takes = (after <= target) | (past_target & (after < loads[overloaded]))
+            candidates = np.flatnonzero((loads < (loads[overloaded] if past_target else target)) & takes
                                         & ~np.isin(np.arange(num_ranks), list(exhausted)))
             if candidates.size == 0:
                 if past_target:
@@ -83,12 +93,6 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
                 continue
             helper = int(candidates[np.argmin(loads[candidates])])
             need = loads[overloaded] - target
-            mine = np.flatnonzero(tile_rank == overloaded)  # its own blocks' tiles and those it runs for others
-            if mine.size == 0:
-                break
-            block_load = np.bincount(tile_q_block[mine], weights=tile_seconds[mine])
-            heavy_block = int(np.argmax(block_load))
-            candidates_tiles = mine[tile_q_block[mine] == heavy_block]
             helper_has = np.zeros(block_rank.size, dtype=bool)
             helper_has[block_rank == helper] = True
             helper_has[tile_kv_block[tile_rank == helper]] = True

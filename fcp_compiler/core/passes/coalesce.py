@@ -93,19 +93,14 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
 
 def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipelined: bool, tile_kv_edge: np.ndarray,
              tile_q_edge: np.ndarray, budget: int) -> PassSchedule:
-    """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds."""
-    push_edge = np.flatnonzero(transfers.edge_kind == TransferKind.Q)
-    tile_stage = _tile_stages(transfers, pull_round, push_edge, coalesce, pipelined, tile_kv_edge, tile_q_edge, budget)
-    return _forward_pushes(transfers, pull_round, tile_stage, coalesce, tile_kv_edge, tile_q_edge)
-
-
-def _forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, coalesce: int,
-                   tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
-    """The forward program with its partial outputs pushed back along the Q pulls
+    """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds
     (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
-    push_edge, push_round = forward_push_rounds(
-        transfers.edge_kind == TransferKind.Q, transfers.edge_src, transfers.edge_dst, transfers.assignment.num_ranks,
-        pull_round, tile_stage, tile_kv_edge, tile_q_edge, coalesce)
+    is_q = transfers.edge_kind == TransferKind.Q
+    tile_stage = _tile_stages(transfers, pull_round, np.flatnonzero(is_q), coalesce, pipelined, tile_kv_edge,
+                              tile_q_edge, budget)
+    push_edge, push_round = forward_push_rounds(is_q, transfers.edge_src, transfers.edge_dst,
+                                                transfers.assignment.num_ranks, pull_round, tile_stage, tile_kv_edge,
+                                                tile_q_edge, coalesce)
     return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
@@ -113,20 +108,14 @@ def _forward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np
 def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pipelined: bool,
               tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
     """Pulls in the even rounds (round 2r for round r of the backward order); tiles as soon as their data is there
-    (a later tile would hold its block longer); gradients pushed back by :func:`_backward_pushes`."""
+    (a later tile would hold its block longer); every gradient pushed back along its pull, relays after the pushes
+    they sum (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     pull_round = 2 * forward_round
-    push_edge = np.arange(transfers.num_edges)
-    tile_stage = _tile_stages(transfers, pull_round, push_edge, coalesce, pipelined, tile_kv_edge, tile_q_edge, None)
-    return _backward_pushes(transfers, pull_round, tile_stage, coalesce, tile_kv_edge, tile_q_edge)
-
-
-def _backward_pushes(transfers: Transfers, pull_round: np.ndarray, tile_stage: np.ndarray, coalesce: int,
-                    tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
-    """The backward program with every gradient pushed back along its pull, relays after the pushes they sum
-    (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
-    push_edge, push_round = backward_push_rounds(
-        transfers.edge_src, transfers.edge_dst, transfers.edge_parent, transfers.assignment.num_ranks, pull_round,
-        tile_stage, tile_kv_edge, tile_q_edge, coalesce)
+    tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, pipelined,
+                              tile_kv_edge, tile_q_edge, None)
+    push_edge, push_round = backward_push_rounds(transfers.edge_src, transfers.edge_dst, transfers.edge_parent,
+                                                 transfers.assignment.num_ranks, pull_round, tile_stage,
+                                                 tile_kv_edge, tile_q_edge, coalesce)
     return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
