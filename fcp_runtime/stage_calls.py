@@ -153,13 +153,13 @@ def _build(plan: RankPlan, tiles: tuple[int, ...], device) -> list[KernelCall]:
     for (causal, window), group in sorted(_grouped_entries(plan, entries).items(), key=lambda item: (
             not item[0][0], item[0][1])):
         # A query segment at most once a call: its partial outputs merge one call at a time.
-        rounds: list[list] = []
+        split: list[list] = []
         for entry in group:
-            slot = next((r for r in rounds if all(e[0][:2] != entry[0][:2] for e in r)), None)
+            slot = next((call for call in split if all(e[0][:2] != entry[0][:2] for e in call)), None)
             if slot is None:
-                rounds.append(slot := [])
+                split.append(slot := [])
             slot.append(entry)
-        calls.extend(_call(plan, causal, window, entries_of_call, tiles, device) for entries_of_call in rounds)
+        calls.extend(_call(plan, causal, window, entries_of_call, tiles, device) for entries_of_call in split)
     return calls
 
 

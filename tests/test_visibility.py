@@ -1,10 +1,10 @@
-"""visible_pairs and segments_see_each_other against brute force over every (query, key) pair."""
+"""visible_pairs against brute force over every (query, key) pair."""
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fcp_compiler.algorithms.visibility import segments_see_each_other, visible_pairs
+from fcp_compiler.algorithms.visibility import visible_pairs
 
 
 def brute_force(q_start, q_end, k_start, k_end, window) -> int:
@@ -21,7 +21,6 @@ ranges = st.tuples(st.integers(0, 60), st.integers(1, 40)).map(lambda t: (t[0], 
 def test_visible_pairs_match_brute_force(queries, keys, window):
     expected = brute_force(*queries, *keys, window)
     assert int(visible_pairs(*queries, *keys, window)) == expected
-    assert bool(segments_see_each_other(*queries, *keys, window)) == (expected > 0)
 
 
 def test_vectorised_and_causal_is_a_window_as_long_as_the_sequence():

@@ -38,12 +38,3 @@ def visible_pairs(q_start, q_end, k_start, k_end, window) -> np.ndarray:
     beyond = _pairs_at_least(q_start, q_end, k_start, k_end, np.maximum(window, 1))
     return np.where(window > 0, causal - beyond, (q_end - q_start) * (k_end - k_start))
 
-
-def segments_see_each_other(q_start, q_end, k_start, k_end, window) -> np.ndarray:
-    """Whether any query of [q_start, q_end) sees any key of [k_start, k_end) (same sequence, mask as in
-    :func:`visible_pairs`): the differences q - k cover [q_start - k_end + 1, q_end - 1 - k_start], which must meet
-    [0, window - 1]."""
-    window = np.asarray(window, dtype=np.int64)
-    reaches = (np.asarray(q_end) - 1 - np.asarray(k_start) >= 0) & (np.asarray(q_start) - np.asarray(k_end) + 1
-                                                                   <= window - 1)
-    return np.where(window > 0, reaches, True)
