@@ -13,6 +13,7 @@ from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, Atten
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
 
 MAX_COALESCE = 2**16  # rounds per stage
+_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask"})
 DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
 
 
@@ -55,6 +56,8 @@ class CompileOptions:
         if unknown:
             raise InvalidInputError(f"unknown compile option {unknown[0]!r}; valid: "
                                     f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        # None means "the default" for the fields whose default is not None itself.
+        fields = {name: value for name, value in fields.items() if value is not None or name in _NONE_IS_A_VALUE}
         for name, kind, what in (("zigzag", ZigzagMode, "zigzag"), ("layout", Layout, "layout"),
                                  ("planner", Planner, "planner")):
             if fields.get(name) is not None:
@@ -63,10 +66,6 @@ class CompileOptions:
             fields["mask"] = parse_mask(fields["mask"])
         if isinstance(fields.get("profile"), str):
             fields["profile"] = load_profile(fields["profile"])
-        if "shape" in fields and fields["shape"] is None:
-            del fields["shape"]
-        if "profile" in fields and fields["profile"] is None:
-            del fields["profile"]
         options = cls(num_ranks=num_ranks, **fields)
         options.check()
         return options
