@@ -53,6 +53,9 @@ def compile_command(
     kv_heads: int = typer.Option(8, "--kv-heads"),
     head_dim: int = typer.Option(128, "--head-dim"),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
+    model: str = typer.Option("llama3-70b", "--model", help="the layer whose per-rank time (linear layers on a "
+                                                            "rank's tokens + attention) placement balances: "
+                                                            "llama3-8b, llama3-70b or none (attention alone)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
@@ -65,12 +68,13 @@ def compile_command(
     from fcp_compiler.format.inputs import load_batch, make_shape
     from fcp_compiler.format.safe_io import check_output_target, write_files_atomic
     from fcp_compiler.tools.report import compile_summary
+    from fcp_compiler.tools.simulate import layer_stats
 
     options = CompileOptions.of(gpus, block_size=block_size, coalesce=coalesce, token_cap=token_cap,
                                 token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
                                 shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=profile, mask=mask,
                                 pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
-                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner)
+                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model)
     if batch.suffix == ".jsonl":
         _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
@@ -79,13 +83,14 @@ def compile_command(
         if target is not None:
             check_output_target(target)
     plan = compile_plan(load_batch(batch), options=options)
+    figures = {**plan.stats, **layer_stats(plan)}  # the simulated layer makespans and their gap to the bound
     # The plan and its figures land together or not at all.
     files = [(output, plan.to_bytes())]
     if stats:
-        files.append((stats, (json.dumps(plan.stats, indent=2, sort_keys=True) + "\n").encode()))
+        files.append((stats, (json.dumps(figures, indent=2, sort_keys=True) + "\n").encode()))
     write_files_atomic(files)
     if not quiet:
-        typer.echo(compile_summary(plan.stats, str(output)))
+        typer.echo(compile_summary(figures, str(output)))
 
 
 def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options) -> None:
@@ -157,8 +162,8 @@ def _is_plan_file(source: Path, magic: bytes) -> bool:
         return handle.read(len(magic)) == magic
 
 
-def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
-    """A plan file as it is, or a batch JSON compiled for --gpus."""
+def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], model: Optional[str] = None):
+    """A plan file as it is, or a batch JSON compiled for --gpus (placed for `model`, default llama3-70b)."""
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.format.plan_format import MAGIC, PlanReader
@@ -167,7 +172,8 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str]):
         return PlanReader(str(source))
     if gpus is None:
         raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
-    return compile_plan(load_batch(source), gpus, profile=profile or "h100").to_bytes()
+    return compile_plan(load_batch(source), gpus, profile=profile or "h100",
+                        **({"model": model} if model is not None else {})).to_bytes()
 
 
 @app.command("simulate")
@@ -178,28 +184,29 @@ def simulate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto)"),
     model: Optional[str] = typer.Option(None, "--model",
-                                        help="add a whole layer's linear parts: llama3-8b or llama3-70b"),
+                                        help="the layer around attention: llama3-8b, llama3-70b or none "
+                                             "[the plan's]"),
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
     from fcp_compiler.format.inputs import load_profile
     from fcp_compiler.format.validate import validate_plan
-    from fcp_compiler.tools.models import load_model
+    from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
     from fcp_compiler.tools.simulate import simulate_plan, write_trace
 
-    layer_model = load_model(model) if model else None
-    data = _plan_or_batch(source, gpus, profile)
+    if model is not None:
+        load_model(model)  # a bad name fails before any work
+    data = _plan_or_batch(source, gpus, profile, model)
     if not isinstance(data, bytes):
         validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
-    simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None)
+    simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None,
+                               model=model)
     figures = simulation.figures()
-    if layer_model:
-        figures.update(simulation.layer_figures(layer_model))
     if json_out:
         _write_json(json_out, figures)
     if trace:
         write_trace(simulation, trace)
-    typer.echo(simulation_summary(figures, layer_model.name if layer_model else None, trace))
+    typer.echo(simulation_summary(figures, trace))
 
 
 @app.command("ablate")
@@ -241,11 +248,14 @@ def compare_command(
     tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)"),
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
     profile: str = typer.Option("h100", "--profile"),
+    model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
+                                                            "none"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]"),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
                                                              "needs matplotlib)"),
 ) -> None:
-    """FCP beside the baselines at each scale: balance, traffic, rounds, simulated normalized MFU, speedup."""
+    """FCP beside the baselines at each scale, ranked by layer makespan: gap to the bound, balance, traffic, MFU."""
     from fcp_compiler.core.baselines import Planner
     from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.format.inputs import load_batch
@@ -270,8 +280,10 @@ def compare_command(
     else:
         fixed = load_batch(batch)
         batch_for = lambda n: fixed  # noqa: E731
-    rows = compare(batch_for, scales, chosen, progress=lambda line: typer.echo(line, err=True),
-                   options=CompileOptions.of(1, profile=profile))
+    if jobs is not None and jobs < 1:
+        raise InvalidInputError(f"--jobs {jobs} must be >= 1")
+    rows = compare(batch_for, scales, chosen, progress=lambda line: typer.echo(line, err=True), jobs=jobs,
+                   options=CompileOptions.of(1, profile=profile, model=model))
     if json_out:
         _write_json(json_out, {"results": rows})
     if plot:

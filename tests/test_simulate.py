@@ -153,7 +153,7 @@ def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout)
 
 
 def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
-    from fcp_compiler.tools.models import MODEL_PRESETS
+    from fcp_compiler.format.models import MODEL_PRESETS
 
     lengths = [3000, 700, 90, 1500, 260, 1200]
     model = MODEL_PRESETS["llama3-8b"]

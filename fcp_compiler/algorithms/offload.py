@@ -47,7 +47,7 @@ def split_heavy_blocks(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile
 
 def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seconds: np.ndarray,
                   block_rank: np.ndarray, num_ranks: int, target: float,
-                  tile_rank: np.ndarray | None = None) -> np.ndarray:
+                  tile_rank: np.ndarray | None = None, fixed_load: np.ndarray | None = None) -> np.ndarray:
     """Move tiles from ranks above `target` to the least-loaded ranks until no rank is above it (if possible).
 
     Objective: bring the largest per-rank load down to `target` while moving little data. A tile that runs on a
@@ -65,11 +65,14 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
         num_ranks: N.
         target: the load no rank should exceed (at least the mean load, or it cannot be met).
         tile_rank: where tiles run before this pass (default: on their query block's owner).
+        fixed_load: per-rank load that no tile move changes (the linear layers of the tokens a rank holds).
     Returns:
         int64 array, the rank that runs each tile.
     """
     tile_rank = (block_rank[tile_q_block] if tile_rank is None else tile_rank).astype(np.int64)
     loads = np.bincount(tile_rank, weights=tile_seconds, minlength=num_ranks)
+    if fixed_load is not None:
+        loads = loads + fixed_load
     for overloaded in np.argsort(-loads, kind="stable").tolist():
         exhausted: set[int] = set()
         past_target = False  # second pass: helpers may pass the target while they stay below this rank

@@ -10,10 +10,11 @@ from fcp_compiler.core.ir import ZigzagMode
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
                                         Mask, load_profile, parse_mask)
+from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, ModelPreset, load_model
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
 
 MAX_COALESCE = 2**16  # rounds per stage
-_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask"})
+_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model"})
 DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
 
 
@@ -38,6 +39,9 @@ class CompileOptions:
     shape: AttentionShape = field(default_factory=AttentionShape)
     profile: HardwareProfile = field(default_factory=lambda: PRESET_PROFILES["h100"])
     mask: Mask | None = None  # overrides the batch's own mask (or masks)
+    # The layer around attention whose per-rank time (linear layers on a rank's tokens, plus its attention) the
+    # placement balances; None: attention alone.
+    model: ModelPreset | None = field(default_factory=lambda: MODEL_PRESETS[DEFAULT_MODEL])
     planner: Planner = Planner.FCP
     # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
     pipelined: bool = True
@@ -64,6 +68,8 @@ class CompileOptions:
                 fields[name] = _enum(kind, fields[name], what)
         if fields.get("mask") is not None:
             fields["mask"] = parse_mask(fields["mask"])
+        if isinstance(fields.get("model"), str):
+            fields["model"] = load_model(fields["model"])
         if isinstance(fields.get("profile"), str):
             fields["profile"] = load_profile(fields["profile"])
         options = cls(num_ranks=num_ranks, **fields)
@@ -74,6 +80,11 @@ class CompileOptions:
         """A copy with `changes` applied and checked (the same values :meth:`of` takes)."""
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return CompileOptions.of(**{**current, **changes})
+
+    @property
+    def model_name(self) -> str:
+        """The model preset's name, or "none"."""
+        return self.model.name if self.model is not None else NO_MODEL
 
     @property
     def resolved_block_size(self) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 
 from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, ZigzagMode
+from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
@@ -74,6 +75,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
+        "model": options.model_name,
     }
     if options.token_tolerance is not None:  # absent by default, so earlier plans keep their digest
         canonical["token_tolerance"] = options.token_tolerance
@@ -172,7 +174,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     header_fields = _header_fields(final, options, assignment.token_cap, inputs_digest(the_batch, options, cap))
     data = timer.run("encode", encode, final, header_fields)
     compile_seconds = time.perf_counter() - total_start
-    stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value)
+    stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
@@ -188,7 +190,9 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
                                                         & (batch.lengths >= 2 * block_size)).any()))
         sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
-        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, options.token_tolerance)
+        linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT
+        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, options.token_tolerance,
+                         linear)
     sharding, block_rank = timer.run("shard", BASELINES[planner], batch, num_ranks, block_size, cap)
     if planner is Planner.RING and ring_in_closed_form(sharding):
         tiles = timer.run("cost", ring_cost, sharding, block_rank, num_ranks, options.shape, options.profile)
@@ -213,7 +217,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
                 zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
-                num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile,
+                num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile, model=options.model_name,
                 layout=options.layout, num_rounds=rounds.num_rounds, num_fwd_rounds=schedule.forward.num_rounds,
                 num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,
                 num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,

@@ -8,9 +8,9 @@ import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.core.ir import PassSchedule, Reshuffle, TransferKind, Transfers
+from fcp_compiler.core.layer_model import LSE_BYTES, layer_bounds
 from fcp_compiler.core.passes.coalesce import max_buffer_tokens
-
-LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output
+from fcp_compiler.format.models import NO_MODEL, ModelPreset
 
 
 def forward_messages(final: Reshuffle) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,8 +73,9 @@ def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
 
 
 def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
-               layout: str) -> dict:
-    """Every figure of the --stats JSON for a compiled plan."""
+               layout: str, model: ModelPreset | None = None) -> dict:
+    """Every figure of the --stats JSON for a compiled plan that needs no simulation (the CLI adds the simulated
+    layer makespans and their gap to these bounds)."""
     schedule = final.schedule
     rounds = schedule.rounds
     transfers = rounds.transfers
@@ -83,6 +84,8 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
     sharding = tiles.sharding
     compute = assignment.rank_seconds
     received, sent = forward_comm_bytes(final)
+    layer = layer_bounds(sharding.batch, tiles.shape, tiles.profile, model, assignment.num_ranks,
+                         assignment.token_cap)
     bound, bound_kind = makespan_lower_bound(float(tiles.tile_seconds.sum()), assignment.num_ranks,
                                              float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
     return {
@@ -121,6 +124,10 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
         "lower_bound_kind": bound_kind,
         "max_rank_compute_seconds": float(compute.max()),
+        "model": model.name if model is not None else NO_MODEL,
+        "layer_makespan_lower_bound_fwd_s": layer["fwd"]["bound_s"],
+        "layer_makespan_lower_bound_bwd_s": layer["bwd"]["bound_s"],
+        "layer_bound_binding": {"fwd": layer["fwd"]["binding"], "bwd": layer["bwd"]["binding"]},
         "total_comm_bytes": int(received.sum()),
         "max_rank_recv_bytes": int(received.max()),
         "max_rank_sent_bytes": int(sent.max()),

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
+from fcp_compiler.format.models import MODEL_PRESETS, NO_MODEL
 from fcp_compiler.format.plan_structure import check_rank_arrays, check_tables
 from fcp_compiler.format.safe_io import open_regular_file
 
@@ -44,7 +45,7 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
-FORMAT_VERSION = 6  # 6: per-sequence masks (seq_window)
+FORMAT_VERSION = 7  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
@@ -81,7 +82,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[6] = FORMAT_VERSION
+    format_version: Literal[7] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
@@ -98,6 +99,8 @@ class PlanHeader(BaseModel):
     num_blocks: int = Field(..., ge=1, le=MAX_INT32)
     shape: AttentionShape
     profile: HardwareProfile
+    model: str = Field(..., description="the model preset whose per-rank layer time (linear layers on a rank's tokens "
+                                        "plus its attention) the placement balances, or none (attention alone)")
     layout: Layout = Field(..., description="plan: every layer holds tokens in the plan layout (dispatched once); "
                                            "user: attention reshuffles to and from the user layout")
     num_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the forward pulls (their largest degree)")
@@ -134,6 +137,13 @@ class PlanHeader(BaseModel):
             raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
                              f"holds")
         return self
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        if name != NO_MODEL and name not in MODEL_PRESETS:
+            raise ValueError(f"model {name!r} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
+        return name
 
     @field_validator("rank_sha256")
     @classmethod

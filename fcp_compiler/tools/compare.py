@@ -8,6 +8,7 @@ from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.format.validate import validate_plan
 from fcp_compiler.tools.parallel import map_on_cores
 from fcp_compiler.tools.simulate import simulate_plan
 
@@ -17,7 +18,10 @@ FCP_USER = "fcp-user"  # FCP compiled for the user layout (reshuffle around atte
 
 
 FIGURES = ("compute_imbalance", "comm_imbalance", "total_comm_bytes", "max_rank_comm_bytes", "num_rounds",
-           "normalized_mfu_fwd", "normalized_mfu_bwd", "makespan_fwd_s", "makespan_bwd_s", "compile_seconds")
+           "normalized_mfu_fwd", "normalized_mfu_bwd", "makespan_fwd_s", "makespan_bwd_s", "compile_seconds",
+           "layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", "layer_gap_bwd", "normalized_layer_mfu")
+LAYER_FIGURES = ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", "layer_gap_bwd",
+                 "normalized_layer_mfu")
 
 
 def _one(job: tuple[int, str]) -> dict:
@@ -32,6 +36,7 @@ def _one(job: tuple[int, str]) -> dict:
     except InfeasibleError as error:
         # One method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
         return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}
+    validate_plan(plan.to_bytes())  # a plan is scored only if it keeps every invariant the simulator trusts
     figures = simulate_plan(plan).figures()
     stats = plan.stats
     return {"method": method, "gpus": gpus, "layout": layout, "compute_imbalance": stats["compute_imbalance"],
@@ -39,7 +44,7 @@ def _one(job: tuple[int, str]) -> dict:
             "max_rank_comm_bytes": stats["max_rank_recv_bytes"], "num_rounds": stats["num_rounds"],
             "normalized_mfu_fwd": figures["normalized_mfu_fwd"], "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
             "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
-            "compile_seconds": stats["compile_seconds"]}
+            "compile_seconds": stats["compile_seconds"], **{name: figures[name] for name in LAYER_FIGURES}}
 
 
 def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],
@@ -59,8 +64,10 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
         options: the other compile options (block size, profile, ...; default the seed's setting); each job sets its
             own ranks, planner and layout.
     Returns:
-        one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes and
-        FCP's speedup over each; a method that could not plan a scale has None figures and an "error" line.
+        one row per (method, gpus), in scale then method order, with the figures `fcp compare --json` writes, its
+        place among the methods at that scale by layer makespan (forward plus backward, 1 the fastest) and FCP's
+        speedup over it (its layer makespan over FCP's, each pass); a method that could not plan a scale has None
+        figures and an "error" line. Every plan is validated before it is scored.
     """
     names = [Planner(method).value for method in methods]
     if Planner.FCP.value in names:
@@ -76,12 +83,16 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
                 f"normalized MFU fwd {row['normalized_mfu_fwd']:.3f}"))
     rows = [results[job] for job in order]
     for gpus in scales:
+        planned = sorted((r for r in rows if r["gpus"] == gpus and not r.get("error")),
+                         key=lambda r: (r["layer_makespan_fwd_s"] + r["layer_makespan_bwd_s"], r["method"]))
+        for place, row in enumerate(planned, start=1):
+            row["layer_rank"] = place
         fcp = results.get((gpus, Planner.FCP.value))
         if not fcp or fcp.get("error"):
             continue
-        for row in (r for r in rows if r["gpus"] == gpus and not r.get("error")):
-            row["fcp_speedup_fwd"] = fcp["normalized_mfu_fwd"] / row["normalized_mfu_fwd"]
-            row["fcp_speedup_bwd"] = fcp["normalized_mfu_bwd"] / row["normalized_mfu_bwd"]
+        for row in planned:
+            row["fcp_speedup_fwd"] = row["layer_makespan_fwd_s"] / fcp["layer_makespan_fwd_s"]
+            row["fcp_speedup_bwd"] = row["layer_makespan_bwd_s"] / fcp["layer_makespan_bwd_s"]
     return rows
 
 

@@ -10,10 +10,10 @@ from fcp_compiler.format.plan_format import PlanReader, stack_ranks, stacked_pul
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
            "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
-           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False}
+           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True}
 PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
               "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
-              "reshuffle_overlap", "format_version")
+              "reshuffle_overlap", "format_version", "model")
 
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
@@ -39,7 +39,10 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     if simulate:
         sim = simulation.figures()
         figures.update(normalized_mfu_fwd=sim["normalized_mfu_fwd"], normalized_mfu_bwd=sim["normalized_mfu_bwd"],
-                       makespan_fwd_s=sim["makespan_fwd_s"], makespan_bwd_s=sim["makespan_bwd_s"])
+                       makespan_fwd_s=sim["makespan_fwd_s"], makespan_bwd_s=sim["makespan_bwd_s"],
+                       layer_makespan_fwd_s=sim["layer_makespan_fwd_s"],
+                       layer_makespan_bwd_s=sim["layer_makespan_bwd_s"], layer_gap_fwd=sim["layer_gap_fwd"],
+                       layer_gap_bwd=sim["layer_gap_bwd"])
     return figures
 
 

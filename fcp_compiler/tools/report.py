@@ -34,6 +34,17 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
+def _layer_line(stats: dict) -> list[str]:
+    """The layer makespans beside their certified lower bounds, when the stats hold them."""
+    if "layer_gap_fwd" not in stats:
+        return []
+    parts = [f"{name} {stats[f'layer_makespan_{name}_s'] * 1e3:.2f} ms (bound "
+             f"{stats[f'layer_makespan_lower_bound_{name}_s'] * 1e3:.2f}, gap {stats[f'layer_gap_{name}']:.3f})"
+             for name in ("fwd", "bwd")]
+    return [f"  layer ({stats['model']}): " + ", ".join(parts) + f"; normalized layer MFU "
+            f"{stats['normalized_layer_mfu']:.3f}"]
+
+
 def compile_summary(stats: dict, path: str | None) -> str:
     """The table `fcp compile` prints."""
     blocks = "zigzag" if stats["zigzag"] else "plain"
@@ -52,6 +63,7 @@ def compile_summary(stats: dict, path: str | None) -> str:
         f"{human_bytes(stats['max_rank_recv_bytes'])}; exchange rounds fwd {stats['num_fwd_rounds']} "
         f"(degree {stats['fwd_exchange_degree']}), bwd {stats['num_bwd_rounds']} (degree "
         f"{stats['bwd_exchange_degree']}); live buffers <= {stats['max_buffer_tokens']} tokens",
+        *_layer_line(stats),
         "  compile {:.3f} s: {}".format(stats["compile_seconds"], "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
     ]
@@ -61,16 +73,19 @@ def compile_summary(stats: dict, path: str | None) -> str:
 
 
 def compare_rows(rows: Sequence[dict]) -> str:
-    """The table `fcp compare` prints; methods that could not plan a scale are listed under it with the reason."""
-    def speedup(row: dict) -> str:
-        return f"{row['fcp_speedup_fwd']:.2f}x" if row.get("fcp_speedup_fwd") else "-"
+    """The table `fcp compare` prints, each scale's methods ranked by layer makespan; methods that could not plan a
+    scale are listed under it with the reason."""
+    def speedup(row: dict, key: str) -> str:
+        return f"{row[f'fcp_speedup_{key}']:.2f}x" if row.get(f"fcp_speedup_{key}") else "-"
 
-    planned = [r for r in rows if not r.get("error")]
-    lines = [table(["method", "gpus", "compute imb", "comm imb", "total bytes", "max rank bytes", "rounds",
-                    "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd"],
-                   [[r["method"], r["gpus"], f"{r['compute_imbalance']:.3f}", f"{r['comm_imbalance']:.3f}",
-                     human_bytes(r["total_comm_bytes"]), human_bytes(r["max_rank_comm_bytes"]), r["num_rounds"],
-                     f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}", speedup(r)]
+    planned = sorted((r for r in rows if not r.get("error")), key=lambda r: (r["gpus"], r["layer_rank"]))
+    lines = [table(["gpus", "rank", "method", "layer fwd ms", "layer bwd ms", "gap fwd", "gap bwd", "compute imb",
+                    "max rank bytes", "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd", "bwd"],
+                   [[r["gpus"], r["layer_rank"], r["method"], f"{r['layer_makespan_fwd_s'] * 1e3:.2f}",
+                     f"{r['layer_makespan_bwd_s'] * 1e3:.2f}", f"{r['layer_gap_fwd']:.3f}", f"{r['layer_gap_bwd']:.3f}",
+                     f"{r['compute_imbalance']:.3f}", human_bytes(r["max_rank_comm_bytes"]),
+                     f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}", speedup(r, "fwd"),
+                     speedup(r, "bwd")]
                     for r in planned])]
     lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
     lines.append("  every baseline in the plan layout (tokens dispatched once, as their systems do); fcp in the plan "
@@ -163,8 +178,9 @@ def inspect_summary(path, header, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def simulation_summary(figures: dict, model_name: str | None = None, trace=None) -> str:
-    """The tables `fcp simulate` prints: each pass's makespan and MFU, and a whole layer's with --model."""
+def simulation_summary(figures: dict, trace=None) -> str:
+    """The tables `fcp simulate` prints: each pass's attention makespan and MFU, then the whole layer of the
+    plan's model (or --model) rank by rank, beside its certified lower bound."""
     busy_fwd = [row["busy_fwd_s"] for row in figures["per_rank"]]
     lines = [table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms"], [
         [name, f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'attention_mfu_{key}']:.3f}",
@@ -173,13 +189,17 @@ def simulation_summary(figures: dict, model_name: str | None = None, trace=None)
         f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
         f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
         + (f"; trace in {trace}" if trace else "")]
-    if model_name:
-        lines.append(f"  one {model_name} layer, {figures['layout']} layout:")
-        lines.append(table(["pass", "linear ms", "reshuffle ms", "attention ms", "layer ms"], [
-            [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
-             f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}"]
-            for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
-        lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}")
+    terms = figures["layer_bound_terms"]
+    lines.append(f"  one layer ({figures['model']}), {figures['layout']} layout, each rank's linear layers around "
+                 f"its attention:")
+    lines.append(table(["pass", "linear ms", "reshuffle ms", "layer ms", "bound ms", "bound by", "gap"], [
+        [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
+         f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}",
+         f"{figures[f'layer_makespan_lower_bound_{key}_s'] * 1e3:.2f}", terms[key]["binding"],
+         f"{figures[f'layer_gap_{key}']:.3f}"]
+        for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
+    lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}, normalized "
+                 f"{figures['normalized_layer_mfu']:.3f}")
     return "\n".join(lines)
 
 

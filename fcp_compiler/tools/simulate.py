@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fcp_compiler.format.inputs import HardwareProfile, Layout
-from fcp_compiler.tools.models import ModelPreset
+from fcp_compiler.format.models import ModelPreset, load_model
 from fcp_compiler.core.ir import Batch, Sharding
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
@@ -34,10 +34,7 @@ from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, stack_ranks, stacked_pull_tokens,
                                              tiles_during_reshuffle)
-from fcp_compiler.core.stats import LSE_BYTES
-
-BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
-BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
+from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
 # Trace tracks (Chrome trace thread ids) of each rank's process.
 TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
           ("bwd", "recv"): 5}
@@ -162,9 +159,13 @@ class _TraceRecorder:
 
 
 def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
-                  time_offset: float = 0.0, label: str = "fwd") -> PassResult:
-    """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised."""
+                  time_offset: float = 0.0, label: str = "fwd", rank_start: np.ndarray | None = None) -> PassResult:
+    """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised.
+
+    rank_start: when each rank may begin (its linear layers before attention); a message waits for both ends.
+    """
     n = data.num_ranks
+    begin = np.zeros(n) if rank_start is None else np.asarray(rank_start, dtype=np.float64)
     events: list[dict] = []
     work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
                           minlength=max(data.num_stages, 1) * n).reshape(-1, n)
@@ -178,18 +179,19 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     trace = _TraceRecorder(events=events, data=data, links=links, time_offset=time_offset, label=label)
     # Input reshuffle, with the tiles whose tokens stay local.
     src, dst, nbytes = data.reshuffle_in
-    ends = _message_ends(np.zeros(src.size), src, dst, nbytes, links, n)
-    comm_end = np.zeros(n)
+    t0 = np.maximum(begin[src], begin[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    comm_end = begin.copy()
     np.maximum.at(comm_end, src, ends)
     np.maximum.at(comm_end, dst, ends)
     has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
-    compute_end = _compute_end(np.zeros(n), early_work, comm_end, has_comm, links.sm_fraction)
-    busy += compute_end
+    compute_end = _compute_end(begin, early_work, comm_end, has_comm, links.sm_fraction)
+    busy += compute_end - begin
     if record:
-        trace.messages(np.zeros(src.size), ends, src, dst, None, "reshuffle in")
-        trace.compute(np.zeros(n), compute_end, early, "reshuffle")
+        trace.messages(t0, ends, src, dst, None, "reshuffle in")
+        trace.compute(begin, compute_end, early, "reshuffle")
     start = np.maximum(comm_end, compute_end)
-    reshuffle_in = float(comm_end.max()) if src.size else 0.0
+    reshuffle_in = float((ends - t0).max()) if src.size else 0.0
 
     order = np.argsort(data.flow_stage, kind="stable")
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
@@ -228,10 +230,21 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Simulation:
-    """Figures of a simulated plan (DESIGN section 5) and, when recorded, its Chrome trace events."""
+    """Figures of a simulated plan (DESIGN section 5) and, when recorded, its Chrome trace events.
+
+    forward and backward are attention alone, from time 0 on every rank. layer_forward and layer_backward are each
+    rank's own layer (:mod:`fcp_compiler.core.layer_model`): its linear layers before attention, its attention
+    (whose messages wait for both ends' linear layers), then its linear layers after; without a model they are the
+    attention passes.
+    """
 
     forward: PassResult
     backward: PassResult
+    layer_forward: PassResult
+    layer_backward: PassResult
+    phases: dict  # per rank, linear seconds before and after attention in each pass (LayerCosts.phases)
+    bounds: dict  # {"fwd": ..., "bwd": ...}: the certified lower bounds on each pass's layer makespan
+    model: ModelPreset | None
     flops_fwd: float
     single_gpu_efficiency: float
     peak_flops: float
@@ -240,32 +253,49 @@ class Simulation:
     layout: str = "plan"
     rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
 
-    def layer_figures(self, model: ModelPreset) -> dict:
-        """One transformer layer of `model` around this attention: the linear layers' time per rank from the tokens
-        it holds (the plan layout's, or the user layout's even chunks), the attention as simulated (with its
-        reshuffles in the user layout), and MFU over the whole layer, forward and backward.
+    @property
+    def layer_end_fwd(self) -> np.ndarray:
+        """When each rank finishes its forward layer."""
+        return self.layer_forward.end + self.phases["fwd_after"]
 
-        A layer's makespan is its slowest rank's linear time plus the attention makespan: attention's exchange
-        makes every rank wait for its partners, so a rank with more tokens delays them all.
-        """
-        linear_fwd = self.rank_tokens * model.linear_flops_per_token / (self.peak_flops * model.linear_efficiency)
-        linear_fwd_s, linear_bwd_s = float(linear_fwd.max()), float(linear_fwd.max()) * BACKWARD_LINEAR_WORK
-        layer_fwd = linear_fwd_s + self.forward.makespan
-        layer_bwd = linear_bwd_s + self.backward.makespan
-        useful = (float(self.rank_tokens.sum()) * model.linear_flops_per_token * (1 + BACKWARD_LINEAR_WORK)
-                  + self.flops_fwd * (1 + BACKWARD_WORK))
+    @property
+    def layer_end_bwd(self) -> np.ndarray:
+        """When each rank finishes its backward layer (from the start of the backward)."""
+        return self.layer_backward.end + self.phases["bwd_after"]
+
+    def layer_figures(self) -> dict:
+        """One transformer layer of the model around this attention, rank by rank: makespans, MFU (and normalised
+        by what one GPU reaches on the same work with one sequence per GPU), the lower bound and the gap to it."""
+        layer_fwd, layer_bwd = float(self.layer_end_fwd.max()), float(self.layer_end_bwd.max())
+        linear_fwd = self.phases["fwd_before"] + self.phases["fwd_after"]
+        linear_flops = (float(self.rank_tokens.sum()) * self.model.linear_flops_per_token if self.model else 0.0)
+        useful = linear_flops * (1 + BACKWARD_LINEAR_WORK) + self.flops_fwd * (1 + BACKWARD_WORK)
+        one_gpu_seconds = (float(linear_fwd.sum()) * (1 + BACKWARD_LINEAR_WORK) + self.flops_fwd * (1 + BACKWARD_WORK)
+                           / (self.peak_flops * self.single_gpu_efficiency))
         total = layer_fwd + layer_bwd
-        return {"model": model.name, "layout": self.layout, "reshuffle_fwd_s": self.forward.reshuffle,
-                "reshuffle_bwd_s": self.backward.reshuffle, "linear_fwd_s": linear_fwd_s,
-                "linear_bwd_s": linear_bwd_s, "layer_makespan_fwd_s": layer_fwd, "layer_makespan_bwd_s": layer_bwd,
-                "layer_mfu": useful / (self.num_ranks * self.peak_flops * total) if total > 0 else 0.0}
+        layer_mfu = useful / (self.num_ranks * self.peak_flops * total) if total > 0 else 0.0
+        one_gpu_efficiency = useful / (self.peak_flops * one_gpu_seconds) if one_gpu_seconds > 0 else 1.0
+        bound_fwd, bound_bwd = self.bounds["fwd"]["bound_s"], self.bounds["bwd"]["bound_s"]
+        return {"model": self.model.name if self.model else "none", "layout": self.layout,
+                "reshuffle_fwd_s": self.forward.reshuffle, "reshuffle_bwd_s": self.backward.reshuffle,
+                "linear_fwd_s": float(linear_fwd.max()),
+                "linear_bwd_s": float(linear_fwd.max()) * BACKWARD_LINEAR_WORK,
+                "layer_makespan_fwd_s": layer_fwd, "layer_makespan_bwd_s": layer_bwd, "layer_mfu": layer_mfu,
+                "normalized_layer_mfu": layer_mfu / one_gpu_efficiency,
+                "layer_makespan_lower_bound_fwd_s": bound_fwd, "layer_makespan_lower_bound_bwd_s": bound_bwd,
+                "layer_gap_fwd": layer_fwd / bound_fwd if bound_fwd > 0 else 1.0,
+                "layer_gap_bwd": layer_bwd / bound_bwd if bound_bwd > 0 else 1.0,
+                "layer_bound_terms": self.bounds}
 
     def figures(self) -> dict:
         """The --json of fcp simulate."""
         fwd, bwd = self.forward.makespan, self.backward.makespan
         mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
         mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
-        per_rank = [{"rank": r, "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
+        layer_fwd, layer_bwd = self.layer_end_fwd, self.layer_end_bwd
+        per_rank = [{"rank": r, "tokens": int(self.rank_tokens[r]), "layer_end_fwd_s": float(layer_fwd[r]),
+                     "layer_end_bwd_s": float(layer_bwd[r]),
+                     "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
                      "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r]
                      else 0.0,
                      "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
@@ -279,6 +309,7 @@ class Simulation:
             "exposed_comm_fwd_s": float(np.max(self.forward.end - self.forward.busy)),
             "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
             "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
+            **self.layer_figures(),
             "per_rank": per_rank,
         }
 
@@ -290,7 +321,7 @@ class Simulation:
             for (label, track), tid in TRACKS.items():
                 meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                              "args": {"name": f"{label} {track}"}})
-        events = self.forward.events + self.backward.events
+        events = self.layer_forward.events + self.layer_backward.events
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
@@ -391,16 +422,21 @@ def _reshuffle_flows(programs, bytes_per_token: float):
             np.concatenate(nbytes).astype(np.float64))
 
 
-def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False) -> Simulation:
+def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False,
+                  model: str | None = None) -> Simulation:
     """Simulate a plan on a hardware profile (default: the one it was compiled for).
 
     Args:
         source: plan file, bytes, reader, or a CompiledPlan (whose tile costs are reused when the profile is the
             one it was compiled for).
         profile: hardware to simulate on.
-        record: keep Chrome trace events (tiles named by block and stage, messages by kind and block).
+        record: keep Chrome trace events (tiles named by block and stage, messages by kind and block, each rank's
+            linear layers).
+        model: the layer around attention, a preset name or "none" (default: the one the plan was compiled for).
     Returns:
         the Simulation.
+    Raises:
+        InvalidInputError: an unknown model name.
     """
     header, tables, programs, profile, tiles = _read_with_costs(source, profile)
     n, shape = header.num_ranks, header.shape
@@ -451,21 +487,63 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
     links = LinkModel.from_profile(profile, n)
-    forward = simulate_pass(pass_input("fwd", fwd_pull_bytes, r_round,
-                                       lambda rows: r_tokens[rows] * (q_bytes + lse_bytes), tile_stage, seconds,
-                                       header.num_fwd_stages, q_bytes + kv_bytes, q_bytes),
-                            links, header.reshuffle_overlap, record, 0.0, "fwd")
-    backward = simulate_pass(pass_input("bwd", bwd_pull_bytes, r_bwd_round,
-                                        lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV,
-                                                                               kv_bytes, q_bytes),
-                                        tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
-                                        q_bytes + kv_bytes),
-                             links, header.reshuffle_overlap, record, forward.makespan, "bwd")
+    fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
+                           tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes)
+    bwd_input = pass_input("bwd", bwd_pull_bytes, r_bwd_round,
+                           lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV, kv_bytes, q_bytes),
+                           tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
+                           q_bytes + kv_bytes)
+    layer_model = load_model(header.model if model is None else model)
+    # Attention alone is recorded only when there is no layer around it to record.
+    attention_record = record and layer_model is None
+    forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
+    backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan, "bwd")
     planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
-    return Simulation(forward=forward, backward=backward, flops_fwd=float(tiles.tile_flops.sum()),
+    rank_tokens = _layer_tokens(header, tables, programs)
+    phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
+    if layer_model is None:
+        layer_forward, layer_backward = forward, backward
+    else:
+        layer_forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, record, 0.0, "fwd",
+                                      rank_start=phases["fwd_before"])
+        layer_backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, record,
+                                       float((layer_forward.end + phases["fwd_after"]).max()), "bwd",
+                                       rank_start=phases["bwd_before"])
+        if record:
+            _linear_events(layer_forward, layer_backward, phases)
+    batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
+    return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
+                      layer_backward=layer_backward, phases=phases, model=layer_model,
+                      bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
+                      flops_fwd=float(tiles.tile_flops.sum()),
                       single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=planned,
-                      layout=header.layout.value, rank_tokens=_layer_tokens(header, tables, programs))
+                      layout=header.layout.value, rank_tokens=rank_tokens)
+
+
+LAYER_STATS = ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", "layer_gap_bwd", "layer_mfu",
+               "normalized_layer_mfu")
+
+
+def layer_stats(plan) -> dict:
+    """The simulated layer figures `fcp compile` adds to a plan's stats: each pass's layer makespan, its gap to the
+    certified lower bound, and layer MFU (plain and normalised), for the model the plan was compiled for."""
+    figures = simulate_plan(plan).layer_figures()
+    return {name: figures[name] for name in LAYER_STATS}
+
+
+def _linear_events(forward: PassResult, backward: PassResult, phases: dict) -> None:
+    """Each rank's linear layers on its compute track, before and after its attention, in both passes."""
+    backward_offset = float((forward.end + phases["fwd_after"]).max())
+    for result, label, offset in ((forward, "fwd", 0.0), (backward, "bwd", backward_offset)):
+        track = TRACKS[(label, "compute")]
+        for rank in range(result.end.size):
+            before, after = float(phases[f"{label}_before"][rank]), float(phases[f"{label}_after"][rank])
+            for name, ts, dur in (("linear before attention", offset, before),
+                                  ("linear after attention", offset + float(result.end[rank]), after)):
+                if dur > 0:
+                    result.events.append({"name": name, "ph": "X", "ts": ts * 1e6, "dur": dur * 1e6, "pid": rank,
+                                          "tid": track})
 
 
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:

@@ -88,8 +88,10 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
 
 
 def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: float = 0.01,
-           token_tolerance: float | None = None) -> Assignment:
-    """Place every block on a rank within the token cap, balancing modelled compute.
+           token_tolerance: float | None = None, linear_seconds_per_token: float = 0.0) -> Assignment:
+    """Place every block on a rank within the token cap, balancing each rank's modelled layer time: the linear
+    layers on the tokens it holds (`linear_seconds_per_token` a token, in the units of tile seconds) plus the tiles
+    it runs. With no linear time that is attention compute alone.
 
     1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N). A block heavier than the
        mean keeps three quarters of the mean of its tiles; the rest go in batches of at most that, placed by LPT
@@ -112,6 +114,9 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
         balance_tolerance: relative slack over the lower bound before tiles are moved.
         token_tolerance: keep ranks within (1 + token_tolerance) x the mean tokens where whole blocks allow (None:
             only the cap); the Assignment's token_cap is then the cap the placement keeps.
+        linear_seconds_per_token: the linear layers' weight per token held, beside the tiles' seconds (0: none).
+            The visible pairs are balanced beside modelled time only without it: with linear layers, the tokens a
+            rank holds are part of its load, and pairs alone would pull against them.
     Returns:
         the Assignment.
     Raises:
@@ -120,16 +125,19 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     sharding = tiles.sharding
     sizes = sharding.block_tokens
     num_blocks = sharding.num_blocks
-    bound, _ = makespan_lower_bound(float(tiles.tile_seconds.sum()), num_ranks,
-                                    float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
+    block_linear = sizes * float(linear_seconds_per_token)
+    total = float(tiles.tile_seconds.sum()) + float(block_linear.sum())
+    bound, _ = makespan_lower_bound(total, num_ranks, float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
     # Blocks heavier than the mean cannot balance whole: their tiles beyond HELPER_PIECE of the mean go into
-    # batches that are placed like blocks of no tokens.
-    mean = float(tiles.tile_seconds.sum()) / num_ranks
+    # batches that are placed like blocks of no tokens. A full block's linear layers stay with it, so its tiles
+    # are measured against what the mean leaves them.
+    mean = total / num_ranks
+    attention_room = max(mean - sharding.block_size * float(linear_seconds_per_token), 0.0)
     tile_batch, batch_block, batch_seconds = split_heavy_blocks(
-        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=mean,
-        piece=mean * HELPER_PIECE)
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=attention_room,
+        piece=attention_room * HELPER_PIECE)
     weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
-                          minlength=num_blocks)
+                          minlength=num_blocks) + block_linear
     # A block prefers the rank that holds most of its tokens in the user layout, when that costs little balance:
     # the reshuffle then moves less, and more tiles run while it is in flight.
     home = np.concatenate((home_ranks(sharding, num_ranks), np.full(batch_seconds.size, -1, dtype=np.int64)))
@@ -144,6 +152,7 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=num_blocks)
     batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
         if batch_rank.size else np.zeros(num_ranks)
+    pair_tolerance = PAIR_TOLERANCE if linear_seconds_per_token == 0 else None
     need_block, need_seg = block_needs(tiles)
     for _ in range(TWO_DIMENSIONAL_ROUNDS):
         # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
@@ -152,7 +161,7 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
                                         sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
                                         fixed_compute=batch_compute, token_tolerance=token_tolerance,
                                         block_pairs=block_pairs, fixed_pairs=batch_pairs,
-                                        pair_tolerance=PAIR_TOLERANCE,
+                                        pair_tolerance=pair_tolerance,
                                         **TWO_DIMENSIONAL_SEARCH)
         if np.array_equal(moved, block_rank):
             break
@@ -160,6 +169,7 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
                          block_rank[tiles.tile_q_block])
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
-                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank)
+                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank,
+                              fixed_load=np.bincount(block_rank, weights=block_linear, minlength=num_ranks))
     return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
                       tile_rank=tile_rank)

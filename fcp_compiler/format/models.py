@@ -26,6 +26,12 @@ class ModelPreset:
     source: str = ""
 
     @property
+    def projection_flops_per_token(self) -> int:
+        """Forward FLOPs of the Q, K and V projections per token: what a rank must finish before others can pull
+        its blocks' Q or K,V."""
+        return 2 * self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
     def linear_flops_per_token(self) -> int:
         """Forward FLOPs of one layer's linear parts per token: Q, K, V and O projections and the three MLP
         matrices, 2 FLOPs per weight."""
@@ -43,12 +49,18 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def load_model(name: str) -> ModelPreset:
-    """A model preset by name.
+NO_MODEL = "none"  # attention alone: no linear layers around it
+DEFAULT_MODEL = "llama3-70b"  # the seed's attention shape
+
+
+def load_model(name: str) -> ModelPreset | None:
+    """A model preset by name; None for "none" (attention alone).
 
     Raises:
         InvalidInputError: an unknown name (the presets are listed).
     """
-    if name not in MODEL_PRESETS:
-        raise InvalidInputError(f"unknown model {name!r}; presets are {', '.join(sorted(MODEL_PRESETS))}")
+    if name == NO_MODEL:
+        return None
+    if not isinstance(name, str) or name not in MODEL_PRESETS:
+        raise InvalidInputError(f"model {name!r} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
     return MODEL_PRESETS[name]

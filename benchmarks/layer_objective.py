@@ -1,0 +1,177 @@
+"""The layer objective (issue 20): every plan's layer makespan against its certified lower bound, beside today's main
+and the strongest baseline of each batch.
+
+Usage: python benchmarks/layer_objective.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
+       [--batches paper,magi] [--model llama3-70b] [--jobs 2] [--main-tree PATH] [--write rows.json]
+
+The matrix: the paper-like lognormal trace and each length file in --eval-data with and without a 20% long tail,
+32768 tokens per GPU, three seeds, 64 and 256 GPUs, block 4096, coalesce 16, h100, plan layout. For every batch:
+
+- fcp: this tree, placed for the model's per-rank layer time;
+- main: the placement of main before issue 20, which balanced attention alone: the same code with --model none,
+  whose plans are byte-identical to main's rank by rank (--main-tree checks that on the first batch and times main's
+  own compile_plan, median of 3, on the 256-GPU paper batch);
+- ring, bytescale, wlbllm, magi: the baselines, on the same executor.
+
+Every plan is validated and simulated with the model's layer around attention. It prints each batch's layer gaps, FCP
+over the best baseline and over main (layer makespan ratios, > 1 is FCP faster), then the summary the issue asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from placement import TOKENS_PER_GPU, batches  # noqa: E402
+
+from fcp_compiler import compile_plan  # noqa: E402
+from fcp_compiler.core.baselines import Planner  # noqa: E402
+from fcp_compiler.errors import InfeasibleError  # noqa: E402
+from fcp_compiler.format.validate import validate_plan  # noqa: E402
+from fcp_compiler.tools.parallel import map_on_cores  # noqa: E402
+from fcp_compiler.tools.report import table  # noqa: E402
+from fcp_compiler.tools.simulate import simulate_plan  # noqa: E402
+
+BASELINES = ("ring", "bytescale", "wlbllm", "magi")
+_CONTEXT: dict = {}
+
+
+def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
+    """Compile, validate and simulate one plan; the layer figures with the model's layer around attention."""
+    if method == "main":
+        options = dict(model="none")
+    elif method == "fcp":
+        options = dict(model=model)
+    else:
+        options = dict(planner=Planner(method), model=model)
+    started = time.perf_counter()
+    try:
+        plan = compile_plan(lengths, gpus, **options)
+    except InfeasibleError as error:
+        return {"method": method, "error": str(error)}
+    seconds = time.perf_counter() - started
+    validate_plan(plan.to_bytes())
+    figures = simulate_plan(plan, model=model).figures()
+    return {"method": method, "compile_s": seconds, "rank_sha256": plan.header.rank_sha256,
+            **{key: figures[key] for key in ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd",
+                                             "layer_gap_bwd", "normalized_layer_mfu",
+                                             "layer_makespan_lower_bound_fwd_s",
+                                             "layer_makespan_lower_bound_bwd_s")},
+            "binding": {key: figures["layer_bound_terms"][key]["binding"] for key in ("fwd", "bwd")},
+            "compute_imbalance": plan.stats["compute_imbalance"], "token_imbalance": plan.stats["token_imbalance"]}
+
+
+def _job(job: tuple) -> dict:
+    name, gpus, seed, method = job
+    lengths = _CONTEXT["makers"][name](gpus * TOKENS_PER_GPU, seed)
+    return {"batch": name, "gpus": gpus, "seed": seed, **_score(lengths, gpus, method, _CONTEXT["model"])}
+
+
+def _main_tree_check(tree: Path, makers: dict, model: str) -> list[str]:
+    """Main's own compile_plan in `tree` (a checkout of main before issue 20): its rank sections beside this tree's
+    --model none on the paper batch at 64 GPUs, and its compile time at 256 GPUs beside this tree's."""
+    lengths_64 = makers["paper"](64 * TOKENS_PER_GPU, 0)
+    lengths_256 = makers["paper"](256 * TOKENS_PER_GPU, 0)
+    script = ("import json, sys, time; from fcp_compiler import compile_plan\n"
+              "l64, l256 = json.loads(sys.stdin.read())\n"
+              "sha = compile_plan(l64, 64).header.rank_sha256\n"
+              "times = []\n"
+              "for _ in range(3):\n"
+              "    t = time.perf_counter(); compile_plan(l256, 256); times.append(time.perf_counter() - t)\n"
+              "print(json.dumps({'sha': sha, 'times': times}))\n")
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps([lengths_64, lengths_256]), text=True,
+                          capture_output=True, check=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""})
+    main = json.loads(done.stdout)
+    same = main["sha"] == compile_plan(lengths_64, 64, model="none").header.rank_sha256
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        compile_plan(lengths_256, 256, model=model)
+        times.append(time.perf_counter() - started)
+    main_median, ours = statistics.median(main["times"]), statistics.median(times)
+    return [f"main's own plan (paper, 64 GPUs) rank by rank {'==' if same else '!='} this tree's --model none",
+            f"compile_plan, paper batch at 256 GPUs, median of 3: main {main_median:.3f} s, this tree "
+            f"({model}) {ours:.3f} s: {ours / main_median:.2f}x"]
+
+
+def _report(rows: list[dict], model: str) -> None:
+    by_batch: dict[tuple, dict] = {}
+    for row in rows:
+        by_batch.setdefault((row["batch"], row["gpus"], row["seed"]), {})[row["method"]] = row
+    body, summary = [], {"gaps": [], "speedups": [], "losses": [], "vs_main": [], "mfu_gain": []}
+    for (name, gpus, seed), methods in by_batch.items():
+        fcp, main = methods["fcp"], methods["main"]
+        base = {m: r for m, r in methods.items() if m in BASELINES and not r.get("error")}
+        best = min(base.values(), key=lambda r: r["layer_makespan_fwd_s"] + r["layer_makespan_bwd_s"])
+        speed = [best[f"layer_makespan_{p}_s"] / fcp[f"layer_makespan_{p}_s"] for p in ("fwd", "bwd")]
+        worst_baseline = min(r[f"layer_makespan_{p}_s"] / fcp[f"layer_makespan_{p}_s"] for r in base.values()
+                             for p in ("fwd", "bwd"))
+        over_main = [main[f"layer_makespan_{p}_s"] / fcp[f"layer_makespan_{p}_s"] for p in ("fwd", "bwd")]
+        summary["gaps"] += [fcp["layer_gap_fwd"], fcp["layer_gap_bwd"]]
+        summary["speedups"].append(float(np.sqrt(speed[0] * speed[1])))
+        summary["losses"].append(worst_baseline < 1.0)
+        summary["vs_main"] += over_main
+        summary["mfu_gain"].append(fcp["normalized_layer_mfu"] - main["normalized_layer_mfu"])
+        body.append([name, gpus, seed, f"{fcp['layer_gap_fwd']:.3f}", f"{fcp['layer_gap_bwd']:.3f}",
+                     f"{main['layer_gap_fwd']:.3f}", f"{main['layer_gap_bwd']:.3f}",
+                     f"{fcp['binding']['fwd']}/{fcp['binding']['bwd']}", best["method"],
+                     f"{speed[0]:.3f}x", f"{speed[1]:.3f}x", f"{worst_baseline:.3f}x",
+                     f"{over_main[0]:.3f}x", f"{over_main[1]:.3f}x",
+                     f"{fcp['normalized_layer_mfu']:.3f}", f"{main['normalized_layer_mfu']:.3f}",
+                     f"{fcp['token_imbalance']:.3f}", f"{fcp['compute_imbalance']:.3f}"])
+    print(table(["batch", "gpus", "seed", "gap fwd", "gap bwd", "main gap fwd", "main gap bwd", "bound by",
+                 "best baseline", "vs best fwd", "vs best bwd", "vs worst-case baseline", "vs main fwd",
+                 "vs main bwd", "norm layer MFU", "main", "token imb", "compute imb"], body))
+    gaps = summary["gaps"]
+    print(f"\nmodel {model}; {len(by_batch)} batches")
+    print(f"layer gap (fcp, both passes): max {max(gaps):.3f}, median {statistics.median(gaps):.3f}, "
+          f"above 1.10 on {sum(g > 1.10 for g in gaps)} of {len(gaps)}")
+    print(f"fcp over the best baseline of each batch (layer makespan, geometric mean of the passes): geometric mean "
+          f"{float(np.exp(np.mean(np.log(summary['speedups'])))):.3f}x, min {min(summary['speedups']):.3f}x; some "
+          f"baseline faster in either pass on {sum(summary['losses'])} of {len(by_batch)} batches")
+    print(f"fcp over main: min {min(summary['vs_main']):.3f}x (either pass), slower than main on "
+          f"{sum(v < 1.0 for v in summary['vs_main'])} of {len(summary['vs_main'])} pass-batches; mean "
+          f"normalized_layer_mfu gain {float(np.mean(summary['mfu_gain'])):+.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="64,256")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
+    parser.add_argument("--model", default="llama3-70b")
+    parser.add_argument("--methods", default="fcp,main," + ",".join(BASELINES))
+    parser.add_argument("--jobs", type=int, help="processes [all cores]")
+    parser.add_argument("--main-tree", type=Path, help="a checkout of main before issue 20 (identity and timing)")
+    parser.add_argument("--write", type=Path, help="write every row as JSON")
+    args = parser.parse_args()
+    makers = batches(args.eval_data)
+    chosen = args.batches.split(",") if args.batches else list(makers)
+    _CONTEXT.update(makers=makers, model=args.model)
+    jobs = [(name, gpus, seed, method) for name in chosen for gpus in (int(g) for g in args.gpus.split(","))
+            for seed in range(args.seeds) for method in args.methods.split(",")]
+    jobs.sort(key=lambda job: (-job[1], job[3] != "ring"))  # the slowest first
+    rows = []
+    for row in map_on_cores(_job, jobs, args.jobs):
+        rows.append(row)
+        print(f"  {len(rows)}/{len(jobs)} {row['batch']} @ {row['gpus']} seed {row['seed']} {row['method']}",
+              file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (chosen.index(r["batch"]), r["gpus"], r["seed"], r["method"]))
+    if args.write:
+        args.write.write_text(json.dumps(rows, indent=1))
+    _report(rows, args.model)
+    if args.main_tree:
+        print("\n".join(_main_tree_check(args.main_tree, makers, args.model)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""One transformer layer around attention: each rank's linear time from its tokens, and the layer's lower bound.
+
+A rank's layer (DESIGN section 5, layer time), forward: the Q, K, V projection of its tokens, its attention, then
+the O projection and the MLP. A remote tile needs the sender's projection first, so the attention of a rank starts
+after its own projection and its pulls after their sender's. Backward runs the other way round: the MLP and O
+projection's gradients, the attention backward, then the Q, K, V projection's. A linear layer's backward is twice
+its forward (the input's and the weights' gradients); attention's is BACKWARD_WORK times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.algorithms.layer_bound import Machine, PassCosts, efficiency_cap, layer_lower_bound
+from fcp_compiler.algorithms.visibility import visible_pairs
+from fcp_compiler.core.ir import AttentionShape, Batch, HardwareProfile
+from fcp_compiler.format.models import ModelPreset
+
+BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
+LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output or a backward pull
+# What a pass's placement weighs a rank's linear time against its forward attention seconds by: the forward and
+# backward layer together, (1 + 2) linear against (1 + 2.5) attention.
+LINEAR_WEIGHT = (1 + BACKWARD_LINEAR_WORK) / (1 + BACKWARD_WORK)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCosts:
+    """The linear layers' per-token time of one model on one GPU (all zero without a model)."""
+
+    model: ModelPreset | None
+    peak_flops: float
+
+    @classmethod
+    def of(cls, model: ModelPreset | None, profile: HardwareProfile) -> LayerCosts:
+        return cls(model=model, peak_flops=profile.peak_tflops * 1e12)
+
+    def _seconds(self, flops: int) -> float:
+        return 0.0 if self.model is None else flops / (self.peak_flops * self.model.linear_efficiency)
+
+    @property
+    def linear_seconds_per_token(self) -> float:
+        """Forward seconds of one layer's linear parts per token."""
+        return self._seconds(self.model.linear_flops_per_token) if self.model else 0.0
+
+    @property
+    def projection_seconds_per_token(self) -> float:
+        """Forward seconds of the Q, K, V projection per token (what precedes attention)."""
+        return self._seconds(self.model.projection_flops_per_token) if self.model else 0.0
+
+    def phases(self, rank_tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """Per rank, seconds of linear work before and after attention in each pass ("fwd_before", "fwd_after",
+        "bwd_before", "bwd_after")."""
+        tokens = np.asarray(rank_tokens, dtype=np.float64)
+        before = tokens * self.projection_seconds_per_token
+        after = tokens * (self.linear_seconds_per_token - self.projection_seconds_per_token)
+        return {"fwd_before": before, "fwd_after": after, "bwd_before": after * BACKWARD_LINEAR_WORK,
+                "bwd_after": before * BACKWARD_LINEAR_WORK}
+
+
+def pair_seconds_at_best(lengths: np.ndarray, shape: AttentionShape, profile: HardwareProfile) -> np.ndarray:
+    """Per sequence, the least forward time one visible pair can take: no tile of it is larger than the sequence,
+    so none beats the efficiency cap of a tile of its length."""
+    curve_tokens = np.array([point.tokens for point in profile.efficiency_curve], dtype=np.float64)
+    curve_efficiency = np.array([point.efficiency for point in profile.efficiency_curve], dtype=np.float64)
+    per_pair = 4.0 * shape.q_heads * shape.head_dim
+    return per_pair / (profile.peak_tflops * 1e12 * efficiency_cap(lengths, curve_tokens, curve_efficiency))
+
+
+def layer_bounds(batch: Batch, shape: AttentionShape, profile: HardwareProfile, model: ModelPreset | None,
+                 num_ranks: int, token_cap: int) -> dict[str, dict]:
+    """Certified lower bounds on the forward and the backward layer makespan of any plan for this batch on
+    `num_ranks` ranks with at most `token_cap` tokens each (:func:`~fcp_compiler.algorithms.layer_bound.
+    layer_lower_bound` proves each term).
+
+    Returns:
+        {"fwd": terms, "bwd": terms}, each as layer_lower_bound returns it.
+    """
+    lengths, windows = batch.lengths, batch.windows
+    visible = visible_pairs(0, lengths, 0, lengths, windows).astype(np.float64)
+    forward_pair = pair_seconds_at_best(lengths, shape, profile)
+    linear = LayerCosts.of(model, profile).linear_seconds_per_token
+    machine = Machine(num_ranks=num_ranks, gpus_per_node=profile.gpus_per_node, token_cap=token_cap,
+                      nvlink_bytes_per_s=profile.nvlink_gbps * 1e9, nic_bytes_per_s=profile.network_gbps * 1e9)
+    q_bytes, kv_bytes = float(shape.q_bytes_per_token), float(shape.kv_bytes_per_token)
+    forward = PassCosts(pair_seconds=forward_pair, linear_seconds_per_token=linear, q_row_bytes=q_bytes,
+                        kv_row_bytes=kv_bytes)
+    # A backward query row travels with its output, the output's gradient and its log-sum-exp.
+    backward = PassCosts(pair_seconds=forward_pair * BACKWARD_WORK,
+                         linear_seconds_per_token=linear * BACKWARD_LINEAR_WORK,
+                         q_row_bytes=3 * q_bytes + LSE_BYTES * shape.q_heads, kv_row_bytes=kv_bytes)
+    return {"fwd": layer_lower_bound(lengths, windows, visible, forward, machine),
+            "bwd": layer_lower_bound(lengths, windows, visible, backward, machine)}
