@@ -37,7 +37,8 @@ def compile_command(
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
     token_tolerance: Optional[float] = typer.Option(
         None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
-                                        "(plan layout's linear layers; costs some traffic) [off]"),
+                                        "(plan layout's linear layers; costs some traffic) [0.01 with a model in "
+                                        "the plan layout, else off]"),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
     layout: str = typer.Option("plan", "--layout",
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),

@@ -49,7 +49,7 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     if method == "main":
         options = dict(model="none")
     elif method == "fcp":
-        options = dict(model=model)
+        options = dict(model=model, **_CONTEXT.get("fcp_options", {}))
     else:
         options = dict(planner=Planner(method), model=model)
     started = time.perf_counter()
@@ -151,12 +151,15 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-70b")
     parser.add_argument("--methods", default="fcp,main," + ",".join(BASELINES))
     parser.add_argument("--jobs", type=int, help="processes [all cores]")
+    parser.add_argument("--token-tolerance", type=float, help="fcp's token tolerance [its default]")
     parser.add_argument("--main-tree", type=Path, help="a checkout of main before issue 20 (identity and timing)")
     parser.add_argument("--write", type=Path, help="write every row as JSON")
     args = parser.parse_args()
     makers = batches(args.eval_data)
     chosen = args.batches.split(",") if args.batches else list(makers)
     _CONTEXT.update(makers=makers, model=args.model)
+    if args.token_tolerance is not None:
+        _CONTEXT["fcp_options"] = {"token_tolerance": args.token_tolerance}
     jobs = [(name, gpus, seed, method) for name in chosen for gpus in (int(g) for g in args.gpus.split(","))
             for seed in range(args.seeds) for method in args.methods.split(",")]
     jobs.sort(key=lambda job: (-job[1], job[3] != "ring"))  # the slowest first

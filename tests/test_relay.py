@@ -97,7 +97,7 @@ def test_random_batches_on_a_slow_network_give_valid_relayed_plans(lengths, gpus
 
 @pytest.fixture(scope="module")
 def relayed_bytes():
-    plan = compile_valid([752, 2962, 580, 999], 6, block_size=128, coalesce=2, profile=SLOW_NETWORK)
+    plan = compile_valid([752, 2962, 580, 999], 6, block_size=128, coalesce=2, profile=SLOW_NETWORK, model="none")
     assert plan.stats["num_relayed_transfers"] > 0
     return plan.to_bytes()
 

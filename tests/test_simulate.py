@@ -75,8 +75,9 @@ def test_communication_takes_its_sm_share_from_compute():
     assert result.busy[0] == pytest.approx(result.end[0])
 
 
-def test_trace_busy_time_matches_the_figures(tmp_path):
-    plan = compile_valid([5000, 300, 12000, 800, 64, 9000], 4, block_size=1024, coalesce=2)
+@pytest.mark.parametrize("model", ["none", "llama3-8b"])
+def test_trace_busy_time_matches_the_figures(tmp_path, model):
+    plan = compile_valid([5000, 300, 12000, 800, 64, 9000], 4, block_size=1024, coalesce=2, model=model)
     trace = tmp_path / "trace.json"
     figures_path = tmp_path / "sim.json"
     plan.write(tmp_path / "p.fcp")
@@ -84,11 +85,16 @@ def test_trace_busy_time_matches_the_figures(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     figures = json.loads(figures_path.read_text())
     for row in figures["per_rank"]:
-        for label, key in (("fwd", "busy_fwd_s"), ("bwd", "busy_bwd_s")):
+        for label in ("fwd", "bwd"):
+            # Each rank's compute track is its layer: attention alone without a model, linear layers around it with.
             track = TRACKS[(label, "compute")]
             busy = sum(e["dur"] for e in events
                        if e["ph"] == "X" and e.get("pid") == row["rank"] and e.get("tid") == track)
-            assert busy * 1e-6 == pytest.approx(row[key], rel=1e-9, abs=1e-12)
+            assert busy * 1e-6 == pytest.approx(row[f"layer_busy_{label}_s"], rel=1e-9, abs=1e-12)
+            if model == "none":
+                assert row[f"layer_busy_{label}_s"] == pytest.approx(row[f"busy_{label}_s"], rel=1e-12)
+    linear = [e for e in events if e["ph"] == "X" and e["name"].startswith("linear")]
+    assert bool(linear) == (model != "none")
     names = {e["name"] for e in events if e["ph"] == "X" and e.get("tid") == TRACKS[("fwd", "compute")]}
     assert any(name.startswith("q") and "kv" in name and "stage" in name for name in names)
     assert any(e["ph"] == "X" and e["name"].startswith("KV b") for e in events)
@@ -153,33 +159,47 @@ def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout)
 
 
 def test_layer_figures_add_the_linear_layers_of_each_ranks_tokens():
+    from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK
     from fcp_compiler.format.models import MODEL_PRESETS
 
     lengths = [3000, 700, 90, 1500, 260, 1200]
     model = MODEL_PRESETS["llama3-8b"]
     # Q, K, V, O projections (4096 x (32 + 16) x 128 and 32 x 128 x 4096) and three 4096 x 14336 MLP matrices.
     assert model.linear_flops_per_token == 2 * (4096 * 48 * 128 + 4096 * 4096 + 3 * 4096 * 14336)
+    assert model.projection_flops_per_token == 2 * 4096 * 48 * 128
     for layout in ("plan", "user"):
-        plan = compile_valid(lengths, 4, block_size=256, coalesce=2, layout=layout)
+        plan = compile_valid(lengths, 4, block_size=256, coalesce=2, layout=layout, model="llama3-8b")
         simulation = simulate_plan(plan)
-        figures = simulation.layer_figures(model)
+        figures = simulation.layer_figures()
         tokens = (plan.stats["max_tokens_per_rank"] if layout == "plan"
                   else -(-sum(lengths) // 4))  # the user layout's largest even chunk
         peak = plan.header.profile.peak_tflops * 1e12
-        assert figures["linear_fwd_s"] == pytest.approx(tokens * model.linear_flops_per_token
-                                                        / (peak * model.linear_efficiency))
-        assert figures["layer_makespan_fwd_s"] == pytest.approx(figures["linear_fwd_s"]
-                                                                + simulation.forward.makespan)
+        per_token = model.linear_flops_per_token / (peak * model.linear_efficiency)
+        assert figures["linear_fwd_s"] == pytest.approx(tokens * per_token)
+        # Each rank: its projection, then its attention (messages wait for both ends' projections), then the rest.
+        projection = simulation.rank_tokens * model.projection_flops_per_token / (peak * model.linear_efficiency)
+        ends = simulation.layer_forward.end + simulation.rank_tokens * per_token - projection
+        assert figures["layer_makespan_fwd_s"] == pytest.approx(float(ends.max()))
+        assert (simulation.layer_forward.end >= projection + simulation.layer_forward.busy - 1e-12).all()
+        ends_bwd = simulation.layer_backward.end + projection * BACKWARD_LINEAR_WORK
+        assert figures["layer_makespan_bwd_s"] == pytest.approx(float(ends_bwd.max()))
+        # Never shorter than the slowest rank's linear layers plus the attention run alone, never longer than
+        # the largest linear time plus the attention makespan with every rank waiting for the slowest projection.
+        assert figures["layer_makespan_fwd_s"] >= float((simulation.rank_tokens * per_token).max()) - 1e-12
+        assert figures["layer_makespan_fwd_s"] <= figures["linear_fwd_s"] + simulation.forward.makespan + 1e-9
         assert (figures["reshuffle_fwd_s"] > 0) == (layout == "user")
-        assert 0 < figures["layer_mfu"] < 1
+        assert 0 < figures["layer_mfu"] < 1 and 0 < figures["normalized_layer_mfu"] <= 1
 
 
-def test_seed_profiles_keep_the_seeds_compute_to_network_ratios():
-    from fcp_compiler.format.inputs import PRESET_PROFILES
-
-    for name, ratio in (("seed-x", 5920), ("seed-y", 2500)):
-        profile = PRESET_PROFILES[name]
-        assert profile.peak_tflops * 1e12 / (profile.network_gbps * 1e9) == pytest.approx(ratio)
+def test_a_remote_tile_waits_for_its_senders_projection():
+    # Rank 1's tile needs rank 0's block; rank 0 finishes its Q, K, V projection at 0.3 s, rank 1 at 0.1 s.
+    data = make_pass(2, 2, flows=[(0, 1, 4e6, 0)], tiles=[(1, 1, 0.01), (0, 0, 0.02)])
+    result = simulate_pass(data, links(2), True, rank_start=np.array([0.3, 0.1]))
+    assert result.end[1] == pytest.approx(0.3 + LAT + 4e6 / BW + 0.01 + LAUNCH)
+    assert result.end[0] == pytest.approx(0.3 + max(0.02 + LAUNCH, LAT + 4e6 / BW))
+    # Both ends' projections: the receiver's too, when it is the later one.
+    result = simulate_pass(data, links(2), True, rank_start=np.array([0.1, 0.3]))
+    assert result.end[1] == pytest.approx(0.3 + LAT + 4e6 / BW + 0.01 + LAUNCH)
 
 
 def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_path, capsys):
@@ -189,7 +209,13 @@ def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_p
     assert main(["simulate", str(plan), "--model", "llama3-70b", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert {"layout", "reshuffle_fwd_s", "reshuffle_bwd_s", "linear_fwd_s", "linear_bwd_s", "layer_makespan_fwd_s",
-            "layer_makespan_bwd_s", "layer_mfu"} <= set(figures)
+            "layer_makespan_bwd_s", "layer_mfu", "normalized_layer_mfu", "layer_makespan_lower_bound_fwd_s",
+            "layer_makespan_lower_bound_bwd_s", "layer_gap_fwd", "layer_gap_bwd"} <= set(figures)
+    assert figures["model"] == "llama3-70b"
     assert "layer MFU" in capsys.readouterr().out
+    assert main(["simulate", str(plan), "--model", "none", "--json", str(out)]) == 0
+    alone = json.loads(out.read_text())
+    assert alone["layer_makespan_fwd_s"] == pytest.approx(alone["makespan_fwd_s"]) and alone["linear_fwd_s"] == 0
+    capsys.readouterr()
     assert main(["simulate", str(plan), "--model", "gpt-9"]) == 2
-    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+    assert "model 'gpt-9' must be one of llama3-70b, llama3-8b or none" in capsys.readouterr().err

@@ -12,8 +12,9 @@ Terms (seconds):
   time) / N. A tile of sequence s has at most L_s query and L_s key tokens, so it reaches at most the best efficiency
   of a tile of L_s tokens (:func:`efficiency_cap`); launches and the SMs given to communication only add time.
 - largest unit: the work that cannot be split between ranks. In this model a tile can be one segment pair and a
-  segment a single token, so the only indivisible unit is one token's linear layers plus one visible pair: the term
-  is kept for completeness and never binds on a real batch (at N above the batch's work it would).
+  segment a single token, so the only indivisible units are one token's linear layers and one visible pair (which
+  may run on another rank than the token's holder): the term is kept for completeness and never binds on a real
+  batch (at N above the batch's work it would).
 - communication: a group of ranks (a rank, or a node) that computes S visible pairs of sequence s while holding x of
   its tokens works inside (held + received query rows) x (held + received key rows). Its held rows give at most
   f_s(x) pairs (:func:`held_pairs`); a received key row adds at most min(x, w_s) pairs with held queries, a received
@@ -191,8 +192,9 @@ def layer_lower_bound(lengths: np.ndarray, windows: np.ndarray, visible: np.ndar
     total_tokens = float(lengths.sum())
     work = float(np.sum(visible * costs.pair_seconds)) + total_tokens * costs.linear_seconds_per_token
     compute = work / machine.num_ranks
-    largest_unit = costs.linear_seconds_per_token + (float(costs.pair_seconds[visible > 0].max())
-                                                      if (visible > 0).any() else 0.0)
+    # A token's linear layers and a pair it takes part in may run on different ranks: each is its own unit.
+    largest_unit = max(costs.linear_seconds_per_token, float(costs.pair_seconds[visible > 0].max())
+                       if (visible > 0).any() else 0.0)
     communication = _communication_time(lengths, windows, visible, costs, machine, max(compute, largest_unit))
     terms = {"compute_s": compute, "largest_unit_s": largest_unit, "communication_s": communication}
     binding = max(terms, key=terms.get)

@@ -77,8 +77,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
         "model": options.model_name,
     }
-    if options.token_tolerance is not None:  # absent by default, so earlier plans keep their digest
-        canonical["token_tolerance"] = options.token_tolerance
+    if options.resolved_token_tolerance is not None:  # absent when none applies
+        canonical["token_tolerance"] = options.resolved_token_tolerance
     if batch.mask not in (MaskKind.CAUSAL, MaskKind.FULL):  # the lengths say every window of the others
         canonical["windows"] = batch.windows.tolist()
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -188,11 +188,14 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
         zigzag_on = options.zigzag is ZigzagMode.ON or (
             options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
                                                         & (batch.lengths >= 2 * block_size)).any()))
-        sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
+        # In the plan layout the linear layers run on a rank's own tokens: with a model, blocks are filled to the
+        # last token (short sequences cut where a block fills up), so that ranks can hold equal tokens.
+        split_short = options.model is not None and options.layout is Layout.PLAN
+        sharding = timer.run("shard", shard, batch, block_size, zigzag_on, split_short)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
         linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT
-        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, options.token_tolerance,
-                         linear)
+        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE,
+                         options.resolved_token_tolerance, linear)
     sharding, block_rank = timer.run("shard", BASELINES[planner], batch, num_ranks, block_size, cap)
     if planner is Planner.RING and ring_in_closed_form(sharding):
         tiles = timer.run("cost", ring_cost, sharding, block_rank, num_ranks, options.shape, options.profile)

@@ -8,7 +8,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.core.ir import PassSchedule, Reshuffle, TransferKind, Transfers
-from fcp_compiler.core.layer_model import LSE_BYTES, layer_bounds
+from fcp_compiler.core.layer_model import LSE_BYTES, LayerCosts, layer_bounds
 from fcp_compiler.core.passes.coalesce import max_buffer_tokens
 from fcp_compiler.format.models import NO_MODEL, ModelPreset
 
@@ -113,6 +113,9 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_bwd_stages": schedule.backward.num_stages,
         "max_buffer_tokens": max_buffer_tokens(schedule),
         "compute_imbalance": imbalance_ratio(compute),
+        # The placement's objective: each rank's forward linear layers on its tokens plus its modelled tiles.
+        "layer_imbalance": imbalance_ratio(compute + assignment.rank_tokens
+                                           * LayerCosts.of(model, tiles.profile).linear_seconds_per_token),
         "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
         "token_imbalance": imbalance_ratio(assignment.rank_tokens),
         "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()

@@ -293,8 +293,12 @@ class Simulation:
         mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
         mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
         layer_fwd, layer_bwd = self.layer_end_fwd, self.layer_end_bwd
+        # A rank's compute stream in its layer: its linear layers and its attention (what its trace track shows).
+        layer_busy = {key: getattr(self, f"layer_{name}").busy + self.phases[f"{key}_before"]
+                      + self.phases[f"{key}_after"] for key, name in (("fwd", "forward"), ("bwd", "backward"))}
         per_rank = [{"rank": r, "tokens": int(self.rank_tokens[r]), "layer_end_fwd_s": float(layer_fwd[r]),
-                     "layer_end_bwd_s": float(layer_bwd[r]),
+                     "layer_end_bwd_s": float(layer_bwd[r]), "layer_busy_fwd_s": float(layer_busy["fwd"][r]),
+                     "layer_busy_bwd_s": float(layer_busy["bwd"][r]),
                      "busy_fwd_s": float(self.forward.busy[r]), "busy_bwd_s": float(self.backward.busy[r]),
                      "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r]
                      else 0.0,
