@@ -16,8 +16,10 @@ BATCH = load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json")
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("plans")
-    paths = {"base": folder / "base.fcp", "block": folder / "block.fcp", "magi": folder / "magi.fcp"}
+    paths = {"base": folder / "base.fcp", "block": folder / "block.fcp", "magi": folder / "magi.fcp",
+             "stages": folder / "stages.fcp"}
     compile_plan(BATCH, 64).write(paths["base"])
+    compile_plan(BATCH, 64, coalesce=2).write(paths["stages"])  # 8x the stages: more exposed traffic
     compile_plan(BATCH, 64, block_size=2048).write(paths["block"])
     compile_plan(BATCH, 64, planner="magi").write(paths["magi"])
     return paths
@@ -48,6 +50,18 @@ def test_a_worse_imbalance_is_a_regression(plans, tmp_path):
     # The other way round nothing got worse in balance, and a large tolerance accepts the rest.
     assert main(["diff", str(plans["magi"]), str(plans["base"]), "--fail-on", "regression", "--tolerance",
                  "100"]) == 0
+
+
+def test_a_larger_layer_gap_is_a_regression(plans, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["diff", str(plans["base"]), str(plans["stages"]), "--fail-on", "regression", "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert {"layer_gap_fwd", "layer_gap_bwd"} <= set(result["regressions"])
+    assert result["regressions"]["layer_gap_fwd"]["b"] > result["regressions"]["layer_gap_fwd"]["a"] >= 1.0
+    out.unlink()
+    # The other way round the gap shrinks (other figures may still regress: the exit code is not the point).
+    main(["diff", str(plans["stages"]), str(plans["base"]), "--fail-on", "regression", "--json", str(out)])
+    assert not {"layer_gap_fwd", "layer_gap_bwd"} & set(json.loads(out.read_text())["regressions"])
 
 
 def test_bad_input_exits_two(plans, tmp_path):

@@ -193,7 +193,10 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
         split_short = options.model is not None and options.layout is Layout.PLAN
         sharding = timer.run("shard", shard, batch, block_size, zigzag_on, split_short)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
-        linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT
+        # The linear layers run on a rank's blocks only in the plan layout; in the user layout they run on the even
+        # user chunks whatever the placement, which then weighs attention (and its reshuffle, by home ranks) alone.
+        linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT \
+            if options.layout is Layout.PLAN else 0.0
         return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE,
                          options.resolved_token_tolerance, linear)
     sharding, block_rank = timer.run("shard", BASELINES[planner], batch, num_ranks, block_size, cap)

@@ -123,11 +123,18 @@ class _Plan:
         return np.concatenate(([0], np.cumsum([p.arrays[name].size for p in self.programs])))
 
 
+def segment_pairs(reader: PlanReader) -> int:
+    """How many (segment, segment) pairs of the same sequence the validator enumerates for this plan; past
+    MAX_VALIDATED_PAIRS it refuses the plan (a ring over hundreds of GPUs), so callers that score many plans can
+    say which ones were too large to validate instead of failing."""
+    per_sequence = np.bincount(reader.tables.seg_seq, minlength=reader.header.num_sequences).astype(np.int64)
+    return int((per_sequence * per_sequence).sum())
+
+
 def _read(reader: PlanReader) -> _Plan:
     """Decode every rank, refusing a plan too large to enumerate its segment pairs."""
     header, tables = reader.header, reader.tables
-    per_sequence = np.bincount(tables.seg_seq, minlength=header.num_sequences).astype(np.int64)
-    num_pairs = int((per_sequence * per_sequence).sum())
+    num_pairs = segment_pairs(reader)
     if num_pairs > MAX_VALIDATED_PAIRS:
         raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
                               f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (a ring over hundreds of GPUs); "

@@ -88,6 +88,8 @@ def compare_rows(rows: Sequence[dict]) -> str:
                      speedup(r, "bwd")]
                     for r in planned])]
     lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
+    lines += [f"  not validated: {r['method']} at {r['gpus']} GPUs has more segment pairs than the validator enumerates "
+              f"(scored as compiled)" for r in planned if r.get("validated") is False]
     lines.append("  every baseline in the plan layout (tokens dispatched once, as their systems do); fcp in the plan "
                  "layout and, as fcp-user, in the user layout (reshuffles around attention)")
     return "\n".join(lines)

@@ -502,27 +502,31 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     attention_record = record and layer_model is None
     forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
     backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan, "bwd")
-    planned = np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n)
     rank_tokens = _layer_tokens(header, tables, programs)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
-    if layer_model is None:
-        layer_forward, layer_backward = forward, backward
-    else:
-        layer_forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, record, 0.0, "fwd",
-                                      rank_start=phases["fwd_before"])
-        layer_backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, record,
-                                       float((layer_forward.end + phases["fwd_after"]).max()), "bwd",
-                                       rank_start=phases["bwd_before"])
-        if record:
-            _linear_events(layer_forward, layer_backward, phases)
+    layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
+        fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
                       bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
                       flops_fwd=float(tiles.tile_flops.sum()),
                       single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
-                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=planned,
+                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
+                      planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
                       layout=header.layout.value, rank_tokens=rank_tokens)
+
+
+def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,
+                  record: bool) -> tuple[PassResult, PassResult]:
+    """Each pass again with every rank starting when its linear layers before attention end (its messages waiting
+    for both ends'); the backward starts when the last rank has finished its forward layer."""
+    forward = simulate_pass(fwd_input, links, overlap, record, 0.0, "fwd", rank_start=phases["fwd_before"])
+    backward = simulate_pass(bwd_input, links, overlap, record, float((forward.end + phases["fwd_after"]).max()),
+                             "bwd", rank_start=phases["bwd_before"])
+    if record:
+        _linear_events(forward, backward, phases)
+    return forward, backward
 
 
 LAYER_STATS = ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", "layer_gap_bwd", "layer_mfu",

@@ -87,6 +87,35 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     return key // tiles.sharding.num_segments, key % tiles.sharding.num_segments
 
 
+def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,
+                    batch_rank: np.ndarray, batch_seconds: np.ndarray, tile_batch: np.ndarray, token_cap: int,
+                    token_tolerance: float | None, pairs_balanced: bool) -> np.ndarray:
+    """Step 3 of :func:`assign`: moves and swaps of blocks balancing each rank's load (`weights`: its tiles and
+    linear layers) and received volume together, tokens under a tolerance, and visible pairs when `pairs_balanced`.
+    Returns the new block owners."""
+    sharding = tiles.sharding
+    batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
+    # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
+    own = tile_batch < 0
+    block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=sharding.num_blocks)
+    batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
+        if batch_rank.size else np.zeros(num_ranks)
+    need_block, need_seg = block_needs(tiles)
+    for _ in range(TWO_DIMENSIONAL_ROUNDS):
+        # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
+        # traffic is still outside its tolerance.
+        moved = balance_two_dimensional(block_rank, weights, sharding.block_tokens, sharding.seg_block,
+                                        sharding.seg_seq, sharding.seg_tokens, need_block, need_seg, num_ranks,
+                                        token_cap, fixed_compute=batch_compute, token_tolerance=token_tolerance,
+                                        block_pairs=block_pairs, fixed_pairs=batch_pairs,
+                                        pair_tolerance=PAIR_TOLERANCE if pairs_balanced else None,
+                                        **TWO_DIMENSIONAL_SEARCH)
+        if np.array_equal(moved, block_rank):
+            break
+        block_rank = moved
+    return block_rank
+
+
 def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: float = 0.01,
            token_tolerance: float | None = None, linear_seconds_per_token: float = 0.0) -> Assignment:
     """Place every block on a rank within the token cap, balancing each rank's modelled layer time: the linear
@@ -146,26 +175,8 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
                                         num_ranks, token_cap, sharding.block_size, home, HOME_SLACK * mean,
                                         token_tolerance)
     block_rank, batch_rank = item_rank[:num_blocks], item_rank[num_blocks:]
-    batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
-    # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
-    own = tile_batch < 0
-    block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=num_blocks)
-    batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
-        if batch_rank.size else np.zeros(num_ranks)
-    pair_tolerance = PAIR_TOLERANCE if linear_seconds_per_token == 0 else None
-    need_block, need_seg = block_needs(tiles)
-    for _ in range(TWO_DIMENSIONAL_ROUNDS):
-        # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
-        # traffic is still outside its tolerance.
-        moved = balance_two_dimensional(block_rank, weights, sizes, sharding.seg_block, sharding.seg_seq,
-                                        sharding.seg_tokens, need_block, need_seg, num_ranks, token_cap,
-                                        fixed_compute=batch_compute, token_tolerance=token_tolerance,
-                                        block_pairs=block_pairs, fixed_pairs=batch_pairs,
-                                        pair_tolerance=pair_tolerance,
-                                        **TWO_DIMENSIONAL_SEARCH)
-        if np.array_equal(moved, block_rank):
-            break
-        block_rank = moved
+    block_rank = _refine_jointly(tiles, num_ranks, block_rank, weights, batch_rank, batch_seconds, tile_batch,
+                                 token_cap, token_tolerance, pairs_balanced=linear_seconds_per_token == 0)
     tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
                          block_rank[tiles.tile_q_block])
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
