@@ -57,24 +57,3 @@ def test_seeded_items_open_their_own_bins():
 def test_small_items_fill_exactly():
     sizes = np.full(64, 64)
     assert best_fit_decreasing(sizes, 4096).max() == 0
-
-
-@given(st.lists(st.integers(0, 100), max_size=6), st.lists(st.integers(1, 300), max_size=30), st.integers(1, 128))
-def test_fill_with_splits_pours_every_item_once_and_fills_every_bin_but_the_last(free, sizes, capacity):
-    from fcp_compiler.algorithms.packing import fill_with_splits
-
-    free = [min(room, capacity) for room in free]
-    item, bin_idx, start, end = fill_with_splits(np.array(free, dtype=np.int64), np.array(sizes, dtype=np.int64),
-                                                 capacity)
-    for index, size in enumerate(sizes):  # each item's pieces cover it once, in order, in increasing bins
-        mine = np.flatnonzero(item == index)
-        assert start[mine[0]] == 0 and end[mine[-1]] == size
-        assert (start[mine[1:]] == end[mine[:-1]]).all() and (np.diff(bin_idx[mine]) > 0).all()
-    rooms = np.array(free + [capacity] * max(0, int(bin_idx.max(initial=-1)) + 1 - len(free)), dtype=np.int64)
-    used = np.bincount(bin_idx, weights=end - start, minlength=rooms.size).astype(np.int64)
-    assert (used <= rooms).all()
-    if sizes:
-        last = int(bin_idx.max())
-        assert (used[:last] == rooms[:last]).all()  # every bin before the last one used is full
-        # Cuts: at most one per bin filled.
-        assert item.size - len(sizes) <= last

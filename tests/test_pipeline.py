@@ -58,11 +58,12 @@ def test_stats_hold_every_documented_key(small_plan):
                                        ("paper_lognormal_256gpu", 256)])
 def test_shipped_paper_traces_are_balanced(name, gpus):
     batch = load_batch(ROOT / "traces" / f"{name}.json")
-    # The default objective, each rank's layer time: tokens within 1% of the mean (blocks are filled to the last
-    # token), linear layers plus modelled tiles within 3% of the mean.
+    # The default objective, each rank's layer time: linear layers on its tokens plus modelled tiles within 2% of
+    # the mean; tokens near the 1% tolerance where whole blocks allow, far below the cap (mean + one block, 11%).
     layer = compile_valid(batch, gpus).stats
-    assert layer["token_imbalance"] <= 0.01 and layer["layer_imbalance"] <= 0.03
-    assert layer["max_tokens_per_rank"] <= int(sum(batch.sequences) / gpus * 1.01) + 1
+    assert layer["layer_imbalance"] <= 0.02 and layer["token_imbalance"] <= 0.07
+    attention_alone = compile_valid(batch, gpus, model="none").stats
+    assert attention_alone["token_imbalance"] > 0.1 > layer["token_imbalance"]
     # Attention alone as the objective: compute balanced.
     plan = compile_valid(batch, gpus, model="none")
     stats = plan.stats
@@ -76,18 +77,16 @@ def test_shipped_paper_traces_are_balanced(name, gpus):
     assert stats["max_tokens_per_rank"] <= sum(load_batch(ROOT / "traces" / f"{name}.json").sequences) // gpus + 4096
 
 
-def test_short_only_batch_needs_no_transfers_for_attention_and_few_for_equal_tokens():
+def test_short_only_batch_needs_no_transfers_for_attention_and_few_for_the_layer():
     batch = load_batch(ROOT / "traces" / "short_only_64gpu.json")
     plan = compile_valid(batch, 64, model="none")
     assert plan.stats["num_transfers"] == 0 and plan.stats["num_rounds"] == 0
     assert plan.stats["compute_imbalance"] <= 0.03
-    # With the linear layers in the objective, blocks are filled by cutting short sequences: every rank then holds
-    # the same tokens, at the price of a pull for each cut sequence whose pieces land on different ranks.
-    layer = compile_valid(batch, 64)
-    sharding = layer.ir.sharding
-    cut = np.bincount(sharding.seg_seq, minlength=len(batch.sequences)) > 1
-    assert layer.stats["token_imbalance"] == 0 and sharding.num_blocks == sum(batch.sequences) // 4096
-    assert 0 < layer.stats["num_transfers"] <= 2 * int(cut.sum()) + layer.stats["num_offloaded_tiles"]
+    # With the linear layers in the objective the rank with the most tokens gives some attention away: a few
+    # offloaded tiles, each a pull of its query block (and of the key block unless held).
+    layer = compile_valid(batch, 64).stats
+    assert layer["layer_imbalance"] <= 0.03 and layer["token_imbalance"] < plan.stats["token_imbalance"]
+    assert layer["num_transfers"] <= 2 * layer["num_offloaded_tiles"]
 
 
 def test_one_rank_and_more_ranks_than_tokens():

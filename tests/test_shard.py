@@ -45,27 +45,3 @@ def test_short_sequences_are_packed_whole():
     sharding = shard(batch, 4096, zigzag=False)
     assert sharding.num_segments == 4  # none split
     assert sharding.num_blocks == 2
-
-
-@given(lengths, st.sampled_from([64, 256, 1024, 4096]), st.booleans())
-def test_split_short_fills_every_block_but_one_and_cuts_only_short_sequences(values, block_size, zigzag):
-    batch = Batch.uniform(np.array(values), MaskKind.CAUSAL)
-    sharding = shard(batch, block_size, zigzag, split_short=True)
-    covered = np.zeros(batch.total_tokens, dtype=int)
-    for seq, start, end in zip(sharding.seg_seq, sharding.seg_start, sharding.seg_end):
-        covered[batch.seq_offsets[seq] + start:batch.seq_offsets[seq] + end] += 1
-    assert (covered == 1).all() and sharding.block_tokens.max() <= block_size
-    # Tails are never cut (each lands whole, as without splitting); short sequences fill the rest, so at most one
-    # packed block is not full, unless the tails alone need more blocks.
-    tails = [v % block_size for v in values if v >= block_size and v % block_size]
-    num_full = sum(v // block_size for v in values)
-    tail_bins = int(best_fit_decreasing(np.array(tails), block_size).max()) + 1 if tails else 0
-    rest = sum(v % block_size for v in values)
-    assert sharding.num_blocks - num_full <= max(tail_bins, -(-rest // block_size))
-    pieces = np.bincount(sharding.seg_seq, minlength=len(values))
-    for seq, length in enumerate(values):
-        if length >= block_size:
-            expected = length // block_size * (2 if zigzag and length // block_size >= 2 else 1)
-            assert pieces[seq] == expected + (1 if length % block_size else 0)
-    if not tails:
-        assert sharding.num_blocks == num_full + -(-rest // block_size)

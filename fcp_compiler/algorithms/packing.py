@@ -49,39 +49,3 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seeded: np.ndarray | N
         if remaining - size > 0:
             bisect.insort(open_bins, (remaining - size, bin_idx))
     return bin_of
-
-
-def fill_with_splits(bin_free: np.ndarray, sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
-    """Pour items, in order, into the free room of existing bins and then into new bins of `capacity`, cutting an
-    item where a bin fills up: every bin ends full except the last one used.
-
-    Objective: the fewest bins (ceil of everything over the capacity, the lower bound), at the price of at most one
-    cut per bin filled. O(items + bins).
-
-    Args:
-        bin_free: free room of each existing bin, in the order they are filled (ints >= 0).
-        sizes: positive item sizes, in the order they are poured.
-        capacity: the room of a new bin.
-    Returns:
-        (item, bin, start, end): one row per piece, the item it comes from, its bin (existing bins first, then new
-        ones numbered on), and the item's token range [start, end) it holds; pieces of an item in order.
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    free = [int(room) for room in np.asarray(bin_free, dtype=np.int64)]
-    item_of, bin_of, start_of, end_of = [], [], [], []
-    bin_idx = 0
-    for item, size in enumerate(sizes.tolist()):
-        done = 0
-        while done < size:
-            while bin_idx < len(free) and free[bin_idx] == 0:
-                bin_idx += 1
-            if bin_idx == len(free):
-                free.append(capacity)
-            piece = min(size - done, free[bin_idx])
-            item_of.append(item)
-            bin_of.append(bin_idx)
-            start_of.append(done)
-            end_of.append(done + piece)
-            free[bin_idx] -= piece
-            done += piece
-    return tuple(np.asarray(values, dtype=np.int64) for values in (item_of, bin_of, start_of, end_of))

@@ -188,10 +188,7 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
         zigzag_on = options.zigzag is ZigzagMode.ON or (
             options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
                                                         & (batch.lengths >= 2 * block_size)).any()))
-        # In the plan layout the linear layers run on a rank's own tokens: with a model, blocks are filled to the
-        # last token (short sequences cut where a block fills up), so that ranks can hold equal tokens.
-        split_short = options.model is not None and options.layout is Layout.PLAN
-        sharding = timer.run("shard", shard, batch, block_size, zigzag_on, split_short)
+        sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
         # The linear layers run on a rank's blocks only in the plan layout; in the user layout they run on the even
         # user chunks whatever the placement, which then weighs attention (and its reshuffle, by home ranks) alone.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.packing import best_fit_decreasing, fill_with_splits
+from fcp_compiler.algorithms.packing import best_fit_decreasing
 from fcp_compiler.core.ir import Batch, Sharding
 
 
@@ -16,7 +16,7 @@ def pairs_chunks(batch: Batch) -> np.ndarray:
     return (batch.windows == 0) | (2 * batch.windows >= batch.lengths)
 
 
-def shard(batch: Batch, block_size: int, zigzag: bool, split_short: bool = False) -> Sharding:
+def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     """Cut every sequence into blocks of at most `block_size` tokens.
 
     A sequence of length L >= B gives floor(L / B) full blocks; with `zigzag`, at least two full blocks and a mask
@@ -26,16 +26,10 @@ def shard(batch: Batch, block_size: int, zigzag: bool, split_short: bool = False
     blocks as best-fit decreasing finds, the tails of the longest sequences in blocks of their own where that
     costs no extra block. Full blocks come first in batch order, then packed blocks.
 
-    With `split_short`, tails are packed so, and the short sequences (those under one block) are then poured, longest
-    first, into the room the tails leave and into new blocks, cut where a block fills up (:func:`fill_with_splits`):
-    every block is full but the last, so the batch takes ceil(T / B) blocks and the placement can give every rank
-    the same tokens (the plan layout's linear layers), at the price of at most one cut short sequence a block.
-
     Args:
         batch: the lengths and mask.
         block_size: B, a positive multiple of 64 (checked at the boundary).
         zigzag: pair chunks as above.
-        split_short: cut short sequences to fill every block, as above.
     Returns:
         the Sharding, segments sorted by block and, inside a block, by (sequence, start).
     """
@@ -66,9 +60,27 @@ def shard(batch: Batch, block_size: int, zigzag: bool, split_short: bool = False
     rest_start = tail_start[has_rest]
     rest_end = lengths[has_rest]
     if rest_seq.size:
-        pieces = _pack_rest(rest_seq, rest_start, rest_end, num_full, block_size, split_short)
-        for collected, values in zip((seg_block, seg_seq, seg_start, seg_end), pieces):
-            collected.append(values + (num_full_blocks if collected is seg_block else 0))
+        # A tail reads every full block of its sequence: many pulls for little work. Tails in blocks of their own
+        # (filled up with short sequences) keep any one block from reading several long sequences, which the
+        # placement needs to balance traffic. The tails of the longest sequences get their own block, as many as
+        # fit without costing a block more than plain best-fit decreasing.
+        rest_sizes = rest_end - rest_start
+        bin_of = best_fit_decreasing(rest_sizes, block_size)
+        reads = np.where(rest_start > 0, num_full[rest_seq], 0)  # full blocks each piece's tail reads
+        by_reads = np.lexsort((np.arange(reads.size), -reads))
+        num_apart = int((reads > 0).sum())
+        while num_apart > 1:
+            seeded = np.zeros(reads.size, dtype=bool)
+            seeded[by_reads[:num_apart]] = True
+            tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=seeded)
+            if tails_apart.max() <= bin_of.max():
+                bin_of = tails_apart
+                break
+            num_apart //= 2
+        seg_block.append(num_full_blocks + bin_of)
+        seg_seq.append(rest_seq)
+        seg_start.append(rest_start)
+        seg_end.append(rest_end)
     seg_block_all = np.concatenate(seg_block)
     seg_seq_all = np.concatenate(seg_seq)
     seg_start_all = np.concatenate(seg_start)
@@ -76,41 +88,3 @@ def shard(batch: Batch, block_size: int, zigzag: bool, split_short: bool = False
     return Sharding(batch=batch, block_size=block_size, zigzag=bool(zigzag), seg_block=seg_block_all[order],
                     seg_seq=seg_seq_all[order], seg_start=seg_start_all[order],
                     seg_end=np.concatenate(seg_end)[order])
-
-
-def _tail_bins(rest_sizes: np.ndarray, reads: np.ndarray, block_size: int) -> np.ndarray:
-    """Best-fit decreasing bins of the tails and short sequences, the tails of the longest sequences apart.
-
-    A tail reads every full block of its sequence: many pulls for little work. Tails in blocks of their own (filled up
-    with short sequences) keep any one block from reading several long sequences, which the placement needs to
-    balance traffic. The tails of the longest sequences get their own block, as many as fit without costing a block
-    more than plain best-fit decreasing.
-    """
-    bin_of = best_fit_decreasing(rest_sizes, block_size)
-    by_reads = np.lexsort((np.arange(reads.size), -reads))
-    num_apart = int((reads > 0).sum())
-    while num_apart > 1:
-        seeded = np.zeros(reads.size, dtype=bool)
-        seeded[by_reads[:num_apart]] = True
-        tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=seeded)
-        if tails_apart.max() <= bin_of.max():
-            return tails_apart
-        num_apart //= 2
-    return bin_of
-
-
-def _pack_rest(rest_seq, rest_start, rest_end, num_full, block_size: int, split_short: bool) -> tuple:
-    """(block from 0, sequence, start, end) of the segments of the tails and short sequences (see :func:`shard`)."""
-    rest_sizes = rest_end - rest_start
-    reads = np.where(rest_start > 0, num_full[rest_seq], 0)  # full blocks each piece's tail reads
-    if not split_short:
-        return _tail_bins(rest_sizes, reads, block_size), rest_seq, rest_start, rest_end
-    tail = rest_start > 0
-    tail_bin = _tail_bins(rest_sizes[tail], reads[tail], block_size) if tail.any() else np.zeros(0, dtype=np.int64)
-    num_tail_bins = int(tail_bin.max()) + 1 if tail_bin.size else 0
-    room = block_size - np.bincount(tail_bin, weights=rest_sizes[tail], minlength=num_tail_bins).astype(np.int64)
-    short = np.flatnonzero(~tail)
-    short = short[np.lexsort((short, -rest_sizes[short]))]  # longest first: cuts fall on the shorter ones
-    item, bin_idx, start, end = fill_with_splits(room, rest_sizes[short], block_size)
-    return (np.concatenate((tail_bin, bin_idx)), np.concatenate((rest_seq[tail], rest_seq[short][item])),
-            np.concatenate((rest_start[tail], start)), np.concatenate((rest_end[tail], end)))
