@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from placement import TOKENS_PER_GPU, batches  # noqa: E402
+from placement import TOKENS_PER_GPU, batches, matrix_arguments  # noqa: E402
 
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.core.baselines import Planner  # noqa: E402
@@ -169,10 +169,7 @@ def _report(rows: list[dict], model: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="64,256")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
-    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
+    matrix_arguments(parser)
     parser.add_argument("--model", default="llama3-70b")
     parser.add_argument("--methods", default="fcp,main," + ",".join(BASELINES))
     parser.add_argument("--jobs", type=int, help="processes [all cores]")

@@ -56,6 +56,15 @@ def batches(eval_data: Path) -> dict:
     return out
 
 
+def matrix_arguments(parser: argparse.ArgumentParser) -> None:
+    """The matrix's flags, shared by the benchmarks that run it: scales, seeds, where the length files are, which
+    batches."""
+    parser.add_argument("--gpus", default="64,256")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
+
+
 def token_floor(plan) -> float:
     """A floor on the token imbalance of any placement of this plan's blocks, from the batch alone: the largest
     rank holds at least the mean, at least the largest block, and, by pigeonhole, ceil(F / N) full blocks of the F."""
@@ -90,10 +99,7 @@ def measure(name: str, lengths: list[int], gpus: int, seed: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="64,256")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
-    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
+    matrix_arguments(parser)
     parser.add_argument("--token-tolerance", type=float, help="compile with this token tolerance")
     parser.add_argument("--baselines", nargs="?", const=",".join(method.value for method in BASELINES),
                         help="also the best of these baselines' MFU, comma-separated (default all: slow, ring and "
