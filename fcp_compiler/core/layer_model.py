@@ -37,18 +37,19 @@ class LayerCosts:
     def of(cls, model: ModelPreset | None, profile: HardwareProfile) -> LayerCosts:
         return cls(model=model, peak_flops=profile.peak_tflops * 1e12)
 
-    def _seconds(self, flops: int) -> float:
-        return 0.0 if self.model is None else flops / (self.peak_flops * self.model.linear_efficiency)
-
     @property
     def linear_seconds_per_token(self) -> float:
         """Forward seconds of one layer's linear parts per token."""
-        return self._seconds(self.model.linear_flops_per_token) if self.model else 0.0
+        if self.model is None:
+            return 0.0
+        return self.model.linear_flops_per_token / (self.peak_flops * self.model.linear_efficiency)
 
     @property
     def projection_seconds_per_token(self) -> float:
         """Forward seconds of the Q, K, V projection per token (what precedes attention)."""
-        return self._seconds(self.model.projection_flops_per_token) if self.model else 0.0
+        if self.model is None:
+            return 0.0
+        return self.model.projection_flops_per_token / (self.peak_flops * self.model.linear_efficiency)
 
     def phases(self, rank_tokens: np.ndarray) -> dict[str, np.ndarray]:
         """Per rank, seconds of linear work before and after attention in each pass ("fwd_before", "fwd_after",

@@ -113,9 +113,10 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_bwd_stages": schedule.backward.num_stages,
         "max_buffer_tokens": max_buffer_tokens(schedule),
         "compute_imbalance": imbalance_ratio(compute),
-        # The placement's objective: each rank's forward linear layers on its tokens plus its modelled tiles.
-        "layer_imbalance": imbalance_ratio(compute + assignment.rank_tokens
-                                           * LayerCosts.of(model, tiles.profile).linear_seconds_per_token),
+        # The placement's objective: each rank's forward linear layers on its plan-layout tokens (the user layout's
+        # run on even chunks whatever the placement) plus its modelled tiles.
+        "layer_imbalance": imbalance_ratio(compute + (assignment.rank_tokens * LayerCosts.of(
+            model, tiles.profile).linear_seconds_per_token if layout == "plan" else 0.0)),
         "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
         "token_imbalance": imbalance_ratio(assignment.rank_tokens),
         "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()

@@ -1,4 +1,5 @@
-"""Transformer layer presets for whole-layer simulation: the linear layers around attention."""
+"""Transformer layer presets: the linear layers around attention, which the placement balances with it per rank
+(`--model`) and the simulator runs around each rank's attention."""
 
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ class ModelPreset:
     def linear_flops_per_token(self) -> int:
         """Forward FLOPs of one layer's linear parts per token: Q, K, V and O projections and the three MLP
         matrices, 2 FLOPs per weight."""
-        attention = self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
-        attention += self.q_heads * self.head_dim * self.hidden
-        return 2 * (attention + 3 * self.hidden * self.ffn)
+        return self.projection_flops_per_token + 2 * (self.q_heads * self.head_dim * self.hidden
+                                                       + 3 * self.hidden * self.ffn)
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
