@@ -63,7 +63,7 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     if validated:
         validate_plan(plan.to_bytes())
     figures = simulate_plan(plan, model=model).figures()
-    return {"method": method, "compile_s": seconds, "rank_sha256": plan.header.rank_sha256, "validated": validated,
+    return {"factors": _gap_factors(figures),"method": method, "compile_s": seconds, "rank_sha256": plan.header.rank_sha256, "validated": validated,
             **{key: figures[key] for key in ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd",
                                              "layer_gap_bwd", "normalized_layer_mfu",
                                              "layer_makespan_lower_bound_fwd_s",
@@ -77,6 +77,19 @@ def _number(text: str):
         return float(text) if "." in text else int(text)
     except ValueError:
         return text
+
+
+def _gap_factors(figures: dict) -> dict:
+    """Each pass's gap as a product of three factors: efficiency (the mean rank's busy time, linear layers and
+    attention, over the bound: kernel efficiency below the bound's cap, launches), imbalance (the busiest rank over
+    the mean one) and exposure (the makespan over the busiest rank's busy time: waiting for messages and partners)."""
+    out = {}
+    for key in ("fwd", "bwd"):
+        busy = np.array([row[f"layer_busy_{key}_s"] for row in figures["per_rank"]])
+        out[key] = {"efficiency": float(busy.mean()) / figures[f"layer_makespan_lower_bound_{key}_s"],
+                    "imbalance": float(busy.max() / busy.mean()),
+                    "exposure": figures[f"layer_makespan_{key}_s"] / float(busy.max())}
+    return out
 
 
 def _job(job: tuple) -> dict:
@@ -148,10 +161,13 @@ def _report(rows: list[dict], model: str) -> None:
                      f"{speed[0]:.3f}x", f"{speed[1]:.3f}x", f"{worst_baseline:.3f}x",
                      f"{over_main[0]:.3f}x", f"{over_main[1]:.3f}x",
                      f"{fcp['normalized_layer_mfu']:.3f}", f"{main['normalized_layer_mfu']:.3f}",
-                     f"{fcp['token_imbalance']:.3f}", f"{fcp['compute_imbalance']:.3f}"])
+                     f"{fcp['token_imbalance']:.3f}", f"{fcp['compute_imbalance']:.3f}",
+                     "/".join(f"{fcp['factors'][p][k]:.3f}" for p in ("fwd", "bwd")
+                              for k in ("efficiency", "imbalance", "exposure"))])
     print(table(["batch", "gpus", "seed", "gap fwd", "gap bwd", "main gap fwd", "main gap bwd", "bound by",
                  "best baseline", "vs best fwd", "vs best bwd", "vs worst-case baseline", "vs main fwd",
-                 "vs main bwd", "norm layer MFU", "main", "token imb", "compute imb"], body))
+                 "vs main bwd", "norm layer MFU", "main", "token imb", "compute imb",
+                 "gap = efficiency x imbalance x exposure (fwd/bwd)"], body))
     gaps = summary["gaps"]
     unvalidated = sorted({(r["method"], r["batch"], r["gpus"]) for r in rows if r.get("validated") is False})
     print(f"\nmodel {model}; {len(by_batch)} batches; every plan validated except "
@@ -162,6 +178,12 @@ def _report(rows: list[dict], model: str) -> None:
     print(f"fcp over the best baseline of each batch (layer makespan, geometric mean of the passes): geometric mean "
           f"{float(np.exp(np.mean(np.log(summary['speedups'])))):.3f}x, min {min(summary['speedups']):.3f}x; some "
           f"baseline faster in either pass on {sum(summary['losses'])} of {len(by_batch)} batches")
+    over = [(f, p) for f in (m["fcp"] for m in by_batch.values()) for p in ("fwd", "bwd") if f[f"layer_gap_{p}"] > 1.10]
+    if over:
+        mean_factor = {k: float(np.exp(np.mean([np.log(f["factors"][p][k]) for f, p in over])))
+                       for k in ("efficiency", "imbalance", "exposure")}
+        print(f"the {len(over)} passes above 1.10, geometric mean factors: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in mean_factor.items()))
     print(f"fcp over main: min {min(summary['vs_main']):.3f}x (either pass), slower than main on "
           f"{sum(v < 1.0 for v in summary['vs_main'])} of {len(summary['vs_main'])} pass-batches; mean "
           f"normalized_layer_mfu gain {float(np.mean(summary['mfu_gain'])):+.4f}")
