@@ -9,6 +9,8 @@ Figure 11: normalized attention MFU, weak scaling, on the paper-like trace (one 
 Figure 12: normalized attention MFU vs block size (FCP, 128 GPUs).
 Also: the same comparison on ProLong lengths with a long tail (30% of tokens in 128K-512K sequences), read from
 --eval-data when it is there. Each claim of issue 5 is checked against the numbers and stated as met or not.
+The seed's figures measure attention alone, so FCP is compiled here with attention alone as its objective
+(`--model none`); the whole layer, FCP's default objective, is measured by benchmarks/layer_objective.py.
 About 2.5 minutes on 2 cores with three seeds. Plots need matplotlib (pip install 'fcp[plot]'); tables are written
 without it.
 """
@@ -29,6 +31,7 @@ from fcp_compiler.tools.traces import empirical_batch, lognormal_batch, read_len
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = list(Planner)
+ATTENTION = CompileOptions.of(1, model="none")  # the seed's figures are attention's
 TAIL_FRACTION = 0.3
 
 
@@ -157,16 +160,17 @@ def main() -> None:
 
     paper_runs = [_attention_speedups(compare(lambda n, seed=seed: lognormal_batch(n * 32768, 4096, 1.8, 64, 524288,
                                                                                   seed), scales, METHODS,
-                                              progress=progress)) for seed in seeds]
+                                              progress=progress, options=ATTENTION)) for seed in seeds]
     paper, paper_mean = paper_runs[0], mean_over_seeds(paper_runs)
-    even = _attention_speedups(compare(lambda n: [16384] * (n * 2), scales, METHODS, progress=progress))
+    even = _attention_speedups(compare(lambda n: [16384] * (n * 2), scales, METHODS, progress=progress,
+                                       options=ATTENTION))
     prolong_file = args.eval_data / "distca" / "dist_prolong.json"
     prolong = []
     if prolong_file.exists():
         values = read_lengths_file(prolong_file)
         prolong = _attention_speedups(compare(lambda n: empirical_batch(values, n * 32768, 0, 524288, TAIL_FRACTION),
-                                              scales, METHODS, progress=progress))
-    sweep = sweep_block_sizes(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), CompileOptions.of(128),
+                                              scales, METHODS, progress=progress, options=ATTENTION))
+    sweep = sweep_block_sizes(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), ATTENTION.replace(num_ranks=128),
                               [1024, 2048, 4096, 8192])
 
     plotted = []
