@@ -50,7 +50,7 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     if method == "main":
         options = dict(model="none")
     elif method == "fcp":
-        options = dict(model=model, **_CONTEXT.get("fcp_options", {}))
+        options = {"model": model, **_CONTEXT.get("fcp_options", {})}  # --fcp-options may place for another model
     else:
         options = dict(planner=Planner(method), model=model)
     started = time.perf_counter()
@@ -138,6 +138,11 @@ def _main_tree_check(tree: Path, makers: dict, model: str) -> list[str]:
 
 
 def _report(rows: list[dict], model: str) -> None:
+    if not {"fcp", "main"} <= {row["method"] for row in rows} or not {row["method"] for row in rows} & set(BASELINES):
+        gaps = [row[f"layer_gap_{p}"] for row in rows if not row.get("error") for p in ("fwd", "bwd")]
+        print(f"{len(rows)} plans; layer gap median {statistics.median(gaps):.3f}, max {max(gaps):.3f} (the table "
+              f"needs fcp, main and a baseline: --write keeps every row)")
+        return
     by_batch: dict[tuple, dict] = {}
     for row in rows:
         by_batch.setdefault((row["batch"], row["gpus"], row["seed"]), {})[row["method"]] = row
