@@ -84,7 +84,8 @@ def compile_command(
         if target is not None:
             check_output_target(target)
     plan = compile_plan(load_batch(batch), options=options)
-    figures = {**plan.stats, **layer_stats(plan)}  # the simulated layer makespans and their gap to the bound
+    # The simulated layer makespans and their gap to the bound, for whoever reads them (a quiet compile skips them).
+    figures = {**plan.stats, **layer_stats(plan)} if stats or not quiet else plan.stats
     # The plan and its figures land together or not at all.
     files = [(output, plan.to_bytes())]
     if stats:

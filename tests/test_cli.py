@@ -20,6 +20,15 @@ def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):
     assert code == 0 and "compute imb" in out and plan.exists()
     figures = json.loads(stats.read_text())
     assert figures["plan_sha256"] and figures["num_rounds"] == figures["max_degree"]
+    # The layer of the default model, simulated, beside its certified bound: printed and in the stats.
+    assert "layer (llama3-70b)" in out and figures["model"] == "llama3-70b"
+    for key in ("fwd", "bwd"):
+        assert figures[f"layer_gap_{key}"] == pytest.approx(figures[f"layer_makespan_{key}_s"]
+                                                            / figures[f"layer_makespan_lower_bound_{key}_s"])
+        assert figures[f"layer_gap_{key}"] >= 1.0
+    assert PlanReader(str(plan)).header.model == "llama3-70b"
+    code, out, _ = run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "--model", "gpt-9")
+    assert code == 2 and "llama3-70b, llama3-8b or none" in _
     code, out, _ = run(capsys, "validate", plan)
     assert code == 0 and "valid" in out
     code, out, _ = run(capsys, "inspect", plan, "--rank", 2)
