@@ -224,7 +224,8 @@ def ablate_command(
     from fcp_compiler.tools.ablation import run_ablation
     from fcp_compiler.tools.report import ablation_table
 
-    steps = run_ablation(load_batch(batch), CompileOptions.of(gpus, profile=profile))
+    # The seed's Table 2 measures attention: each step is placed for attention alone, as the seed's system was.
+    steps = run_ablation(load_batch(batch), CompileOptions.of(gpus, profile=profile, model="none"))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "batch": str(batch), "steps": steps})
     typer.echo(ablation_table(steps))
