@@ -115,26 +115,28 @@ def _compile_seconds(tree: Path, lengths: list[int], options: dict) -> float:
     return json.loads(done.stdout)["seconds"]
 
 
-def _main_tree_check(tree: Path, makers: dict, model: str) -> list[str]:
+def _main_tree_check(tree: Path, makers: dict, model: str, timed: list[str]) -> list[str]:
     """Main's own compile_plan in `tree` (a checkout of main before issue 20): its rank sections beside this tree's
-    --model none on the paper batch at 64 GPUs; and compile_plan at 256 GPUs on the paper batch, each tree in fresh
-    processes taking turns, median of 3."""
+    --model none on the paper batch at 64 GPUs; and compile_plan at 256 GPUs on each of the `timed` batches (seed
+    0), each tree in fresh processes taking turns, median of 3."""
     lengths_64 = makers["paper"](64 * TOKENS_PER_GPU, 0)
-    lengths_256 = makers["paper"](256 * TOKENS_PER_GPU, 0)
     script = ("import json, sys; from fcp_compiler import compile_plan\n"
               "print(json.dumps(compile_plan(json.loads(sys.stdin.read()), 64).header.rank_sha256))\n")
     done = subprocess.run([sys.executable, "-c", script], input=json.dumps(lengths_64), text=True,
                           capture_output=True, check=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""})
     same = json.loads(done.stdout) == compile_plan(lengths_64, 64, model="none").header.rank_sha256
+    lines = [f"main's own plan (paper, 64 GPUs) rank by rank {'==' if same else '!='} this tree's --model none"]
     here = Path(__file__).resolve().parents[1]
-    main_times, our_times = [], []
-    for _ in range(3):
-        main_times.append(_compile_seconds(tree, lengths_256, {}))
-        our_times.append(_compile_seconds(here, lengths_256, {"model": model}))
-    main_median, ours = statistics.median(main_times), statistics.median(our_times)
-    return [f"main's own plan (paper, 64 GPUs) rank by rank {'==' if same else '!='} this tree's --model none",
-            f"compile_plan, paper batch at 256 GPUs, fresh processes taking turns, median of 3: main "
-            f"{main_median:.3f} s, this tree ({model}) {ours:.3f} s: {ours / main_median:.2f}x"]
+    for name in timed:
+        lengths = makers[name](256 * TOKENS_PER_GPU, 0)
+        main_times, our_times = [], []
+        for _ in range(3):
+            main_times.append(_compile_seconds(tree, lengths, {}))
+            our_times.append(_compile_seconds(here, lengths, {"model": model}))
+        main_median, ours = statistics.median(main_times), statistics.median(our_times)
+        lines.append(f"compile_plan, {name} seed 0 at 256 GPUs, fresh processes taking turns, median of 3: main "
+                     f"{main_median:.3f} s, this tree ({model}) {ours:.3f} s: {ours / main_median:.2f}x")
+    return lines
 
 
 def _report(rows: list[dict], model: str) -> None:
@@ -204,7 +206,8 @@ def main() -> None:
                         help="compile options for fcp, e.g. zigzag=off,token_tolerance=0.02")
     parser.add_argument("--main-tree", type=Path, help="a checkout of main before issue 20 (identity and timing)")
     parser.add_argument("--write", type=Path, help="write every row as JSON")
-    parser.add_argument("--timing-only", action="store_true", help="only the --main-tree checks")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="only the --main-tree checks, timing each of --batches at 256 GPUs")
     args = parser.parse_args()
     makers = batches(args.eval_data)
     chosen = args.batches.split(",") if args.batches else list(makers)
@@ -212,7 +215,7 @@ def main() -> None:
     _CONTEXT["fcp_options"] = {key: _number(value) for key, value in
                                (item.split("=", 1) for item in args.fcp_options.split(",") if item)}
     if args.timing_only:
-        print("\n".join(_main_tree_check(args.main_tree, makers, args.model)))
+        print("\n".join(_main_tree_check(args.main_tree, makers, args.model, chosen)))
         return
     jobs = [(name, gpus, seed, method) for name in chosen for gpus in (int(g) for g in args.gpus.split(","))
             for seed in range(args.seeds) for method in args.methods.split(",")]
@@ -227,7 +230,7 @@ def main() -> None:
         args.write.write_text(json.dumps(rows, indent=1))
     _report(rows, args.model)
     if args.main_tree:
-        print("\n".join(_main_tree_check(args.main_tree, makers, args.model)))
+        print("\n".join(_main_tree_check(args.main_tree, makers, args.model, ["paper"])))
 
 
 if __name__ == "__main__":

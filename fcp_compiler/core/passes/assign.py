@@ -16,6 +16,11 @@ from fcp_compiler.errors import InfeasibleError
 # How far above the mean compute and the mean received volume the joint search lets a rank go.
 TWO_DIMENSIONAL_SEARCH = dict(compute_tolerance=0.01, received_tolerance=0.045)
 TWO_DIMENSIONAL_ROUNDS = 3
+# With linear layers in the load the joint search is not run: trading a rank's layer balance for received volume
+# made the simulated layer slower (benchmarks/layer_objective.py, 54 batches: 3 rounds against none, max gap 1.330
+# against 1.286, 13 against 8 pass-batches slower than attention-alone placement, compile at 256 GPUs twice as long;
+# one round sat between).
+LAYER_TWO_DIMENSIONAL_ROUNDS = 0
 # How far above the mean visible (q, k) pairs the joint search lets a rank go: balance that holds without trusting
 # the efficiency curve.
 PAIR_TOLERANCE = 0.025
@@ -89,10 +94,10 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
 
 def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,
                     batch_rank: np.ndarray, batch_seconds: np.ndarray, tile_batch: np.ndarray, token_cap: int,
-                    token_tolerance: float | None, pairs_balanced: bool) -> np.ndarray:
-    """Step 3 of :func:`assign`: moves and swaps of blocks balancing each rank's load (`weights`: its tiles and
-    linear layers) and received volume together, tokens under a tolerance, and visible pairs when `pairs_balanced`.
-    Returns the new block owners."""
+                    token_tolerance: float | None, pairs_balanced: bool, rounds: int) -> np.ndarray:
+    """Step 3 of :func:`assign`: up to `rounds` rounds of moves and swaps of blocks balancing each rank's load
+    (`weights`: its tiles and linear layers) and received volume together, tokens under a tolerance, and visible
+    pairs when `pairs_balanced`. Returns the new block owners."""
     sharding = tiles.sharding
     batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
     # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
@@ -101,7 +106,7 @@ def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weig
     batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
         if batch_rank.size else np.zeros(num_ranks)
     need_block, need_seg = block_needs(tiles)
-    for _ in range(TWO_DIMENSIONAL_ROUNDS):
+    for _ in range(rounds):
         # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
         # traffic is still outside its tolerance.
         moved = balance_two_dimensional(block_rank, weights, sharding.block_tokens, sharding.seg_block,
@@ -131,8 +136,9 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
        last with compute imbalance up to 0.060). With a token tolerance, LPT runs under a tight token cap and moves
        and swaps of sizes fix what it overflows.
     2. Refinement: moves and swaps off the most loaded rank while they lower it.
-    3. Compute and traffic together: moves and swaps off the rank furthest above either mean (1% for compute,
-       4.5% for bytes received, and the token tolerance when given), counting each pulled segment once per rank.
+    3. Compute and traffic together (attention alone; not with linear layers, LAYER_TWO_DIMENSIONAL_ROUNDS): moves
+       and swaps off the rank furthest above either mean (1% for compute, 4.5% for bytes received, and the token
+       tolerance when given), counting each pulled segment once per rank.
     4. Where a rank is still above (1 + balance_tolerance) x the lower bound, some tiles of its heaviest query
        blocks run on the least-loaded ranks instead.
 
@@ -175,8 +181,10 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
                                         num_ranks, token_cap, sharding.block_size, home, HOME_SLACK * mean,
                                         token_tolerance)
     block_rank, batch_rank = item_rank[:num_blocks], item_rank[num_blocks:]
+    attention_alone = linear_seconds_per_token == 0
     block_rank = _refine_jointly(tiles, num_ranks, block_rank, weights, batch_rank, batch_seconds, tile_batch,
-                                 token_cap, token_tolerance, pairs_balanced=linear_seconds_per_token == 0)
+                                 token_cap, token_tolerance, pairs_balanced=attention_alone,
+                                 rounds=TWO_DIMENSIONAL_ROUNDS if attention_alone else LAYER_TWO_DIMENSIONAL_ROUNDS)
     tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
                          block_rank[tiles.tile_q_block])
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
