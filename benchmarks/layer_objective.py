@@ -35,8 +35,7 @@ from placement import TOKENS_PER_GPU, batches, matrix_arguments  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.core.baselines import Planner  # noqa: E402
 from fcp_compiler.errors import InfeasibleError  # noqa: E402
-from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
-from fcp_compiler.format.validate import MAX_VALIDATED_PAIRS, segment_pairs, validate_plan  # noqa: E402
+from fcp_compiler.format.validate import validate_unless_too_large  # noqa: E402
 from fcp_compiler.tools.parallel import map_on_cores  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
 from fcp_compiler.tools.simulate import simulate_plan  # noqa: E402
@@ -59,9 +58,7 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     except InfeasibleError as error:
         return {"method": method, "error": str(error)}
     seconds = time.perf_counter() - started
-    validated = segment_pairs(PlanReader(plan.to_bytes())) <= MAX_VALIDATED_PAIRS  # rings past 64M pairs are not
-    if validated:
-        validate_plan(plan.to_bytes())
+    validated = validate_unless_too_large(plan.to_bytes())  # rings past the validator's 64M segment pairs are not
     figures = simulate_plan(plan, model=model).figures()
     return {"factors": _gap_factors(figures),"method": method, "compile_s": seconds, "rank_sha256": plan.header.rank_sha256, "validated": validated,
             **{key: figures[key] for key in ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd",

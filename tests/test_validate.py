@@ -248,3 +248,17 @@ def test_whole_block_rows_that_would_expand_past_what_a_rank_can_receive_are_ref
             a[f"pull_recv_{name}"] = np.concatenate((a[f"pull_recv_{name}"], np.full(extra, a[f"pull_recv_{name}"][0])))
         a["pull_recv_seg_count"] = np.concatenate((a["pull_recv_seg_count"], np.zeros(extra, dtype=np.int64)))
     expect_structure_error(edited(plan_bytes, flood), "more than the")
+
+
+def test_a_plan_too_large_to_enumerate_is_scored_unvalidated_and_said_so(plan_bytes, monkeypatch):
+    import fcp_compiler.format.validate as validate
+
+    assert validate.validate_unless_too_large(plan_bytes)
+    monkeypatch.setattr(validate, "MAX_VALIDATED_PAIRS", 1)
+    assert not validate.validate_unless_too_large(plan_bytes)
+    with pytest.raises(PlanFormatError, match="segment pairs"):
+        validate_plan(plan_bytes)
+    # A small enough plan that breaks an invariant is still refused.
+    monkeypatch.undo()
+    with pytest.raises(PlanInvalidError):
+        validate.validate_unless_too_large(rebuild_plan(PlanReader(plan_bytes), token_cap=100))

@@ -131,6 +131,22 @@ def segment_pairs(reader: PlanReader) -> int:
     return int((per_sequence * per_sequence).sum())
 
 
+def validate_unless_too_large(source) -> bool:
+    """Validate a plan (bytes, path or reader) unless it has more segment pairs than the validator enumerates (a
+    ring over hundreds of GPUs): for callers that score many plans and must say which ones went unvalidated.
+
+    Returns:
+        whether the plan was validated.
+    Raises:
+        PlanInvalidError, PlanFormatError: as :func:`validate_plan`, for a plan small enough to validate.
+    """
+    reader = source if isinstance(source, PlanReader) else PlanReader(source)
+    if segment_pairs(reader) > MAX_VALIDATED_PAIRS:
+        return False
+    validate_plan(reader)
+    return True
+
+
 def _read(reader: PlanReader) -> _Plan:
     """Decode every rank, refusing a plan too large to enumerate its segment pairs."""
     header, tables = reader.header, reader.tables

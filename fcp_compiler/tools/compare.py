@@ -8,8 +8,7 @@ from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.format.plan_format import PlanReader
-from fcp_compiler.format.validate import MAX_VALIDATED_PAIRS, segment_pairs, validate_plan
+from fcp_compiler.format.validate import validate_unless_too_large
 from fcp_compiler.tools.parallel import map_on_cores
 from fcp_compiler.tools.simulate import simulate_plan
 
@@ -39,9 +38,7 @@ def _one(job: tuple[int, str]) -> dict:
         return {"method": method, "gpus": gpus, "layout": layout, **dict.fromkeys(FIGURES), "error": str(error)}
     # A plan is scored only if it keeps every invariant the simulator trusts; a ring over hundreds of GPUs has more
     # segment pairs than the validator enumerates, and is scored unvalidated, saying so.
-    validated = segment_pairs(PlanReader(plan.to_bytes())) <= MAX_VALIDATED_PAIRS
-    if validated:
-        validate_plan(plan.to_bytes())
+    validated = validate_unless_too_large(plan.to_bytes())
     figures = simulate_plan(plan).figures()
     stats = plan.stats
     return {"method": method, "gpus": gpus, "layout": layout, "compute_imbalance": stats["compute_imbalance"],
