@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fcp_compiler.format.inputs import HardwareProfile, Layout
-from fcp_compiler.format.models import ModelPreset, load_model
+from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
 from fcp_compiler.core.ir import Batch, Sharding
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
@@ -276,7 +276,7 @@ class Simulation:
         layer_mfu = useful / (self.num_ranks * self.peak_flops * total) if total > 0 else 0.0
         one_gpu_efficiency = useful / (self.peak_flops * one_gpu_seconds) if one_gpu_seconds > 0 else 1.0
         bound_fwd, bound_bwd = self.bounds["fwd"]["bound_s"], self.bounds["bwd"]["bound_s"]
-        return {"model": self.model.name if self.model else "none", "layout": self.layout,
+        return {"model": self.model.name if self.model else NO_MODEL, "layout": self.layout,
                 "reshuffle_fwd_s": self.forward.reshuffle, "reshuffle_bwd_s": self.backward.reshuffle,
                 "linear_fwd_s": float(linear_fwd.max()),
                 "linear_bwd_s": float(linear_fwd.max()) * BACKWARD_LINEAR_WORK,
