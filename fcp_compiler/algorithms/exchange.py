@@ -5,39 +5,122 @@ from __future__ import annotations
 import numpy as np
 
 
-def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
-                   fixed_round: np.ndarray, fixed_src: np.ndarray, fixed_dst: np.ndarray) -> np.ndarray:
-    """Give each new message the earliest round >= its ready round in which its sender sends nothing else and its
-    receiver receives nothing else, around messages whose rounds are fixed.
+class _Slots:
+    """Which rounds each end's send and receive slots are taken in: a bit mask (Python int) per end and slot."""
 
-    Every round then stays a matching of senders to receivers over all messages. Greedy list scheduling in order of
-    ready round (ties by index): not optimal in rounds, but a message waits only for rounds whose endpoints are
-    taken. Free rounds are found with per-rank bit masks (Python ints), so each message costs O(1) big-int
-    operations: O((F + M) * R / 64) for F fixed and M new messages over R rounds.
+    def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
+                 fixed_dst: np.ndarray):
+        slots = [1] * num_ends if capacity is None else capacity.tolist()
+        self.send = [[0] * k for k in slots]
+        self.recv = [[0] * k for k in slots]
+        for rnd, a, b in zip(fixed_round.tolist(), fixed_src.tolist(), fixed_dst.tolist()):
+            self.take(a, b, rnd)
+
+    @staticmethod
+    def _full(masks: list[int]) -> int:
+        out = masks[0]
+        for mask in masks[1:]:
+            out &= mask
+        return out
+
+    @staticmethod
+    def _take(masks: list[int], bit: int) -> None:
+        for slot, mask in enumerate(masks):
+            if not mask & bit:
+                masks[slot] = mask | bit
+                return
+        raise AssertionError("no free slot")
+
+    def first_free(self, a: int, b: int, ready: int) -> int:
+        """The earliest round >= ready in which a has a free send slot and b a free receive slot."""
+        taken = (self._full(self.send[a]) | self._full(self.recv[b])) >> ready
+        return ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
+
+    def take(self, a: int, b: int, rnd: int) -> None:
+        self._take(self.send[a], 1 << rnd)
+        self._take(self.recv[b], 1 << rnd)
+
+
+def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
+                   fixed_round: np.ndarray, fixed_src: np.ndarray, fixed_dst: np.ndarray,
+                   capacity: np.ndarray | None = None) -> np.ndarray:
+    """Give each new message the earliest round >= its ready round in which its sender has a free send slot and its
+    receiver a free receive slot, around messages whose rounds are fixed.
+
+    An end has capacity[end] slots a round (default 1: every round stays a matching of senders to receivers over
+    all messages). Greedy list scheduling in order of ready round (ties by index): not optimal in rounds, but a
+    message waits only for rounds whose endpoints are full. Free rounds are found with bit masks (Python ints), one
+    per end and slot, so each message costs O(capacity) big-int operations: O((F + M) * K * R / 64) for F fixed
+    and M new messages over R rounds with K slots an end.
 
     Args:
         ready_round, src, dst: int [M], the new messages.
-        num_ranks: N.
-        fixed_round, fixed_src, fixed_dst: int [F], messages already placed (each round a matching).
+        num_ranks: the number of ends (N, or 2N link ends).
+        fixed_round, fixed_src, fixed_dst: int [F], messages already placed (within the capacity).
+        capacity: int [num_ranks], slots per end and round (default all 1).
     Returns:
         int64 [M], the round of each new message.
     """
-    send_busy = [0] * num_ranks
-    recv_busy = [0] * num_ranks
-    for rnd, a, b in zip(fixed_round.tolist(), fixed_src.tolist(), fixed_dst.tolist()):
-        bit = 1 << rnd
-        send_busy[a] |= bit
-        recv_busy[b] |= bit
+    slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
     placed = [0] * ready_round.size
     ready_list, src_list, dst_list = ready_round.tolist(), src.tolist(), dst.tolist()
     for message in np.lexsort((np.arange(ready_round.size), ready_round)).tolist():
-        a, b, ready = src_list[message], dst_list[message], ready_list[message]
-        taken = (send_busy[a] | recv_busy[b]) >> ready
-        rnd = ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
-        bit = 1 << rnd
-        send_busy[a] |= bit
-        recv_busy[b] |= bit
+        a, b = src_list[message], dst_list[message]
+        rnd = slots.first_free(a, b, ready_list[message])
+        slots.take(a, b, rnd)
         placed[message] = rnd
+    return np.asarray(placed, dtype=np.int64)
+
+
+def spread_messages(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, work: np.ndarray,
+                    stage_load: np.ndarray, rounds_per_stage: int, fixed_round: np.ndarray, fixed_src: np.ndarray,
+                    fixed_dst: np.ndarray, capacity: np.ndarray | None = None,
+                    load_rank: np.ndarray | None = None) -> np.ndarray:
+    """Place messages that make work runnable on their receiver in the stage after theirs, so that the work does
+    not bunch up: each in the earliest stage >= its ready stage where that work fits under the stage's busiest
+    rank, else where it leaves its rank's load lowest (never past the last stage of `stage_load`), at the first round
+    of that stage on with free slots at both ends (around the fixed messages, as :func:`place_messages`).
+
+    Objective: the sum over stages of the busiest rank's work, as :func:`fcp_compiler.algorithms.leveling
+    .level_stages`. Greedy, messages by ready stage, then by decreasing work, then index. O(M * S) for M messages
+    over S stages.
+
+    Args:
+        ready_stage: int [M], the first stage each message may leave in.
+        src, dst: int [M], its ends (as :func:`place_messages` counts them).
+        work: float [M], the work it makes runnable on its receiver a stage later.
+        stage_load: float [S, N], work already runnable per (stage, rank); updated in place.
+        rounds_per_stage: c.
+        fixed_round, fixed_src, fixed_dst, capacity: as :func:`place_messages`.
+        load_rank: int [M], the rank whose load the work adds to (default dst).
+    Returns:
+        int64 [M], the round of each message.
+    """
+    num_stages = stage_load.shape[0]
+    slots = _Slots(int(capacity.size) if capacity is not None else int(max(src.max(initial=0),
+                                                                           dst.max(initial=0)) + 1),
+                   capacity, fixed_round, fixed_src, fixed_dst)
+    load = stage_load.tolist()
+    level = [max(row) for row in load]
+    rank = (dst if load_rank is None else load_rank).tolist()
+    placed = [0] * ready_stage.size
+    src_list, dst_list, work_list, ready_list = src.tolist(), dst.tolist(), work.tolist(), ready_stage.tolist()
+    for message in np.lexsort((np.arange(ready_stage.size), -work, ready_stage)).tolist():
+        r, w, ready = rank[message], work_list[message], ready_list[message]
+        best, best_load = ready, None
+        for stage in range(ready, num_stages - 1):
+            after = load[stage + 1][r] + w
+            if after <= level[stage + 1]:
+                best = stage
+                break
+            if best_load is None or after < best_load:
+                best, best_load = stage, after
+        rnd = slots.first_free(src_list[message], dst_list[message], best * rounds_per_stage)
+        slots.take(src_list[message], dst_list[message], rnd)
+        placed[message] = rnd
+        lands = min(rnd // rounds_per_stage + 1, num_stages - 1)
+        load[lands][r] += w
+        level[lands] = max(level[lands], load[lands][r])
     return np.asarray(placed, dtype=np.int64)
 
 
@@ -52,15 +135,31 @@ def push_ready_rounds(num_edges: int, tile_stage: np.ndarray, tile_kv_edge: np.n
     return ready_stage * coalesce
 
 
+def link_ends(src: np.ndarray, dst: np.ndarray, link: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Messages' ends as link ends (rank * 2 + class, class 1 the NIC across nodes, 0 NVLink inside one): rounds
+    are congestion-free per link class, so :func:`place_messages` over 2N link ends, with
+    :func:`link_capacity`, keeps every class's rounds within its slots."""
+    return src * 2 + link, dst * 2 + link
+
+
+def link_capacity(num_ranks: int, nvlink_lanes: int) -> np.ndarray:
+    """Slots a round of each link end (rank * 2 + class): `nvlink_lanes` NVLink rounds fit in one round (an NVLink
+    round is that much shorter), one NIC round."""
+    return np.tile(np.array([nvlink_lanes, 1], dtype=np.int64), num_ranks)
+
+
 def forward_push_rounds(edge_is_q: np.ndarray, edge_src: np.ndarray, edge_dst: np.ndarray, num_ranks: int,
                         pull_round: np.ndarray, tile_stage: np.ndarray, tile_kv_edge: np.ndarray,
-                        tile_q_edge: np.ndarray, coalesce: int) -> tuple[np.ndarray, np.ndarray]:
+                        tile_q_edge: np.ndarray, coalesce: int, link: np.ndarray,
+                        nvlink_lanes: int) -> tuple[np.ndarray, np.ndarray]:
     """Partial outputs pushed back along the Q pulls, each in the first round after its tiles in which both ends
-    are free (around the pulls): (push_edge, push_round)."""
+    have a free slot in the pull's link class (around the pulls): (push_edge, push_round)."""
     push_edge = np.flatnonzero(edge_is_q)
     ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, coalesce)[push_edge]
-    push_round = place_messages(ready, edge_dst[push_edge], edge_src[push_edge], num_ranks, pull_round, edge_src,
-                                edge_dst)
+    capacity = link_capacity(num_ranks, nvlink_lanes)
+    edge_src, edge_dst = link_ends(edge_src, edge_dst, link)
+    push_round = place_messages(ready, edge_dst[push_edge], edge_src[push_edge], 2 * num_ranks, pull_round, edge_src,
+                                edge_dst, capacity)
     return push_edge, push_round
 
 
@@ -79,15 +178,20 @@ def relay_heights(parent: np.ndarray) -> np.ndarray:
 
 def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent: np.ndarray, num_ranks: int,
                          pull_round: np.ndarray, tile_stage: np.ndarray, tile_kv_edge: np.ndarray,
-                         tile_q_edge: np.ndarray, coalesce: int) -> tuple[np.ndarray, np.ndarray]:
+                         tile_q_edge: np.ndarray, coalesce: int, link: np.ndarray,
+                         nvlink_lanes: int) -> tuple[np.ndarray, np.ndarray]:
     """Every gradient pushed back along its pull: (push_edge, push_round), push_edge being every pull.
 
     A push takes the odd round 2r + 2d + 1 for its pull's round 2r and d = `coalesce` rounds a stage (two stages
     later: the reverse of a matching is a matching, so these rounds are too), or, where its tiles run later than
     that, the first free round after them. Every pulled block is then freed two or three stages after it arrives.
     A relay's own push waits for the pushes of the pulls it re-sent, which it sums into its partial gradient: pulls
-    are placed by relay height, leaves first, each after the stage its children's pushes land in."""
+    are placed by relay height, leaves first, each after the stage its children's pushes land in. Rounds are
+    congestion-free per link class (`link`, per pull; `nvlink_lanes` NVLink slots a round)."""
     push_edge = np.arange(edge_src.size)
+    capacity = link_capacity(num_ranks, nvlink_lanes)
+    edge_src, edge_dst = link_ends(edge_src, edge_dst, link)
+    num_ranks *= 2
     ready = push_ready_rounds(edge_src.size, tile_stage, tile_kv_edge, tile_q_edge, coalesce)
     mirror = pull_round + 2 * coalesce + 1
     push_round = mirror.copy()
@@ -104,7 +208,7 @@ def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent
         late = np.flatnonzero((height == level) & ~fits)
         push_round[late] = place_messages(ready[late], edge_dst[late], edge_src[late], num_ranks,
                                           np.concatenate(fixed_round), np.concatenate(fixed_src),
-                                          np.concatenate(fixed_dst))
+                                          np.concatenate(fixed_dst), capacity)
         fixed_round.append(push_round[late])
         fixed_src.append(edge_dst[late])
         fixed_dst.append(edge_src[late])

@@ -1,7 +1,8 @@
 """Relays: a rank that has received a block re-sends it to a later puller, so a hot block's senders form a tree.
 
-Plain arrays in, plain arrays out. A pull keeps its round (its colour): only its sender changes, so every round
-stays a matching as long as the new sender sends nothing else in that round, and no tile moves.
+Plain arrays in, plain arrays out. A pull keeps its rounds in both passes: only its sender changes, so every round
+stays a matching per link class as long as the new sender sends nothing else of the pull's new class in those
+rounds (and, where the class changes, its receiver receives nothing else of it), and no tile moves.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ MAX_FAILURES = 8
 class RelayEdges:
     """The pulls, as the relay choice sees them; all arrays are indexed by edge.
 
-    `colour` is the pull's round (a matching); `stage` and `bwd_stage` its stage in each pass; `seg_mask` the
-    segments it carries as a bit mask relative to its block's first segment (a child may take a parent's data only
-    if its mask is a subset); `relayable` marks the pulls that may be re-sourced or serve as parents (K,V pulls of
-    blocks whose segments fit the mask)."""
+    `colour` and `bwd_round` are the pull's rounds in each pass; `stage` and `bwd_stage` its stage in each pass;
+    `seg_mask` the segments it carries as a bit mask relative to its block's first segment (a child may take a
+    parent's data only if its mask is a subset); `relayable` marks the pulls that may be re-sourced or serve as
+    parents (K,V pulls from their owner of blocks whose segments fit the mask); `parent` the pulls already re-sent
+    by an earlier receiver (node fan-out), -1 for the others."""
 
     block: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     colour: np.ndarray
+    bwd_round: np.ndarray
+    parent: np.ndarray
     stage: np.ndarray
     bwd_stage: np.ndarray
     nbytes: np.ndarray
@@ -38,11 +42,13 @@ class RelayEdges:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayLinks:
-    """Link model of the choice: node of each rank, and the bandwidths across nodes (NIC) and inside one."""
+    """Link model of the choice: node of each rank, the bandwidths across nodes (NIC) and inside one, and how many
+    NVLink messages an end may carry a round."""
 
     node: np.ndarray
     nic_bytes_per_s: float
     nvlink_bytes_per_s: float
+    nvlink_lanes: int = 1
 
 
 class _StageLoads:
@@ -98,14 +104,53 @@ def _candidates(edges: RelayEdges, parent: np.ndarray, by_block: np.ndarray, blo
     return group[ok]
 
 
-def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colours: int,
-                  stage_floor: np.ndarray, max_gap: int) -> np.ndarray:
+class _Busy:
+    """How many messages each link end (rank * 2 + class) sends and receives in each round of each pass, against
+    its slots (links.nvlink_lanes for NVLink, 1 for the NIC)."""
+
+    def __init__(self, edges: RelayEdges, src: np.ndarray, links: RelayLinks, num_ranks: int):
+        self.links = links
+        rounds = (edges.colour, edges.bwd_round)
+        width = [int(r.max(initial=-1)) + 1 for r in rounds]
+        cls = (links.node[src] != links.node[edges.dst]).astype(np.int64)
+        self.send = [np.zeros((2 * num_ranks, w), dtype=np.int32) for w in width]
+        self.recv = [np.zeros((2 * num_ranks, w), dtype=np.int32) for w in width]
+        for p in (0, 1):
+            np.add.at(self.send[p], (src * 2 + cls, rounds[p]), 1)
+            np.add.at(self.recv[p], (edges.dst * 2 + cls, rounds[p]), 1)
+        self.rounds = rounds
+        self.slots = np.array([links.nvlink_lanes, 1])
+
+    def free(self, edge: int, holders: np.ndarray, receiver: int, old_cls: int) -> np.ndarray:
+        """Per holder, whether it may send `edge` in its rounds (and its receiver receive it, if the class
+        changes)."""
+        cls = (self.links.node[holders] != self.links.node[receiver]).astype(np.int64)
+        ok = np.ones(holders.size, dtype=bool)
+        for p in (0, 1):
+            rnd = int(self.rounds[p][edge])
+            ok &= self.send[p][holders * 2 + cls, rnd] < self.slots[cls]
+            ok &= (cls == old_cls) | (self.recv[p][receiver * 2 + cls, rnd] < self.slots[cls])
+        return ok
+
+    def move(self, edge: int, old: int, new: int, receiver: int) -> None:
+        node = self.links.node
+        old_cls, new_cls = int(node[old] != node[receiver]), int(node[new] != node[receiver])
+        for p in (0, 1):
+            rnd = int(self.rounds[p][edge])
+            self.send[p][old * 2 + old_cls, rnd] -= 1
+            self.send[p][new * 2 + new_cls, rnd] += 1
+            self.recv[p][receiver * 2 + old_cls, rnd] -= 1
+            self.recv[p][receiver * 2 + new_cls, rnd] += 1
+
+
+def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_floor: np.ndarray,
+                  max_gap: int) -> np.ndarray:
     """Pick a parent pull for some pulls, so that they leave the parent's receiver instead of the block's owner.
 
     Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
     (the stage's mean compute, under which traffic hides anyway). Greedy: take the sender whose busiest link end is
     slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn)
-    to the candidate holder (:func:`_candidates`) that is free to send in the pull's round and leaves the largest
+    to the candidate holder (:func:`_candidates`) that is free in the pull's rounds and leaves the largest
     of (old sender, new sender, receiver) link times lowest; accept only if that is below the old sender's time. A
     sender none of whose pulls can move is done for the stage. Stages are taken in order, so a parent's own sender is
     final before its children are chosen.
@@ -114,18 +159,17 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colo
     Args:
         edges: the pulls (:class:`RelayEdges`).
         links: ranks' nodes and bandwidths.
-        num_ranks, num_colours: N and the number of rounds.
+        num_ranks: N.
         stage_floor: float [num_stages], seconds under which a stage's sends need not go.
         max_gap: the most stages a parent may arrive before its child leaves (bounds how long relays hold).
     Returns:
-        int64 [num_edges], each pull's parent pull, or -1 for a pull from the owner.
+        int64 [num_edges], each pull's parent pull (edges.parent kept), or -1 for a pull from the owner.
     """
-    parent = np.full(edges.block.size, NO_PARENT, dtype=np.int64)
+    parent = edges.parent.copy()
     if edges.block.size == 0:
         return parent
     src = edges.src.copy()
-    busy = np.zeros((num_ranks, num_colours), dtype=bool)
-    busy[src, edges.colour] = True
+    busy = _Busy(edges, src, links, num_ranks)
     by_block = np.lexsort((np.arange(edges.block.size), edges.block))
     block_start = np.searchsorted(edges.block[by_block], np.arange(int(edges.block.max()) + 2))
     by_stage = np.argsort(edges.stage, kind="stable")
@@ -138,13 +182,14 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, num_colo
 
 
 def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.ndarray, parent: np.ndarray,
-                 busy: np.ndarray, by_block: np.ndarray, block_start: np.ndarray, num_ranks: int, floor: float,
+                 busy: _Busy, by_block: np.ndarray, block_start: np.ndarray, num_ranks: int, floor: float,
                  max_gap: int) -> None:
     """The greedy of :func:`choose_relays` for the pulls `idx` of one stage (updates src, parent, busy)."""
     loads = _StageLoads(edges, src, idx, links, num_ranks)
     # A pull in the backward's last pull stage is not re-sent: its relay's gradient would leave a stage later than
     # any other, lengthening the pass.
-    movable = idx[edges.relayable[idx] & (edges.stage[idx] > 0) & (edges.bwd_stage[idx] < edges.bwd_stage.max())]
+    movable = idx[edges.relayable[idx] & (parent[idx] == NO_PARENT) & (edges.stage[idx] > 0)
+                  & (edges.bwd_stage[idx] < edges.bwd_stage.max())]
     # Each sender's pulls, largest first: a slice of one sorted array, walked with a cursor per sender.
     movable = movable[np.lexsort((movable, -edges.nbytes[movable], src[movable]))]
     sender = src[movable]
@@ -169,13 +214,13 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
 
 
 def _move_one(edges: RelayEdges, loads: _StageLoads, edge: int, top: int, top_time: float, src: np.ndarray,
-              parent: np.ndarray, busy: np.ndarray, by_block: np.ndarray, block_start: np.ndarray,
+              parent: np.ndarray, busy: _Busy, by_block: np.ndarray, block_start: np.ndarray,
               max_gap: int) -> bool:
     """Re-source `edge` (sent by `top`) from its best holder if that lowers the busiest of the link ends involved."""
     candidates = _candidates(edges, parent, by_block, block_start, edge, max_gap)
-    colour, receiver, nbytes = int(edges.colour[edge]), int(edges.dst[edge]), float(edges.nbytes[edge])
+    receiver, nbytes = int(edges.dst[edge]), float(edges.nbytes[edge])
     holders = edges.dst[candidates]
-    free = ~busy[holders, colour]
+    free = busy.free(edge, holders, receiver, int(loads.link(np.int64(top), np.int64(receiver))) ^ 1)
     candidates, holders = candidates[free], holders[free]
     if candidates.size == 0:
         return False
@@ -197,8 +242,7 @@ def _move_one(edges: RelayEdges, loads: _StageLoads, edge: int, top: int, top_ti
     chosen, holder = int(candidates[best]), int(holders[best])
     loads.add(top, receiver, nbytes, -1.0)
     loads.add(holder, receiver, nbytes, 1.0)
-    busy[top, colour] = False
-    busy[holder, colour] = True
+    busy.move(edge, top, holder, receiver)
     src[edge] = holder
     parent[edge] = chosen
     return True

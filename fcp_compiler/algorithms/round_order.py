@@ -5,40 +5,58 @@ from __future__ import annotations
 import numpy as np
 
 
-def order_rounds(round_work: np.ndarray, rounds_per_stage: int) -> np.ndarray:
-    """A new position for each round (a permutation) that groups rounds into stages of `rounds_per_stage` with a
-    small sum over stages of the busiest rank's work.
+def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.ndarray | None = None,
+                 class_lanes: tuple[int, int] = (1, 1), later_work: np.ndarray | None = None) -> np.ndarray:
+    """A new position for each round that groups rounds into stages of `rounds_per_stage` with a small sum over
+    stages of the busiest rank's work.
 
-    Each round is a matching, so any order of the rounds keeps every round congestion-free; what the order changes
-    is which work becomes runnable together. Objective: sum over stages of max over ranks of the summed work of the
-    stage's rounds (NP-hard in general). Greedy: rounds by decreasing largest work, each into the unfilled stage
-    whose busiest rank grows least (ties: the one whose busiest rank ends lowest, then the earliest); then, within
-    each stage, rounds in their old order.
+    Each round is a matching (of one link class), so any order of the rounds keeps every round congestion-free;
+    what the order changes is which work becomes runnable together. Rounds of different classes run at the same
+    time: a stage s holds up to c = `rounds_per_stage` positions s * c .. s * c + c - 1, and each position
+    class_lanes[k] rounds of class k (rounds of a class whose links are that much faster share a position; positions
+    no round takes stay empty). Objective: sum over stages of max over ranks of the summed work of the stage's
+    rounds, and of the work they make runnable a stage later (`later_work`: tiles that read what a round's pulls
+    bring once it has been re-sent inside a node), NP-hard in general. Greedy: rounds by decreasing largest work, each into the stage with room for its
+    class whose busiest rank grows least (ties: the one whose busiest rank ends lowest, then the earliest); then,
+    within each stage, a class's rounds in their old order.
     O(R * S * N) for R rounds, S stages, N ranks, vectorised over stages and ranks.
 
     Args:
         round_work: float [R, N], work each round makes runnable on each rank.
         rounds_per_stage: c >= 1.
+        round_class: int [R], each round's link class (0 or 1); default: all one class.
+        class_lanes: per class, rounds a position holds.
+        later_work: float [R, N], work each round makes runnable on each rank in the stage after its own (default
+            none).
     Returns:
-        int64 [R], the new index of each round (a permutation of 0..R-1).
+        int64 [R], the new position of each round (distinct within a class).
     """
     num_rounds, num_ranks = round_work.shape
+    round_class = np.zeros(num_rounds, dtype=np.int64) if round_class is None else round_class
     if num_rounds == 0:
         return np.zeros(0, dtype=np.int64)
-    num_stages = -(-num_rounds // rounds_per_stage)
-    load = np.zeros((num_stages, num_ranks))
-    room = np.full(num_stages, rounds_per_stage)
-    room[-1] = num_rounds - (num_stages - 1) * rounds_per_stage
+    per_class = np.bincount(round_class, minlength=2)
+    lanes = np.asarray(class_lanes, dtype=np.int64)
+    num_stages = int(max(-(-per_class // (rounds_per_stage * lanes))))
+    later = np.zeros_like(round_work) if later_work is None else later_work
+    load = np.zeros((num_stages + 1, num_ranks))  # the last row: work pushed past the last stage
+    room = np.repeat((rounds_per_stage * lanes)[:, None], num_stages, axis=1)
     stage_of = np.empty(num_rounds, dtype=np.int64)
-    for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))).tolist():
-        new_max = (load + round_work[rnd]).max(axis=1)
-        growth = new_max - load.max(axis=1)
-        growth[room == 0] = np.inf
+    for rnd in np.lexsort((np.arange(num_rounds), -(round_work + later).max(axis=1))).tolist():
+        cls = int(round_class[rnd])
+        peak = load.max(axis=1)
+        new_max = (load[:-1] + round_work[rnd]).max(axis=1)
+        growth = new_max - peak[:-1] + (load[1:] + later[rnd]).max(axis=1) - peak[1:]
+        growth[room[cls] <= 0] = np.inf
         stage = int(np.lexsort((np.arange(num_stages), new_max, growth))[0])
         stage_of[rnd] = stage
         load[stage] += round_work[rnd]
-        room[stage] -= 1
-    order = np.lexsort((np.arange(num_rounds), stage_of))
+        load[stage + 1] += later[rnd]
+        room[cls, stage] -= 1
     position = np.empty(num_rounds, dtype=np.int64)
-    position[order] = np.arange(num_rounds)
+    for cls in (0, 1):
+        mine = np.flatnonzero(round_class == cls)
+        order = mine[np.lexsort((mine, stage_of[mine]))]
+        first = np.searchsorted(stage_of[order], stage_of[order])  # each round's stage's first in `order`
+        position[order] = stage_of[order] * rounds_per_stage + (np.arange(order.size) - first) // lanes[cls]
     return position

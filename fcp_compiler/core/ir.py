@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.fan_out import class_degrees, link_class
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, MaskKind
 from fcp_compiler.format.plan_format import TransferKind
 
@@ -203,6 +204,17 @@ class Transfers:
         return self.assignment.block_rank[self.edge_block]
 
     @property
+    def edge_link(self) -> np.ndarray:
+        """Per pull, its link class: 1 across nodes (the NIC), 0 inside one (NVLink)."""
+        return link_class(self.edge_src, self.edge_dst, self.assignment.tiles.profile.gpus_per_node)
+
+    @property
+    def class_degrees(self) -> tuple[int, int]:
+        """(NVLink, NIC): each link class's Delta over the pulls as they are sent (fan-out and relays included),
+        the fewest rounds that class's pulls can take."""
+        return class_degrees(self.edge_src, self.edge_dst, self.edge_link, self.assignment.num_ranks)
+
+    @property
     def edge_tokens(self) -> np.ndarray:
         """Tokens each pull carries; a pull with no segment list carries its whole block."""
         sharding = self.assignment.tiles.sharding
@@ -221,22 +233,36 @@ class Transfers:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rounds:
-    """Pull edges split into congestion-free rounds (matchings)."""
+    """Pull edges from their owners coloured into congestion-free rounds, each link class apart.
+
+    edge_round is each pull's colour within its class (a matching of that class), -1 for a pull re-sent inside a
+    node (coalesce places those after their entry); `nvlink_lanes` NVLink colours share one round (NVLink is that
+    much faster), so the pulls take num_rounds = max(NIC Delta, ceil(NVLink Delta / lanes)) rounds."""
 
     transfers: Transfers
     edge_round: np.ndarray  # int64 [num_edges]
     num_rounds: int
+    nvlink_lanes: int = 1
+
+    @property
+    def owner_degrees(self) -> tuple[int, int]:
+        """(NVLink, NIC): Delta of each class's graph of the pulls sent from their owners' own blocks, the rounds
+        schedule_rounds colours them into (fan-out pulls, placed after their entries, are not among them)."""
+        transfers = self.transfers
+        from_owner = transfers.edge_parent < 0
+        return class_degrees(transfers.edge_src[from_owner], transfers.edge_dst[from_owner],
+                             transfers.edge_link[from_owner], transfers.assignment.num_ranks)
 
     @property
     def max_degree(self) -> int:
-        """Largest number of pulls any rank owns or receives (Delta of the owner-to-puller graph: relays re-send
-        some pulls in the rounds this graph's colouring gave them)."""
-        transfers = self.transfers
-        if transfers.num_edges == 0:
-            return 0
-        num_ranks = transfers.assignment.num_ranks
-        return int(max(np.bincount(transfers.edge_owner, minlength=num_ranks).max(),
-                       np.bincount(transfers.edge_dst, minlength=num_ranks).max()))
+        """The larger of the two classes' Delta (owner_degrees)."""
+        return max(self.owner_degrees)
+
+    @property
+    def lane_rounds(self) -> int:
+        """Rounds the pulls from owners need: max(NIC Delta, ceil(NVLink Delta / nvlink_lanes)), Konig per class."""
+        nvlink, nic = self.owner_degrees
+        return max(nic, -(-nvlink // self.nvlink_lanes))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,10 +49,13 @@ class CompileOptions:
     # placement balances; None: attention alone.
     model: ModelPreset | None = field(default_factory=lambda: MODEL_PRESETS[DEFAULT_MODEL])
     planner: Planner = Planner.FCP
+    # GPUs a node holds (NVLink inside, a NIC each across); None: the profile's. Recorded in the plan's profile.
+    gpus_per_node: int | None = None
     # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
     pipelined: bool = True
     matching_rounds: bool = True
     reshuffle_overlap: bool = True
+    node_fan_out: bool = True  # a K,V block crosses into a node once and fans out over NVLink (FCP only)
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:
@@ -80,6 +83,9 @@ class CompileOptions:
             fields["profile"] = load_profile(fields["profile"])
         options = cls(num_ranks=num_ranks, **fields)
         options.check()
+        if options.gpus_per_node is not None and options.gpus_per_node != options.profile.gpus_per_node:
+            profile = options.profile.model_copy(update={"gpus_per_node": options.gpus_per_node})
+            options = dataclasses.replace(options, profile=profile)
         return options
 
     def replace(self, **changes) -> CompileOptions:
@@ -126,6 +132,11 @@ class CompileOptions:
                                            not 1 <= self.token_cap <= MAX_BATCH_TOKENS):
             raise InvalidInputError(f"--token-cap {self.token_cap!r} must be an integer from 1 to "
                                     f"{MAX_BATCH_TOKENS}")
+        if self.gpus_per_node is not None and (isinstance(self.gpus_per_node, bool) or
+                                               not isinstance(self.gpus_per_node, int) or
+                                               not 1 <= self.gpus_per_node <= MAX_RANKS):
+            raise InvalidInputError(f"--gpus-per-node {self.gpus_per_node!r} must be an integer from 1 to {MAX_RANKS} "
+                                    f"(8 on an HGX node)")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):

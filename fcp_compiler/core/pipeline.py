@@ -19,6 +19,7 @@ from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
+from fcp_compiler.core.passes.fan_out import fan_out
 from fcp_compiler.core.passes.localize import group_nodes, localize
 from fcp_compiler.core.passes.relay import relay
 from fcp_compiler.core.passes.reshuffle import reshuffle
@@ -75,7 +76,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
-        "model": options.model_name,
+        "model": options.model_name, "node_fan_out": options.node_fan_out,
     }
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
@@ -133,7 +134,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
                  options: CompileOptions | None = None, **fields) -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
 
-    Runs shard, cost, assign, plan_transfers, localize, schedule_rounds, coalesce, relay, reshuffle and encode,
+    Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
     timing each (stats["pass_seconds"]).
 
     Args:
@@ -165,6 +166,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     else:
         assignment = timer.run("localize", localize, assignment)
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
+    if planner is Planner.FCP and options.matching_rounds and options.node_fan_out:
+        transfers = timer.run("fan_out", fan_out, transfers)
     rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
                        transfers)
     schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
@@ -221,7 +224,10 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile, model=options.model_name,
-                layout=options.layout, num_rounds=rounds.num_rounds, num_fwd_rounds=schedule.forward.num_rounds,
+                layout=options.layout, num_rounds=int(schedule.forward.edge_round.max(initial=-1)) + 1,
+                nvlink_degree=transfers.class_degrees[0], nic_degree=transfers.class_degrees[1],
+                nvlink_lanes=rounds.nvlink_lanes,
+                num_fwd_rounds=schedule.forward.num_rounds,
                 num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,
                 num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
                 max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,

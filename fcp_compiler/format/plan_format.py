@@ -45,7 +45,9 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
-FORMAT_VERSION = 7  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances
+FORMAT_VERSION = 8  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
+# 8: two link classes (a round is a matching per class: NVLink inside a node, the NIC across; nodes are runs of
+# profile.gpus_per_node ranks), node fan-out (pulls re-sent inside a node by the one that crossed the NIC)
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
@@ -82,7 +84,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[7] = FORMAT_VERSION
+    format_version: Literal[8] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
@@ -103,7 +105,17 @@ class PlanHeader(BaseModel):
                                         "plus its attention) the placement balances, or none (attention alone)")
     layout: Layout = Field(..., description="plan: every layer holds tokens in the plan layout (dispatched once); "
                                            "user: attention reshuffles to and from the user layout")
-    num_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the forward pulls (their largest degree)")
+    num_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds the forward pulls take")
+    nvlink_degree: int = Field(..., ge=0, le=MAX_INT32,
+                               description="Delta of the forward pulls inside nodes: the most any GPU sends or "
+                                           "receives over NVLink, the fewest rounds that class can take")
+    nvlink_lanes: int = Field(..., ge=1, le=64,
+                              description="NVLink messages a GPU may send, and receive, in one round (NVLink rounds "
+                                          "that fit in one: the NVLink to NIC bandwidth ratio, floored, at most 4); "
+                                          "a GPU's NIC carries one message each way a round")
+    nic_degree: int = Field(..., ge=0, le=MAX_INT32,
+                            description="Delta of the forward pulls across nodes: the most any GPU's NIC sends or "
+                                        "receives, the fewest rounds that class can take")
     num_fwd_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the forward pass, pulls and pushes")
     num_bwd_rounds: int = Field(..., ge=0, le=MAX_INT32, description="rounds of the backward pass, pulls and pushes")
     num_fwd_stages: int = Field(..., ge=1, le=MAX_INT32)

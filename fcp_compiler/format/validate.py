@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.fan_out import nvlink_lanes
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
@@ -70,8 +71,9 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
        the block's owner or a relay that holds it; every tile's data arrives in an earlier stage of its pass; every
        result is pushed after its last tile; a relay re-sends only after it receives, and pushes after the
        gradients it sums.
-    3. :func:`_check_congestion_freedom`: every round of each pass is a matching over pulls and pushes; the forward
-       pulls take exactly Delta rounds; the header's round and stage counts are the ones used.
+    3. :func:`_check_congestion_freedom`: every round of each pass is a matching per link class (NVLink inside a
+       node, the NIC across) over pulls and pushes; the header's per-class Delta, round and stage counts are the
+       ones the plan has.
     4. :func:`_check_memory`: the token cap, the per-stage receive bound and the live buffers (equal to the header's
        max_buffer_tokens, by the liveness rule the runtime uses) hold.
     5. :func:`_check_reshuffle`: the reshuffle maps user-layout tokens one to one onto the plan layout, as both sides
@@ -419,25 +421,38 @@ def _check_data_before_use(plan: _Plan, blocks: _Blocks, tiles: _Tiles, pulls: _
 
 
 def _check_congestion_freedom(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_PassFacts, ...]) -> int:
-    """3. Congestion freedom: the forward pulls take exactly Delta rounds (Konig's optimum) of the owner-to-puller
-    graph; in every round of each pass a rank sends at most one message and receives at most one, pulls and pushes
-    together; the header's round and stage counts are the ones used. Returns Delta."""
+    """3. Congestion freedom, per link class (NVLink inside a node, the NIC across; nodes are runs of the profile's
+    gpus_per_node ranks): in every round of each pass a rank sends at most one message of each class and receives
+    at most one, pulls (fan-out and relays included) and pushes together; the header's Delta of each class's
+    forward pulls, and its round and stage counts, are the ones the plan has. Returns the larger Delta."""
     header, num_ranks = plan.header, plan.num_ranks
     if header.bwd_coalesce != 2 * header.coalesce:
         _fail(3, f"the backward pass has {header.bwd_coalesce} rounds a stage; its pulls take every other round, so "
                  f"it must be twice the forward's {header.coalesce}")
-    # Relays re-send pulls in the rounds the owner-to-puller graph's colouring gave them.
-    max_degree = int(max(np.bincount(blocks.owner[pulls.block], minlength=num_ranks).max(),
-                         np.bincount(pulls.me, minlength=num_ranks).max())) if pulls.me.size else 0
-    if header.num_rounds != max_degree:
-        _fail(3, f"the plan uses {header.num_rounds} rounds but its largest degree is {max_degree}")
+    gpus_per_node, profile = header.profile.gpus_per_node, header.profile
+    most_lanes = nvlink_lanes(profile.nvlink_gbps, profile.network_gbps)
+    if header.nvlink_lanes > most_lanes:
+        _fail(3, f"the header lets a GPU carry {header.nvlink_lanes} NVLink messages a round; NVLink at "
+                 f"{profile.nvlink_gbps} GB/s against a {profile.network_gbps} GB/s NIC allows at most {most_lanes}")
+    link = (pulls.peer // gpus_per_node != pulls.me // gpus_per_node).astype(np.int64)
+    for cls, name in ((0, "nvlink"), (1, "nic")):
+        mine = link == cls
+        degree = int(max(np.bincount(pulls.peer[mine], minlength=num_ranks).max(initial=0),
+                         np.bincount(pulls.me[mine], minlength=num_ranks).max(initial=0))) if mine.any() else 0
+        if getattr(header, f"{name}_degree") != degree:
+            _fail(3, f"the header states {name}_degree {getattr(header, f'{name}_degree')}, the forward pulls "
+                     f"over {name} have {degree}")
+    used = int(passes[0].program.recv_round.max(initial=-1)) + 1
+    if header.num_rounds != used:
+        _fail(3, f"the header states num_rounds {header.num_rounds}, the forward pulls use {used}")
     for facts in passes:
-        _check_pass_matchings(facts, pulls)
-    return max_degree
+        _check_pass_matchings(facts, pulls, gpus_per_node, header.nvlink_lanes)
+    return max(header.nvlink_degree, header.nic_degree)
 
 
-def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls) -> None:
-    """3, for one pass: messages within its rounds, every round a matching, the stated counts the used ones."""
+def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls, gpus_per_node: int, lanes: int) -> None:
+    """3, for one pass: messages within its rounds; in every round a GPU sends and receives at most one NIC message
+    and at most `lanes` NVLink messages; the stated counts the used ones."""
     program, push = facts.program, facts.push
     label, coalesce = program.label, program.coalesce
     for rounds, what in ((program.recv_round, "pull"), (program.send_round, "pull"), (push.round, "push")):
@@ -448,14 +463,18 @@ def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls) -> None:
     senders = np.concatenate((pulls.peer, push.sender))
     receivers = np.concatenate((pulls.me, push.receiver))
     rounds = np.concatenate((program.recv_round, push.round))
+    link = (senders // gpus_per_node != receivers // gpus_per_node).astype(np.int64)
     if rounds.size:
         width = program.num_rounds
         for side, who in (("receives", receivers), ("sends", senders)):
-            per_round = np.bincount(who * width + rounds)
-            if per_round.max() > 1:
-                bad = int(np.argmax(per_round))
-                _fail(3, f"{label}: in round {bad % width} rank {bad // width} {side} {int(per_round[bad])} "
-                         f"messages (pulls and pushes together)")
+            per_round = np.bincount((who * 2 + link) * width + rounds, minlength=2 * width)
+            over = per_round - np.where(np.arange(per_round.size) // width % 2 == 0, lanes, 1)
+            if over.max() > 0:
+                bad = int(np.argmax(over))
+                end, rnd = divmod(bad, width)
+                _fail(3, f"{label}: in round {rnd} rank {end // 2} {side} {int(per_round[bad])} "
+                         f"{('NVLink', 'NIC')[end % 2]} messages (pulls and pushes together; at most "
+                         f"{(lanes, 1)[end % 2]})")
         if int(rounds.max()) + 1 != program.num_rounds:
             _fail(3, f"{label}: the header states {program.num_rounds} rounds, the messages use "
                      f"{int(rounds.max()) + 1}")
@@ -481,9 +500,11 @@ def _check_memory(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_Pa
             bad = int(np.argmax(per_stage))
             _fail(4, f"rank {bad // num_stages} receives {int(per_stage[bad])} tokens in stage "
                      f"{bad % num_stages}, the most any rank does, but the header states {header.recv_buffer_tokens}")
-    if header.recv_buffer_tokens > header.coalesce * header.block_size:
-        _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds coalesce x block size "
-                 f"({header.coalesce * header.block_size})")
+    # A stage's rounds each bring at most one NIC pull and nvlink_lanes NVLink pulls.
+    most = (1 + header.nvlink_lanes) * header.coalesce * header.block_size
+    if header.recv_buffer_tokens > most:
+        _fail(4, f"the stated receive bound {header.recv_buffer_tokens} exceeds (1 + nvlink_lanes) x coalesce x "
+                 f"block size ({most})")
     worst = max(_pass_peak_buffer(facts, pulls, num_ranks) for facts in passes)
     if worst != header.max_buffer_tokens:
         _fail(4, f"the busiest rank holds {worst} tokens of live buffers, but the header's max_buffer_tokens states "

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.exchange import backward_push_rounds, forward_push_rounds
+from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
+                                              spread_messages)
 from fcp_compiler.algorithms.leveling import BufferLimit, level_stages
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
+
+
+# Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size). Node fan-out
+# brings a block a stage later to all but its entry and lets a stage bring NVLink pulls in lanes, so its tiles
+# bunch up where fan-out lands; levelling must be free to spread them (measured on the MagiAttention-histogram and
+# paper-like batches at 256 GPUs: 2 stages left their forward 4% and backward 10-20% slower than without fan-out).
+FORWARD_BUDGET_STAGES = 4
+BACKWARD_BUDGET_STAGES = 2
 
 
 def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -92,7 +101,7 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
 
 
 def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipelined: bool, tile_kv_edge: np.ndarray,
-             tile_q_edge: np.ndarray, budget: int) -> PassSchedule:
+             tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int) -> PassSchedule:
     """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds
     (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
     is_q = transfers.edge_kind == TransferKind.Q
@@ -100,36 +109,78 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipeli
                               tile_q_edge, budget)
     push_edge, push_round = forward_push_rounds(is_q, transfers.edge_src, transfers.edge_dst,
                                                 transfers.assignment.num_ranks, pull_round, tile_stage, tile_kv_edge,
-                                                tile_q_edge, coalesce)
+                                                tile_q_edge, coalesce, transfers.edge_link, nvlink_lanes)
     return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
 
 def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pipelined: bool,
-              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> PassSchedule:
-    """Pulls in the even rounds (round 2r for round r of the backward order); tiles as soon as their data is there
-    (a later tile would hold its block longer); every gradient pushed back along its pull, relays after the pushes
-    they sum (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
+              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int) -> PassSchedule:
+    """Pulls in the even rounds (round 2r for round r of the backward order); tiles after their data, levelled within
+    a smaller budget than the forward's (a later tile holds its block, and its gradient, longer); every gradient
+    pushed back along its pull, relays after the pushes they sum
+    (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     pull_round = 2 * forward_round
     tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, pipelined,
-                              tile_kv_edge, tile_q_edge, None)
+                              tile_kv_edge, tile_q_edge, budget)
     push_edge, push_round = backward_push_rounds(transfers.edge_src, transfers.edge_dst, transfers.edge_parent,
                                                  transfers.assignment.num_ranks, pull_round, tile_stage,
-                                                 tile_kv_edge, tile_q_edge, coalesce)
+                                                 tile_kv_edge, tile_q_edge, coalesce, transfers.edge_link,
+                                                 nvlink_lanes)
     return PassSchedule(coalesce=coalesce, edge_round=pull_round, tile_stage=tile_stage, push_edge=push_edge,
                         push_round=push_round)
 
 
-def _round_work(rounds: Rounds, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
-    """Work each round makes runnable on each rank: a tile counts in the round of its later pull."""
+def _round_work(rounds: Rounds, item: np.ndarray, num_items: int, tile_kv_edge: np.ndarray,
+                tile_q_edge: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Work each round (item: a class's colour) makes runnable on each rank: a tile counts in the item of its
+    later pull; (in its stage, a stage later: tiles that read a pull re-sent inside a node)."""
     transfers = rounds.transfers
     assignment = transfers.assignment
-    arrival = _arrival_round(rounds.edge_round, tile_kv_edge, tile_q_edge)
-    remote = arrival >= 0
+    arrival = _arrival_round(item, tile_kv_edge, tile_q_edge)
+    fanned = np.append(transfers.edge_parent >= 0, False)  # index -1 (local) reads False
+    later = fanned[tile_kv_edge] | fanned[tile_q_edge]
     num_ranks = assignment.num_ranks
-    work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
-                       weights=assignment.tiles.tile_seconds[remote], minlength=rounds.num_rounds * num_ranks)
-    return work.reshape(rounds.num_rounds, num_ranks)
+    out = []
+    for mine in ((arrival >= 0) & ~later, (arrival >= 0) & later):
+        work = np.bincount(arrival[mine] * num_ranks + assignment.tile_rank[mine],
+                           weights=assignment.tiles.tile_seconds[mine], minlength=num_items * num_ranks)
+        out.append(work.reshape(num_items, num_ranks))
+    return out[0], out[1]
+
+
+def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per_stage: int, nvlink_lanes: int,
+                        tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Rounds for the pulls re-sent inside a node (edge_round -1): each from the stage after its entry pull
+    arrives, in a stage where the tiles it feeds do not pile onto its receiver
+    (:func:`fcp_compiler.algorithms.exchange.spread_messages`), in a round with free slots at both ends in its link
+    class (around every pull already placed; `nvlink_lanes` NVLink slots a round).
+
+    Returns:
+        int64 [E], every pull's round.
+    """
+    child = np.flatnonzero(edge_round < 0)
+    if child.size == 0:
+        return edge_round
+    parent = transfers.edge_parent[child]
+    assert (parent >= 0).all() and (edge_round[parent] >= 0).all()
+    assignment = transfers.assignment
+    num_ranks, seconds = assignment.num_ranks, assignment.tiles.tile_seconds
+    fixed = np.flatnonzero(edge_round >= 0)
+    # Work already runnable per (stage, rank): tiles of local data in stage 0, the others after their pulls.
+    arrival = _arrival_round(edge_round, tile_kv_edge, tile_q_edge)
+    feeds_child = np.append(edge_round < 0, False)[tile_kv_edge]
+    num_stages = int(edge_round.max()) // rounds_per_stage + 2
+    stage = np.where(arrival >= 0, arrival // rounds_per_stage + 1, 0)
+    load = np.bincount(stage[~feeds_child] * num_ranks + assignment.tile_rank[~feeds_child],
+                       weights=seconds[~feeds_child], minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
+    work = np.bincount(tile_kv_edge[feeds_child], weights=seconds[feeds_child], minlength=transfers.num_edges)
+    src, dst = link_ends(transfers.edge_src, transfers.edge_dst, transfers.edge_link)
+    placed = edge_round.copy()
+    placed[child] = spread_messages(edge_round[parent] // rounds_per_stage + 1, src[child], dst[child], work[child],
+                                    load, rounds_per_stage, edge_round[fixed], src[fixed], dst[fixed],
+                                    link_capacity(num_ranks, nvlink_lanes), transfers.edge_dst[child])
+    return placed
 
 
 def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
@@ -149,7 +200,8 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
         rounds: the congestion-free rounds of the pulls.
         coalesce: c, rounds per stage (>= 1; the backward pass takes 2c).
         pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
-        buffer_budget: most live buffer tokens levelling may make a rank hold (default 2 x coalesce x block size).
+        buffer_budget: most live buffer tokens the forward's levelling may make a rank hold (default
+            FORWARD_BUDGET_STAGES x coalesce x block size; the backward's: BACKWARD_BUDGET_STAGES x ...).
     Returns:
         the Schedule.
     """
@@ -161,18 +213,36 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     q_edge = _edge_lookup(transfers, TransferKind.Q, tiles.tile_q_block, tile_rank)
     assert ((kv_edge >= 0) == (assignment.block_rank[tiles.tile_kv_block] != tile_rank)).all()
     assert ((q_edge >= 0) == (assignment.block_rank[tiles.tile_q_block] != tile_rank)).all()
-    budget = buffer_budget if buffer_budget is not None else 2 * coalesce * tiles.sharding.block_size
-    forward_round, backward_round = rounds.edge_round, rounds.edge_round
+    block_size = tiles.sharding.block_size
+    budget = buffer_budget if buffer_budget is not None else FORWARD_BUDGET_STAGES * coalesce * block_size
+    fanned = transfers.edge_parent >= 0
+    # Each class's colours are rounds of their own (item cls * R + colour); a pull its entry re-sends counts, for
+    # ordering the rounds, in its entry's.
+    width = int(rounds.edge_round.max(initial=-1)) + 1
+    link, lanes = transfers.edge_link, rounds.nvlink_lanes
+    item = np.where(fanned, -1, link * width + rounds.edge_round)
+    item = np.where(fanned, item[np.maximum(transfers.edge_parent, 0)], item)
+    item_class = np.repeat(np.arange(2), width)
+    # Unordered: NVLink colours `lanes` to a round.
+    forward_round = backward_round = np.where(item_class == 0, np.arange(2 * width) % width // lanes,
+                                              np.arange(2 * width) % width)[item]
     if pipelined:
         # Any order of the matchings is congestion-free; choose, per pass, the one whose stages carry even work
         # (the backward pass has half as many pull rounds a stage).
-        work = _round_work(rounds, kv_edge, q_edge)
-        forward_round = order_rounds(work, coalesce)[rounds.edge_round]
-        backward_round = order_rounds(work, max(coalesce // 2, 1))[rounds.edge_round]
-    forward = _forward(transfers, forward_round, coalesce, pipelined, kv_edge, q_edge, budget)
+        work, later = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
+        # (In the backward's halved numbering a stage holds `coalesce` rounds too.)
+        forward_round = order_rounds(work + later, coalesce, item_class, (lanes, 1))[item]
+        backward_round = order_rounds(work + later, coalesce, item_class, (lanes, 1))[item]
+    # Backward pulls take the even rounds: in its own numbering (halved) a backward stage holds `coalesce` rounds.
+    forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
+                                        q_edge)
+    backward_round = place_after_entries(np.where(fanned, -1, backward_round), transfers, coalesce, lanes, kv_edge,
+                                         q_edge)
+    forward = _forward(transfers, forward_round, coalesce, pipelined, kv_edge, q_edge, budget, lanes)
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
-    backward = _backward(transfers, backward_round, 2 * coalesce, pipelined, kv_edge, q_edge)
+    backward = _backward(transfers, backward_round, 2 * coalesce, pipelined, kv_edge, q_edge,
+                         BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
     arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,

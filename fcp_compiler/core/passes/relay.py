@@ -62,29 +62,30 @@ def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
         return schedule
     mask, fits = _segment_masks(schedule)
     edges = RelayEdges(block=transfers.edge_block, src=transfers.edge_src, dst=transfers.edge_dst,
-                       colour=rounds.edge_round, stage=forward.edge_stage, bwd_stage=backward.edge_stage,
+                       colour=forward.edge_round, bwd_round=backward.edge_round, parent=transfers.edge_parent,
+                       stage=forward.edge_stage, bwd_stage=backward.edge_stage,
                        nbytes=transfers.edge_bytes.astype(np.float64), seg_mask=mask,
                        relayable=(transfers.edge_kind == TransferKind.KV) & fits)
     links = RelayLinks(node=np.arange(num_ranks) // profile.gpus_per_node, nic_bytes_per_s=profile.network_gbps * 1e9,
-                       nvlink_bytes_per_s=profile.nvlink_gbps * 1e9)
+                       nvlink_bytes_per_s=profile.nvlink_gbps * 1e9, nvlink_lanes=rounds.nvlink_lanes)
     # Traffic under a stage's mean compute hides anyway: no relay is worth its buffer there (measured against the
     # heaviest compute, which leaves the busiest senders alone, and against none, which costs backward time).
     compute = np.bincount(forward.tile_stage * num_ranks + assignment.tile_rank, weights=tiles.tile_seconds,
                           minlength=forward.num_stages * num_ranks).reshape(-1, num_ranks)
-    parent = choose_relays(edges, links, num_ranks, rounds.num_rounds, compute.mean(axis=1), max_gap)
-    relayed_src = np.where(parent >= 0, transfers.edge_dst[parent], transfers.edge_src)
+    parent = choose_relays(edges, links, num_ranks, compute.mean(axis=1), max_gap)
+    relayed_src = np.where(parent >= 0, transfers.edge_dst[np.maximum(parent, 0)], transfers.edge_src)
     before = busiest_send_seconds(edges, transfers.edge_src, links, num_ranks).sum()
     after = busiest_send_seconds(edges, relayed_src, links, num_ranks).sum()
-    if (parent < 0).all() or after > (1.0 - MIN_GAIN) * before:
+    if np.array_equal(parent, transfers.edge_parent) or after > (1.0 - MIN_GAIN) * before:
         return schedule
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
+    relayed = dataclasses.replace(transfers, edge_src=relayed_src, edge_parent=parent)
     push_edge, push_round = forward_push_rounds(
         transfers.edge_kind == TransferKind.Q, relayed_src, transfers.edge_dst, num_ranks, forward.edge_round,
-        forward.tile_stage, kv_edge, q_edge, forward.coalesce)
+        forward.tile_stage, kv_edge, q_edge, forward.coalesce, relayed.edge_link, rounds.nvlink_lanes)
     bwd_push_edge, bwd_push_round = backward_push_rounds(
         relayed_src, transfers.edge_dst, parent, num_ranks, backward.edge_round, backward.tile_stage, kv_edge, q_edge,
-        backward.coalesce)
-    relayed = dataclasses.replace(transfers, edge_src=relayed_src, edge_parent=parent)
+        backward.coalesce, relayed.edge_link, rounds.nvlink_lanes)
     return dataclasses.replace(
         schedule, rounds=dataclasses.replace(rounds, transfers=relayed),
         forward=dataclasses.replace(forward, push_edge=push_edge, push_round=push_round),
