@@ -27,10 +27,30 @@ def compile_valid(lengths, gpus, **options):
     """Compile and validate; return the plan."""
     plan = compile_plan(lengths, gpus, **options)
     report = validate_plan(plan.to_bytes())
-    assert report.num_rounds == report.max_degree == plan.stats["num_rounds"] == plan.stats["max_degree"]
+    stats = plan.stats
+    assert report.num_rounds == stats["num_rounds"] and report.max_degree == stats["max_degree"]
+    assert (report.nvlink_degree, report.nic_degree) == (stats["nvlink_degree"], stats["nic_degree"])
+    # Konig per link class: the pulls from owners take max(NIC Delta, ceil(NVLink Delta / lanes)) rounds.
+    assert stats["owner_rounds"] == plan.ir.rounds.lane_rounds
+    assert stats["num_rounds"] >= max(stats["nic_degree"], -(-stats["nvlink_degree"] // stats["nvlink_lanes"]))
     return plan
 
 
 @pytest.fixture
 def small_plan():
     return compile_valid([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce=4)
+
+
+def congestion_free(rounds, src, dst, gpus_per_node: int, lanes: int) -> bool:
+    """Whether, in every round, each rank sends and receives at most one NIC message (to or from another node) and
+    at most `lanes` NVLink messages (inside its node)."""
+    import numpy as np
+
+    link = (np.asarray(src) // gpus_per_node != np.asarray(dst) // gpus_per_node).astype(np.int64)
+    limit = np.where(link == 1, 1, lanes)
+    for who in (src, dst):
+        key = (np.asarray(who) * 2 + link) * (int(np.max(rounds, initial=0)) + 1) + np.asarray(rounds)
+        _, first, counts = np.unique(key, return_index=True, return_counts=True)
+        if (counts > limit[first]).any():
+            return False
+    return True

@@ -25,7 +25,8 @@ def test_ring_puts_every_sequence_on_every_rank():
         owner[plan.rank(rank).blocks] = rank
     for seq in range(3):
         assert set(owner[tables.seg_block[tables.seg_seq == seq]]) == {0, 1, 2, 3}
-    assert plan.stats["num_rounds"] == 3  # N - 1 shifts
+    # N - 1 shifts, over NVLink (one node), two to a round (its lanes).
+    assert plan.stats["nvlink_degree"] == 3 and plan.stats["num_rounds"] == 2
 
 
 def test_bytescale_keeps_short_sequences_whole_and_is_unbalanced_on_a_long_tail():

@@ -19,7 +19,7 @@ def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):
     code, out, _ = run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "--stats", stats)
     assert code == 0 and "compute imb" in out and plan.exists()
     figures = json.loads(stats.read_text())
-    assert figures["plan_sha256"] and figures["num_rounds"] == figures["max_degree"]
+    assert figures["plan_sha256"] and figures["num_rounds"] >= figures["nic_degree"]
     # The layer of the default model, simulated, beside its certified bound: printed and in the stats.
     assert "layer (llama3-70b)" in out and figures["model"] == "llama3-70b"
     for key in ("fwd", "bwd"):

@@ -32,7 +32,8 @@ def test_renumbered_pulls_are_what_plan_transfers_lists_for_the_renumbered_place
     from fcp_compiler.core.passes.transfers import plan_transfers
     from fcp_compiler.tools.traces import lognormal_batch
 
-    plan = compile_plan(lognormal_batch(gpus * 32768, 4096, 1.8, 64, 262144, seed=2), gpus)
+    # The pulls before fan-out (renumbering comes before it).
+    plan = compile_plan(lognormal_batch(gpus * 32768, 4096, 1.8, 64, 262144, seed=2), gpus, node_fan_out=False)
     before = plan.ir.transfers
     perm = np.random.default_rng(gpus).permutation(gpus)
     assert not np.array_equal(perm, np.arange(gpus))

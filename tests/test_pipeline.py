@@ -20,30 +20,41 @@ STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfer
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
               "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
-PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "schedule_rounds", "coalesce", "relay", "reshuffle",
+PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "fan_out", "schedule_rounds", "coalesce", "relay", "reshuffle",
           "encode"]
-USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "schedule_rounds", "coalesce", "relay",
+USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "fan_out", "schedule_rounds", "coalesce", "relay",
                       "reshuffle", "encode"]
 
 
 @given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),
        st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2, 16]), st.sampled_from(["causal", "full"]),
-       st.sampled_from(["auto", "on", "off"]))
-def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size, coalesce, mask, zigzag):
-    plan = compile_valid(lengths, gpus, block_size=block_size, coalesce=coalesce, mask=mask, zigzag=zigzag)
+       st.sampled_from(["auto", "on", "off"]), st.sampled_from([1, 2, 8]))
+def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size, coalesce, mask, zigzag, per_node):
+    plan = compile_valid(lengths, gpus, block_size=block_size, coalesce=coalesce, mask=mask, zigzag=zigzag,
+                         gpus_per_node=per_node)
     stats = plan.stats
-    assert stats["num_rounds"] == stats["max_degree"]
     assert stats["max_tokens_per_rank"] <= stats["token_cap"] <= -(-sum(lengths) // gpus) + block_size
-    # The coalescer keeps every rank's messages a stage, each way and pulls and pushes together, within the stage's
-    # rounds: c forward, 2c backward (DESIGN, Stages).
+    # The coalescer keeps every rank's messages a stage, each way, pulls and pushes together, within the stage's
+    # rounds, per link class: c forward, 2c backward, NVLink lanes times that (DESIGN, Stages).
+    lanes = stats["nvlink_lanes"]
     for rank in range(gpus):
         a = plan.rank(rank).arrays
-        for stage_rounds, rounds in ((coalesce, ("pull_recv_round", "fwd_push_recv_round")),
-                                     (coalesce, ("pull_send_round", "fwd_push_send_round")),
-                                     (2 * coalesce, ("pull_recv_bwd_round", "bwd_push_recv_round")),
-                                     (2 * coalesce, ("pull_send_bwd_round", "bwd_push_send_round"))):
+        for stage_rounds, rounds, peers in (
+                (coalesce, ("pull_recv_round", "fwd_push_recv_round"), ("pull_recv_peer", "fwd_push_recv_pull")),
+                (coalesce, ("pull_send_round", "fwd_push_send_round"), ("pull_send_peer", "fwd_push_send_pull")),
+                (2 * coalesce, ("pull_recv_bwd_round", "bwd_push_recv_round"),
+                 ("pull_recv_peer", "bwd_push_recv_pull")),
+                (2 * coalesce, ("pull_send_bwd_round", "bwd_push_send_round"),
+                 ("pull_send_peer", "bwd_push_send_pull"))):
+            # A push's peer is the peer of the pull it returns along (pull_send rows for a push received).
+            pull_peer = a[peers[0]]
+            push_side = "send" if "recv" in peers[1] else "recv"
+            push_peer = a[f"pull_{push_side}_peer"][a[peers[1]]]
+            peer = np.concatenate((pull_peer, push_peer))
+            nic = peer // per_node != rank // per_node
             stage = np.concatenate([a[name] for name in rounds]) // stage_rounds
-            assert np.bincount(stage).max(initial=0) <= stage_rounds
+            assert np.bincount(stage[nic]).max(initial=0) <= stage_rounds
+            assert np.bincount(stage[~nic]).max(initial=0) <= stage_rounds * lanes
 
 
 def test_stats_hold_every_documented_key(small_plan):
@@ -70,10 +81,10 @@ def test_shipped_paper_traces_are_balanced(name, gpus):
     assert stats["compute_imbalance"] <= 0.03
     assert stats["comm_imbalance"] <= 0.10
     assert stats["makespan_lower_bound_ratio"] <= 1.03
-    # Live received buffers (pulls, pushes, the stage in flight): forward within two stages of c full blocks (the
-    # levelling budget); backward stages hold c pulls each, freed by their push two stages later, and the pushes
-    # landing: within four stages' worth.
-    assert plan.header.max_buffer_tokens <= 4 * stats["coalesce"] * stats["block_size"]
+    # Live received buffers (pulls, pushes, the stage in flight). A stage brings up to c NIC pulls and 2c NVLink
+    # pulls (node fan-out), an entry holds its block until it has re-sent it and summed its fan-out's gradients:
+    # within twelve stages of c full blocks (6.5, 9.4 and 10.3 measured at 64, 128 and 256 GPUs; 4 before fan-out).
+    assert plan.header.max_buffer_tokens <= 12 * stats["coalesce"] * stats["block_size"]
     assert stats["max_tokens_per_rank"] <= sum(load_batch(ROOT / "traces" / f"{name}.json").sequences) // gpus + 4096
 
 
@@ -99,7 +110,6 @@ def test_a_block_heavier_than_the_mean_is_split_by_tiles():
     plan = compile_valid([32768], 16, block_size=4096, mask="full", coalesce=2, model="none")
     assert plan.stats["num_offloaded_tiles"] >= 32
     assert plan.stats["makespan_lower_bound_ratio"] <= 1.03
-    assert plan.stats["num_rounds"] == plan.stats["max_degree"]
 
 
 def test_rank_slices_decode_the_same_as_the_whole(small_plan, tmp_path):

@@ -22,7 +22,8 @@ def _star(num_receivers: int, num_colours: int):
     receivers = np.arange(1, num_receivers + 1)
     stage = np.arange(num_receivers)
     return RelayEdges(block=np.zeros(num_receivers, dtype=np.int64), src=np.zeros(num_receivers, dtype=np.int64),
-                      dst=receivers, colour=stage % num_colours, stage=stage, bwd_stage=stage,
+                      dst=receivers, colour=stage % num_colours, bwd_round=stage % num_colours,
+                      parent=np.full(num_receivers, -1), stage=stage, bwd_stage=stage,
                       nbytes=np.full(num_receivers, 1e6), seg_mask=np.ones(num_receivers, dtype=np.int64),
                       relayable=np.ones(num_receivers, dtype=bool))
 
@@ -33,8 +34,8 @@ def test_a_star_becomes_a_tree_that_respects_holding_colours_and_depth():
     # Two pulls of the same stage from rank 0: one of them moves to a holder.
     edges = RelayEdges(**{**{name: getattr(edges, name) for name in RelayEdges.__slots__},
                           "stage": np.array([0, 1, 2, 2, 3, 3]), "bwd_stage": np.array([0, 1, 2, 2, 3, 3]),
-                          "colour": np.array([0, 1, 2, 3, 4, 5])})
-    parent = choose_relays(edges, links, 7, 6, np.zeros(4), max_gap=2)
+                          "colour": np.array([0, 1, 2, 3, 4, 5]), "bwd_round": np.array([0, 1, 2, 3, 4, 5])})
+    parent = choose_relays(edges, links, 7, np.zeros(4), max_gap=2)
     relayed = np.flatnonzero(parent >= 0)
     assert relayed.size >= 1
     for edge in relayed.tolist():
@@ -61,7 +62,7 @@ def test_no_relay_without_a_holder_of_every_segment():
                           "stage": np.array([0, 1, 1]), "bwd_stage": np.array([0, 1, 1]),
                           "seg_mask": np.array([0b01, 0b10, 0b11])})  # the stage-0 puller lacks segment 1
     links = RelayLinks(node=np.arange(4), nic_bytes_per_s=1e9, nvlink_bytes_per_s=1e10)
-    assert (choose_relays(edges, links, 4, 3, np.zeros(2), max_gap=2) == -1).all()
+    assert (choose_relays(edges, links, 4, np.zeros(2), max_gap=2) == -1).all()
 
 
 def _check_relays(plan):

@@ -11,9 +11,13 @@ from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 
 @pytest.fixture(scope="module")
 def plan_bytes():
-    # Causal long sequences over 8 ranks: remote pulls, several rounds and stages.
+    # Causal long sequences over 8 ranks in 4 nodes: remote pulls of both link classes, node fan-out, several rounds
+    # and stages.
     return compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024,
-                         coalesce=2).to_bytes()
+                         coalesce=2, gpus_per_node=2).to_bytes()
+
+
+PER_NODE = 2
 
 
 @pytest.fixture(scope="module")
@@ -75,30 +79,62 @@ def test_a_partial_output_pushed_before_its_tile_breaks_data_before_use(offload_
     expect(edited(offload_bytes, push_early), 2)
 
 
-def test_a_rank_sending_twice_in_a_round_breaks_congestion_freedom(plan_bytes):
-    def collide(arrays):
-        for sender, a in enumerate(arrays):
-            if a["pull_send_round"].size >= 2:
-                first_round, moved_round = a["pull_send_round"][0], a["pull_send_round"][1]
-                a["pull_send_round"][1] = first_round
-                peer, block = a["pull_send_peer"][1], a["pull_send_block"][1]
-                r = arrays[peer]
-                row = np.flatnonzero((r["pull_recv_peer"] == sender) & (r["pull_recv_block"] == block)
-                                     & (r["pull_recv_round"] == moved_round))[0]
-                r["pull_recv_round"][row] = first_round
-                return
-    expect(edited(plan_bytes, collide), 3, "(sends|receives) 2 messages")
+def _same_round(arrays, nic: bool, count: int) -> bool:
+    """Move `count` forward pulls one rank sends over one link class into the round of its first (both ends of
+    each edited); False if no rank sends that many."""
+    for sender, a in enumerate(arrays):
+        rows = np.flatnonzero((a["pull_send_peer"] // PER_NODE != sender // PER_NODE) == nic)
+        if rows.size < count:
+            continue
+        target = a["pull_send_round"][rows[0]]
+        for row in rows[1:count].tolist():
+            peer, block, kind = a["pull_send_peer"][row], a["pull_send_block"][row], a["pull_send_kind"][row]
+            r = arrays[peer]
+            recv = np.flatnonzero((r["pull_recv_peer"] == sender) & (r["pull_recv_block"] == block)
+                                  & (r["pull_recv_kind"] == kind))[0]
+            a["pull_send_round"][row] = r["pull_recv_round"][recv] = target
+        return True
+    return False
+
+
+def test_a_rank_sending_two_nic_messages_in_a_round_breaks_congestion_freedom(plan_bytes):
+    expect(edited(plan_bytes, lambda arrays: _same_round(arrays, True, 2)), 3,
+           r"(sends|receives) 2 NIC messages")
+
+
+def test_nvlink_messages_beyond_the_lanes_of_a_round_break_congestion_freedom(plan_bytes):
+    lanes = PlanReader(plan_bytes).header.nvlink_lanes
+    assert lanes == 2  # h100: NVLink 9x the NIC, capped
+    expect(edited(plan_bytes, lambda arrays: _same_round(arrays, False, lanes + 1)), 3,
+           rf"(sends|receives) {lanes + 1} NVLink messages")
+
+
+def test_one_message_of_each_class_in_a_round_is_congestion_free():
+    # Two ranks on two nodes and two on one: rank 0 sends to a rank of its node and to one of the other node in the
+    # same round, which is congestion-free per class (and was not under one class).
+    plan = compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024, coalesce=2,
+                         gpus_per_node=2)
+    stats = plan.stats
+    both = 0
+    for rank in range(8):
+        a = plan.rank(rank).arrays
+        nic = a["pull_send_peer"] // PER_NODE != rank // PER_NODE
+        both += np.intersect1d(a["pull_send_round"][nic], a["pull_send_round"][~nic]).size
+    assert both > 0 and stats["nic_degree"] > 0 and stats["nvlink_degree"] > 0
 
 
 def _move_message_into_a_busy_round(arrays, prefix, coalesce):
-    """Move one push, within its stage or later, so that its receiver also receives a pull in that round (both ends
-    of the push edited)."""
+    """Move one push across nodes, within its stage or later, so that its receiver also receives a NIC pull in that
+    round (both ends of the push edited)."""
     for sender, a in enumerate(arrays):
         for row in range(a[f"{prefix}_push_send_round"].size):
             pull = a[f"{prefix}_push_send_pull"][row]
             owner, block, kind = a["pull_recv_peer"][pull], a["pull_recv_block"][pull], a["pull_recv_kind"][pull]
+            if owner // PER_NODE == sender // PER_NODE:
+                continue
             o = arrays[owner]
-            busy = o["pull_recv_bwd_round" if prefix == "bwd" else "pull_recv_round"]
+            nic = o["pull_recv_peer"] // PER_NODE != owner // PER_NODE
+            busy = o["pull_recv_bwd_round" if prefix == "bwd" else "pull_recv_round"][nic]
             current = a[f"{prefix}_push_send_round"][row]
             busy = busy[busy >= current // coalesce * coalesce]
             if not busy.size:
@@ -115,7 +151,7 @@ def _move_message_into_a_busy_round(arrays, prefix, coalesce):
 def test_a_push_into_a_rank_receiving_a_pull_in_the_same_round_breaks_congestion_freedom(plan_bytes):
     coalesce = PlanReader(plan_bytes).header.coalesce
     expect(edited(plan_bytes, lambda arrays: _move_message_into_a_busy_round(arrays, "bwd", coalesce)), 3,
-           "receives 2 messages")
+           "receives 2 NIC messages")
 
 
 def test_a_header_that_understates_live_buffers_breaks_memory(plan_bytes):
@@ -178,10 +214,14 @@ def test_backward_rounds_per_stage_must_be_twice_the_forward(plan_bytes):
     expect_structure_error(edited(plan_bytes, lambda arrays: None, bwd_coalesce=coalesce), "stage holds")
 
 
-def test_rounds_must_equal_delta(plan_bytes):
+def test_stated_rounds_and_degrees_must_be_the_plans(plan_bytes):
     header = PlanReader(plan_bytes).header
     expect(edited(plan_bytes, lambda arrays: None, num_rounds=header.num_rounds + 1,
-                  num_fwd_rounds=header.num_fwd_rounds + 1), 3, "largest degree")
+                  num_fwd_rounds=header.num_fwd_rounds + 1), 3, "forward pulls use")
+    for name in ("nic_degree", "nvlink_degree"):
+        expect(edited(plan_bytes, lambda arrays: None, **{name: getattr(header, name) + 1}), 3, name)
+    # More NVLink lanes than the profile's bandwidth ratio allows.
+    expect(edited(plan_bytes, lambda arrays: None, nvlink_lanes=10), 3, "allows at most")
     expect_structure_error(edited(plan_bytes, lambda arrays: None, num_rounds=header.num_rounds - 1),
                            "pull_(send|recv)_round holds")
 

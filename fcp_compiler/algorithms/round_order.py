@@ -41,6 +41,9 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
     later = np.zeros_like(round_work) if later_work is None else later_work
     load = np.zeros((num_stages + 1, num_ranks))  # the last row: work pushed past the last stage
     room = np.repeat((rounds_per_stage * lanes)[:, None], num_stages, axis=1)
+    # A class that fills its stages fills all but the last (the rest stays in the last).
+    rest = per_class - (num_stages - 1) * rounds_per_stage * lanes
+    room[:, -1] = np.where(rest > 0, rest, room[:, -1])
     stage_of = np.empty(num_rounds, dtype=np.int64)
     for rnd in np.lexsort((np.arange(num_rounds), -(round_work + later).max(axis=1))).tolist():
         cls = int(round_class[rnd])

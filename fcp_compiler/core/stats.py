@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
+from fcp_compiler.algorithms.fan_out import link_class
 from fcp_compiler.core.ir import PassSchedule, Reshuffle, TransferKind, Transfers
 from fcp_compiler.core.layer_model import LSE_BYTES, LayerCosts, layer_bounds
 from fcp_compiler.core.passes.coalesce import max_buffer_tokens
@@ -61,15 +62,20 @@ def rank_visible_pairs(final: Reshuffle) -> np.ndarray:
                        minlength=assignment.num_ranks)
 
 
-def exchange_degree(transfers: Transfers, program: PassSchedule) -> int:
-    """Largest number of messages (pulls and the pass's pushes) any rank sends or receives in one pass: the fewest
-    rounds that pass could take if pushes did not have to wait for their tiles."""
+def exchange_degree(transfers: Transfers, program: PassSchedule, nvlink_lanes: int = 1) -> int:
+    """The fewest rounds one pass's messages (pulls and the pass's pushes) could take if pushes did not have to wait
+    for their tiles: per link end, its NIC messages, or its NVLink messages over the lanes a round carries."""
     num_ranks = transfers.assignment.num_ranks
     senders = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
     receivers = np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge]))
     if senders.size == 0:
         return 0
-    return int(max(np.bincount(senders, minlength=num_ranks).max(), np.bincount(receivers, minlength=num_ranks).max()))
+    link = link_class(senders, receivers, transfers.assignment.tiles.profile.gpus_per_node)
+    most = 0
+    for who in (senders, receivers):
+        counts = np.bincount(who * 2 + link, minlength=2 * num_ranks).reshape(num_ranks, 2)
+        most = max(most, int(counts[:, 1].max()), int(-(-counts[:, 0].max() // nvlink_lanes)))
+    return most
 
 
 def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
@@ -100,15 +106,23 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_blocks": sharding.num_blocks,
         "num_tiles": tiles.num_tiles,
         "num_offloaded_tiles": assignment.num_offloaded_tiles,
-        "num_relayed_transfers": rounds.transfers.num_relayed,
+        "num_relayed_transfers": rounds.transfers.num_relayed,  # re-sent by a rank that received them (fan-out too)
         "num_transfers": transfers.num_edges,
-        "max_degree": rounds.max_degree,
-        "num_rounds": rounds.num_rounds,
+        # Delta of each link class's forward pulls as sent (fan-out and relays included), and how many NVLink
+        # rounds share one; the rounds the pulls from owners were coloured into (Konig per class) and the rounds
+        # the forward pulls take once fan-out waits for its entries.
+        "max_degree": max(transfers.class_degrees),
+        "nvlink_degree": transfers.class_degrees[0],
+        "nic_degree": transfers.class_degrees[1],
+        "nvlink_lanes": rounds.nvlink_lanes,
+        "owner_rounds": rounds.num_rounds,
+        "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
+        "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_src // tiles.profile.gpus_per_node == transfers.edge_dst // tiles.profile.gpus_per_node)).sum()),
         "num_stages": schedule.num_comm_stages,
         "num_fwd_rounds": schedule.forward.num_rounds,
         "num_bwd_rounds": schedule.backward.num_rounds,
-        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward),
-        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward),
+        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward, rounds.nvlink_lanes),
+        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward, rounds.nvlink_lanes),
         "num_fwd_stages": schedule.forward.num_stages,
         "num_bwd_stages": schedule.backward.num_stages,
         "max_buffer_tokens": max_buffer_tokens(schedule),

@@ -111,7 +111,7 @@ class PlanHeader(BaseModel):
                                            "receives over NVLink, the fewest rounds that class can take")
     nvlink_lanes: int = Field(..., ge=1, le=64,
                               description="NVLink messages a GPU may send, and receive, in one round (NVLink rounds "
-                                          "that fit in one: the NVLink to NIC bandwidth ratio, floored, at most 4); "
+                                          "that fit in one: the NVLink to NIC bandwidth ratio, floored, at most 2); "
                                           "a GPU's NIC carries one message each way a round")
     nic_degree: int = Field(..., ge=0, le=MAX_INT32,
                             description="Delta of the forward pulls across nodes: the most any GPU's NIC sends or "

@@ -49,6 +49,8 @@ class ValidationReport:
     num_pulls: int
     num_rounds: int
     max_degree: int
+    nvlink_degree: int
+    nic_degree: int
     num_pushes_fwd: int
     num_pushes_bwd: int
     max_buffer_tokens: int
@@ -100,6 +102,7 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     return ValidationReport(num_ranks=plan.header.num_ranks, num_blocks=blocks.num_blocks,
                             num_tiles=int(tiles.q.size), num_pulls=int(pulls.kind.size),
                             num_rounds=plan.header.num_rounds, max_degree=max_degree,
+                            nvlink_degree=plan.header.nvlink_degree, nic_degree=plan.header.nic_degree,
                             num_pushes_fwd=int(passes[0].push.round.size),
                             num_pushes_bwd=int(passes[1].push.round.size), max_buffer_tokens=max_buffer)
 
