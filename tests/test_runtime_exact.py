@@ -171,3 +171,35 @@ def test_ring_costed_in_closed_form_pulls_whole_blocks_and_replays_exactly(monke
     assert tiles[0].tile_kv_block.tolist() == tiles[1].tile_kv_block.tolist()
     torch.testing.assert_close(torch.from_numpy(tiles[1].tile_flops), torch.from_numpy(tiles[0].tile_flops))
     run_ranks(4, compare_with_reference(closed.to_bytes(), lengths, mask == "causal", 4, 2, torch.float64, "plan"))
+
+
+FAN_OUT = [  # (name, lengths, gpus, block, coalesce, mask, gpus_per_node)
+    ("fan-out-8-ranks-2-per-node", [3000, 1200, 700, 300, 90], 8, 128, 2, "causal", 2),
+    ("fan-out-16-ranks-4-per-node", [4100, 1900, 800, 300, 64], 16, 128, 2, "causal", 4),
+    ("fan-out-full-16-ranks-2-per-node", [2500, 1300, 200], 16, 128, 1, "full", 2),
+]
+
+
+def _fan_out_plan(case, layout):
+    _, lengths, gpus, block, coalesce, mask, per_node = case
+    plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, layout=layout,
+                         gpus_per_node=per_node)
+    # Blocks crossed into a node once and were re-sent over NVLink from the entry's received buffer.
+    assert plan.stats["num_fanned_out_transfers"] > 0
+    return plan
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+@pytest.mark.parametrize("case", FAN_OUT, ids=[c[0] for c in FAN_OUT])
+def test_plans_with_node_fan_out_replay_exactly(case, layout):
+    _, lengths, gpus, _, _, mask, _ = case
+    plan = _fan_out_plan(case, layout)
+    run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, mask == "causal", 4, 2, torch.float64, layout))
+
+
+def test_node_fan_out_replays_exactly_when_messages_match_by_posting_order():
+    """NVLink lanes let one rank send two messages to one peer in a round: both ends must post them in one order."""
+    case = FAN_OUT[1]
+    plan = _fan_out_plan(case, "plan")
+    run_ranks(case[2], compare_with_reference(plan.to_bytes(), case[1], True, 4, 2, torch.float64, "plan",
+                                              order_matching=True))
