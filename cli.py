@@ -34,6 +34,9 @@ def compile_command(
                                                                         "[4096; not for ring, bytescale, wlbllm]"),
     coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage"),
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node",
+                                                help="GPUs sharing NVLink in a node, each with its own NIC [the "
+                                                     "profile's: 8]"),
     token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
     token_tolerance: Optional[float] = typer.Option(
         None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
@@ -75,7 +78,8 @@ def compile_command(
                                 token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
                                 shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=profile, mask=mask,
                                 pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
-                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model)
+                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model,
+                                gpus_per_node=gpus_per_node)
     if batch.suffix == ".jsonl":
         _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return

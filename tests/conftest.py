@@ -30,8 +30,6 @@ def compile_valid(lengths, gpus, **options):
     stats = plan.stats
     assert report.num_rounds == stats["num_rounds"] and report.max_degree == stats["max_degree"]
     assert (report.nvlink_degree, report.nic_degree) == (stats["nvlink_degree"], stats["nic_degree"])
-    # Konig per link class: the pulls from owners take max(NIC Delta, ceil(NVLink Delta / lanes)) rounds.
-    assert stats["owner_rounds"] == plan.ir.rounds.lane_rounds
     assert stats["num_rounds"] >= max(stats["nic_degree"], -(-stats["nvlink_degree"] // stats["nvlink_lanes"]))
     return plan
 

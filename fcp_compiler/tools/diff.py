@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
+from fcp_compiler.core.layer_model import LSE_BYTES
 from fcp_compiler.format.plan_format import PlanReader, stack_ranks, stacked_pull_tokens
 
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
            "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
+           "nic_bytes": True, "max_rank_nic_send_bytes": True, "max_rank_nic_recv_bytes": True,
            "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True}
 PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
               "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
@@ -30,12 +32,29 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     received = np.bincount(pull_rank, weights=per_pull * np.where(kinds == 0, kv_bytes, q_bytes),
                            minlength=header.num_ranks)
     bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)  # tiles may move: mean bound
+    # Forward messages across nodes: pulls, and partial outputs pushed back along Q pulls.
+    sender, _ = stack_ranks(programs, "pull_recv_peer")
+    push_row, push_rank = stack_ranks(programs, "fwd_push_send_pull")
+    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_peer"].size for p in programs])))
+    push_pull = push_row + recv_base[push_rank]
+    push_bytes = per_pull[push_pull] * (q_bytes + LSE_BYTES * header.shape.q_heads)
+    src = np.concatenate((sender, push_rank))
+    dst = np.concatenate((pull_rank, sender[push_pull]))
+    nbytes = np.concatenate((per_pull * np.where(kinds == 0, kv_bytes, q_bytes), push_bytes))
+    per_node = header.profile.gpus_per_node
+    across = src // per_node != dst // per_node
     figures = {"compute_imbalance": imbalance_ratio(compute), "comm_imbalance": imbalance_ratio(received),
                "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
                "total_comm_bytes": int(received.sum()), "max_rank_recv_bytes": int(received.max()),
                "num_rounds": header.num_rounds, "num_fwd_rounds": header.num_fwd_rounds,
                "num_bwd_rounds": header.num_bwd_rounds, "num_fwd_stages": header.num_fwd_stages,
-               "num_bwd_stages": header.num_bwd_stages, "max_buffer_tokens": header.max_buffer_tokens}
+               "num_bwd_stages": header.num_bwd_stages, "max_buffer_tokens": header.max_buffer_tokens,
+               "nic_bytes": int(nbytes[across].sum()),
+               "max_rank_nic_send_bytes": int(np.bincount(src[across], weights=nbytes[across],
+                                                          minlength=header.num_ranks).max()),
+               "max_rank_nic_recv_bytes": int(np.bincount(dst[across], weights=nbytes[across],
+                                                          minlength=header.num_ranks).max()),
+               "nic_degree": header.nic_degree, "nvlink_degree": header.nvlink_degree}
     if simulate:
         sim = simulation.figures()
         figures.update(normalized_mfu_fwd=sim["normalized_mfu_fwd"], normalized_mfu_bwd=sim["normalized_mfu_bwd"],

@@ -60,7 +60,12 @@ def compile_summary(stats: dict, path: str | None) -> str:
                 percent(stats["comm_imbalance"]), f"{stats['makespan_lower_bound_ratio']:.4f}",
                 stats["max_tokens_per_rank"], stats["token_cap"]]]),
         f"  traffic {human_bytes(stats['total_comm_bytes'])} forward, most received by one rank "
-        f"{human_bytes(stats['max_rank_recv_bytes'])}; exchange rounds fwd {stats['num_fwd_rounds']} "
+        f"{human_bytes(stats['max_rank_recv_bytes'])}; NIC {human_bytes(stats['nic_bytes'])} (busiest GPU sends "
+        f"{human_bytes(stats['max_rank_nic_send_bytes'])}, receives {human_bytes(stats['max_rank_nic_recv_bytes'])}),"
+        f" NVLink {human_bytes(stats['nvlink_bytes'])}, {stats['num_fanned_out_transfers']} pulls fanned out in "
+        f"their node; Delta NIC {stats['nic_degree']}, NVLink {stats['nvlink_degree']} ({stats['nvlink_lanes']} a "
+        f"round)",
+        f"  exchange rounds fwd {stats['num_fwd_rounds']} "
         f"(degree {stats['fwd_exchange_degree']}), bwd {stats['num_bwd_rounds']} (degree "
         f"{stats['bwd_exchange_degree']}); live buffers <= {stats['max_buffer_tokens']} tokens",
         *_layer_line(stats),
@@ -96,8 +101,10 @@ def compare_rows(rows: Sequence[dict]) -> str:
 
 
 def rank_rows(reader: PlanReader) -> list[dict]:
-    """Per-rank figures of a plan: tokens held, blocks, tiles, pulls and pushes."""
+    """Per-rank figures of a plan: tokens held, blocks, tiles, pulls (over the NIC, and re-sent from a received
+    buffer: fan-out and relays) and pushes."""
     tables = reader.tables
+    per_node = reader.header.profile.gpus_per_node
     seg_tokens = tables.seg_end - tables.seg_start
     block_tokens = np.bincount(tables.seg_block, weights=seg_tokens).astype(np.int64)
     rows = []
@@ -108,6 +115,9 @@ def rank_rows(reader: PlanReader) -> list[dict]:
             "rank": program.rank, "tokens": int(block_tokens[a["blocks"]].sum()), "blocks": int(a["blocks"].size),
             "tiles": int(a["tile_q_block"].size), "tiles_for_others": offloaded,
             "pulls_sent": int(a["pull_send_round"].size), "pulls_received": int(a["pull_recv_round"].size),
+            "nic_sent": int((a["pull_send_peer"] // per_node != program.rank // per_node).sum()),
+            "nic_received": int((a["pull_recv_peer"] // per_node != program.rank // per_node).sum()),
+            "forwarded": int((a["pull_send_source"] >= 0).sum()),
             "tokens_received": int(seg_tokens[a["pull_recv_segs"]].sum()),
             "fwd_pushes_sent": int(a["fwd_push_send_round"].size),
             "bwd_pushes_sent": int(a["bwd_push_send_round"].size),
@@ -161,9 +171,10 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
 def validation_summary(path, report) -> str:
     """The line `fcp validate` prints for a valid plan."""
     return (f"{path}: valid. {report.num_ranks} ranks, {report.num_blocks} blocks, {report.num_tiles} tiles, "
-            f"{report.num_pulls} pulls in {report.num_rounds} rounds (= max degree {report.max_degree}), "
-            f"{report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, every round a matching "
-            f"over pulls and pushes, live buffers <= {report.max_buffer_tokens} tokens as stated")
+            f"{report.num_pulls} pulls in {report.num_rounds} rounds (Delta NIC {report.nic_degree}, NVLink "
+            f"{report.nvlink_degree}), {report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, "
+            f"every round congestion-free per link class over pulls and pushes, live buffers <= "
+            f"{report.max_buffer_tokens} tokens as stated")
 
 
 def inspect_summary(path, header, rows: list[dict]) -> str:
@@ -171,7 +182,8 @@ def inspect_summary(path, header, rows: list[dict]) -> str:
     lines = [f"{path}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
              f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "
              f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}, "
-             f"{header.num_rounds} rounds, digest {header.inputs_digest[:16]}"]
+             f"{header.num_rounds} rounds, {header.profile.gpus_per_node} GPUs a node (Delta NIC {header.nic_degree}, "
+             f"NVLink {header.nvlink_degree}), digest {header.inputs_digest[:16]}"]
     keys = list(rows[0].keys())
     shown = rows if len(rows) <= 32 else rows[:16] + rows[-16:]
     lines.append(table(keys, [[row[k] for k in keys] for row in shown]))
