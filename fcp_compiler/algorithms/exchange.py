@@ -10,13 +10,23 @@ class _Slots:
 
     def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
                  fixed_dst: np.ndarray):
-        slots = [1] * num_ends if capacity is None else capacity.tolist()
-        self.send = [[0] * k for k in slots]
-        self.recv = [[0] * k for k in slots]
-        # Fixed messages beyond an end's slots (the arbitrary rounds of an ablation) only fill it.
-        for rnd, a, b in zip(fixed_round.tolist(), fixed_src.tolist(), fixed_dst.tolist()):
-            self._take(self.send[a], 1 << rnd, strict=False)
-            self._take(self.recv[b], 1 << rnd, strict=False)
+        slots = np.ones(num_ends, dtype=np.int64) if capacity is None else capacity
+        self.send = self._masks(fixed_src, fixed_round, slots)
+        self.recv = self._masks(fixed_dst, fixed_round, slots)
+
+    @staticmethod
+    def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+        """Per end, one bit mask a slot: slot j has the rounds in which more than j messages use the end (fixed
+        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it)."""
+        width = int(rounds.max(initial=-1)) + 1
+        counts = np.bincount(ends * width + rounds, minlength=slots.size * width).reshape(slots.size, width) \
+            if width else np.zeros((slots.size, 0), dtype=np.int64)
+        out: list[list[int]] = [[] for _ in range(slots.size)]
+        for slot in range(int(slots.max(initial=0))):
+            packed = np.packbits(counts > slot, axis=1, bitorder="little")
+            for end in np.flatnonzero(slots > slot).tolist():
+                out[end].append(int.from_bytes(packed[end].tobytes(), "little"))
+        return out
 
     @staticmethod
     def _full(masks: list[int]) -> int:
@@ -26,12 +36,12 @@ class _Slots:
         return out
 
     @staticmethod
-    def _take(masks: list[int], bit: int, strict: bool = True) -> None:
+    def _take(masks: list[int], bit: int) -> None:
         for slot, mask in enumerate(masks):
             if not mask & bit:
                 masks[slot] = mask | bit
                 return
-        assert not strict, "no free slot"
+        raise AssertionError("no free slot")
 
     def first_free(self, a: int, b: int, ready: int) -> int:
         """The earliest round >= ready in which a has a free send slot and b a free receive slot."""

@@ -7,6 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
+from fcp_compiler.algorithms.keys import sorted_unique
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
 from fcp_compiler.algorithms.ranges import user_layout_bounds
 from fcp_compiler.core.ir import Assignment, TileSet
@@ -88,7 +89,7 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     seg_block = tiles.sharding.seg_block
     q_block = seg_block[tiles.pair_q_seg]
     foreign = seg_block[tiles.pair_kv_seg] != q_block
-    key = np.unique(q_block[foreign] * tiles.sharding.num_segments + tiles.pair_kv_seg[foreign])
+    key = sorted_unique(q_block[foreign] * tiles.sharding.num_segments + tiles.pair_kv_seg[foreign])
     return key // tiles.sharding.num_segments, key % tiles.sharding.num_segments
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import node_fan_out
+from fcp_compiler.algorithms.keys import sorted_unique
 from fcp_compiler.core.ir import TransferKind, Transfers
 
 
@@ -18,7 +19,7 @@ def _group_union_tokens(transfers: Transfers, group: np.ndarray) -> np.ndarray:
     counts = np.diff(transfers.edge_seg_offsets)
     edge_of_seg = np.repeat(np.arange(transfers.num_edges), counts)
     grouped = group[edge_of_seg] >= 0
-    key = np.unique(group[edge_of_seg[grouped]] * sharding.num_segments + transfers.edge_segs[grouped])
+    key = sorted_unique(group[edge_of_seg[grouped]] * sharding.num_segments + transfers.edge_segs[grouped])
     union = np.bincount(key // sharding.num_segments, weights=sharding.seg_tokens[key % sharding.num_segments],
                         minlength=int(group.max(initial=-1)) + 1)
     return np.where(group >= 0, union[np.maximum(group, 0)] if union.size else 0, transfers.edge_tokens)
@@ -31,8 +32,8 @@ def _entry_segments(transfers: Transfers, parent: np.ndarray) -> tuple[np.ndarra
     edge_of_seg = np.repeat(np.arange(transfers.num_edges), counts)
     carrier = np.where(parent[edge_of_seg] >= 0, parent[edge_of_seg], -1)
     extra = carrier >= 0
-    key = np.unique(np.concatenate((edge_of_seg * num_segments + transfers.edge_segs,
-                                    carrier[extra] * num_segments + transfers.edge_segs[extra])))
+    key = sorted_unique(np.concatenate((edge_of_seg * num_segments + transfers.edge_segs,
+                                        carrier[extra] * num_segments + transfers.edge_segs[extra])))
     edges = key // num_segments
     offsets = np.concatenate(([0], np.cumsum(np.bincount(edges, minlength=transfers.num_edges)))).astype(np.int64)
     return offsets, key % num_segments
@@ -62,7 +63,7 @@ def fan_out(transfers: Transfers) -> Transfers:
     node = transfers.edge_dst // gpus_per_node
     eligible = (transfers.edge_kind == TransferKind.KV) & (transfers.edge_src // gpus_per_node != node)
     group = np.where(eligible, transfers.edge_block * num_nodes + node, -1)
-    _, group_id = np.unique(group, return_inverse=True)
+    _, group_id = sorted_unique(group, return_inverse=True)
     group = np.where(eligible, group_id - int(not eligible.all()), -1)
     union_bytes = _group_union_tokens(transfers, group) * tiles.shape.kv_bytes_per_token
     parent = node_fan_out(transfers.edge_block, transfers.edge_src, transfers.edge_dst, eligible,
