@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fcp_compiler.algorithms import keys as keys_module
 from fcp_compiler.algorithms.keys import unique_keys
@@ -15,3 +17,14 @@ def test_unique_keys_equals_numpy_unique_by_counting_and_by_sorting(num_keys, sp
         unique, inverse = unique_keys(keys, space, return_inverse=True)
         assert np.array_equal(unique, expected) and np.array_equal(inverse, expected_inverse.ravel())
         assert np.array_equal(unique_keys(keys, space), expected)
+
+
+@given(st.lists(st.integers(-5, 10**12), max_size=200))
+def test_sorted_unique_is_np_unique(values):
+    from fcp_compiler.algorithms.keys import sorted_unique
+
+    keys = np.array(values, dtype=np.int64)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    ours, our_inverse = sorted_unique(keys, return_inverse=True)
+    assert np.array_equal(ours, unique) and np.array_equal(our_inverse, inverse.reshape(-1))
+    assert np.array_equal(sorted_unique(keys), unique)
