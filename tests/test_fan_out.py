@@ -16,11 +16,11 @@ from fcp_compiler.tools.diff import plan_figures
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 11), st.integers(0, 11), st.booleans()), min_size=1,
                 max_size=60, unique_by=lambda e: (e[0], e[2])), st.sampled_from([1, 2, 3, 4]))
-def test_each_block_enters_a_node_once_through_one_of_its_receivers(edges, per_node):
+def test_each_block_enters_a_node_once_through_one_of_its_gpus(edges, per_node):
     block, src, dst, eligible = (np.array(column) for column in zip(*edges))
     eligible = eligible.astype(bool)
     nbytes = np.ones(block.size)
-    parent = node_fan_out(block, src, dst, eligible, nbytes, per_node, 12)
+    parent, forward_group, forward_rank = node_fan_out(block, src, dst, eligible, nbytes, per_node, 12)
     node = dst // per_node
     crossing = eligible & (src // per_node != node)
     # Only eligible pulls into another node take part, and parents are pulls from their sender (depth one).
@@ -29,8 +29,17 @@ def test_each_block_enters_a_node_once_through_one_of_its_receivers(edges, per_n
     for key in set(zip(block[crossing].tolist(), node[crossing].tolist())):
         group = np.flatnonzero(crossing & (block == key[0]) & (node == key[1]))
         entries = group[parent[group] == -1]
-        assert entries.size == 1  # one NIC crossing into the node
-        assert (parent[group[group != entries[0]]] == entries[0]).all()
+        forwarded = group[parent[group] <= -2]
+        # One NIC crossing into the node: one member, or a forwarder of the node (a GPU no pull of the group
+        # goes to) that all members then read from.
+        if forwarded.size:
+            assert entries.size == 0 and forwarded.size == group.size and np.unique(parent[group]).size == 1
+            f = -2 - parent[group[0]]
+            assert block[forward_group[f]] == key[0] and forward_rank[f] // per_node == key[1]
+            assert forward_rank[f] not in dst[group].tolist()
+        else:
+            assert entries.size == 1
+            assert (parent[group[group != entries[0]]] == entries[0]).all()
 
 
 def test_entries_spread_a_nodes_nic_load():
@@ -38,9 +47,17 @@ def test_entries_spread_a_nodes_nic_load():
     block = np.repeat(np.arange(4), 2)
     src = np.zeros(8, dtype=np.int64)
     dst = np.tile([2, 3], 4)
-    parent = node_fan_out(block, src, dst, np.ones(8, dtype=bool), np.ones(8), 2, 4)
-    entries = dst[parent == -1]
-    assert sorted(entries.tolist()) == [2, 2, 3, 3]
+    parent, _, forward_rank = node_fan_out(block, src, dst, np.ones(8, dtype=bool), np.ones(8), 2, 4)
+    assert forward_rank.size == 0
+    assert sorted(dst[parent == -1].tolist()) == [2, 2, 3, 3]
+
+
+def test_a_gpu_alone_in_its_node_reading_many_blocks_shares_its_nic_through_forwarders():
+    # Rank 2 alone reads 4 blocks from node 0; rank 3 of its node reads none: it forwards two of them.
+    block = np.arange(4)
+    parent, forward_group, forward_rank = node_fan_out(block, np.zeros(4, dtype=np.int64), np.full(4, 2),
+                                                       np.ones(4, dtype=bool), np.ones(4), 2, 4)
+    assert forward_rank.tolist() == [3, 3] and (parent == -1).sum() == 2 and (parent <= -2).sum() == 2
 
 
 def test_nvlink_lanes_follow_the_bandwidth_ratio():

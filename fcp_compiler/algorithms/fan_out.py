@@ -29,54 +29,68 @@ def link_class(src: np.ndarray, dst: np.ndarray, gpus_per_node: int) -> np.ndarr
 
 
 def node_fan_out(block: np.ndarray, src: np.ndarray, dst: np.ndarray, eligible: np.ndarray, nbytes: np.ndarray,
-                 gpus_per_node: int, num_ranks: int) -> np.ndarray:
-    """Pick, for each group of eligible pulls of one block into one node other than the sender's, one entry pull;
-    every other pull of the group leaves the entry's receiver instead (a child of the entry).
+                 gpus_per_node: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pick, for each group of eligible pulls of one block into one node other than the sender's, the GPU of that
+    node whose NIC takes the block (the entry); every pull of the group then leaves the entry instead.
 
-    Objective: each block crosses into a node once, and a node's NIC receive load spreads over its GPUs. Greedy:
-    pulls that are alone in their group fix their receiver's NIC load first; then groups by decreasing bytes (ties
-    by block, then node) each give the entry to the member whose NIC has received least so far (ties: the lowest
-    rank). O(E log E) for E pulls, plus O(M) Python steps for the M pulls in groups of two or more.
+    Objective: each block crosses into a node once, and a node's NIC receive load spreads over its GPUs. Greedy
+    (LPT): groups by decreasing bytes (ties by block, then node) each go to the member whose NIC has received least
+    so far (ties: the lowest rank), or to another GPU of the node (a forwarder, which needs the block for no tile
+    of its own) where that GPU, even with the block, stays at or below the best member; a group of one pull too, so a GPU
+    that alone in its node reads many remote blocks does not take them all on its own NIC. O(E log E) for E pulls,
+    plus O(E + G * g) Python steps for G groups and g GPUs a node.
 
     Args:
         block, src, dst: int [E], each pull's block, sender and receiver.
-        eligible: bool [E], pulls that may be grouped (the rest are left alone and never parents).
-        nbytes: float [E], bytes the entry would carry for each pull's group (its group's union); used for the
-            NIC load, per pull.
+        eligible: bool [E], pulls that may be routed (the rest are left alone and never parents).
+        nbytes: float [E], bytes the entry would carry for each pull's group (its group's union).
         gpus_per_node: ranks a node holds.
         num_ranks: N.
     Returns:
-        int64 [E], each pull's entry pull (its parent), or -1 for a pull left from its sender (entries included).
+        (parent, forward_group, forward_rank): parent int64 [E], each pull's entry pull, -1 for a pull left from its
+        sender (entries included), or -2 - f for a pull whose entry is new pull f; new pull f brings the block of
+        pull forward_group[f] (any pull of its group) to forwarder forward_rank[f].
     """
     parent = np.full(block.size, NO_PARENT, dtype=np.int64)
+    no_forwarders = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     node = dst // gpus_per_node
     candidates = np.flatnonzero(eligible & (src // gpus_per_node != node))
     if candidates.size == 0:
-        return parent
+        return (parent,) + no_forwarders
     num_nodes = -(-num_ranks // gpus_per_node)
     key = block[candidates] * num_nodes + node[candidates]
     order = np.lexsort((dst[candidates], key))
     candidates, key = candidates[order], key[order]
     starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
     sizes = np.diff(np.append(starts, key.size))
-    load = np.bincount(dst[candidates[starts[sizes == 1]]], weights=nbytes[candidates[starts[sizes == 1]]],
-                       minlength=num_ranks).tolist()
-    grouped = np.flatnonzero(sizes > 1)
+    load = [0.0] * num_ranks
+    grouped = np.arange(starts.size)
     group_bytes = nbytes[candidates[starts[grouped]]]
     grouped = grouped[np.lexsort((key[starts[grouped]], -group_bytes))]
     members_all, dst_all = candidates.tolist(), dst[candidates].tolist()
     nbytes_list = nbytes.tolist()
+    forward_group, forward_rank = [], []
     for group in grouped.tolist():
         first, size = int(starts[group]), int(sizes[group])
         members = members_all[first:first + size]
         receivers = dst_all[first:first + size]
         best = min(range(size), key=lambda i: (load[receivers[i]], receivers[i]))
+        weight = nbytes_list[members[0]]
+        base = receivers[0] // gpus_per_node * gpus_per_node
+        idle = min(range(base, min(base + gpus_per_node, num_ranks)), key=lambda r: (load[r], r))
+        if load[idle] + weight <= load[receivers[best]]:
+            load[idle] += weight
+            for edge in members:
+                parent[edge] = -2 - len(forward_group)
+            forward_group.append(members[0])
+            forward_rank.append(idle)
+            continue
         entry = members[best]
-        load[receivers[best]] += nbytes_list[entry]
+        load[receivers[best]] += weight
         for i, edge in enumerate(members):
             if i != best:
                 parent[edge] = entry
-    return parent
+    return parent, np.asarray(forward_group, dtype=np.int64), np.asarray(forward_rank, dtype=np.int64)
 
 
 def class_degrees(src: np.ndarray, dst: np.ndarray, link: np.ndarray, num_ranks: int) -> tuple[int, int]:

@@ -117,6 +117,9 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "nvlink_lanes": rounds.nvlink_lanes,
         "owner_rounds": rounds.num_rounds,
         "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
+        # Pulls to a GPU that reads the block in no tile, only to re-send it inside its node (node fan-out).
+        "num_forwarding_transfers": int(transfers.num_edges - np.union1d(schedule.tile_kv_edge[schedule.tile_kv_edge >= 0],
+                                                                         schedule.tile_q_edge[schedule.tile_q_edge >= 0]).size),
         "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_src // tiles.profile.gpus_per_node == transfers.edge_dst // tiles.profile.gpus_per_node)).sum()),
         "num_stages": schedule.num_comm_stages,
         "num_fwd_rounds": schedule.forward.num_rounds,

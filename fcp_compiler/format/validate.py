@@ -580,9 +580,14 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
             bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
             _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
                      f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
-    if (last_use < 0).any():
-        bad = int(np.argmax(last_use < 0))
-        _fail(2, f"rank {int(pulls.me[bad])} pulls block {int(pulls.block[bad])} but no tile there uses it")
+    # A pull no tile reads must be re-sent (a forwarder of node fan-out).
+    forwarded = np.zeros(num_pulls, dtype=bool)
+    forwarded[pulls.send_source[pulls.send_source >= 0]] = True
+    unused = (last_use < 0) & ~forwarded
+    if unused.any():
+        bad = int(np.argmax(unused))
+        _fail(2, f"rank {int(pulls.me[bad])} pulls block {int(pulls.block[bad])} but no tile there uses it and it "
+                 f"re-sends it to no one")
     return last_use
 
 
