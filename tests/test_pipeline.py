@@ -79,8 +79,13 @@ def test_shipped_paper_traces_are_balanced(name, gpus):
     plan = compile_valid(batch, gpus, model="none")
     stats = plan.stats
     assert stats["compute_imbalance"] <= 0.03
-    assert stats["comm_imbalance"] <= 0.10
     assert stats["makespan_lower_bound_ratio"] <= 1.03
+    # Bytes received, both links: an entry of node fan-out receives the union of its node's segments and forwarders
+    # receive what they read in no tile (0.04-0.05 without fan-out, 0.08-0.12 with). The busiest NIC receiver
+    # takes at most half of what it would without fan-out (2.5-4x less measured).
+    assert stats["comm_imbalance"] <= 0.15
+    direct = compile_valid(batch, gpus, model="none", node_fan_out=False).stats
+    assert stats["max_rank_nic_recv_bytes"] <= 0.5 * direct["max_rank_nic_recv_bytes"]
     # Live received buffers (pulls, pushes, the stage in flight). A stage brings up to c NIC pulls and 2c NVLink
     # pulls (node fan-out), an entry holds its block until it has re-sent it and summed its fan-out's gradients:
     # within twelve stages of c full blocks (6.5, 9.4 and 10.3 measured at 64, 128 and 256 GPUs; 4 before fan-out).
