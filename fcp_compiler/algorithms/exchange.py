@@ -6,18 +6,19 @@ import numpy as np
 
 
 class _Slots:
-    """Which rounds each end's send and receive slots are taken in: a bit mask (Python int) per end and slot."""
+    """Which rounds each end's send and receive slots are taken in: a bit mask (Python int) per end and slot, and
+    per end the mask of rounds whose slots are all taken."""
 
     def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
                  fixed_dst: np.ndarray):
         slots = np.ones(num_ends, dtype=np.int64) if capacity is None else capacity
-        self.send = self._masks(fixed_src, fixed_round, slots)
-        self.recv = self._masks(fixed_dst, fixed_round, slots)
+        self.send, self.send_full = self._masks(fixed_src, fixed_round, slots)
+        self.recv, self.recv_full = self._masks(fixed_dst, fixed_round, slots)
 
     @staticmethod
-    def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+    def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> tuple[list[list[int]], list[int]]:
         """Per end, one bit mask a slot: slot j has the rounds in which more than j messages use the end (fixed
-        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it)."""
+        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it); and the last slot's."""
         width = int(rounds.max(initial=-1)) + 1
         counts = np.bincount(ends * width + rounds, minlength=slots.size * width).reshape(slots.size, width) \
             if width else np.zeros((slots.size, 0), dtype=np.int64)
@@ -26,31 +27,26 @@ class _Slots:
             packed = np.packbits(counts > slot, axis=1, bitorder="little")
             for end in np.flatnonzero(slots > slot).tolist():
                 out[end].append(int.from_bytes(packed[end].tobytes(), "little"))
-        return out
-
-    @staticmethod
-    def _full(masks: list[int]) -> int:
-        out = masks[0]
-        for mask in masks[1:]:
-            out &= mask
-        return out
-
-    @staticmethod
-    def _take(masks: list[int], bit: int) -> None:
-        for slot, mask in enumerate(masks):
-            if not mask & bit:
-                masks[slot] = mask | bit
-                return
-        raise AssertionError("no free slot")
+        return out, [masks[-1] for masks in out]  # slot j's rounds include slot j + 1's
 
     def first_free(self, a: int, b: int, ready: int) -> int:
         """The earliest round >= ready in which a has a free send slot and b a free receive slot."""
-        taken = (self._full(self.send[a]) | self._full(self.recv[b])) >> ready
+        taken = (self.send_full[a] | self.recv_full[b]) >> ready
         return ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
 
     def take(self, a: int, b: int, rnd: int) -> None:
-        self._take(self.send[a], 1 << rnd)
-        self._take(self.recv[b], 1 << rnd)
+        """Take a's first free send slot and b's first free receive slot in round rnd (slots fill in order, so a
+        round's slot j is taken only if slot j - 1 is)."""
+        bit = 1 << rnd
+        for masks, full, end in ((self.send[a], self.send_full, a), (self.recv[b], self.recv_full, b)):
+            for slot, mask in enumerate(masks):
+                if not mask & bit:
+                    masks[slot] = mask | bit
+                    if slot == len(masks) - 1:
+                        full[end] |= bit
+                    break
+            else:
+                raise AssertionError("no free slot")
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
@@ -127,8 +123,9 @@ def spread_messages(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, w
                 break
             if best_load is None or after < best_load:
                 best, best_load = stage, after
-        rnd = slots.first_free(src_list[message], dst_list[message], best * rounds_per_stage)
-        slots.take(src_list[message], dst_list[message], rnd)
+        a, b = src_list[message], dst_list[message]
+        rnd = slots.first_free(a, b, best * rounds_per_stage)
+        slots.take(a, b, rnd)
         placed[message] = rnd
         lands = min(rnd // rounds_per_stage + 1, num_stages - 1)
         load[lands][r] += w
