@@ -40,6 +40,9 @@ def _segment_masks(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
 def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
     """Re-source K,V pulls of busy senders from ranks that received the same block earlier, and re-place the pushes.
 
+    Only pulls across nodes are re-sourced (and serve as parents): inside a node, fan-out already sends each block
+    from one GPU, and NVLink is 9x the NIC; across nodes, a block many nodes read travels along a tree of nodes.
+
     A pull keeps its round in both passes, so every round stays a matching when the new sender is free in it
     (:func:`fcp_compiler.algorithms.relays.choose_relays` checks), and no tile moves. The relay must have the block
     a whole stage earlier in both passes. Partial outputs (forward) go back along Q pulls, which are never relayed;
@@ -65,7 +68,7 @@ def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
                        colour=forward.edge_round, bwd_round=backward.edge_round, parent=transfers.edge_parent,
                        stage=forward.edge_stage, bwd_stage=backward.edge_stage,
                        nbytes=transfers.edge_bytes.astype(np.float64), seg_mask=mask,
-                       relayable=(transfers.edge_kind == TransferKind.KV) & fits)
+                       relayable=(transfers.edge_kind == TransferKind.KV) & fits & (transfers.edge_link == 1))
     links = RelayLinks(node=np.arange(num_ranks) // profile.gpus_per_node, nic_bytes_per_s=profile.network_gbps * 1e9,
                        nvlink_bytes_per_s=profile.nvlink_gbps * 1e9, nvlink_lanes=rounds.nvlink_lanes)
     # Traffic under a stage's mean compute hides anyway: no relay is worth its buffer there (measured against the
