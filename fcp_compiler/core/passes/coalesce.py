@@ -12,11 +12,12 @@ from fcp_compiler.algorithms.round_order import order_rounds
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
 
-# Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size). Node fan-out
-# brings a block a stage later to all but its entry and lets a stage bring NVLink pulls in lanes, so its tiles
-# bunch up where fan-out lands; levelling must be free to spread them (measured on the MagiAttention-histogram and
-# paper-like batches at 256 GPUs: 2 stages left their forward 4% and backward 10-20% slower than without fan-out).
-FORWARD_BUDGET_STAGES = 4
+# Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size). The backward
+# is levelled too since node fan-out: its pulls land a stage after their entry's, and without levelling their tiles
+# bunched up (the MagiAttention-histogram batch at 256 GPUs: backward normalized MFU 0.69 unlevelled, 0.86 with 2
+# stages). The peak live buffers do not depend on these budgets on the benchmark batches (they come from the
+# backward's arrivals); 4 forward stages against 2 made the mean forward layer gap of 16 plans 0.5% worse.
+FORWARD_BUDGET_STAGES = 2
 BACKWARD_BUDGET_STAGES = 2
 
 
