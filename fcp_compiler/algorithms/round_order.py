@@ -6,7 +6,7 @@ import numpy as np
 
 
 def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.ndarray | None = None,
-                 class_lanes: tuple[int, int] = (1, 1), later_work: np.ndarray | None = None) -> np.ndarray:
+                 class_lanes: tuple[int, int] = (1, 1)) -> np.ndarray:
     """A new position for each round that groups rounds into stages of `rounds_per_stage` with a small sum over
     stages of the busiest rank's work.
 
@@ -15,8 +15,7 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
     time: a stage s holds up to c = `rounds_per_stage` positions s * c .. s * c + c - 1, and each position
     class_lanes[k] rounds of class k (rounds of a class whose links are that much faster share a position; positions
     no round takes stay empty). Objective: sum over stages of max over ranks of the summed work of the stage's
-    rounds, and of the work they make runnable a stage later (`later_work`: tiles that read what a round's pulls
-    bring once it has been re-sent inside a node), NP-hard in general. Greedy: rounds by decreasing largest work, each into the stage with room for its
+    rounds (NP-hard in general). Greedy: rounds by decreasing largest work, each into the stage with room for its
     class whose busiest rank grows least (ties: the one whose busiest rank ends lowest, then the earliest); then,
     within each stage, a class's rounds in their old order.
     O(R * S * N) for R rounds, S stages, N ranks, vectorised over stages and ranks.
@@ -26,8 +25,6 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
         rounds_per_stage: c >= 1.
         round_class: int [R], each round's link class (0 or 1); default: all one class.
         class_lanes: per class, rounds a position holds.
-        later_work: float [R, N], work each round makes runnable on each rank in the stage after its own (default
-            none).
     Returns:
         int64 [R], the new position of each round (distinct within a class).
     """
@@ -38,23 +35,20 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
     per_class = np.bincount(round_class, minlength=2)
     lanes = np.asarray(class_lanes, dtype=np.int64)
     num_stages = int(max(-(-per_class // (rounds_per_stage * lanes))))
-    later = np.zeros_like(round_work) if later_work is None else later_work
-    load = np.zeros((num_stages + 1, num_ranks))  # the last row: work pushed past the last stage
+    load = np.zeros((num_stages, num_ranks))
     room = np.repeat((rounds_per_stage * lanes)[:, None], num_stages, axis=1)
     # A class that fills its stages fills all but the last (the rest stays in the last).
     rest = per_class - (num_stages - 1) * rounds_per_stage * lanes
     room[:, -1] = np.where(rest > 0, rest, room[:, -1])
     stage_of = np.empty(num_rounds, dtype=np.int64)
-    for rnd in np.lexsort((np.arange(num_rounds), -(round_work + later).max(axis=1))).tolist():
+    for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))).tolist():
         cls = int(round_class[rnd])
-        peak = load.max(axis=1)
-        new_max = (load[:-1] + round_work[rnd]).max(axis=1)
-        growth = new_max - peak[:-1] + (load[1:] + later[rnd]).max(axis=1) - peak[1:]
+        new_max = (load + round_work[rnd]).max(axis=1)
+        growth = new_max - load.max(axis=1)
         growth[room[cls] <= 0] = np.inf
         stage = int(np.lexsort((np.arange(num_stages), new_max, growth))[0])
         stage_of[rnd] = stage
         load[stage] += round_work[rnd]
-        load[stage + 1] += later[rnd]
         room[cls, stage] -= 1
     position = np.empty(num_rounds, dtype=np.int64)
     for cls in (0, 1):

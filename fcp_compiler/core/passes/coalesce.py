@@ -118,8 +118,8 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipeli
 def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pipelined: bool,
               tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int) -> PassSchedule:
     """Pulls in the even rounds (round 2r for round r of the backward order); tiles after their data, levelled within
-    a smaller budget than the forward's (a later tile holds its block, and its gradient, longer); every gradient
-    pushed back along its pull, relays after the pushes they sum
+    the buffer budget (a later tile holds its block, and its gradient, longer); every gradient pushed back along its
+    pull, relays after the pushes they sum
     (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     pull_round = 2 * forward_round
     tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, pipelined,
@@ -133,21 +133,16 @@ def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pi
 
 
 def _round_work(rounds: Rounds, item: np.ndarray, num_items: int, tile_kv_edge: np.ndarray,
-                tile_q_edge: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                tile_q_edge: np.ndarray) -> np.ndarray:
     """Work each round (item: a class's colour) makes runnable on each rank: a tile counts in the item of its
-    later pull; (in its stage, a stage later: tiles that read a pull re-sent inside a node)."""
-    transfers = rounds.transfers
-    assignment = transfers.assignment
+    later pull."""
+    assignment = rounds.transfers.assignment
     arrival = _arrival_round(item, tile_kv_edge, tile_q_edge)
-    fanned = np.append(transfers.edge_parent >= 0, False)  # index -1 (local) reads False
-    later = fanned[tile_kv_edge] | fanned[tile_q_edge]
+    remote = arrival >= 0
     num_ranks = assignment.num_ranks
-    out = []
-    for mine in ((arrival >= 0) & ~later, (arrival >= 0) & later):
-        work = np.bincount(arrival[mine] * num_ranks + assignment.tile_rank[mine],
-                           weights=assignment.tiles.tile_seconds[mine], minlength=num_items * num_ranks)
-        out.append(work.reshape(num_items, num_ranks))
-    return out[0], out[1]
+    work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
+                       weights=assignment.tiles.tile_seconds[remote], minlength=num_items * num_ranks)
+    return work.reshape(num_items, num_ranks)
 
 
 def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per_stage: int, nvlink_lanes: int,
@@ -228,12 +223,11 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     forward_round = backward_round = np.where(item_class == 0, np.arange(2 * width) % width // lanes,
                                               np.arange(2 * width) % width)[item]
     if pipelined:
-        # Any order of the matchings is congestion-free; choose, per pass, the one whose stages carry even work
-        # (the backward pass has half as many pull rounds a stage).
-        work, later = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
-        # (In the backward's halved numbering a stage holds `coalesce` rounds too.)
-        forward_round = order_rounds(work + later, coalesce, item_class, (lanes, 1))[item]
-        backward_round = order_rounds(work + later, coalesce, item_class, (lanes, 1))[item]
+        # Any order of the matchings is congestion-free; choose the one whose stages carry even work. The backward
+        # takes the same order: in its own numbering (halved, its pulls take the even rounds) a stage holds
+        # `coalesce` rounds too.
+        work = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
+        forward_round = backward_round = order_rounds(work, coalesce, item_class, (lanes, 1))[item]
     # Backward pulls take the even rounds: in its own numbering (halved) a backward stage holds `coalesce` rounds.
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
