@@ -1,8 +1,8 @@
 """Relays: a rank that has received a block re-sends it to a later puller, so a hot block's senders form a tree.
 
 Plain arrays in, plain arrays out. A pull keeps its rounds in both passes: only its sender changes, so every round
-stays a matching per link class as long as the new sender sends nothing else of the pull's new class in those
-rounds (and, where the class changes, its receiver receives nothing else of it), and no tile moves.
+stays congestion-free per link class as long as the new sender has a free slot of the pull's new class in those
+rounds (and, where the class changes, its receiver has one too), and no tile moves.
 """
 
 from __future__ import annotations
