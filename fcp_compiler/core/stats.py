@@ -8,7 +8,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.algorithms.fan_out import link_class
-from fcp_compiler.core.ir import PassSchedule, Reshuffle, TransferKind, Transfers
+from fcp_compiler.core.ir import PassSchedule, Reshuffle, Schedule, TransferKind, Transfers
 from fcp_compiler.core.layer_model import LSE_BYTES, LayerCosts, layer_bounds
 from fcp_compiler.core.passes.coalesce import max_buffer_tokens
 from fcp_compiler.format.models import NO_MODEL, ModelPreset
@@ -78,6 +78,14 @@ def exchange_degree(transfers: Transfers, program: PassSchedule, nvlink_lanes: i
     return most
 
 
+def pulls_read(schedule: Schedule) -> np.ndarray:
+    """Per pull, whether some tile reads it (False: its receiver only forwards it)."""
+    read = np.zeros(schedule.rounds.transfers.num_edges, dtype=bool)
+    for edge in (schedule.tile_kv_edge, schedule.tile_q_edge):
+        read[edge[edge >= 0]] = True
+    return read
+
+
 def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
                layout: str, model: ModelPreset | None = None) -> dict:
     """Every figure of the --stats JSON for a compiled plan that needs no simulation (the CLI adds the simulated
@@ -117,10 +125,10 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "nvlink_lanes": rounds.nvlink_lanes,
         "owner_rounds": rounds.num_rounds,
         "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
-        # Pulls to a GPU that reads the block in no tile, only to re-send it inside its node (node fan-out).
-        "num_forwarding_transfers": int(transfers.num_edges - np.union1d(schedule.tile_kv_edge[schedule.tile_kv_edge >= 0],
-                                                                         schedule.tile_q_edge[schedule.tile_q_edge >= 0]).size),
-        "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_src // tiles.profile.gpus_per_node == transfers.edge_dst // tiles.profile.gpus_per_node)).sum()),
+        # Pulls to a GPU that reads the block in no tile, only to re-send it inside its node (node fan-out), and the
+        # pulls re-sent inside a node.
+        "num_forwarding_transfers": int((~pulls_read(schedule)).sum()),
+        "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_link == 0)).sum()),
         "num_stages": schedule.num_comm_stages,
         "num_fwd_rounds": schedule.forward.num_rounds,
         "num_bwd_rounds": schedule.backward.num_rounds,
