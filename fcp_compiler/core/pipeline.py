@@ -225,7 +225,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile, model=options.model_name,
                 layout=options.layout, num_rounds=int(schedule.forward.edge_round.max(initial=-1)) + 1,
-                nvlink_degree=transfers.class_degrees[0], nic_degree=transfers.class_degrees[1],
+                **dict(zip(("nvlink_degree", "nic_degree"), transfers.class_degrees)),
                 nvlink_lanes=rounds.nvlink_lanes,
                 num_fwd_rounds=schedule.forward.num_rounds,
                 num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,

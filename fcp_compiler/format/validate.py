@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.fan_out import nvlink_lanes
+from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
@@ -73,8 +73,8 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
        the block's owner or a relay that holds it; every tile's data arrives in an earlier stage of its pass; every
        result is pushed after its last tile; a relay re-sends only after it receives, and pushes after the
        gradients it sums.
-    3. :func:`_check_congestion_freedom`: every round of each pass is a matching per link class (NVLink inside a
-       node, the NIC across) over pulls and pushes; the header's per-class Delta, round and stage counts are the
+    3. :func:`_check_congestion_freedom`: every round of each pass is congestion-free per link class (NVLink inside
+       a node, nvlink_lanes matchings a round; the NIC across, one) over pulls and pushes; the header's per-class Delta, round and stage counts are the
        ones the plan has.
     4. :func:`_check_memory`: the token cap, the per-stage receive bound and the live buffers (equal to the header's
        max_buffer_tokens, by the liveness rule the runtime uses) hold.
@@ -425,9 +425,10 @@ def _check_data_before_use(plan: _Plan, blocks: _Blocks, tiles: _Tiles, pulls: _
 
 def _check_congestion_freedom(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_PassFacts, ...]) -> int:
     """3. Congestion freedom, per link class (NVLink inside a node, the NIC across; nodes are runs of the profile's
-    gpus_per_node ranks): in every round of each pass a rank sends at most one message of each class and receives
-    at most one, pulls (fan-out and relays included) and pushes together; the header's Delta of each class's
-    forward pulls, and its round and stage counts, are the ones the plan has. Returns the larger Delta."""
+    gpus_per_node ranks): in every round of each pass a rank sends and receives at most one NIC message and at most
+    nvlink_lanes NVLink messages, pulls (fan-out and relays included) and pushes together; the header's Delta of
+    each class's forward pulls, and its round and stage counts, are the ones the plan has. Returns the larger
+    Delta."""
     header, num_ranks = plan.header, plan.num_ranks
     if header.bwd_coalesce != 2 * header.coalesce:
         _fail(3, f"the backward pass has {header.bwd_coalesce} rounds a stage; its pulls take every other round, so "
@@ -438,10 +439,7 @@ def _check_congestion_freedom(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passe
         _fail(3, f"the header lets a GPU carry {header.nvlink_lanes} NVLink messages a round; NVLink at "
                  f"{profile.nvlink_gbps} GB/s against a {profile.network_gbps} GB/s NIC allows at most {most_lanes}")
     link = (pulls.peer // gpus_per_node != pulls.me // gpus_per_node).astype(np.int64)
-    for cls, name in ((0, "nvlink"), (1, "nic")):
-        mine = link == cls
-        degree = int(max(np.bincount(pulls.peer[mine], minlength=num_ranks).max(initial=0),
-                         np.bincount(pulls.me[mine], minlength=num_ranks).max(initial=0))) if mine.any() else 0
+    for name, degree in zip(("nvlink", "nic"), class_degrees(pulls.peer, pulls.me, link, num_ranks)):
         if getattr(header, f"{name}_degree") != degree:
             _fail(3, f"the header states {name}_degree {getattr(header, f'{name}_degree')}, the forward pulls "
                      f"over {name} have {degree}")

@@ -31,7 +31,7 @@ def _entry_segments(transfers: Transfers, parent: np.ndarray) -> tuple[np.ndarra
     num_segments = transfers.assignment.tiles.sharding.num_segments
     counts = np.diff(transfers.edge_seg_offsets)
     edge_of_seg = np.repeat(np.arange(transfers.num_edges), counts)
-    carrier = np.where(parent[edge_of_seg] >= 0, parent[edge_of_seg], -1)
+    carrier = parent[edge_of_seg]  # -1 for a pull no entry carries
     extra = carrier >= 0
     key = sorted_unique(np.concatenate((edge_of_seg * num_segments + transfers.edge_segs,
                                         carrier[extra] * num_segments + transfers.edge_segs[extra])))
@@ -68,9 +68,9 @@ def _with_forwarders(transfers: Transfers, parent: np.ndarray, forward_group: np
 def fan_out(transfers: Transfers) -> Transfers:
     """Route K,V pulls into a node through one entry pull per (block, node).
 
-    Each group of two or more K,V pulls of one block into one node other than the owner's keeps one pull from the
-    owner (the entry), which now carries the union of the group's segments; the others are re-sent by the entry's
-    receiver over NVLink (edge_parent names the entry, edge_src its receiver). The entry is one of the group's
+    Each group of K,V pulls of one block into one node other than the owner's keeps one pull from the owner (the
+    entry), which now carries the union of the group's segments; the others are re-sent by the entry's receiver
+    over NVLink (edge_parent names the entry, edge_src its receiver). The entry is one of the group's
     receivers or, where that spreads the node's NIC load better, another GPU of the node that forwards the block
     without reading it (a new pull; :func:`fcp_compiler.algorithms.fan_out.node_fan_out` picks). Q pulls (tiles
     run away from their block's owner) are left as they are: their partial outputs would need merging on the way
@@ -79,8 +79,8 @@ def fan_out(transfers: Transfers) -> Transfers:
     Args:
         transfers: the pulls from the owners (no relays yet).
     Returns:
-        the Transfers with fan-out, in plan_transfers' order; the same object when no group has two pulls or the
-        tile set has no segments.
+        the Transfers with fan-out, in plan_transfers' order; the same object when nothing is re-routed or the tile
+        set has no segments.
     """
     assignment = transfers.assignment
     tiles = assignment.tiles
@@ -91,9 +91,8 @@ def fan_out(transfers: Transfers) -> Transfers:
     num_nodes = -(-num_ranks // gpus_per_node)
     node = transfers.edge_dst // gpus_per_node
     eligible = (transfers.edge_kind == TransferKind.KV) & (transfers.edge_src // gpus_per_node != node)
-    group = np.where(eligible, transfers.edge_block * num_nodes + node, -1)
-    _, group_id = sorted_unique(group, return_inverse=True)
-    group = np.where(eligible, group_id - int(not eligible.all()), -1)
+    group = np.full(transfers.num_edges, -1, dtype=np.int64)
+    _, group[eligible] = sorted_unique((transfers.edge_block * num_nodes + node)[eligible], return_inverse=True)
     union_bytes = _group_union_tokens(transfers, group) * tiles.shape.kv_bytes_per_token
     parent, forward_group, forward_rank = node_fan_out(
         transfers.edge_block, transfers.edge_src, transfers.edge_dst, eligible, union_bytes.astype(np.float64),
