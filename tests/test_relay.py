@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import compile_valid
-from fcp_compiler.algorithms.relays import RelayEdges, RelayLinks, choose_relays
+from fcp_compiler.algorithms.relays import (RelayEdges, RelayLinks, busiest_send_seconds, choose_relays,
+                                          stage_gain_bounds)
 from fcp_compiler.format.inputs import PRESET_PROFILES
 from fcp_compiler.core.ir import TransferKind
 from test_validate import edited, expect
@@ -145,3 +146,29 @@ def test_a_relay_of_a_pull_from_another_block_is_refused(relayed_bytes):
         others = np.flatnonzero(a["pull_recv_block"] != a["pull_send_block"][row])
         a["pull_send_source"][row] = others[0]
     expect(edited(relayed_bytes, other_block), 2, "another block|arrives|relays")
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(4, 12), st.integers(1, 3))
+def test_stage_gain_bounds_bound_what_the_greedy_gains(seed, num_ranks, max_gap):
+    rng = np.random.default_rng(seed)
+    num_edges = int(rng.integers(1, 40))
+    num_blocks = int(rng.integers(1, 6))
+    block = rng.integers(0, num_blocks, num_edges)
+    owner = rng.integers(0, num_ranks, num_blocks)
+    dst = (owner[block] + rng.integers(1, num_ranks, num_edges)) % num_ranks
+    stage = rng.integers(0, 5, num_edges)
+    edges = RelayEdges(block=block, src=owner[block], dst=dst, colour=rng.integers(0, 8, num_edges),
+                       bwd_round=rng.integers(0, 8, num_edges), parent=np.full(num_edges, -1), stage=stage,
+                       bwd_stage=stage, nbytes=rng.integers(1, 4, num_edges) * 1e6,
+                       seg_mask=np.ones(num_edges, dtype=np.int64), relayable=rng.random(num_edges) < 0.8)
+    links = RelayLinks(node=np.arange(num_ranks) // 2, nic_bytes_per_s=1e9, nvlink_bytes_per_s=4e9, nvlink_lanes=2)
+    floor = rng.random(5) * 2e-3
+    bounds = stage_gain_bounds(edges, links, num_ranks, floor, max_gap)
+    parent = choose_relays(edges, links, num_ranks, floor, max_gap)
+    src = np.where(parent >= 0, dst[np.maximum(parent, 0)], edges.src)
+    gained = busiest_send_seconds(edges, edges.src, links, num_ranks) - busiest_send_seconds(edges, src, links,
+                                                                                            num_ranks)
+    assert (gained <= bounds + 1e-12).all()
+    # Asked for more than the bounds allow, the greedy gives up and keeps no relay.
+    unreachable = choose_relays(edges, links, num_ranks, floor, max_gap, min_gain=bounds.sum() + 1e-9)
+    assert (unreachable == -1).all()

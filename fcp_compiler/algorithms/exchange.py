@@ -29,24 +29,28 @@ class _Slots:
                 out[end].append(int.from_bytes(packed[end].tobytes(), "little"))
         return out, [masks[-1] for masks in out]  # slot j's rounds include slot j + 1's
 
-    def first_free(self, a: int, b: int, ready: int) -> int:
-        """The earliest round >= ready in which a has a free send slot and b a free receive slot."""
+    def place(self, a: int, b: int, ready: int) -> int:
+        """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
+        both have one; return that round. Slots fill in order, so a round's slot j is taken only if slot j - 1 is.
+        Inlined for both ends: this runs once a message."""
         taken = (self.send_full[a] | self.recv_full[b]) >> ready
-        return ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
-
-    def take(self, a: int, b: int, rnd: int) -> None:
-        """Take a's first free send slot and b's first free receive slot in round rnd (slots fill in order, so a
-        round's slot j is taken only if slot j - 1 is)."""
+        rnd = ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
         bit = 1 << rnd
-        for masks, full, end in ((self.send[a], self.send_full, a), (self.recv[b], self.recv_full, b)):
-            for slot, mask in enumerate(masks):
-                if not mask & bit:
-                    masks[slot] = mask | bit
-                    if slot == len(masks) - 1:
-                        full[end] |= bit
-                    break
-            else:
-                raise AssertionError("no free slot")
+        masks = self.send[a]
+        for slot, mask in enumerate(masks):
+            if not mask & bit:
+                masks[slot] = mask | bit
+                if slot == len(masks) - 1:
+                    self.send_full[a] |= bit
+                break
+        masks = self.recv[b]
+        for slot, mask in enumerate(masks):
+            if not mask & bit:
+                masks[slot] = mask | bit
+                if slot == len(masks) - 1:
+                    self.recv_full[b] |= bit
+                break
+        return rnd
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
@@ -74,9 +78,7 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
     ready_list, src_list, dst_list = ready_round.tolist(), src.tolist(), dst.tolist()
     for message in np.lexsort((np.arange(ready_round.size), ready_round)).tolist():
         a, b = src_list[message], dst_list[message]
-        rnd = slots.first_free(a, b, ready_list[message])
-        slots.take(a, b, rnd)
-        placed[message] = rnd
+        placed[message] = slots.place(a, b, ready_list[message])
     return np.asarray(placed, dtype=np.int64)
 
 
@@ -124,8 +126,7 @@ def spread_messages(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, w
             if best_load is None or after < best_load:
                 best, best_load = stage, after
         a, b = src_list[message], dst_list[message]
-        rnd = slots.first_free(a, b, best * rounds_per_stage)
-        slots.take(a, b, rnd)
+        rnd = slots.place(a, b, best * rounds_per_stage)
         placed[message] = rnd
         lands = min(rnd // rounds_per_stage + 1, num_stages - 1)
         load[lands][r] += w

@@ -143,8 +143,47 @@ class _Busy:
             self.recv[p][receiver * 2 + new_cls, rnd] += 1
 
 
+def stage_gain_bounds(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_floor: np.ndarray,
+                      max_gap: int) -> np.ndarray:
+    """Per stage, an upper bound on how much :func:`choose_relays` can lower the stage's busiest send link time
+    (:func:`busiest_send_seconds`).
+
+    The greedy leaves a stage alone whose busiest sender is at or under its floor and stops moving pulls off a sender
+    once it is there, so a stage ends no lower than its floor less its longest message. Nor does it end lower than
+    the busiest link end counting only pulls that cannot move: those not relayable, already re-sent, in stage 0, or
+    of a block no relayable pull from its owner brings in the `max_gap` stages before (no candidate holder). O(E + S N)
+    for E pulls, S stages, N ranks.
+
+    Returns:
+        float64 [num_stages], seconds.
+    """
+    busiest = busiest_send_seconds(edges, edges.src, links, num_ranks)
+    num_stages = busiest.size
+    if num_stages == 0:
+        return busiest
+    across = links.node[edges.src] != links.node[edges.dst]
+    seconds = edges.nbytes / np.where(across, links.nic_bytes_per_s, links.nvlink_bytes_per_s)
+    root = edges.relayable & (edges.parent == NO_PARENT)
+    num_blocks = int(edges.block.max()) + 1
+    # (stage + max_gap, block) pairs some root pull arrives in; a pull may move only if one is 1..max_gap earlier.
+    arrives = np.zeros((num_stages + max_gap) * num_blocks, dtype=bool)
+    arrives[(edges.stage[root] + max_gap) * num_blocks + edges.block[root]] = True
+    has_holder = np.zeros(edges.block.size, dtype=bool)
+    for gap in range(1, max_gap + 1):
+        has_holder |= arrives[(edges.stage + max_gap - gap) * num_blocks + edges.block]
+    fixed = np.where(root & has_holder & (edges.stage > 0), 0.0, seconds)
+    fixed_load = np.bincount((edges.stage * num_ranks + edges.src) * 2 + across, weights=fixed,
+                             minlength=num_stages * num_ranks * 2).reshape(num_stages, -1)
+    longest = np.zeros(num_stages)
+    np.maximum.at(longest, edges.stage, seconds)
+    floor = np.zeros(num_stages)
+    floor[:min(num_stages, stage_floor.size)] = stage_floor[:num_stages]
+    lowest = np.where(busiest > floor, np.maximum(fixed_load.max(axis=1), floor - longest), busiest)
+    return np.maximum(busiest - lowest, 0.0)
+
+
 def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_floor: np.ndarray,
-                  max_gap: int) -> np.ndarray:
+                  max_gap: int, min_gain: float = 0.0) -> np.ndarray:
     """Pick a parent pull for some pulls, so that they leave the parent's receiver instead of the block's owner.
 
     Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
@@ -152,8 +191,9 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
     slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn)
     to the candidate holder (:func:`_candidates`) that is free in the pull's rounds and leaves the largest
     of (old sender, new sender, receiver) link times lowest; accept only if that is below the old sender's time. A
-    sender none of whose pulls can move is done for the stage. Stages are taken in order, so a parent's own sender is
-    final before its children are chosen.
+    stage ends once its busiest sender can shed no more (it then bounds the stage from below). Stages are taken in order, so a parent's own sender is
+    final before its children are chosen. The greedy gives up (no relays) as soon as what it has gained plus what
+    the later stages can gain (:func:`stage_gain_bounds`) is under `min_gain`.
     O(M * F) vectorised steps for M pulls tried and fan-out F.
 
     Args:
@@ -162,30 +202,38 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
         num_ranks: N.
         stage_floor: float [num_stages], seconds under which a stage's sends need not go.
         max_gap: the most stages a parent may arrive before its child leaves (bounds how long relays hold).
+        min_gain: seconds the sum over stages of the busiest send link time must drop by for relays to be kept.
     Returns:
         int64 [num_edges], each pull's parent pull (edges.parent kept), or -1 for a pull from the owner.
     """
     parent = edges.parent.copy()
     if edges.block.size == 0:
         return parent
+    # What each stage can still gain, from each stage on.
+    to_gain = np.cumsum(stage_gain_bounds(edges, links, num_ranks, stage_floor, max_gap)[::-1])[::-1]
     src = edges.src.copy()
     busy = _Busy(edges, src, links, num_ranks)
     by_block = np.lexsort((np.arange(edges.block.size), edges.block))
     block_start = np.searchsorted(edges.block[by_block], np.arange(int(edges.block.max()) + 2))
     by_stage = np.argsort(edges.stage, kind="stable")
     stage_start = np.searchsorted(edges.stage[by_stage], np.arange(int(edges.stage.max()) + 2))
+    gained = 0.0
     for stage in range(stage_start.size - 1):
+        if gained + to_gain[stage] < min_gain:
+            return edges.parent.copy()
         idx = by_stage[stage_start[stage]:stage_start[stage + 1]]
-        _relay_stage(edges, links, idx, src, parent, busy, by_block, block_start, num_ranks,
-                     float(stage_floor[stage]) if stage < stage_floor.size else 0.0, max_gap)
-    return parent
+        gained += _relay_stage(edges, links, idx, src, parent, busy, by_block, block_start, num_ranks,
+                               float(stage_floor[stage]) if stage < stage_floor.size else 0.0, max_gap)
+    return parent if gained >= min_gain else edges.parent.copy()
 
 
 def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.ndarray, parent: np.ndarray,
                  busy: _Busy, by_block: np.ndarray, block_start: np.ndarray, num_ranks: int, floor: float,
-                 max_gap: int) -> None:
-    """The greedy of :func:`choose_relays` for the pulls `idx` of one stage (updates src, parent, busy)."""
+                 max_gap: int) -> float:
+    """The greedy of :func:`choose_relays` for the pulls `idx` of one stage (updates src, parent, busy); returns
+    how much it lowered the stage's busiest send link time."""
     loads = _StageLoads(edges, src, idx, links, num_ranks)
+    before = float(loads.send_time().max(initial=0.0))
     # A pull in the backward's last pull stage is not re-sent: its relay's gradient would leave a stage later than
     # any other, lengthening the pass.
     movable = idx[edges.relayable[idx] & (parent[idx] == NO_PARENT) & (edges.stage[idx] > 0)
@@ -195,12 +243,11 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
     sender = src[movable]
     cursor = np.searchsorted(sender, np.arange(num_ranks))
     end = np.searchsorted(sender, np.arange(num_ranks), side="right")
-    done = cursor == end
-    while not done.all():
-        send_time = np.where(done, -1.0, loads.send_time())
+    while True:
+        send_time = loads.send_time()
         top = int(np.argmax(send_time))
-        if send_time[top] <= floor:
-            return
+        if send_time[top] <= floor or cursor[top] == end[top]:
+            break  # under the floor, or the busiest sender has nothing to move: the stage can go no lower
         failures = 0
         while cursor[top] < end[top] and failures < MAX_FAILURES:
             edge = int(movable[cursor[top]])
@@ -210,7 +257,8 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
                 break
             failures += 1
         if cursor[top] == end[top] or failures == MAX_FAILURES:
-            done[top] = True
+            break  # the busiest sender can shed no more: the stage ends no lower than it is now
+    return before - float(loads.send_time().max(initial=0.0))
 
 
 def _move_one(edges: RelayEdges, loads: _StageLoads, edge: int, top: int, top_time: float, src: np.ndarray,

@@ -220,23 +220,21 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     item = np.where(fanned, item[np.maximum(transfers.edge_parent, 0)], item)
     item_class = np.repeat(np.arange(2), width)
     # Unordered: NVLink colours `lanes` to a round.
-    forward_round = backward_round = np.where(item_class == 0, np.arange(2 * width) % width // lanes,
-                                              np.arange(2 * width) % width)[item]
+    forward_round = np.where(item_class == 0, np.arange(2 * width) % width // lanes, np.arange(2 * width) % width)[item]
     if pipelined:
         # Any order of the matchings is congestion-free; choose the one whose stages carry even work. The backward
         # takes the same order: in its own numbering (halved, its pulls take the even rounds) a stage holds
         # `coalesce` rounds too.
         work = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
-        forward_round = backward_round = order_rounds(work, coalesce, item_class, (lanes, 1))[item]
-    # Backward pulls take the even rounds: in its own numbering (halved) a backward stage holds `coalesce` rounds.
+        forward_round = order_rounds(work, coalesce, item_class, (lanes, 1))[item]
+    # Backward pulls take the even rounds: in its own numbering (halved) a backward stage holds `coalesce` rounds,
+    # so the pulls re-sent inside a node take the same rounds in both passes.
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
-    backward_round = place_after_entries(np.where(fanned, -1, backward_round), transfers, coalesce, lanes, kv_edge,
-                                         q_edge)
     forward = _forward(transfers, forward_round, coalesce, pipelined, kv_edge, q_edge, budget, lanes)
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
-    backward = _backward(transfers, backward_round, 2 * coalesce, pipelined, kv_edge, q_edge,
+    backward = _backward(transfers, forward_round, 2 * coalesce, pipelined, kv_edge, q_edge,
                          BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
     arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
     tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))

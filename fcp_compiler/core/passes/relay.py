@@ -37,21 +37,6 @@ def _segment_masks(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     return mask, fits
 
 
-def _most_gain(edges: RelayEdges, links: RelayLinks, busiest: np.ndarray, floor: np.ndarray) -> float:
-    """An upper bound on how much the relay greedy can lower the sum over stages of the busiest send link time: it
-    leaves a stage alone whose busiest sender is at or under the stage's floor, and stops moving pulls off a sender
-    once it is there, so a stage ends no lower than its floor less its longest message."""
-    seconds = edges.nbytes / np.where(links.node[edges.src] == links.node[edges.dst], links.nvlink_bytes_per_s,
-                                      links.nic_bytes_per_s)
-    longest = np.zeros(busiest.size)
-    np.maximum.at(longest, edges.stage, seconds)
-    stage_floor = np.zeros(busiest.size)
-    shared = min(busiest.size, floor.size)
-    stage_floor[:shared] = floor[:shared]
-    lowest = np.maximum(stage_floor - longest, 0.0)
-    return float(np.where(busiest > stage_floor, busiest - lowest, 0.0).sum())
-
-
 def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
     """Re-source K,V pulls of busy senders from ranks that received the same block earlier, and re-place the pushes.
 
@@ -93,9 +78,7 @@ def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
     floor = compute.mean(axis=1)
     busiest = busiest_send_seconds(edges, transfers.edge_src, links, num_ranks)
     before = busiest.sum()
-    if _most_gain(edges, links, busiest, floor) < MIN_GAIN * before:
-        return schedule  # what the greedy could find would be rejected below
-    parent = choose_relays(edges, links, num_ranks, floor, max_gap)
+    parent = choose_relays(edges, links, num_ranks, floor, max_gap, min_gain=MIN_GAIN * before)
     relayed_src = np.where(parent >= 0, transfers.edge_dst[np.maximum(parent, 0)], transfers.edge_src)
     after = busiest_send_seconds(edges, relayed_src, links, num_ranks).sum()
     if np.array_equal(parent, transfers.edge_parent) or after > (1.0 - MIN_GAIN) * before:
