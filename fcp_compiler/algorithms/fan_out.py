@@ -63,34 +63,56 @@ def node_fan_out(block: np.ndarray, src: np.ndarray, dst: np.ndarray, eligible: 
     candidates, key = candidates[order], key[order]
     starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
     sizes = np.diff(np.append(starts, key.size))
-    load = [0.0] * num_ranks
-    grouped = np.arange(starts.size)
-    group_bytes = nbytes[candidates[starts[grouped]]]
-    grouped = grouped[np.lexsort((key[starts[grouped]], -group_bytes))]
-    members_all, dst_all = candidates.tolist(), dst[candidates].tolist()
-    nbytes_list = nbytes.tolist()
-    forward_group, forward_rank = [], []
-    for group in grouped.tolist():
-        first, size = int(starts[group]), int(sizes[group])
-        members = members_all[first:first + size]
-        receivers = dst_all[first:first + size]
-        best = min(range(size), key=lambda i: (load[receivers[i]], receivers[i]))
-        weight = nbytes_list[members[0]]
-        base = receivers[0] // gpus_per_node * gpus_per_node
-        idle = min(range(base, min(base + gpus_per_node, num_ranks)), key=lambda r: (load[r], r))
-        if load[idle] + weight <= load[receivers[best]]:
-            load[idle] += weight
-            for edge in members:
-                parent[edge] = -2 - len(forward_group)
-            forward_group.append(members[0])
-            forward_rank.append(idle)
-            continue
-        entry = members[best]
-        load[receivers[best]] += weight
-        for i, edge in enumerate(members):
-            if i != best:
-                parent[edge] = entry
-    return parent, np.asarray(forward_group, dtype=np.int64), np.asarray(forward_rank, dtype=np.int64)
+    group_node, group_bytes = node[candidates[starts]], nbytes[candidates[starts]]
+    offset = dst[candidates] % gpus_per_node
+    member = np.zeros((starts.size, gpus_per_node), dtype=bool)
+    member[np.repeat(np.arange(starts.size), sizes), offset] = True
+    chosen, by_forwarder = _lpt_entries(group_node, group_bytes, key[starts], member, num_nodes, gpus_per_node,
+                                        num_ranks)
+    # A reader entry's position in candidates: its group's members lie sorted by rank from the group's start.
+    entry_at = starts + np.cumsum(member, axis=1)[np.arange(starts.size), chosen] - 1
+    # Forwarders are numbered in LPT order: groups by decreasing bytes, ties by block, then node.
+    lpt_order = np.lexsort((key[starts], -group_bytes))
+    forwarded = lpt_order[by_forwarder[lpt_order]]
+    forwarder_id = np.zeros(starts.size, dtype=np.int64)
+    forwarder_id[forwarded] = np.arange(forwarded.size)
+    # Every member leaves its entry pull, or the new pull -2 - f that brings the block to forwarder f.
+    parent[candidates] = np.repeat(np.where(by_forwarder, -2 - forwarder_id, candidates[entry_at]), sizes)
+    parent[candidates[entry_at[~by_forwarder]]] = NO_PARENT
+    forward_rank = group_node[forwarded] * gpus_per_node + chosen[forwarded]
+    return parent, candidates[starts[forwarded]], forward_rank.astype(np.int64)
+
+
+def _lpt_entries(group_node: np.ndarray, group_bytes: np.ndarray, group_key: np.ndarray, member: np.ndarray,
+                 num_nodes: int, gpus_per_node: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The LPT of :func:`node_fan_out` over groups, given each group's node, bytes, tie key and member GPUs (bool
+    [G, gpus_per_node], by rank within the node): (chosen, by_forwarder), the GPU (within its node) that takes each
+    group and whether it is a forwarder rather than the least-loaded member.
+
+    Nodes share no NIC, so each node's groups form their own LPT; step k takes the k-th group of every node at
+    once, in numpy (each rank's load sums in the same order as a loop over all groups would)."""
+    lpt_order = np.lexsort((group_key, -group_bytes))
+    by_node = lpt_order[np.argsort(group_node[lpt_order], kind="stable")]
+    node_start = np.searchsorted(group_node[by_node], np.arange(num_nodes + 1))
+    step = np.arange(by_node.size) - node_start[group_node[by_node]]
+    by_step = by_node[np.argsort(step, kind="stable")]
+    step_start = np.searchsorted(np.sort(step), np.arange(int(step.max(initial=-1)) + 2))
+    load = np.zeros((num_nodes, gpus_per_node))
+    load.reshape(-1)[num_ranks:] = np.inf  # a last node with fewer GPUs
+    chosen = np.zeros(group_node.size, dtype=np.int64)
+    by_forwarder = np.zeros(group_node.size, dtype=bool)
+    for k in range(step_start.size - 1):
+        groups = by_step[step_start[k]:step_start[k + 1]]
+        nodes, weight = group_node[groups], group_bytes[groups]
+        rows = load[nodes]
+        readers = np.where(member[groups], rows, np.inf)
+        best, idle = readers.argmin(axis=1), rows.argmin(axis=1)  # ties: the lowest rank
+        line = np.arange(groups.size)
+        forward = rows[line, idle] + weight <= readers[line, best]
+        chosen[groups] = np.where(forward, idle, best)
+        by_forwarder[groups] = forward
+        load[nodes, chosen[groups]] += weight
+    return chosen, by_forwarder
 
 
 def class_degrees(src: np.ndarray, dst: np.ndarray, link: np.ndarray, num_ranks: int) -> tuple[int, int]:
