@@ -31,26 +31,25 @@ class _Slots:
 
     def place(self, a: int, b: int, ready: int) -> int:
         """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
-        both have one; return that round. Slots fill in order, so a round's slot j is taken only if slot j - 1 is.
-        Inlined for both ends: this runs once a message."""
+        both have one; return that round."""
         taken = (self.send_full[a] | self.recv_full[b]) >> ready
         rnd = ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
         bit = 1 << rnd
-        masks = self.send[a]
-        for slot, mask in enumerate(masks):
-            if not mask & bit:
-                masks[slot] = mask | bit
-                if slot == len(masks) - 1:
-                    self.send_full[a] |= bit
-                break
-        masks = self.recv[b]
-        for slot, mask in enumerate(masks):
-            if not mask & bit:
-                masks[slot] = mask | bit
-                if slot == len(masks) - 1:
-                    self.recv_full[b] |= bit
-                break
+        _take(self.send[a], self.send_full, a, bit)
+        _take(self.recv[b], self.recv_full, b, bit)
         return rnd
+
+
+def _take(masks: list[int], full: list[int], end: int, bit: int) -> None:
+    """Take the end's first free slot in the round of `bit` (slots fill in order, so a round's slot j is taken only
+    if slot j - 1 is; taking the last marks the round full)."""
+    for slot, mask in enumerate(masks):
+        if not mask & bit:
+            masks[slot] = mask | bit
+            if slot == len(masks) - 1:
+                full[end] |= bit
+            return
+    raise AssertionError("no free slot")
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
