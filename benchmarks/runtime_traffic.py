@@ -1,0 +1,235 @@
+"""Data the runtime moves in HBM outside the attention kernels, and the device ops it launches (issue 22).
+
+Usage: python benchmarks/runtime_traffic.py [--main-tree PATH] [--eval-data ../shared/eval-data] [--dtype bf16]
+
+One rank's forward and backward of one attention call are replayed on the meta device at the plan's attention
+shape (Llama-3-70B's by default: 64 query heads, 8 K,V heads, head_dim 128), bf16 with fp32 accumulators. The
+kernels and the point-to-point messages are stubbed (no data moves through them); a TorchDispatchMode sees every
+other device op the executor issues and charges the bytes it reads and writes:
+
+- views (narrow, reshape of contiguous rows, transpose) move nothing and launch nothing; allocations launch nothing;
+- an indexed read or write (index_select, index_copy_, index_add_, index_put_, advanced indexing) moves the rows it
+  touches, its values read and written (index_add_ also reads the rows it adds to), plus the index;
+- every other op reads its tensor inputs and writes its outputs, whole;
+- host ops (building index tensors) are not device ops; a host-to-device copy is one, charged its device side.
+
+Plans: the 256-GPU paper-like trace (traces/paper_lognormal_256gpu.json) and the MagiAttention-histogram-like batch
+at 256 GPUs (benchmarks/placement.py), at the busiest rank (most planned attention seconds) and the median one.
+--main-tree runs the same measurement with another checkout's runtime (its own code, in a fresh process) and prints
+both side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+# Runs in a fresh process inside either tree: only APIs both trees have.
+_JOB_SCRIPT = r'''
+import json, sys
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import fcp_runtime.attention as attention
+from fcp_runtime.plan import load_rank_plan
+
+INDEXED = {"index_select": (1, 0), "index": (1, 0), "index_copy_": (0, 1), "index_copy": (0, 1),
+           "index_put_": (0, 1), "_index_put_impl_": (0, 1), "index_put": (0, 1), "index_add_": (0, 2),
+           "index_add": (0, 2)}
+FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
+        "_to_copy_meta_noop"}
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
+class Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.paused, self.bytes, self.ops, self.by_op = 0, 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self.paused or func.is_view or name in FREE:
+            return out
+        inputs = list(_tensors(list(args) + list(kwargs.values())))
+        outputs = list(_tensors([out]))
+        if not any(t.device.type == "meta" for t in inputs + outputs):
+            return out  # host work (index building), not a device op
+        inputs = [t for t in inputs if t.device.type == "meta"]  # a host-to-device copy charges its device side
+        if name in INDEXED:
+            # The rows touched: the values read and written, plus what an add reads back; the indices.
+            values = [t for t in inputs if t.dtype not in (torch.int64, torch.int32, torch.bool)]
+            index = [t for t in inputs if t.dtype in (torch.int64, torch.int32, torch.bool)]
+            gathered, extra = INDEXED[name]
+            moved = (outputs[0].nbytes if gathered else values[-1].nbytes) * (2 + (extra == 2))
+            moved += sum(t.nbytes for t in index)
+        else:
+            moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
+        self.bytes += moved
+        self.ops += 1
+        entry = self.by_op.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += moved
+        return out
+
+
+COUNTER = None
+
+
+class MetaKernels:
+    """The varlen contract's shapes, moving nothing (the kernels' own traffic is not counted)."""
+
+    name = "meta"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window=(-1, -1)):
+        COUNTER.paused += 1
+        try:
+            return torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        finally:
+            COUNTER.paused -= 1
+
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window=(-1, -1)):
+        COUNTER.paused += 1
+        try:
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        finally:
+            COUNTER.paused -= 1
+
+
+class FakeDist:
+    """Point-to-point messages that move nothing; everything else is torch.distributed's."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    @staticmethod
+    def P2POp(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def batch_isend_irecv(ops):
+        return []
+
+    @staticmethod
+    def get_global_rank(group, rank):
+        return rank
+
+
+def measure(plan_path, rank, dtype):
+    global COUNTER
+    plan = load_rank_plan(plan_path, rank)
+    attention.dist = FakeDist(attention.dist)
+    attention.check_plan = lambda plan, group=None: None
+    meta = torch.device("meta")
+    tokens = plan.plan_tokens
+    q = torch.empty((tokens, plan.q_heads, plan.head_dim), dtype=dtype, device=meta, requires_grad=True)
+    k = torch.empty((tokens, plan.kv_heads, plan.head_dim), dtype=dtype, device=meta, requires_grad=True)
+    v = torch.empty((tokens, plan.kv_heads, plan.head_dim), dtype=dtype, device=meta, requires_grad=True)
+    result = {}
+    for label in ("fwd", "bwd"):
+        COUNTER = Counter()
+        with COUNTER:
+            if label == "fwd":
+                out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=MetaKernels())
+            else:
+                out.backward(torch.empty_like(out))
+        top = sorted(COUNTER.by_op.items(), key=lambda item: -item[1][1])[:6]
+        result[label] = {"bytes": COUNTER.bytes, "ops": COUNTER.ops,
+                         "top": [[name, count, moved] for name, (count, moved) in top]}
+    result["tokens"] = tokens
+    return result
+
+
+plan_path, ranks, dtype = sys.argv[1], json.loads(sys.argv[2]), getattr(torch, sys.argv[3])
+print(json.dumps({str(rank): measure(plan_path, rank, dtype) for rank in ranks}))
+'''
+
+
+def _plans(folder: Path, eval_data: Path) -> dict[str, tuple[Path, list[int]]]:
+    """Name -> (plan file, [busiest rank, median rank]) for the two 256-GPU plans."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import numpy as np
+
+    from fcp_compiler import compile_plan
+    from fcp_compiler.format.inputs import load_batch
+    from placement import TOKENS_PER_GPU, batches
+
+    makers = batches(eval_data)
+    sources = {"paper@256": load_batch(HERE / "traces" / "paper_lognormal_256gpu.json")}
+    if "magi" in makers:
+        sources["magi@256"] = makers["magi"](256 * TOKENS_PER_GPU, 0)
+    out = {}
+    for name, lengths in sources.items():
+        plan = compile_plan(lengths, 256)
+        assignment = plan.ir.assignment
+        seconds = np.bincount(assignment.tile_rank, weights=assignment.tiles.tile_seconds,
+                              minlength=assignment.num_ranks)
+        order = np.argsort(seconds, kind="stable")
+        path = folder / f"{name.replace('@', '_')}.fcp"
+        plan.write(path)
+        out[name] = (path, [int(order[-1]), int(order[order.size // 2])])
+    return out
+
+
+def _run(tree: Path, path: Path, ranks: list[int], dtype: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _JOB_SCRIPT, str(path), json.dumps(ranks), dtype], text=True,
+                          capture_output=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""})
+    if done.returncode:
+        raise SystemExit(f"runtime_traffic: the run in {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    import tempfile
+
+    from fcp_compiler.tools.report import table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--main-tree", type=Path, help="another checkout to measure beside this one")
+    parser.add_argument("--eval-data", type=Path, default=HERE / "../shared/eval-data")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+    trees = {"this": HERE} | ({"main": args.main_tree.resolve()} if args.main_tree else {})
+    rows, tops = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, (path, ranks) in _plans(Path(folder), args.eval_data).items():
+            measured = {label: _run(tree, path, ranks, args.dtype) for label, tree in trees.items()}
+            for rank, which in zip(ranks, ("busiest", "median")):
+                ours = measured["this"][str(rank)]
+                for label in ("fwd", "bwd"):
+                    row = [f"{name} rank {rank} ({which})", label, f"{ours['tokens']}",
+                           f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}"]
+                    if "main" in measured:
+                        base = measured["main"][str(rank)][label]
+                        row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}",
+                                f"{ours[label]['bytes'] / base['bytes']:.3f}" if base["bytes"] else "-",
+                                f"{ours[label]['ops'] / base['ops']:.3f}" if base["ops"] else "-"]
+                    rows.append(row)
+                    tops.append(f"{name} rank {rank} {label}: " + ", ".join(
+                        f"{op} x{count} {moved / 1e9:.2f} GB" for op, count, moved in ours[label]["top"]))
+    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops"]
+    if "main" in trees:
+        headers += ["main GB", "main ops", "GB x main", "ops x main"]
+    print(table(headers, rows))
+    print("\nlargest ops (this tree):")
+    print("\n".join(tops))
+
+
+if __name__ == "__main__":
+    main()
