@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fcp_compiler.format.plan_format import TransferKind
-from fcp_runtime.kernels import default_kernels, merge
+from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
 from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
 from fcp_runtime.stage_calls import LOCAL, KernelCall, stage_calls
 
@@ -218,22 +218,37 @@ class _Executor:
         return local if source == LOCAL else remote[source]
 
     def gather(self, index, name: str, local: _Store, remote: dict[int, _Store], heads_first: bool = False):
-        """One tensor's rows of a call, packed: one index_select and one index_copy_ per source."""
+        """One tensor's rows of a call, packed. A call whose rows are one run of one source reads them in place (a
+        view; heads-first rows are made contiguous); otherwise a run is one copy and other rows one index_select
+        each."""
         pieces = [(entry, self.store_of(entry.source, local, remote).tensors[name]) for entry in index]
         dim = 1 if heads_first else 0
         total = sum(entry.positions.numel() for entry, _ in pieces)
+        if len(pieces) == 1 and pieces[0][0].span is not None:
+            _, row, length = pieces[0][0].span
+            view = pieces[0][1].narrow(dim, row, length)
+            return view.contiguous() if heads_first else view
         shape = list(pieces[0][1].shape)
         shape[dim] = total
         packed = torch.empty(shape, dtype=pieces[0][1].dtype, device=self.device)
         for entry, tensor in pieces:
-            packed.index_copy_(dim, entry.positions, tensor.index_select(dim, entry.rows))
+            if entry.span is not None:
+                position, row, length = entry.span
+                packed.narrow(dim, position, length).copy_(tensor.narrow(dim, row, length))
+            else:
+                packed.index_copy_(dim, entry.positions, tensor.index_select(dim, entry.rows))
         return packed
 
     def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store]) -> None:
-        """Add a call's packed results into the rows they belong to (index_add_: repeated rows sum)."""
+        """Add a call's packed results into the rows they belong to: a run in place, other rows by index_add_
+        (repeated rows sum)."""
         for entry in index:
             target = self.store_of(entry.source, local, remote).tensors[name]
-            target.index_add_(0, entry.rows, values.index_select(0, entry.positions).to(target.dtype))
+            if entry.span is not None:
+                position, row, length = entry.span
+                target.narrow(0, row, length).add_(values.narrow(0, position, length))
+            else:
+                target.index_add_(0, entry.rows, values.index_select(0, entry.positions).to(target.dtype))
 
 
 class _ForwardPass:
@@ -276,7 +291,7 @@ class _ForwardPass:
 
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
         out, lse = tensors
-        merge(local.tensors["out"], local.tensors["lse"], rows, out[part], lse[:, part])
+        merge_into(local.tensors["out"][rows], local.tensors["lse"][:, rows], out[part], lse[:, part])
 
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
@@ -288,8 +303,13 @@ class _ForwardPass:
                                       call.window)
         for entry in call.q_index:
             store = ex.store_of(entry.source, local, remote)
-            merge(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
-                  lse.index_select(1, entry.positions))
+            if entry.span is not None:  # in place, through views
+                position, row, length = entry.span
+                merge_into(store.tensors["out"].narrow(0, row, length), store.tensors["lse"].narrow(1, row, length),
+                           out.narrow(0, position, length), lse.narrow(1, position, length))
+            else:
+                merge_rows(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
+                           lse.index_select(1, entry.positions))
 
 
 class _BackwardPass:

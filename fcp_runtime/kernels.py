@@ -134,20 +134,30 @@ def default_kernels(device: torch.device):
     return ExactKernels()
 
 
-def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge a partial (out, lse) into accumulator rows in place, by log-sum-exp weights.
 
+    With m = logaddexp(lse_acc, lse), the merged output is out_acc * exp(lse_acc - m) + out * exp(lse - m); the two
+    weights sum to one, so it is one lerp from out_acc toward out by exp(lse - m), which reads and writes each
+    accumulator row once (and is exactly out where nothing was merged yet: torch's lerp returns `end` at weight 1).
+
     Args:
-        out_acc: [L, Hq, D]; lse_acc: [Hq, L] (-inf where nothing has been merged yet).
-        rows: the accumulator rows the partial covers.
+        out_acc: [l, Hq, D] accumulator rows (a view is updated in place); lse_acc: [Hq, l] (-inf where nothing has
+            been merged yet).
         out, lse: the partial ([l, Hq, D], [Hq, l]).
     """
-    old_lse = lse_acc[:, rows]
-    lse = lse.to(old_lse.dtype)
-    new_lse = torch.logaddexp(old_lse, lse)
-    finite = torch.isfinite(new_lse)
-    w_old = torch.where(finite, torch.exp(old_lse - new_lse), torch.zeros_like(new_lse)).nan_to_num(0.0)
-    w_new = torch.where(finite, torch.exp(lse - new_lse), torch.zeros_like(new_lse)).nan_to_num(0.0)
-    out_acc[rows] = (out_acc[rows] * w_old.transpose(0, 1)[..., None].to(out_acc.dtype)
-                     + out.to(out_acc.dtype) * w_new.transpose(0, 1)[..., None].to(out_acc.dtype))
-    lse_acc[:, rows] = new_lse
+    lse = lse.to(lse_acc.dtype)
+    new_lse = torch.logaddexp(lse_acc, lse)
+    # Rows where both are -inf (no key seen yet) keep their accumulator.
+    weight = torch.exp(lse - new_lse).nan_to_num_(0.0)
+    out_acc.lerp_(out.to(out_acc.dtype), weight.transpose(0, 1).unsqueeze(-1).to(out_acc.dtype))
+    lse_acc.copy_(new_lse)
+
+
+def merge_rows(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+    """:func:`merge_into` for accumulator rows named by an index: gathered, merged, written back."""
+    acc, acc_lse = out_acc.index_select(0, rows), lse_acc.index_select(1, rows)
+    merge_into(acc, acc_lse, out, lse)
+    out_acc.index_copy_(0, rows, acc)
+    lse_acc.index_copy_(1, rows, acc_lse)

@@ -25,11 +25,15 @@ LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pul
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RowIndex:
-    """Where one source's rows go in a call's packed tensor: packed[positions] = source rows[rows]."""
+    """Where one source's rows go in a call's packed tensor: packed[positions] = source rows[rows].
+
+    When both are one run of consecutive rows (`span` = (first position, first row, length)), the rows are read
+    and written in place through views, with no index op."""
 
     source: int
     positions: torch.Tensor  # int64, on the device
     rows: torch.Tensor
+    span: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,8 +101,15 @@ def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
         positions.setdefault(source, []).append(torch.arange(offset, offset + length))
         rows.setdefault(source, []).append(torch.arange(start, start + length))
         offset += length
-    return tuple(RowIndex(source=source, positions=torch.cat(positions[source]).to(device),
-                          rows=torch.cat(rows[source]).to(device)) for source in sorted(positions))
+    out = []
+    for source in sorted(positions):
+        where, what = torch.cat(positions[source]), torch.cat(rows[source])
+        length = int(where.numel())
+        one_run = (bool(torch.equal(where, torch.arange(int(where[0]), int(where[0]) + length)))
+                   and bool(torch.equal(what, torch.arange(int(what[0]), int(what[0]) + length))))
+        out.append(RowIndex(source=source, positions=where.to(device), rows=what.to(device),
+                            span=(int(where[0]), int(what[0]), length) if one_run else None))
+    return tuple(out)
 
 
 def _call(plan: RankPlan, causal: bool, window: tuple[int, int], entries: list, tiles: tuple[int, ...],
