@@ -127,6 +127,19 @@ class _Executor:
         parts = [tensor[:, self.rows(store, s)] if heads_first else tensor[self.rows(store, s)] for s in segs]
         return torch.cat(parts, dim=1 if heads_first else 0).contiguous()
 
+    def runs(self, store: _Store, segs) -> list[tuple[int, int, int]]:
+        """A message's segments as runs of consecutive store rows: (first store row, first message row, rows)."""
+        out: list[list[int]] = []
+        offset = 0
+        for seg in segs:
+            row, length = store.seg_row[seg], self.plan.seg_len(seg)
+            if out and out[-1][0] + out[-1][2] == row:
+                out[-1][2] += length
+            else:
+                out.append([row, offset, length])
+            offset += length
+        return [(row, first, length) for row, first, length in out]
+
     def new_store(self, segs) -> _Store:
         seg_row, row = {}, 0
         for seg in segs:
@@ -173,11 +186,8 @@ class _Executor:
             for pull, tensors in returned:
                 # A relay sums the gradient of a pull it re-sent into its own partial gradient of the block.
                 into = self.store_of(pull.source, local, remote)
-                offset = 0
-                for seg in pull.segs:
-                    length = plan.seg_len(seg)
-                    phase.land(into, self.rows(into, seg), pull.kind, tensors, slice(offset, offset + length))
-                    offset += length
+                for row, offset, length in self.runs(into, pull.segs):
+                    phase.land(into, slice(row, row + length), pull.kind, tensors, slice(offset, offset + length))
                 self.release(program.name, stage, plan.pull_tokens(pull))
             for row in program.free_after[stage]:
                 del remote[row]
@@ -356,7 +366,7 @@ class _BackwardPass:
 
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
         for name, tensor in zip(("dk", "dv") if kind == TransferKind.KV else ("dq",), tensors):
-            local.tensors[name][rows] += tensor[part]
+            local.tensors[name][rows].add_(tensor[part])  # in place on the view: no write-back copy
 
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
