@@ -1,0 +1,73 @@
+"""Merging partial attention (fcp_runtime/kernels.py): partials over disjoint key sets, merged in any order, in
+place through views or by row index, equal attention over all the keys."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fcp_runtime.kernels import ExactKernels, merge_into, merge_rows  # noqa: E402
+
+
+def _attention(q, k, v):
+    """One entry of the exact kernel: (out, lse)."""
+    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32)
+    return ExactKernels().forward(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], 0.25, False)
+
+
+def _inputs(rows=6, keys=12, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, 4, 8, generator=generator, dtype=torch.float64)
+    k = torch.randn(keys, 2, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(keys, 2, 8, generator=generator, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_merging_partials_over_disjoint_keys_gives_attention_over_all_of_them(order):
+    q, k, v = _inputs()
+    full_out, full_lse = _attention(q, k, v)
+    chunks = [slice(0, 5), slice(5, 6), slice(6, 12)]
+    acc = torch.zeros_like(q)
+    acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    for i in order:
+        out, lse = _attention(q, k[chunks[i]], v[chunks[i]])
+        merge_into(acc, acc_lse, out, lse)
+    torch.testing.assert_close(acc, full_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(acc_lse, full_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_a_first_partial_is_copied_exactly_and_an_empty_one_changes_nothing():
+    q, k, v = _inputs()
+    out, lse = _attention(q, k, v)
+    acc = torch.full_like(q, 7.0)  # nothing merged yet (lse -inf): the first partial replaces whatever it holds
+    acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    merge_into(acc, acc_lse, out, lse)
+    assert torch.equal(acc, out) and torch.equal(acc_lse, lse)
+    # A partial that saw no key (lse -inf everywhere) leaves the accumulator as it was, NaN-free.
+    merge_into(acc, acc_lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+    assert torch.equal(acc, out) and torch.equal(acc_lse, lse)
+    # Both empty: rows stay empty (-inf) with finite outputs.
+    empty = torch.zeros_like(q)
+    empty_lse = torch.full_like(lse, float("-inf"))
+    merge_into(empty, empty_lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+    assert torch.isfinite(empty).all() and torch.isneginf(empty_lse).all()
+
+
+def test_merge_through_views_and_by_row_index_agree():
+    q, k, v = _inputs(rows=10)
+    first, first_lse = _attention(q, k[:7], v[:7])
+    second, second_lse = _attention(q, k[7:], v[7:])
+    full_out, full_lse = _attention(q, k, v)
+    rows = torch.tensor([7, 2, 3, 9])
+    # Accumulators holding the first partial; merge the second into rows 2..5 by view, into `rows` by index.
+    by_view, by_view_lse = first.clone(), first_lse.clone()
+    merge_into(by_view.narrow(0, 2, 4), by_view_lse.narrow(1, 2, 4), second[2:6], second_lse[:, 2:6])
+    by_index, by_index_lse = first.clone(), first_lse.clone()
+    merge_rows(by_index, by_index_lse, rows, second[rows], second_lse[:, rows])
+    for acc, acc_lse, merged in ((by_view, by_view_lse, torch.arange(2, 6)), (by_index, by_index_lse, rows)):
+        untouched = torch.ones(10, dtype=torch.bool)
+        untouched[merged] = False
+        torch.testing.assert_close(acc[merged], full_out[merged], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(acc_lse[:, merged], full_lse[:, merged], rtol=1e-12, atol=1e-12)
+        assert torch.equal(acc[untouched], first[untouched])
