@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
 from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
-from fcp_runtime.stage_calls import LOCAL, KernelCall, stage_calls
+from fcp_runtime.stage_calls import LOCAL, KernelCall, prepare_calls, stage_calls
 
 
 class PlanMismatchError(RuntimeError):
@@ -245,8 +245,10 @@ class _Executor:
             if entry.span is not None:
                 position, row, length = entry.span
                 packed.narrow(dim, position, length).copy_(tensor.narrow(dim, row, length))
+            elif heads_first:
+                packed[:, entry.positions] = tensor.index_select(1, entry.rows)
             else:
-                packed.index_copy_(dim, entry.positions, tensor.index_select(dim, entry.rows))
+                packed.index_put_((entry.positions,), tensor.index_select(0, entry.rows))
         return packed
 
     def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store]) -> None:
@@ -426,6 +428,8 @@ class _FcpAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels):
         executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
+        # Every call of both passes on the device now: the stage loops build and copy nothing.
+        prepare_calls(plan, layout, q.device)
         hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
         forward = _ForwardPass(executor, hq, hkv)
         skip: frozenset[int] = frozenset()

@@ -159,5 +159,5 @@ def merge_rows(out_acc: torch.Tensor, lse_acc: torch.Tensor, rows: torch.Tensor,
     """:func:`merge_into` for accumulator rows named by an index: gathered, merged, written back."""
     acc, acc_lse = out_acc.index_select(0, rows), lse_acc.index_select(1, rows)
     merge_into(acc, acc_lse, out, lse)
-    out_acc.index_copy_(0, rows, acc)
-    lse_acc.index_copy_(1, rows, acc_lse)
+    out_acc.index_put_((rows,), acc)
+    lse_acc[:, rows] = acc_lse

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
+from fcp_runtime.stage_calls import prepare_host
 
 
 class PlanningCollate:
@@ -45,6 +46,7 @@ class PlanningCollate:
         plan = compile_plan(lengths, self.world_size, layout=self.layout, **self.compile_options)
         tokens = torch.cat(list(documents))
         rank_plan: RankPlan = load_rank_plan(plan.to_bytes(), self.rank)
+        prepare_host(rank_plan, self.layout)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             return {"tokens": tokens[rank_plan.token_index], "token_index": rank_plan.token_index,
                     "position_ids": rank_plan.position_ids, "lengths": lengths, "plan": rank_plan}

@@ -12,6 +12,7 @@ once per call. Calls and their cu_seqlens tensors are built once per plan, stage
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ class RowIndex:
     and written in place through views, with no index op."""
 
     source: int
-    positions: torch.Tensor  # int64, on the device
+    positions: torch.Tensor  # int32, on the device
     rows: torch.Tensor
     span: tuple[int, int, int] | None = None
 
@@ -107,7 +108,7 @@ def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
         length = int(where.numel())
         one_run = (bool(torch.equal(where, torch.arange(int(where[0]), int(where[0]) + length)))
                    and bool(torch.equal(what, torch.arange(int(what[0]), int(what[0]) + length))))
-        out.append(RowIndex(source=source, positions=where.to(device), rows=what.to(device),
+        out.append(RowIndex(source=source, positions=where.to(device, torch.int32), rows=what.to(device, torch.int32),
                             span=(int(where[0]), int(what[0]), length) if one_run else None))
     return tuple(out)
 
@@ -175,6 +176,68 @@ def _build(plan: RankPlan, tiles: tuple[int, ...], device) -> list[KernelCall]:
 
 
 def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], device) -> list[KernelCall]:
-    """The kernel calls that compute `tiles` (rows of plan.tiles) of one stage (cached per plan)."""
-    key = ("calls", pass_name, stage, tuple(tiles), device)
+    """The kernel calls that compute `tiles` (rows of plan.tiles) of one stage (cached per plan; built here only
+    if :func:`prepare_calls` did not build them before the stage loop)."""
+    key = ("calls", pass_name, stage, tuple(tiles), torch.device(device))
     return plan.cached(key, lambda: _build(plan, tuple(tiles), device))
+
+
+def plan_requests(plan: RankPlan, layout: str) -> list[tuple[str, int, tuple[int, ...]]]:
+    """Every (pass, stage, tiles) whose calls a step of this plan runs: each stage's tiles, and in the user layout
+    the stage-0 tiles that run during the reshuffle apart from the rest (stage -1 names them)."""
+    skip = plan.early_tiles if layout == "user" else frozenset()
+    requests = [("fwd", -1, tuple(sorted(skip)))] if skip else []
+    for program in (plan.forward, plan.backward):
+        for stage, tiles in enumerate(program.tiles):
+            kept = tuple(idx for idx in tiles if idx not in skip) if program.name == "fwd" else tuple(tiles)
+            requests.append((program.name, stage, kept))
+    return requests
+
+
+def prepare_host(plan: RankPlan, layout: str) -> None:
+    """Build every call of a step on the host, its index tensors packed into one int32 buffer (cached on the plan):
+    a DataLoader worker may do this, off the training loop's thread."""
+    def build():
+        host = {(name, max(stage, 0), tiles): _build(plan, tiles, torch.device("cpu"))
+                for name, stage, tiles in plan_requests(plan, layout)}
+        tensors = [t for calls in host.values() for call in calls for t in _call_tensors(call)]
+        flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
+        return host, flat
+    plan.cached(("host calls", layout), build)
+
+
+def prepare_calls(plan: RankPlan, layout: str, device) -> None:
+    """Put every call of a step on `device` before the stage loop runs: the host buffer of
+    :func:`prepare_host` (pinned on CUDA) moves with one non-blocking copy, and every call's index tensors become
+    views of the copy; the stage loop then builds and copies nothing."""
+    device = torch.device(device)
+    if plan.cached(("prepared", layout, device), lambda: False):
+        return
+    prepare_host(plan, layout)
+    host, flat = plan.cached(("host calls", layout), dict)
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        flat = flat.pin_memory()
+    buffer = flat.to(device, non_blocking=True)
+    offset = 0
+
+    def view(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        offset += tensor.numel()
+        return buffer.narrow(0, offset - tensor.numel(), tensor.numel())
+
+    for (name, stage, tiles), calls in host.items():  # the order prepare_host packed them in
+        plan._device_cache[("calls", name, stage, tiles, device)] = [_on(call, view) for call in calls]
+    plan._device_cache[("prepared", layout, device)] = True
+
+
+def _call_tensors(call: KernelCall) -> list[torch.Tensor]:
+    return [t for index in call.q_index + call.kv_index for t in (index.positions, index.rows)] + [call.cu_q,
+                                                                                                   call.cu_k]
+
+
+def _on(call: KernelCall, view) -> KernelCall:
+    """The call with its tensors replaced by view(tensor), in :func:`_call_tensors` order."""
+    def index(entries):
+        return tuple(dataclasses.replace(e, positions=view(e.positions), rows=view(e.rows)) for e in entries)
+    q_index, kv_index = index(call.q_index), index(call.kv_index)
+    return dataclasses.replace(call, q_index=q_index, kv_index=kv_index, cu_q=view(call.cu_q), cu_k=view(call.cu_k))
