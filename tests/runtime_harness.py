@@ -36,7 +36,8 @@ def reference_attention(lengths, q, k, v, masks, scale: float):
 
 
 def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_heads: int, dtype,
-                           layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False):
+                           layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False,
+                           groups: int = 1):
     """A rank task: run fcp_attn_func forward and backward on this rank's rows of seeded global Q, K, V (the
     plan layout takes rows at the plan's token_index, the user layout its contiguous chunk) and assert out, dq, dk
     and dv equal dense attention's at those rows (fp64 1e-10, else 1e-5). Returns the number of all-to-all calls
@@ -45,7 +46,9 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
 
     causal: True (every sequence causal), False (full), or each sequence's window (0: full).
     order_matching: send every point-to-point message with tag 0, so gloo matches them by posting order per pair
-    of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order."""
+    of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order.
+    groups: the world splits into this many context-parallel groups of consecutive ranks (dist.new_group), each
+    replaying the plan among its own ranks on the same data."""
     total = sum(lengths)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
@@ -74,12 +77,17 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
         if order_matching:
             dist.P2POp = lambda op, tensor, peer=None, group=None, tag=0, **kw: real_op(op, tensor, peer, group, 0,
                                                                                       **kw)
+        group, cp_rank, cp_world = None, rank, world
+        if groups > 1:
+            cp_world = world // groups
+            handles = [dist.new_group(list(range(g * cp_world, (g + 1) * cp_world))) for g in range(groups)]
+            group, cp_rank = handles[rank // cp_world], rank % cp_world
         try:
-            plan = load_rank_plan(plan_bytes, rank)
-            rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
-                                                                          (rank + 1) * total // world)
+            plan = load_rank_plan(plan_bytes, cp_rank)
+            rows = plan.token_index if layout == "plan" else torch.arange(cp_rank * total // cp_world,
+                                                                          (cp_rank + 1) * total // cp_world)
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
-            out = fcp_attn_func(*mine, plan, layout=layout, kernels=kernels)
+            out = fcp_attn_func(*mine, plan, group=group, layout=layout, kernels=kernels)
             out.backward(d_out[rows])
         finally:
             dist.all_to_all_single = real

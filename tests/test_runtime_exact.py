@@ -205,3 +205,13 @@ def test_node_fan_out_replays_exactly_when_messages_match_by_posting_order():
     plan = _fan_out_plan(case, "plan")
     run_ranks(case[2], compare_with_reference(plan.to_bytes(), case[1], True, 4, 2, torch.float64, "plan",
                                               order_matching=True))
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_each_context_parallel_group_of_its_own_replays_the_plan_exactly(layout):
+    """World 6 as three CP groups of 2 (dist.new_group): messages go to the group's ranks, named by their global
+    rank, and the plan check runs within the group."""
+    lengths = [1000, 333, 77, 2100]
+    plan = compile_valid(lengths, 2, block_size=192, coalesce=2, layout=layout)
+    assert plan.stats["num_transfers"] > 0
+    run_ranks(6, compare_with_reference(plan.to_bytes(), lengths, True, 2, 1, torch.float64, layout, groups=3))
