@@ -3,7 +3,8 @@
 The contract is flash-attn 2.8's varlen interface: a batch of entries packed along the token axis, entry i pairing
 query rows [cu_q[i], cu_q[i+1]) with key rows [cu_k[i], cu_k[i+1]); masks align bottom-right: with
 window_size (left, right), query i sees keys i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded), and a
-causal entry has right = 0; the forward returns out [Tq, Hq, D] and lse [Hq, Tq]; the backward, given the
+causal entry has right = 0; an entry may have no keys; the forward returns out [Tq, Hq, D] and lse [Hq, Tq] (a
+row that sees no key: out 0, lse -inf, where flash-attn's +inf is mapped); the backward, given the
 final out and lse of the query rows, returns this call's share of dq, dk, dv (D = rowsum(dO * out) is computed from
 the out it is given, so calls over disjoint key sets sum to the full gradient).
 
@@ -110,7 +111,8 @@ class FlashAttnKernels:
                 window: tuple[int, int] = (-1, -1)):
         out, lse, _ = self.varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
                                        causal=causal, window_size=window, return_attn_probs=True)
-        return out, lse
+        # flash-attn gives a row that sees no key out 0 and lse +inf; the contract (and the merge) says -inf.
+        return out, lse.masked_fill_(torch.isposinf(lse), float("-inf"))
 
     def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
                  window: tuple[int, int] = (-1, -1)):

@@ -22,6 +22,9 @@ from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.plan import RankPlan
 
 LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pull_recv row
+# A call's queries are widened to one run of the rank's rows when the segments it skips add at most this many times
+# its own rows: the rows skipped cost the merge a pass over them, the index ops saved cost about four.
+GAP_LIMIT = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,9 +116,28 @@ def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
     return tuple(out)
 
 
+def _with_gaps(plan: RankPlan, entries: list) -> list:
+    """The entries in local row order, each local segment between the first and the last one an entry (with no
+    keys where the call has none for it), when every entry's queries are whole local segments and the gaps add at
+    most GAP_LIMIT x the rows: the call's queries are then one run of the rank's rows, read and merged in place.
+    An entry without keys costs the kernel nothing; its rows come out with lse -inf, which merges as nothing."""
+    if any(q[0] != LOCAL or q[2] != 0 or q[3] != plan.seg_len(q[1]) for q, _ in entries):
+        return entries
+    order = plan.cached("local segments by row", lambda: sorted(plan.local_seg_row, key=plan.local_seg_row.get))
+    position = plan.cached("local segment position", lambda: {seg: i for i, seg in enumerate(order)})
+    by_seg = {q[1]: (q, keys) for q, keys in entries}
+    first, last = min(position[seg] for seg in by_seg), max(position[seg] for seg in by_seg)
+    span = order[first:last + 1]
+    rows = sum(q[3] for q, _ in entries)
+    if sum(plan.seg_len(seg) for seg in span) > (1 + GAP_LIMIT) * rows:
+        return entries
+    return [by_seg.get(seg, ((LOCAL, seg, 0, plan.seg_len(seg)), [])) for seg in span]
+
+
 def _call(plan: RankPlan, causal: bool, window: tuple[int, int], entries: list, tiles: tuple[int, ...],
           device) -> KernelCall:
     """One call from entries ((query source, segment, first row, rows), [(key source, segment, first, rows)])."""
+    entries = _with_gaps(plan, entries)
     q_parts, kv_parts, cu_q, cu_k = [], [], [0], [0]
     pulls = set()
     for q_part, keys in entries:
