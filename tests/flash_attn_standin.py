@@ -31,6 +31,11 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
         raise RuntimeError("FlashAttention: input tensor must have contiguous last dimension")
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise RuntimeError("FlashAttention: cu_seqlens_q and cu_seqlens_k must have dtype int32")
+    if q.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise RuntimeError(f"FlashAttention: expected q [total_q, nheads, d] and k, v [total_k, nheads_k, d], got "
+                           f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % 8 or q.shape[2] > 256:
+        raise RuntimeError("FlashAttention forward only supports head dimension at most 256 and a multiple of 8")
     if q.shape[1] % k.shape[1]:
         raise RuntimeError("FlashAttention: number of heads in key/value must divide number of heads in query")
     if int(cu_seqlens_q[-1]) != q.shape[0] or int(cu_seqlens_k[-1]) != k.shape[0]:

@@ -46,11 +46,11 @@ def test_forward_and_lse_match_each_entry_alone(causal):
 def test_causal_is_bottom_right_aligned():
     # Two queries against four keys: query 0 sees keys 0..2, query 1 all four (not 0 and 0..1 as top-left would).
     q, k, v, cu_q, cu_k = _packed([2], [4], hq=1, hkv=1)
-    v = torch.eye(4, dtype=torch.float64)[:, None, :].expand(4, 1, 4).contiguous()
+    v = torch.eye(4, 8, dtype=torch.float64)[:, None, :].contiguous()  # value j is unit vector j
     k = torch.zeros(4, 1, 8, dtype=torch.float64)  # equal scores: the output is the mean of the visible values
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 4, causal=True)
-    torch.testing.assert_close(out[0, 0], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0], dtype=torch.float64))
-    torch.testing.assert_close(out[1, 0], torch.full((4,), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(out[0, 0, :4], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0], dtype=torch.float64))
+    torch.testing.assert_close(out[1, 0, :4], torch.full((4,), 0.25, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -83,3 +83,19 @@ def test_half_precision_returns_fp32_lse_and_the_contract_is_enforced():
         flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 3, 3)
     with pytest.raises(RuntimeError, match="max_seqlen"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 3)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        flash_attn_varlen_func(q, k.float(), v, cu_q, cu_k, 3, 3)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        flash_attn_varlen_func(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu_q, cu_k, 3, 3)
+    with pytest.raises(RuntimeError, match="head dimension"):
+        wide = _packed([3], [3], dim=12, dtype=torch.bfloat16)
+        flash_attn_varlen_func(*wide, 3, 3)
+    with pytest.raises(RuntimeError, match="expected q"):
+        flash_attn_varlen_func(q, k, v[:, :1], cu_q, cu_k, 3, 3)
+
+
+def test_an_entry_without_keys_gives_out_0_and_lse_plus_infinity():
+    q, k, v, cu_q, cu_k = _packed([2, 3], [0, 4])
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.isposinf(lse[:, :2]).all()
+    assert torch.isfinite(lse[:, 2:]).all()

@@ -24,6 +24,7 @@ CASES = [
     ("full-8-ranks-fp64", [1800, 700, 300, 64], 8, 128, 2, "full", "off", 2, 2, torch.float64),
     ("offloaded-full-fp64", [2048, 100, 60], 8, 512, 2, "full", "off", 2, 1, torch.float64),
     ("offloaded-causal-fp64", [3000, 120], 8, 256, 1, "causal", "off", 2, 2, torch.float64),
+    ("causal-4-ranks-bf16", [1000, 333, 77, 2100], 4, 192, 2, "causal", "auto", 4, 2, torch.bfloat16),
 ]
 # A network 1000x slower than H100's makes traffic, not compute, bound the stages: busy senders hand some pulls to
 # relays, which the runtime must replay exactly (re-sending received K,V, summing the dK, dV pushed back to them).
@@ -108,7 +109,8 @@ class _CountingFlash(FlashAttnKernels):
 
 
 FLASH_CASES = [case for case in CASES if case[0] in ("mixed-causal-fp64", "mixed-full-fp64", "plain-causal-2-ranks",
-                                                     "full-fp32-2-ranks", "offloaded-causal-fp64")]
+                                                     "full-fp32-2-ranks", "offloaded-causal-fp64",
+                                                     "causal-4-ranks-bf16")]
 
 
 @pytest.mark.parametrize("layout", ["plan", "user"])
