@@ -9,8 +9,9 @@ final out and lse of the query rows, returns this call's share of dq, dk, dv (D 
 the out it is given, so calls over disjoint key sets sum to the full gradient).
 
 Backends: :class:`ExactKernels`, an exact implementation in plain torch (any dtype, any device; the CPU path and the
-tests), and :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
-and fp16) or any module that implements the same contract.
+tests); :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
+and fp16) or any module that implements the same contract; and :class:`TorchFlashKernels`, torch's own flash
+attention, on CUDA when flash-attn is not installed.
 """
 
 from __future__ import annotations
@@ -97,14 +98,26 @@ class FlashAttnKernels:
     name = "flash"
 
     def __init__(self, varlen_func, varlen_backward):
+        check_parameters(varlen_backward, FLASH_BACKWARD_PARAMETERS, "flash-attn's _flash_attn_varlen_backward")
         self.varlen_func, self.varlen_backward = varlen_func, varlen_backward
 
     @classmethod
     def installed(cls) -> "FlashAttnKernels":  # pragma: no cover - needs flash-attn
-        """The installed flash-attn package's kernels."""
+        """The installed flash-attn package's kernels (2.8 or later, its backward's arguments checked).
+
+        Raises:
+            ImportError: flash-attn is not installed.
+            RuntimeError: it is older than 2.8, or its backward takes other arguments.
+        """
+        import flash_attn
         from flash_attn import flash_attn_varlen_func
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
+        version = tuple(int(part) for part in flash_attn.__version__.split(".")[:2])
+        if version < FLASH_MIN_VERSION:
+            raise RuntimeError(f"flash-attn {flash_attn.__version__} is older than the "
+                               f"{'.'.join(map(str, FLASH_MIN_VERSION))} the runtime calls; upgrade it or "
+                               f"uninstall it to use torch's own flash attention")
         return cls(flash_attn_varlen_func, _flash_attn_varlen_backward)
 
     def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
@@ -126,13 +139,100 @@ class FlashAttnKernels:
         return dq, dk, dv
 
 
+class TorchFlashKernels:
+    """torch's own varlen flash attention (aten::_flash_attention_forward / _backward): the CUDA path when flash-attn
+    is not installed. Their schemas are checked when this is made, so a torch that changed them fails at once,
+    naming the argument, instead of misreading one."""
+
+    name = "torch-flash"
+
+    def __init__(self):
+        check_schema(torch.ops.aten._flash_attention_forward.default, TORCH_FLASH_FORWARD_ARGUMENTS)
+        check_schema(torch.ops.aten._flash_attention_backward.default, TORCH_FLASH_BACKWARD_ARGUMENTS)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                window: tuple[int, int] = (-1, -1)):  # pragma: no cover - needs a GPU
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=window[0],
+            window_size_right=0 if causal else window[1])
+        return out, lse.masked_fill_(torch.isposinf(lse), float("-inf"))
+
+    def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                 window: tuple[int, int] = (-1, -1)):  # pragma: no cover - needs a GPU
+        # rng_state and unused matter only with dropout, which is 0.
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            d_out.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q, max_k,
+            0.0, causal, unused, unused, scale=scale, window_size_left=window[0],
+            window_size_right=0 if causal else window[1])
+        return dq, dk, dv
+
+
+FLASH_MIN_VERSION = (2, 8)
+# flash-attn 2.8's _flash_attn_varlen_backward, positionally as FlashAttnKernels.backward calls it.
+FLASH_BACKWARD_PARAMETERS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q",
+                             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal",
+                             "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic",
+                             "rng_state")
+# torch's schemas: the positional arguments in order, then the keywords TorchFlashKernels passes.
+TORCH_FLASH_FORWARD_ARGUMENTS = (("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                                  "is_causal", "return_debug_mask"),
+                                 ("scale", "window_size_left", "window_size_right"))
+TORCH_FLASH_BACKWARD_ARGUMENTS = (("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+                                   "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused"),
+                                  ("scale", "window_size_left", "window_size_right"))
+
+
+def check_parameters(function, expected: tuple[str, ...], what: str) -> None:
+    """Fail unless `function` takes at least the parameters `expected`, first and in this order.
+
+    Raises:
+        RuntimeError: naming the first parameter that differs.
+    """
+    import inspect
+
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    for position, (got, want) in enumerate(zip(names + ("<missing>",) * len(expected), expected)):
+        if got != want:
+            raise RuntimeError(f"{what} takes {got!r} as argument {position}, where the runtime passes {want!r}; "
+                               f"it needs flash-attn >= {'.'.join(map(str, FLASH_MIN_VERSION))}'s argument order")
+
+
+def check_schema(operator, expected: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+    """Fail unless a torch operator's schema has the positional arguments expected[0], in order, and the keyword
+    arguments expected[1].
+
+    Raises:
+        RuntimeError: naming the operator and the argument that differs.
+    """
+    arguments = operator._schema.arguments
+    positional = tuple(a.name for a in arguments if not a.kwarg_only)
+    keywords = {a.name for a in arguments if a.kwarg_only}
+    positions, names = expected
+    if positional[:len(positions)] != positions:
+        raise RuntimeError(f"{operator._schema.name} takes positional arguments {positional}, the runtime passes "
+                           f"{positions}")
+    missing = [name for name in names if name not in keywords]
+    if missing:
+        raise RuntimeError(f"{operator._schema.name} has no keyword argument {missing[0]!r}")
+
+
 def default_kernels(device: torch.device):
-    """flash-attn on CUDA when it is installed, the exact kernels everywhere else."""
-    if device.type == "cuda":  # pragma: no cover - needs a GPU
+    """The kernels for a device: on CUDA, flash-attn when it is installed, else torch's own flash attention (never
+    the exact kernels, whose dense score matrices a CUDA batch would not fit); the exact kernels elsewhere.
+
+    Raises:
+        RuntimeError: on CUDA, an installed flash-attn older than 2.8 or with another backward, or a torch whose
+            flash attention schemas differ from what the runtime passes.
+    """
+    if device.type == "cuda":
         try:
             return FlashAttnKernels.installed()
         except ImportError:
-            pass
+            return TorchFlashKernels()
     return ExactKernels()
 
 

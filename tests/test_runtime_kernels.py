@@ -71,3 +71,44 @@ def test_merge_through_views_and_by_row_index_agree():
         torch.testing.assert_close(acc[merged], full_out[merged], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(acc_lse[:, merged], full_lse[:, merged], rtol=1e-12, atol=1e-12)
         assert torch.equal(acc[untouched], first[untouched])
+
+
+def test_on_cuda_without_flash_attn_the_kernels_are_torchs_flash_attention_never_the_exact_ones():
+    from fcp_runtime.kernels import TorchFlashKernels, default_kernels
+
+    try:
+        import flash_attn  # noqa: F401
+        pytest.skip("flash-attn is installed here")
+    except ImportError:
+        pass
+    kernels = default_kernels(torch.device("cuda"))  # choosing needs no GPU: the schemas are checked, not run
+    assert isinstance(kernels, TorchFlashKernels)
+    assert default_kernels(torch.device("cpu")).name == "exact"
+
+
+def test_torch_flash_schemas_are_checked_by_name_and_position():
+    from fcp_runtime.kernels import TORCH_FLASH_FORWARD_ARGUMENTS, check_schema
+
+    forward = torch.ops.aten._flash_attention_forward.default
+    check_schema(forward, TORCH_FLASH_FORWARD_ARGUMENTS)
+    positions, keywords = TORCH_FLASH_FORWARD_ARGUMENTS
+    swapped = (positions[:3] + (positions[4], positions[3]) + positions[5:], keywords)
+    with pytest.raises(RuntimeError, match="positional arguments"):
+        check_schema(forward, swapped)
+    with pytest.raises(RuntimeError, match="no keyword argument 'softmax_scale'"):
+        check_schema(forward, (positions, keywords + ("softmax_scale",)))
+
+
+def test_flash_attn_backward_must_take_the_arguments_in_2_8s_order():
+    from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func
+    from fcp_runtime.kernels import FlashAttnKernels
+
+    FlashAttnKernels(flash_attn_varlen_func, _flash_attn_varlen_backward)  # the 2.8 order: accepted
+
+    def before_softcap(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                       alibi_slopes, deterministic, rng_state=None):
+        raise AssertionError("never called")
+
+    with pytest.raises(RuntimeError, match="'alibi_slopes' as argument 18, where the runtime passes 'softcap'"):
+        FlashAttnKernels(flash_attn_varlen_func, before_softcap)
