@@ -227,29 +227,15 @@ class _Executor:
     def store_of(self, source: int, local: _Store, remote: dict[int, _Store]) -> _Store:
         return local if source == LOCAL else remote[source]
 
-    def gather(self, index, name: str, local: _Store, remote: dict[int, _Store], heads_first: bool = False):
-        """One tensor's rows of a call, packed. A call whose rows are one run of one source reads them in place (a
-        view; heads-first rows are made contiguous); otherwise a run is one copy and other rows one index_select
-        each."""
-        pieces = [(entry, self.store_of(entry.source, local, remote).tensors[name]) for entry in index]
+    def gather(self, runs, name: str, local: _Store, remote: dict[int, _Store], heads_first: bool = False):
+        """One tensor's rows of a call, packed: the rows in place when they are one run of one source (heads-first
+        rows made contiguous), else one concatenation of the runs' views (one copy, one launch)."""
         dim = 1 if heads_first else 0
-        total = sum(entry.positions.numel() for entry, _ in pieces)
-        if len(pieces) == 1 and pieces[0][0].span is not None:
-            _, row, length = pieces[0][0].span
-            view = pieces[0][1].narrow(dim, row, length)
-            return view.contiguous() if heads_first else view
-        shape = list(pieces[0][1].shape)
-        shape[dim] = total
-        packed = torch.empty(shape, dtype=pieces[0][1].dtype, device=self.device)
-        for entry, tensor in pieces:
-            if entry.span is not None:
-                position, row, length = entry.span
-                packed.narrow(dim, position, length).copy_(tensor.narrow(dim, row, length))
-            elif heads_first:
-                packed[:, entry.positions] = tensor.index_select(1, entry.rows)
-            else:
-                packed.index_put_((entry.positions,), tensor.index_select(0, entry.rows))
-        return packed
+        views = [self.store_of(source, local, remote).tensors[name].narrow(dim, row, length)
+                 for source, row, length in runs]
+        if len(views) == 1:
+            return views[0].contiguous() if heads_first else views[0]
+        return torch.cat(views, dim=dim)
 
     def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store]) -> None:
         """Add a call's packed results into the rows they belong to: a run in place, other rows by index_add_
@@ -308,9 +294,9 @@ class _ForwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
         ex = self.ex
-        q = ex.gather(call.q_index, "q", local, remote)
-        k = ex.gather(call.kv_index, "k", local, remote)
-        v = ex.gather(call.kv_index, "v", local, remote)
+        q = ex.gather(call.q_runs, "q", local, remote)
+        k = ex.gather(call.kv_runs, "k", local, remote)
+        v = ex.gather(call.kv_runs, "v", local, remote)
         out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal,
                                       call.window)
         for entry in call.q_index:
@@ -373,10 +359,10 @@ class _BackwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
         ex = self.ex
-        q, d_out, out = (ex.gather(call.q_index, name, local, remote) for name in ("q", "do", "out"))
-        lse = ex.gather(call.q_index, "lse", local, remote, heads_first=True)
-        k = ex.gather(call.kv_index, "k", local, remote)
-        v = ex.gather(call.kv_index, "v", local, remote)
+        q, d_out, out = (ex.gather(call.q_runs, name, local, remote) for name in ("q", "do", "out"))
+        lse = ex.gather(call.q_runs, "lse", local, remote, heads_first=True)
+        k = ex.gather(call.kv_runs, "k", local, remote)
+        v = ex.gather(call.kv_runs, "v", local, remote)
         dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
                                          ex.scale, call.causal, call.window)
         ex.scatter_add(call.q_index, "dq", dq, local, remote)

@@ -55,6 +55,8 @@ class KernelCall:
     max_k: int
     tile_rows: tuple[int, ...]  # the plan tiles this call computes (for the event log)
     pull_rows: tuple[int, ...]  # the received pulls it reads
+    q_runs: tuple[tuple[int, int, int], ...] = ()  # the packed rows in order, as (source, first row, rows) runs
+    kv_runs: tuple[tuple[int, int, int], ...] = ()
 
 
 def _sources(plan: RankPlan) -> dict[tuple[int, int], int]:
@@ -93,6 +95,18 @@ def _store_rows(plan: RankPlan, source: int) -> dict[int, int]:
             row += plan.seg_len(seg)
         return rows
     return plan.cached(("store rows", source), build)
+
+
+def _runs(plan: RankPlan, parts) -> tuple[tuple[int, int, int], ...]:
+    """Packed rows as runs of consecutive source rows, in packing order: (source, first row, rows)."""
+    runs: list[list[int]] = []
+    for source, seg, first, length in parts:
+        start = _store_rows(plan, source)[seg] + first
+        if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][2] == start:
+            runs[-1][2] += length
+        else:
+            runs.append([source, start, length])
+    return tuple((source, start, length) for source, start, length in runs)
 
 
 def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
@@ -149,7 +163,8 @@ def _call(plan: RankPlan, causal: bool, window: tuple[int, int], entries: list, 
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
     return KernelCall(causal=causal, window=window, q_index=_row_index(plan, q_parts, device),
-                      kv_index=_row_index(plan, kv_parts, device),
+                      kv_index=_row_index(plan, kv_parts, device), q_runs=_runs(plan, q_parts),
+                      kv_runs=_runs(plan, kv_parts),
                       cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
                       cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device), max_q=max(lengths_q),
                       max_k=max(lengths_k), tile_rows=tiles, pull_rows=tuple(sorted(pulls)))

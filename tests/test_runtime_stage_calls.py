@@ -94,6 +94,7 @@ def test_prepared_calls_are_the_calls_the_stage_loop_would_build(plan_bytes, lay
             assert (a.causal, a.window, a.max_q, a.max_k, a.tile_rows, a.pull_rows) == \
                 (b.causal, b.window, b.max_q, b.max_k, b.tile_rows, b.pull_rows)
             assert torch.equal(a.cu_q, b.cu_q) and torch.equal(a.cu_k, b.cu_k)
+            assert (a.q_runs, a.kv_runs) == (b.q_runs, b.kv_runs)
             for mine, other in zip(a.q_index + a.kv_index, b.q_index + b.kv_index):
                 assert (mine.source, mine.span) == (other.source, other.span)
                 assert torch.equal(mine.positions, other.positions) and torch.equal(mine.rows, other.rows)
