@@ -36,9 +36,10 @@ def node_fan_out(block: np.ndarray, src: np.ndarray, dst: np.ndarray, eligible: 
     Objective: each block crosses into a node once, and a node's NIC receive load spreads over its GPUs. Greedy
     (LPT): groups by decreasing bytes (ties by block, then node) each go to the member whose NIC has received least
     so far (ties: the lowest rank), or to another GPU of the node (a forwarder, which needs the block for no tile
-    of its own) where that GPU, even with the block, stays at or below the best member; a group of one pull too, so a GPU
-    that alone in its node reads many remote blocks does not take them all on its own NIC. O(E log E) for E pulls,
-    plus O(E + G * g) Python steps for G groups and g GPUs a node.
+    of its own) where that GPU, even with the block, stays at or below the best member; a group of one pull too, so
+    a GPU that alone in its node reads many remote blocks does not take them all on its own NIC. Nodes share no NIC,
+    so each node's groups run as their own LPT, all nodes a step at a time in numpy. O(E log E + G * g) for E
+    pulls, G groups and g GPUs a node, in as many numpy steps as the most groups one node has.
 
     Args:
         block, src, dst: int [E], each pull's block, sender and receiver.

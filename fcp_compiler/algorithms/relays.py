@@ -191,9 +191,10 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
     slowest; move one of its relayable pulls (largest first; MAX_FAILURES in a row that cannot move end its turn)
     to the candidate holder (:func:`_candidates`) that is free in the pull's rounds and leaves the largest
     of (old sender, new sender, receiver) link times lowest; accept only if that is below the old sender's time. A
-    stage ends once its busiest sender can shed no more (it then bounds the stage from below). Stages are taken in order, so a parent's own sender is
-    final before its children are chosen. The greedy gives up (no relays) as soon as what it has gained plus what
-    the later stages can gain (:func:`stage_gain_bounds`) is under `min_gain`.
+    stage ends once its busiest sender can shed no more (it then bounds the stage from below). Stages are taken in
+    order, so a parent's own sender is final before its children are chosen. The greedy gives up (no relays) as
+    soon as what it has gained plus what the later stages can gain (:func:`stage_gain_bounds`) is under
+    `min_gain`.
     O(M * F) vectorised steps for M pulls tried and fan-out F.
 
     Args:
