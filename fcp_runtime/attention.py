@@ -114,18 +114,11 @@ class _Executor:
         return slice(start, start + self.plan.seg_len(seg))
 
     def payload_rows(self, store: _Store, name: str, segs, heads_first: bool = False) -> torch.Tensor:
-        """A message's rows of one tensor: a view where the segments are contiguous rows, else a gathered copy."""
-        tensor = store.tensors[name]
-        first = row = store.seg_row[segs[0]]
-        contiguous = True
-        for seg in segs:
-            contiguous = contiguous and store.seg_row[seg] == row
-            row += self.plan.seg_len(seg)
-        total = row - first
-        if contiguous and not heads_first:
-            return tensor.narrow(0, first, total).contiguous()  # a view unless the layout is strided
-        parts = [tensor[:, self.rows(store, s)] if heads_first else tensor[self.rows(store, s)] for s in segs]
-        return torch.cat(parts, dim=1 if heads_first else 0).contiguous()
+        """A message's rows of one tensor: a view where the segments are one run of rows, else one copy of the
+        runs."""
+        dim = 1 if heads_first else 0
+        views = [store.tensors[name].narrow(dim, row, length) for row, _, length in self.runs(store, segs)]
+        return (views[0] if len(views) == 1 else torch.cat(views, dim=dim)).contiguous()
 
     def runs(self, store: _Store, segs) -> list[tuple[int, int, int]]:
         """A message's segments as runs of consecutive store rows: (first store row, first message row, rows)."""

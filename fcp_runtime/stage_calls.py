@@ -221,9 +221,9 @@ def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], de
 
 def plan_requests(plan: RankPlan, layout: str) -> list[tuple[str, int, tuple[int, ...]]]:
     """Every (pass, stage, tiles) whose calls a step of this plan runs: each stage's tiles, and in the user layout
-    the stage-0 tiles that run during the reshuffle apart from the rest (stage -1 names them)."""
+    the stage-0 tiles that run during the reshuffle apart from the rest."""
     skip = plan.early_tiles if layout == "user" else frozenset()
-    requests = [("fwd", -1, tuple(sorted(skip)))] if skip else []
+    requests = [("fwd", 0, tuple(sorted(skip)))] if skip else []
     for program in (plan.forward, plan.backward):
         for stage, tiles in enumerate(program.tiles):
             kept = tuple(idx for idx in tiles if idx not in skip) if program.name == "fwd" else tuple(tiles)
@@ -235,7 +235,7 @@ def prepare_host(plan: RankPlan, layout: str) -> None:
     """Build every call of a step on the host, its index tensors packed into one int32 buffer (cached on the plan):
     a DataLoader worker may do this, off the training loop's thread."""
     def build():
-        host = {(name, max(stage, 0), tiles): _build(plan, tiles, torch.device("cpu"))
+        host = {(name, stage, tiles): _build(plan, tiles, torch.device("cpu"))
                 for name, stage, tiles in plan_requests(plan, layout)}
         tensors = [t for calls in host.values() for call in calls for t in _call_tensors(call)]
         flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
@@ -248,7 +248,8 @@ def prepare_calls(plan: RankPlan, layout: str, device) -> None:
     :func:`prepare_host` (pinned on CUDA) moves with one non-blocking copy, and every call's index tensors become
     views of the copy; the stage loop then builds and copies nothing."""
     device = torch.device(device)
-    if plan.cached(("prepared", layout, device), lambda: False):
+    prepared = plan.cached(("prepared", layout), set)  # the devices this layout's calls are on already
+    if device in prepared:
         return
     prepare_host(plan, layout)
     host, flat = plan.cached(("host calls", layout), dict)
@@ -263,8 +264,9 @@ def prepare_calls(plan: RankPlan, layout: str, device) -> None:
         return buffer.narrow(0, offset - tensor.numel(), tensor.numel())
 
     for (name, stage, tiles), calls in host.items():  # the order prepare_host packed them in
-        plan._device_cache[("calls", name, stage, tiles, device)] = [_on(call, view) for call in calls]
-    plan._device_cache[("prepared", layout, device)] = True
+        on_device = [_on(call, view) for call in calls]
+        plan.cached(("calls", name, stage, tiles, device), lambda: on_device)
+    prepared.add(device)
 
 
 def _call_tensors(call: KernelCall) -> list[torch.Tensor]:

@@ -86,7 +86,6 @@ def test_prepared_calls_are_the_calls_the_stage_loop_would_build(plan_bytes, lay
     requests = plan_requests(prepared, layout)
     assert requests and any(tiles for _, _, tiles in requests)
     for name, stage, tiles in requests:
-        stage = max(stage, 0)
         ours = stage_calls(prepared, name, stage, list(tiles), "cpu")
         theirs = stage_calls(lazy, name, stage, list(tiles), "cpu")
         assert len(ours) == len(theirs)
