@@ -231,16 +231,17 @@ def plan_requests(plan: RankPlan, layout: str) -> list[tuple[str, int, tuple[int
     return requests
 
 
-def prepare_host(plan: RankPlan, layout: str) -> None:
+def prepare_host(plan: RankPlan, layout: str) -> tuple[dict, torch.Tensor]:
     """Build every call of a step on the host, its index tensors packed into one int32 buffer (cached on the plan):
-    a DataLoader worker may do this, off the training loop's thread."""
+    a DataLoader worker may do this, off the training loop's thread. Returns ({(pass, stage, tiles): calls}, the
+    buffer)."""
     def build():
         host = {(name, stage, tiles): _build(plan, tiles, torch.device("cpu"))
                 for name, stage, tiles in plan_requests(plan, layout)}
         tensors = [t for calls in host.values() for call in calls for t in _call_tensors(call)]
         flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
         return host, flat
-    plan.cached(("host calls", layout), build)
+    return plan.cached(("host calls", layout), build)
 
 
 def prepare_calls(plan: RankPlan, layout: str, device) -> None:
@@ -251,8 +252,7 @@ def prepare_calls(plan: RankPlan, layout: str, device) -> None:
     prepared = plan.cached(("prepared", layout), set)  # the devices this layout's calls are on already
     if device in prepared:
         return
-    prepare_host(plan, layout)
-    host, flat = plan.cached(("host calls", layout), dict)
+    host, flat = prepare_host(plan, layout)
     if device.type == "cuda":  # pragma: no cover - needs a GPU
         flat = flat.pin_memory()
     buffer = flat.to(device, non_blocking=True)
