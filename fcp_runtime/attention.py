@@ -230,16 +230,17 @@ class _Executor:
             return views[0].contiguous() if heads_first else views[0]
         return torch.cat(views, dim=dim)
 
-    def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store]) -> None:
-        """Add a call's packed results into the rows they belong to: a run in place, other rows by index_add_
-        (repeated rows sum)."""
+    def scatter_add(self, index, name: str, values: torch.Tensor, local: _Store, remote: dict[int, _Store],
+                    dim: int = 0) -> None:
+        """Add a call's packed results (rows along `dim`) into the rows they belong to: a run in place, other rows
+        by index_add_ (repeated rows sum)."""
         for entry in index:
             target = self.store_of(entry.source, local, remote).tensors[name]
             if entry.span is not None:
                 position, row, length = entry.span
-                target.narrow(0, row, length).add_(values.narrow(0, position, length))
+                target.narrow(dim, row, length).add_(values.narrow(dim, position, length))
             else:
-                target.index_add_(0, entry.rows, values.index_select(0, entry.positions).to(target.dtype))
+                target.index_add_(dim, entry.rows, values.index_select(dim, entry.positions).to(target.dtype))
 
 
 class _ForwardPass:
@@ -313,8 +314,9 @@ class _BackwardPass:
     def local_store(self, q, k, v, out, lse, d_out) -> _Store:
         """The plan-layout store with empty gradient accumulators."""
         zeros = dict(dtype=self.ex.acc_dtype, device=self.ex.device)
+        dkv = torch.zeros((2, *k.shape), **zeros)
         return self.ex.local_store(q=q, k=k, v=v, do=d_out, out=out, lse=lse, dq=torch.zeros(q.shape, **zeros),
-                                   dk=torch.zeros(k.shape, **zeros), dv=torch.zeros(v.shape, **zeros))
+                                   dkv=dkv, dk=dkv[0], dv=dkv[1])
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
         ex = self.ex
@@ -331,23 +333,31 @@ class _BackwardPass:
                 "lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)}
 
     def accumulators(self, pull, store: _Store) -> None:
+        """dK and dV as the halves of one [2, rows, kv_heads, head_dim] tensor (one zeroing, one message back, one
+        add where it lands), or dQ."""
         ex = self.ex
-        names = ("dk", "dv") if pull.kind == TransferKind.KV else ("dq",)
-        heads = self.hkv if pull.kind == TransferKind.KV else self.hq
-        for name in names:
-            store.tensors[name] = ex.empty(store.rows, heads, ex.acc_dtype).zero_()
+        if pull.kind == TransferKind.KV:
+            dkv = torch.zeros((2, store.rows, self.hkv, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)
+            store.tensors.update(dkv=dkv, dk=dkv[0], dv=dkv[1])
+        else:
+            store.tensors["dq"] = torch.zeros((store.rows, self.hq, ex.head_dim), dtype=ex.acc_dtype,
+                                              device=ex.device)
 
     def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
-        names = ("dk", "dv") if pull.kind == TransferKind.KV else ("dq",)
-        return [store.tensors[name].contiguous() for name in names]
+        return [store.tensors["dkv" if pull.kind == TransferKind.KV else "dq"]]
 
     def push_buffers(self, pull, rows: int) -> list[torch.Tensor]:
-        heads, count = (self.hkv, 2) if pull.kind == TransferKind.KV else (self.hq, 1)
-        return [self.ex.empty(rows, heads, self.ex.acc_dtype) for _ in range(count)]
+        ex = self.ex
+        if pull.kind == TransferKind.KV:
+            return [torch.empty((2, rows, self.hkv, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)]
+        return [ex.empty(rows, self.hq, ex.acc_dtype)]
 
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
-        for name, tensor in zip(("dk", "dv") if kind == TransferKind.KV else ("dq",), tensors):
-            local.tensors[name][rows].add_(tensor[part])  # in place on the view: no write-back copy
+        (tensor,) = tensors
+        if kind == TransferKind.KV:
+            local.tensors["dkv"][:, rows].add_(tensor[:, part])  # in place on the view: no write-back copy
+        else:
+            local.tensors["dq"][rows].add_(tensor[part])
 
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
@@ -359,8 +369,18 @@ class _BackwardPass:
         dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
                                          ex.scale, call.causal, call.window)
         ex.scatter_add(call.q_index, "dq", dq, local, remote)
-        ex.scatter_add(call.kv_index, "dk", dk, local, remote)
-        ex.scatter_add(call.kv_index, "dv", dv, local, remote)
+        ex.scatter_add(call.kv_index, "dkv", _halves(dk, dv), local, remote, dim=1)
+
+
+def _halves(dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """dk and dv as one [2, ...] tensor: the one they are the halves of when a kernel wrote them so (no copy),
+    else stacked."""
+    base = dk._base
+    if (base is not None and base is dv._base and base.shape == (2, *dk.shape) and base.is_contiguous()
+            and dk.storage_offset() == base.storage_offset()
+            and dv.storage_offset() == base.storage_offset() + dk.numel()):
+        return base
+    return torch.stack((dk, dv))
 
 
 def _reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:

@@ -6,7 +6,8 @@ window_size (left, right), query i sees keys i + Lk - Lq - left <= j <= i + Lk -
 causal entry has right = 0; an entry may have no keys; the forward returns out [Tq, Hq, D] and lse [Hq, Tq] (a
 row that sees no key: out 0, lse -inf, where flash-attn's +inf is mapped); the backward, given the
 final out and lse of the query rows, returns this call's share of dq, dk, dv (D = rowsum(dO * out) is computed from
-the out it is given, so calls over disjoint key sets sum to the full gradient).
+the out it is given, so calls over disjoint key sets sum to the full gradient); dk and dv may be the two halves of
+one [2, Tk, Hkv, D] tensor, which the runtime then adds in one go.
 
 Backends: :class:`ExactKernels`, an exact implementation in plain torch (any dtype, any device; the CPU path and the
 tests); :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
@@ -70,7 +71,8 @@ class ExactKernels:
                  window: tuple[int, int] = (-1, -1)):
         """Returns (dq, dk, dv) of this call, in the inputs' dtype."""
         acc = lse.dtype
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dkv = torch.zeros((2, *k.shape), dtype=k.dtype, device=k.device)  # dk, dv as halves: one tensor to add
+        dq, dk, dv = torch.zeros_like(q), dkv[0], dkv[1]
         bq, bk = _bounds(cu_q), _bounds(cu_k)
         for i in range(len(bq) - 1):
             rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
@@ -129,7 +131,8 @@ class FlashAttnKernels:
 
     def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
                  window: tuple[int, int] = (-1, -1)):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)  # dk, dv as halves: one tensor to add
+        dq, dk, dv = torch.empty_like(q), dkv[0], dkv[1]
         # (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         #  dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
         #  deterministic, rng_state)

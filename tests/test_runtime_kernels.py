@@ -112,3 +112,21 @@ def test_flash_attn_backward_must_take_the_arguments_in_2_8s_order():
 
     with pytest.raises(RuntimeError, match="'alibi_slopes' as argument 18, where the runtime passes 'softcap'"):
         FlashAttnKernels(flash_attn_varlen_func, before_softcap)
+
+
+def test_dk_and_dv_written_as_halves_of_one_tensor_are_added_as_it_else_stacked():
+    from fcp_runtime.attention import _halves
+
+    dkv = torch.randn(2, 5, 2, 8, dtype=torch.float64)
+    assert _halves(dkv[0], dkv[1]) is dkv  # no copy
+    dk, dv = torch.randn(5, 2, 8, dtype=torch.float64), torch.randn(5, 2, 8, dtype=torch.float64)
+    assert torch.equal(_halves(dk, dv), torch.stack((dk, dv)))
+    assert torch.equal(_halves(dkv[1], dkv[0]), torch.stack((dkv[1], dkv[0])))  # halves, but swapped: stacked
+    generator = torch.Generator().manual_seed(1)
+    q, d_out = (torch.randn(4, 4, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(4, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    out, lse = ExactKernels().forward(q, k, v, cu, cu, 4, 4, 0.3, True)
+    _, dk, dv = ExactKernels().backward(d_out, q, k, v, out, lse, cu, cu, 4, 4, 0.3, True)
+    assert _halves(dk, dv) is dk._base  # the exact kernels write the halves of one tensor
+    assert torch.equal(_halves(dk, dv)[0], dk) and torch.equal(_halves(dk, dv)[1], dv)
