@@ -13,6 +13,10 @@ other device op the executor issues and charges the bytes it reads and writes:
 - every other op reads its tensor inputs and writes its outputs, whole;
 - host ops (building index tensors) are not device ops; a host-to-device copy is one, charged its device side.
 
+It also reports the pass's peak device memory: every tensor an op creates (not a view, not an input it returns)
+counts from its creation until Python frees it, kernel outputs included; the call's inputs (and, backward, what the
+forward saved) are not counted.
+
 Plans: the 256-GPU paper-like trace (traces/paper_lognormal_256gpu.json) and the MagiAttention-histogram-like batch
 at 256 GPUs (benchmarks/placement.py), at the busiest rank (most planned attention seconds) and the median one.
 --main-tree runs the same measurement with another checkout's runtime (its own code, in a fresh process) and prints
@@ -31,7 +35,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh process inside either tree: only APIs both trees have.
 _JOB_SCRIPT = r'''
-import json, sys
+import json, sys, weakref
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,15 +61,29 @@ class Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.paused, self.bytes, self.ops, self.by_op = 0, 0, 0, {}
+        self.live = self.peak = 0
+
+    def _allocated(self, tensors, inputs) -> None:
+        """Device memory: a tensor an op creates (not a view, not one of its inputs) is live until it is freed."""
+        for t in tensors:
+            if t.device.type == "meta" and not any(t is i for i in inputs):
+                self.live += t.nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, t.nbytes)
+
+    def _freed(self, nbytes) -> None:
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if self.paused or func.is_view or name in FREE:
-            return out
         inputs = list(_tensors(list(args) + list(kwargs.values())))
         outputs = list(_tensors([out]))
+        if not func.is_view:
+            self._allocated(outputs, inputs)
+        if self.paused or func.is_view or name in FREE:
+            return out
         if not any(t.device.type == "meta" for t in inputs + outputs):
             return out  # host work (index building), not a device op
         inputs = [t for t in inputs if t.device.type == "meta"]  # a host-to-device copy charges its device side
@@ -151,7 +169,7 @@ def measure(plan_path, rank, dtype):
             else:
                 out.backward(torch.empty_like(out))
         top = sorted(COUNTER.by_op.items(), key=lambda item: -item[1][1])[:6]
-        result[label] = {"bytes": COUNTER.bytes, "ops": COUNTER.ops,
+        result[label] = {"bytes": COUNTER.bytes, "ops": COUNTER.ops, "peak": COUNTER.peak,
                          "top": [[name, count, moved] for name, (count, moved) in top]}
     result["tokens"] = tokens
     return result
@@ -215,18 +233,19 @@ def main() -> None:
                 ours = measured["this"][str(rank)]
                 for label in ("fwd", "bwd"):
                     row = [f"{name} rank {rank} ({which})", label, f"{ours['tokens']}",
-                           f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}"]
+                           f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}",
+                           f"{ours[label]['peak'] / 2 ** 30:.2f}"]
                     if "main" in measured:
                         base = measured["main"][str(rank)][label]
-                        row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}",
+                        row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}", f"{base['peak'] / 2 ** 30:.2f}",
                                 f"{ours[label]['bytes'] / base['bytes']:.3f}" if base["bytes"] else "-",
                                 f"{ours[label]['ops'] / base['ops']:.3f}" if base["ops"] else "-"]
                     rows.append(row)
                     tops.append(f"{name} rank {rank} {label}: " + ", ".join(
                         f"{op} x{count} {moved / 1e9:.2f} GB" for op, count, moved in ours[label]["top"]))
-    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops"]
+    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops", "peak GiB"]
     if "main" in trees:
-        headers += ["main GB", "main ops", "GB x main", "ops x main"]
+        headers += ["main GB", "main ops", "main peak", "GB x main", "ops x main"]
     print(table(headers, rows))
     print("\nlargest ops (this tree):")
     print("\n".join(tops))

@@ -242,9 +242,9 @@ def default_kernels(device: torch.device):
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge a partial (out, lse) into accumulator rows in place, by log-sum-exp weights.
 
-    With m = logaddexp(lse_acc, lse), the merged output is out_acc * exp(lse_acc - m) + out * exp(lse - m); the two
-    weights sum to one, so it is one lerp from out_acc toward out by exp(lse - m), which reads and writes each
-    accumulator row once (and is exactly out where nothing was merged yet: torch's lerp returns `end` at weight 1).
+    With m = logaddexp(lse_acc, lse), the merged output is out_acc * exp(lse_acc - m) + out * exp(lse - m): two
+    in-place ops on the accumulator rows (a scale, then an addcmul that reads the partial in its own dtype), so no
+    full-size temporary is made; where nothing was merged yet the first weight is 0 and the result is exactly out.
 
     Args:
         out_acc: [l, Hq, D] accumulator rows (a view is updated in place); lse_acc: [Hq, l] (-inf where nothing has
@@ -253,9 +253,10 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
     """
     lse = lse.to(lse_acc.dtype)
     new_lse = torch.logaddexp(lse_acc, lse)
-    # Rows where both are -inf (no key seen yet) keep their accumulator.
-    weight = torch.exp(lse - new_lse).nan_to_num_(0.0)
-    out_acc.lerp_(out.to(out_acc.dtype), weight.transpose(0, 1).unsqueeze(-1).to(out_acc.dtype))
+    # Rows where both are -inf (no key seen yet, none in this partial) keep their accumulator: weights 1 and 0.
+    keep = torch.exp(lse_acc - new_lse).nan_to_num_(1.0).transpose(0, 1).unsqueeze(-1).to(out_acc.dtype)
+    take = torch.exp(lse - new_lse).nan_to_num_(0.0).transpose(0, 1).unsqueeze(-1).to(out_acc.dtype)
+    out_acc.mul_(keep).addcmul_(out, take)
     lse_acc.copy_(new_lse)
 
 
