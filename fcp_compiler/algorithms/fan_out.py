@@ -68,12 +68,12 @@ def node_fan_out(block: np.ndarray, src: np.ndarray, dst: np.ndarray, eligible: 
     offset = dst[candidates] % gpus_per_node
     member = np.zeros((starts.size, gpus_per_node), dtype=bool)
     member[np.repeat(np.arange(starts.size), sizes), offset] = True
-    chosen, by_forwarder = _lpt_entries(group_node, group_bytes, key[starts], member, num_nodes, gpus_per_node,
+    # LPT order: groups by decreasing bytes, ties by block, then node; forwarders are numbered in it too.
+    lpt_order = np.lexsort((key[starts], -group_bytes))
+    chosen, by_forwarder = _lpt_entries(group_node, group_bytes, lpt_order, member, num_nodes, gpus_per_node,
                                         num_ranks)
     # A reader entry's position in candidates: its group's members lie sorted by rank from the group's start.
     entry_at = starts + np.cumsum(member, axis=1)[np.arange(starts.size), chosen] - 1
-    # Forwarders are numbered in LPT order: groups by decreasing bytes, ties by block, then node.
-    lpt_order = np.lexsort((key[starts], -group_bytes))
     forwarded = lpt_order[by_forwarder[lpt_order]]
     forwarder_id = np.zeros(starts.size, dtype=np.int64)
     forwarder_id[forwarded] = np.arange(forwarded.size)
@@ -84,15 +84,14 @@ def node_fan_out(block: np.ndarray, src: np.ndarray, dst: np.ndarray, eligible: 
     return parent, candidates[starts[forwarded]], forward_rank.astype(np.int64)
 
 
-def _lpt_entries(group_node: np.ndarray, group_bytes: np.ndarray, group_key: np.ndarray, member: np.ndarray,
+def _lpt_entries(group_node: np.ndarray, group_bytes: np.ndarray, lpt_order: np.ndarray, member: np.ndarray,
                  num_nodes: int, gpus_per_node: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """The LPT of :func:`node_fan_out` over groups, given each group's node, bytes, tie key and member GPUs (bool
-    [G, gpus_per_node], by rank within the node): (chosen, by_forwarder), the GPU (within its node) that takes each
-    group and whether it is a forwarder rather than the least-loaded member.
+    """The LPT of :func:`node_fan_out` over groups taken in `lpt_order`, given each group's node, bytes and member
+    GPUs (bool [G, gpus_per_node], by rank within the node): (chosen, by_forwarder), the GPU (within its node) that
+    takes each group and whether it is a forwarder rather than the least-loaded member.
 
     Nodes share no NIC, so each node's groups form their own LPT; step k takes the k-th group of every node at
     once, in numpy (each rank's load sums in the same order as a loop over all groups would)."""
-    lpt_order = np.lexsort((group_key, -group_bytes))
     by_node = lpt_order[np.argsort(group_node[lpt_order], kind="stable")]
     node_start = np.searchsorted(group_node[by_node], np.arange(num_nodes + 1))
     step = np.arange(by_node.size) - node_start[group_node[by_node]]
