@@ -7,7 +7,11 @@ bottom-right-aligned causal mask of flash-attn is exactly right for the entry, a
 segment run in a second, unmasked call (a full mask has only that one). Under a sliding window a key segment partly
 out of reach, or a diagonal longer than the window, is an entry of its own with the window flash-attn applies
 (:mod:`fcp_compiler.algorithms.kernel_entries`); entries with the same mask share a call, a query segment at most
-once per call. Calls and their cu_seqlens tensors are built once per plan, stage and device.
+once per call. A call whose queries are whole local segments also lists, without keys, the local segments between
+them, so that its queries are one run of the rank's rows, read and merged in place.
+
+Every call of a step is built before its stage loop runs (:func:`prepare_host`, :func:`prepare_calls`): on the
+host, in a DataLoader worker if the caller wants, then moved to the device with one copy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from fcp_runtime.plan import RankPlan
 
 LOCAL = -1  # source of rows this rank holds in the plan layout; otherwise a pull_recv row
 # A call's queries are widened to one run of the rank's rows when the segments it skips add at most this many times
-# its own rows: the rows skipped cost the merge a pass over them, the index ops saved cost about four.
+# its own rows: the rows skipped cost the merge a pass over them; reading the queries and merging the outputs by
+# index instead costs about three passes over the rows the call has.
 GAP_LIMIT = 1.0
 
 
