@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
 from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
-from fcp_runtime.stage_calls import LOCAL, KernelCall, prepare_calls, stage_calls
+from fcp_runtime.stage_calls import LOCAL, KernelCall, merge_runs, prepare_calls, stage_calls
 
 
 class PlanMismatchError(RuntimeError):
@@ -122,16 +122,8 @@ class _Executor:
 
     def runs(self, store: _Store, segs) -> list[tuple[int, int, int]]:
         """A message's segments as runs of consecutive store rows: (first store row, first message row, rows)."""
-        out: list[list[int]] = []
-        offset = 0
-        for seg in segs:
-            row, length = store.seg_row[seg], self.plan.seg_len(seg)
-            if out and out[-1][0] + out[-1][2] == row:
-                out[-1][2] += length
-            else:
-                out.append([row, offset, length])
-            offset += length
-        return [(row, first, length) for row, first, length in out]
+        pieces = ((LOCAL, store.seg_row[seg], self.plan.seg_len(seg)) for seg in segs)
+        return [(row, first, length) for _, row, first, length in merge_runs(pieces)]
 
     def new_store(self, segs) -> _Store:
         seg_row, row = {}, 0

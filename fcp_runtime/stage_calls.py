@@ -102,16 +102,24 @@ def _store_rows(plan: RankPlan, source: int) -> dict[int, int]:
     return plan.cached(("store rows", source), build)
 
 
+def merge_runs(pieces) -> list[tuple[int, int, int, int]]:
+    """Pieces (source, first row, rows), in the order they are packed, merged where one continues the last:
+    [(source, first row, first packed position, rows)]."""
+    runs: list[list[int]] = []
+    position = 0
+    for source, start, length in pieces:
+        if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][3] == start:
+            runs[-1][3] += length
+        else:
+            runs.append([source, start, position, length])
+        position += length
+    return [(source, start, first, length) for source, start, first, length in runs]
+
+
 def _runs(plan: RankPlan, parts) -> tuple[tuple[int, int, int], ...]:
     """Packed rows as runs of consecutive source rows, in packing order: (source, first row, rows)."""
-    runs: list[list[int]] = []
-    for source, seg, first, length in parts:
-        start = _store_rows(plan, source)[seg] + first
-        if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][2] == start:
-            runs[-1][2] += length
-        else:
-            runs.append([source, start, length])
-    return tuple((source, start, length) for source, start, length in runs)
+    pieces = ((source, _store_rows(plan, source)[seg] + first, length) for source, seg, first, length in parts)
+    return tuple((source, start, length) for source, start, _, length in merge_runs(pieces))
 
 
 def _row_index(plan: RankPlan, parts, device) -> tuple[RowIndex, ...]:
