@@ -7,49 +7,90 @@ already holds, so the step starts with no communication at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
+
+_RESERVED = ("plan", "lengths", "token_index", "position_ids", "mask")
+
+
+def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor]], list | None]:
+    """Each document's length, its per-token tensors by name, and its mask (None when no document gives one)."""
+    lengths, fields, masks = [], {}, []
+    for doc_idx, document in enumerate(documents):
+        item = document if isinstance(document, Mapping) else {"tokens": document}
+        if doc_idx == 0:
+            names = sorted(name for name in item if name != "mask")
+            fields = {name: [] for name in names}
+        elif sorted(name for name in item if name != "mask") != list(fields):
+            raise ValueError(f"document {doc_idx} has fields {sorted(item)}; document 0 has {list(fields)}")
+        for name in fields:
+            if name in _RESERVED or not isinstance(item[name], torch.Tensor) or item[name].dim() < 1:
+                raise ValueError(f"document field {name!r} must be a per-token tensor and not one of {_RESERVED}")
+        rows = {name: int(item[name].shape[0]) for name in fields}
+        if len(set(rows.values())) > 1:
+            raise ValueError(f"document {doc_idx}'s per-token fields differ in length: {rows}")
+        length = next(iter(rows.values()), 0)
+        for name in fields:
+            fields[name].append(item[name])
+        lengths.append(length)
+        masks.append(item.get("mask"))
+    if not fields:
+        raise ValueError("a batch needs at least one document with at least one per-token tensor")
+    return lengths, fields, (masks if any(mask is not None for mask in masks) else None)
 
 
 class PlanningCollate:
     """A DataLoader collate_fn: concatenates documents, compiles their plan, returns this rank's share.
 
     Args:
-        rank, world_size: this process's rank and the context-parallel group size.
+        rank, world_size: this process's rank in the context-parallel group and the group's size.
         layout: "plan" (the default, dispatch once: this rank's plan-layout tokens) or "user" (its contiguous
             chunk of the concatenated batch); the plan is compiled for it.
-        compile_options: forwarded to fcp_compiler.compile_plan (block_size, coalesce, profile, ...).
+        compile_options: forwarded to fcp_compiler.compile_plan (block_size, coalesce, profile, mask, ...).
 
-    Each call returns a dict with `plan` (this rank's RankPlan), `lengths` (all documents' lengths) and `tokens`:
-    in the plan layout, the batch's tokens at `token_index` (global positions in the concatenated batch, also
-    returned) with their `position_ids` (position inside each token's own document, for RoPE); in the user layout,
-    rows [floor(r*T/N), floor((r+1)*T/N)). Labels, loss masks and any other per-token tensor of the batch are taken
-    the same way: `global_labels[batch["token_index"]]`.
+    Each document is a 1-D-or-more tensor of its tokens, or a dict of per-token tensors of equal length (say
+    `tokens`, `labels`, `loss_mask`) with an optional `mask` ("causal", "full" or {"kind": "sliding_window",
+    "window": W}; documents without one are causal). Each call returns a dict with every per-token field taken at
+    this rank's rows, plus `position_ids` (each row's position inside its own document, for RoPE), `lengths` (all
+    documents' lengths), `plan` (this rank's RankPlan), `rows` (the rows' positions in the concatenated batch) and,
+    in the plan layout, `token_index` (the same as `rows`). The rows are the plan layout's `token_index`, or in the
+    user layout rows [floor(r*T/N), floor((r+1)*T/N)).
     """
 
     def __init__(self, rank: int, world_size: int, layout: str = "plan", **compile_options):
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, {world_size})")
         self.rank, self.world_size, self.layout = rank, world_size, layout
         self.compile_options = compile_options
 
-    def __call__(self, documents: Sequence[torch.Tensor]) -> dict:
+    def __call__(self, documents: Sequence) -> dict:
         # The one runtime module that calls the compiler (pyproject.toml lists it beside the layer contracts);
         # imported in the worker, and the compiler never imports torch.
         from fcp_compiler.core.pipeline import compile_plan
+        from fcp_compiler.format.inputs import BatchSpec
 
-        lengths = [int(doc.shape[0]) for doc in documents]
-        plan = compile_plan(lengths, self.world_size, layout=self.layout, **self.compile_options)
-        tokens = torch.cat(list(documents))
+        lengths, fields, masks = _fields(documents)
+        batch = BatchSpec(sequences=lengths, masks=[mask or "causal" for mask in masks]) if masks else lengths
+        plan = compile_plan(batch, self.world_size, layout=self.layout, **self.compile_options)
         rank_plan: RankPlan = load_rank_plan(plan.to_bytes(), self.rank)
         prepare_host(rank_plan, self.layout)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
-            return {"tokens": tokens[rank_plan.token_index], "token_index": rank_plan.token_index,
-                    "position_ids": rank_plan.position_ids, "lengths": lengths, "plan": rank_plan}
-        total = tokens.shape[0]
-        lo, hi = self.rank * total // self.world_size, (self.rank + 1) * total // self.world_size
-        return {"tokens": tokens[lo:hi], "lengths": lengths, "plan": rank_plan}
+            rows, position_ids = rank_plan.token_index, rank_plan.position_ids
+        else:
+            total = sum(lengths)
+            lo, hi = self.rank * total // self.world_size, (self.rank + 1) * total // self.world_size
+            starts = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+            rows = torch.arange(lo, hi)
+            position_ids = torch.from_numpy(np.arange(lo, hi) - starts[lo:hi])
+        out = {name: torch.cat(parts)[rows] for name, parts in fields.items()}
+        out.update(rows=rows, position_ids=position_ids, lengths=lengths, plan=rank_plan)
+        if self.layout == "plan":
+            out["token_index"] = rows
+        return out

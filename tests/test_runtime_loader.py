@@ -27,6 +27,26 @@ def test_collate_in_dataloader_workers_gives_each_rank_its_user_layout_slice():
     batches = _batches("user")
     assert all(b["plan"].user_tokens == b["tokens"].shape[0] for b in batches)
     assert torch.equal(torch.cat([b["tokens"] for b in batches]), torch.cat(DOCUMENTS))
+    # Token t of document i is 10000 i + t: the user layout's positions restart at every document too.
+    assert all(torch.equal(b["position_ids"], b["tokens"] % 10_000) for b in batches)
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_collate_takes_every_per_token_field_at_the_same_rows_and_compiles_each_documents_mask(layout):
+    documents = [{"tokens": doc, "labels": -doc, "mask": mask}
+                 for doc, mask in zip(DOCUMENTS, ("causal", {"kind": "sliding_window", "window": 256}, "full", None))]
+    batch = PlanningCollate(1, 4, layout=layout, block_size=512)(documents)
+    assert torch.equal(batch["labels"], -batch["tokens"])
+    assert torch.equal(batch["tokens"], torch.cat(DOCUMENTS)[batch["rows"]])
+    # Per sequence: keys a query sees back (0 every key); a document without a mask is causal.
+    assert batch["plan"].seq_window.tolist() == [700, 256, 0, 1200]
+
+
+def test_collate_refuses_documents_whose_fields_disagree():
+    with pytest.raises(ValueError, match="document 0's per-token fields differ in length: {'labels': 3, 'tokens': 700}"):
+        PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "labels": torch.zeros(3)}])
+    with pytest.raises(ValueError, match="document 1 has fields"):
+        PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0]}, {"labels": DOCUMENTS[1]}])
 
 
 def test_collate_in_plan_layout_gives_each_rank_its_plan_tokens_with_positions_and_no_communication():
