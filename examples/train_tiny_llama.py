@@ -158,7 +158,7 @@ class Block(nn.Module):
         q = rope(self.wq(h).view(num_tokens, self.config.q_heads, head_dim), position_ids)
         k = rope(self.wk(h).view(num_tokens, self.config.kv_heads, head_dim), position_ids)
         v = self.wv(h).view(num_tokens, self.config.kv_heads, head_dim)
-        x = x + self.wo(attend(q, k, v).reshape(num_tokens, -1))
+        x = x + self.wo(attend(q, k, v).reshape(num_tokens, self.config.q_heads * head_dim))  # 0 rows happen
         h = self.mlp_norm(x)
         return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
 
