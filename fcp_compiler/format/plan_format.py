@@ -139,9 +139,13 @@ class PlanHeader(BaseModel):
         # Every count a reader loops over is bounded by what the plan can hold: each pass has at most one pull of
         # each kind per (rank, block) and one push back along each, so at most 4 N B messages; the backward spreads
         # them over every other round and pushes up to two stages late.
+        # Every message has an int32 round in its sender's and its receiver's section, so the rank sections' bytes
+        # bound the messages too: a reader's per-stage tables stay within a multiple of the file.
+        section_bytes = sum(length for _, length in self.rank_sections)
+        most_messages = min(4 * self.num_ranks * self.num_blocks, section_bytes // 4)
         for name, rounds, stages, per_stage in (("fwd", self.num_fwd_rounds, self.num_fwd_stages, self.coalesce),
                                                  ("bwd", self.num_bwd_rounds, self.num_bwd_stages, self.bwd_coalesce)):
-            most_rounds = 8 * self.num_ranks * self.num_blocks + 4 * per_stage
+            most_rounds = 2 * most_messages + 4 * per_stage
             if rounds > most_rounds or stages > rounds // per_stage + 2:
                 raise ValueError(f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
                                  f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")

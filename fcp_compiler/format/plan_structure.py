@@ -54,8 +54,11 @@ def check_tables(where: str, header, tables: dict[str, np.ndarray]) -> None:
     seg_block, seg_seq = tables["seg_block"], tables["seg_seq"]
     _within(where, "seg_seq", seg_seq, 0, lengths.size)
     _within(where, "seg_block", seg_block, 0, header.num_blocks)
-    if (np.diff(seg_block) < 0).any() or int(seg_block[0]) != 0 or int(seg_block[-1]) != header.num_blocks - 1:
-        _fail(where, f"seg_block is not sorted from 0 to the header's num_blocks - 1 ({header.num_blocks - 1})")
+    steps = np.diff(seg_block)
+    if ((steps < 0) | (steps > 1)).any() or int(seg_block[0]) != 0 or int(seg_block[-1]) != header.num_blocks - 1:
+        # Every block has a segment, so the header's block count is bounded by the file.
+        _fail(where, f"seg_block does not run through every block from 0 to the header's num_blocks - 1 "
+                     f"({header.num_blocks - 1}) in order")
     start, end = tables["seg_start"], tables["seg_end"]
     if (start < 0).any() or (end <= start).any() or (end > lengths[seg_seq]).any():
         bad = int(np.flatnonzero((start < 0) | (end <= start) | (end > lengths[seg_seq]))[0])
@@ -94,6 +97,8 @@ def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments
     """One rank's section: tables of equal length, every index, round and stage within the header's counts, and
     every reshuffle run within the rank's user-layout chunk and plan-layout tokens."""
     _within(where, "blocks", a["blocks"], 0, header.num_blocks)
+    if np.unique(a["blocks"]).size != a["blocks"].size:
+        _fail(where, "blocks lists a block more than once")
     num_send, num_recv = _check_pulls(where, header, a, num_segments)
     # Whole-block rows (seg_count 0) expand on read: a rank receives each block at most once a kind, and sends at
     # most one row a kind to each other rank, which bounds what the expansion may allocate.
@@ -127,6 +132,8 @@ def check_rank_arrays(where: str, header, a: dict[str, np.ndarray], num_segments
         names = tuple(f"reshuffle_{side}_{name}" for name in ("peer", "offset", "length"))
         _same_length(where, a, names)
         _within(where, f"reshuffle_{side}_peer", a[f"reshuffle_{side}_peer"], 0, header.num_ranks)
+        if (np.diff(a[f"reshuffle_{side}_peer"]) < 0).any():  # all_to_all_single packs the peers in rank order
+            _fail(where, f"reshuffle_{side} runs are not grouped by peer in ascending order")
         _within(where, f"reshuffle_{side}_offset", a[f"reshuffle_{side}_offset"], 0, max(tokens, 1))
         _within(where, f"reshuffle_{side}_length", a[f"reshuffle_{side}_length"], 1, tokens + 1)
         end = a[f"reshuffle_{side}_offset"] + a[f"reshuffle_{side}_length"]

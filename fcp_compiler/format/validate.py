@@ -81,6 +81,27 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     5. :func:`_check_reshuffle`: the reshuffle maps user-layout tokens one to one onto the plan layout, as both sides
        pack them.
 
+    What the runtime reads (fcp_runtime/plan.py, attention.py), and which check covers it (S: the structural
+    checks every reader runs first, plan_structure.py and PlanHeader's bounds; a number: the invariant above):
+
+    - header num_ranks, coalesce, bwd_coalesce, layout, shape: S (ranges); the group size against the plan is checked
+      by the runtime itself (`check_plan`). num_fwd_stages, num_bwd_stages, num_rounds: S (bounded by ranks x blocks
+      and by the rank sections' bytes), 3 (the ones the plan has). max_buffer_tokens: 4.
+    - seq_lengths, seq_window, seg_block, seg_seq, seg_start, seg_end: S (every block has a segment, in order; every
+      segment inside its sequence; no block over the block size; tokens add up), 0 (segments tile every sequence).
+    - blocks: S (in range, no block listed twice on a rank), 0 (one owner a block: plan-layout rows are each token
+      once).
+    - tile_q_block, tile_kv_block, tile_stage, tile_bwd_stage: S (ranges), 1 (each visible pair once), 2 (data
+      before use).
+    - pull_{send,recv}_{round,bwd_round,kind,block,peer,seg_count,segs}, pull_send_source: S (ranges, segment counts
+      add up), 2 (each pull received as sent, from a holder), 3 (rounds congestion-free, both ends in the same
+      round, so posting order matches per pair).
+    - {fwd,bwd}_push_{send,recv}_{round,pull}: S (ranges, stage within the pass), 2 (pushed after the last tile,
+      received along its pull), 3.
+    - reshuffle_{send,recv}_{peer,offset,length}: S (runs within the rank's user chunk or plan layout, grouped by
+      peer in ascending order, as `all_to_all_single` and `dispatch()` pack them), 5 (a bijection, both ends of a
+      pair packing the same tokens in the same order).
+
     Invariant 6 (determinism) is a property of the compiler, not of one plan: the tests compile twice and compare.
     Not checked, because nothing a reader does depends on them: the inputs digest (a hash of the compile's inputs,
     which the plan does not carry), the profile's and shape's figures (they only feed the simulator), the order of

@@ -1,0 +1,121 @@
+"""Structural checks every plan reader runs (fcp_compiler/format/plan_structure.py and the header's bounds).
+
+Each case is a compiled plan edited and re-sealed with valid sha256s, so only these checks stand between it and
+the reader: the validator and `load_rank_plan` must refuse it with PlanFormatError, within bounded memory.
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from fcp_compiler import PlanFormatError, compile_plan
+from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble, load_rank_program
+from fcp_compiler.format.validate import validate_plan
+
+LENGTHS = [700, 90, 1500, 33, 260, 1200, 64, 3000]
+
+
+def _sealed(source: bytes, header=None, tables=None, rank_edits=None) -> bytes:
+    """The plan with header fields, global arrays or rank arrays replaced, re-sealed."""
+    reader = PlanReader(source)
+    fields = reader.header.model_dump(exclude={"global_section", "rank_sections", "global_sha256", "rank_sha256"})
+    fields.update(header or {})
+    global_arrays = {name: getattr(reader.tables, name) for name in GLOBAL_ARRAYS}
+    global_arrays.update(tables or {})
+    ranks = [dict(program.arrays) for program in reader.ranks()]
+    for rank, arrays in (rank_edits or {}).items():
+        ranks[rank].update(arrays)
+    return assemble(fields, global_arrays, ranks)
+
+
+def _refused_by_every_reader(data: bytes, rank: int, match: str) -> float:
+    """Assert validate, load_rank_program and load_rank_plan refuse; return the readers' peak traced MB."""
+    from fcp_runtime.plan import load_rank_plan
+
+    tracemalloc.start()
+    try:
+        for read in (validate_plan, lambda d: load_rank_program(d, rank), lambda d: load_rank_plan(d, rank)):
+            with pytest.raises(PlanFormatError, match=match):
+                read(data)
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def _by_peer_reversed(peers: np.ndarray, *columns: np.ndarray) -> list[np.ndarray]:
+    """The runs regrouped with the peers in descending order, each peer's runs in their own order."""
+    order = np.lexsort((np.arange(peers.size), -peers))
+    return [column[order] for column in (peers, *columns)]
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+@pytest.mark.parametrize("side", ["send", "recv"])
+def test_reshuffle_runs_out_of_peer_order_are_refused_on_every_rank(layout, side):
+    pytest.importorskip("torch")
+    source = compile_plan(LENGTHS, 4, block_size=256, layout=layout).to_bytes()
+    reader = PlanReader(source)
+    mutated = 0
+    for program in reader.ranks():
+        a = program.arrays
+        names = [f"reshuffle_{side}_{name}" for name in ("peer", "offset", "length")]
+        if np.unique(a[names[0]]).size < 2:
+            continue
+        edit = dict(zip(names, _by_peer_reversed(*(a[name] for name in names))))
+        _refused_by_every_reader(_sealed(source, rank_edits={program.rank: edit}), program.rank,
+                                 f"reshuffle_{side} runs are not grouped by peer in ascending order")
+        mutated += 1
+    assert mutated >= 3
+
+
+def test_a_block_repeated_20000_times_is_refused_without_amplifying():
+    pytest.importorskip("torch")
+    source = compile_plan(LENGTHS, 8, block_size=256).to_bytes()
+    blocks = PlanReader(source).rank(0).arrays["blocks"]
+    data = _sealed(source, rank_edits={0: {"blocks": np.concatenate([blocks, np.repeat(blocks[:1], 20_000)])}})
+    assert len(data) < 200_000
+    peak = _refused_by_every_reader(data, 0, "blocks lists a block more than once")
+    assert peak < 200, f"{peak:.0f} MB traced while refusing a {len(data)}-byte plan"
+
+
+def test_a_block_count_the_segments_do_not_reach_is_refused():
+    pytest.importorskip("torch")
+    source = compile_plan(LENGTHS, 8, block_size=256).to_bytes()
+    seg_block = PlanReader(source).tables.seg_block.copy()
+    seg_block[-1] = sum(LENGTHS) - 1  # the last segment claims a far block id, and the header's count follows it
+    data = _sealed(source, header={"num_blocks": sum(LENGTHS)}, tables={"seg_block": seg_block})
+    peak = _refused_by_every_reader(data, 0, "seg_block does not run through every block")
+    assert peak < 200
+
+
+def test_stage_counts_are_bounded_by_the_rank_sections_bytes_and_a_reader_stays_small_at_the_bound():
+    pytest.importorskip("torch")
+    from fcp_runtime.plan import load_rank_plan
+
+    source = compile_plan(LENGTHS * 4, 8, block_size=64, coalesce=1).to_bytes()
+    empty = {name: np.zeros(0, dtype=np.int32) for name in PlanReader(source).rank(0).arrays if name != "blocks"}
+    ranks = {rank: {**empty, "blocks": PlanReader(source).rank(rank).arrays["blocks"]} for rank in range(8)}
+    sections = sum(length for _, length in PlanReader(_sealed(source, header={"num_rounds": 0},
+                                                              rank_edits=ranks)).header.rank_sections)
+    bwd_coalesce = PlanReader(source).header.bwd_coalesce
+    messages = sections // 4  # each message has an int32 round at both ends
+    assert messages < 4 * 8 * PlanReader(source).header.num_blocks  # so the sections bind, not ranks x blocks
+
+    def counts(extra: int) -> dict:
+        fwd, bwd = 2 * messages + 4 + extra, 2 * messages + 4 * bwd_coalesce + extra  # forward c = 1
+        return {"num_rounds": 0, "num_fwd_rounds": fwd, "num_bwd_rounds": bwd, "num_fwd_stages": fwd + 2,
+                "num_bwd_stages": bwd // bwd_coalesce + 2}
+
+    with pytest.raises(ValueError, match="num_fwd_rounds .* exceed what"):
+        _sealed(source, header=counts(1), rank_edits=ranks)
+    data = _sealed(source, header=counts(0), rank_edits=ranks)
+    tracemalloc.start()
+    try:
+        plan = load_rank_plan(data, 0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.forward.num_stages == counts(0)["num_fwd_stages"]
+    assert peak < 100 * len(data), f"{peak} bytes traced for a {len(data)}-byte plan"
+    with pytest.raises(PlanFormatError):
+        validate_plan(data)  # the header's counts are not the ones the plan has
