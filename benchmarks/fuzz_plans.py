@@ -7,14 +7,17 @@ mutates each at random:
 - bytes: a bit flipped, a byte set, the file cut short or extended (the sha256s must catch these);
 - arrays: one element of a rank's or the global section's arrays set, nudged by one, swapped with another, dropped
   or duplicated, or a header field changed, and the plan re-sealed with valid sha256s, so that the structural
-  checks and the validator are what stands between the mutant and the runtime.
+  checks and the validator are what stands between the mutant and the runtime;
+- paired: a change that keeps both ends consistent: one rank's reshuffle runs regrouped across peers (send or
+  receive side), or one pull moved to another round at its sender and its receiver.
 
 Every mutant goes through `fcp validate`, `fcp inspect` (all ranks and one), `fcp simulate` and `fcp diff` in
 process (cli.main), and through load_rank_program and load_rank_plan for every rank. A case passes when every
 command exits 0, 1 or 2 (never 3, an internal error) and every library reader returns or raises FcpError. Each
 case runs under a timeout (SIGALRM, a hang if it fires); the workers' peak RSS bounds every case's memory. A mutant
 that `fcp validate` accepts must be identical in meaning to its source (`fcp diff --fail-on change` exits 0) or
-replay exactly on gloo against the dense reference: up to --replay such mutants are replayed.
+replay exactly on gloo against the dense reference, and dispatch() and undispatch() move exactly the plan's
+tokens: up to --replay such mutants are replayed, the paired ones first.
 """
 
 from __future__ import annotations
@@ -118,6 +121,51 @@ def _mutate_header(fields: dict, rng) -> str:
     return f"header {name}"
 
 
+def _regroup_reshuffle(arrays: dict, side: str, rng) -> bool:
+    """Reorder one rank's reshuffle runs across peers (each peer's runs kept in order): the runtime's
+    all_to_all_single and dispatch() need them grouped by peer in ascending order. False: nothing to reorder."""
+    peers = arrays[f"reshuffle_{side}_peer"]
+    if np.unique(peers).size < 2:
+        return False
+    rank_of_peer = rng.permutation(int(peers.max()) + 1)
+    order = np.lexsort((np.arange(peers.size), rank_of_peer[peers]))
+    if (order == np.arange(peers.size)).all():
+        order = np.lexsort((np.arange(peers.size), -peers))
+    for name in ("peer", "offset", "length"):
+        arrays[f"reshuffle_{side}_{name}"] = arrays[f"reshuffle_{side}_{name}"][order]
+    return True
+
+
+def _move_message(ranks: list[dict], rng) -> bool:
+    """Move one pull to another forward round at both ends (sender's and receiver's rows agree, as a compiler bug
+    that keeps the pair consistent would)."""
+    senders = [rank for rank, arrays in enumerate(ranks) if arrays["pull_send_round"].size]
+    if not senders:
+        return False
+    sender = senders[int(rng.integers(len(senders)))]
+    send = ranks[sender]
+    row = int(rng.integers(send["pull_send_round"].size))
+    receiver, block, kind = (int(send[f"pull_send_{name}"][row]) for name in ("peer", "block", "kind"))
+    recv = ranks[receiver]
+    match = np.flatnonzero((recv["pull_recv_peer"] == sender) & (recv["pull_recv_block"] == block)
+                           & (recv["pull_recv_kind"] == kind))
+    if match.size != 1:
+        return False
+    new_round = int(rng.integers(0, int(send["pull_send_round"].max()) + 2))
+    for arrays, name, at in ((send, "pull_send_round", row), (recv, "pull_recv_round", int(match[0]))):
+        arrays[name] = arrays[name].copy()
+        arrays[name][at] = new_round
+    return True
+
+
+def _mutate_paired(ranks: list[dict], rng) -> str | None:
+    """A mutation that keeps both ends of what it touches consistent, so that only the meaning can be wrong."""
+    if rng.random() < 0.6:
+        rank, side = int(rng.integers(len(ranks))), ("send", "recv")[int(rng.integers(2))]
+        return f"paired reshuffle_{side} peer order" if _regroup_reshuffle(ranks[rank], side, rng) else None
+    return "paired pull round" if _move_message(ranks, rng) else None
+
+
 def mutate(source: bytes, rng) -> tuple[bytes | None, str]:
     """One mutant of a plan's bytes and a label of what changed (None: the mutation built no plan)."""
     if rng.random() < 0.25:
@@ -127,9 +175,13 @@ def mutate(source: bytes, rng) -> tuple[bytes | None, str]:
     tables = {name: getattr(reader.tables, name) for name in GLOBAL_ARRAYS}
     ranks = [dict(program.arrays) for program in reader.ranks()]
     choice = rng.random()
-    if choice < 0.15:
+    if choice < 0.1:
+        label = _mutate_paired(ranks, rng)
+        if label is None:
+            return None, "paired"
+    elif choice < 0.25:
         label = _mutate_header(fields, rng)
-    elif choice < 0.3:
+    elif choice < 0.35:
         name = GLOBAL_ARRAYS[int(rng.integers(len(GLOBAL_ARRAYS)))]
         tables[name] = _mutate_array(tables[name], rng)
         label = f"global {name}"
@@ -217,16 +269,40 @@ def run_chunk(job) -> Outcome:
     return outcome
 
 
+def _dispatch_exactly(plan_bytes: bytes, total: int):
+    """A rank task: dispatch() moves the rank's user-layout rows to exactly its plan-layout tokens, and
+    undispatch() moves them back (raises on a mismatch)."""
+
+    def task(rank, world):
+        import torch
+
+        from fcp_runtime import dispatch, load_rank_plan, undispatch
+
+        plan = load_rank_plan(plan_bytes, rank)
+        everything = torch.arange(total, dtype=torch.float64)[:, None].repeat(1, 2)
+        mine = everything[rank * total // world:(rank + 1) * total // world]
+        moved = dispatch(mine, plan)
+        torch.testing.assert_close(moved, everything[plan.token_index], rtol=0, atol=0)
+        torch.testing.assert_close(undispatch(moved, plan), mine, rtol=0, atol=0)
+        return True
+
+    return task
+
+
 def replay_exactly(path: str) -> None:
-    """Replay a plan on gloo against the dense reference (raises on a mismatch)."""
+    """Replay a plan on gloo against the dense reference, attention in the plan's layout and dispatch() and
+    undispatch() (raises on a mismatch)."""
     import torch
     from runtime_harness import compare_with_reference, run_ranks
 
     reader = PlanReader(path)
     header = reader.header
     lengths = reader.tables.seq_lengths.tolist()
-    run_ranks(header.num_ranks, compare_with_reference(Path(path).read_bytes(), lengths, header.mask.value == "causal",
-                                                       2, 1, torch.float64, header.layout.value))
+    data = Path(path).read_bytes()
+    windows = reader.tables.seq_window.tolist()
+    run_ranks(header.num_ranks, compare_with_reference(data, lengths, windows, 2, 1, torch.float64,
+                                                       header.layout.value))
+    run_ranks(header.num_ranks, _dispatch_exactly(data, sum(lengths)))
 
 
 def compile_sources(folder: str) -> dict[str, bytes]:
@@ -251,6 +327,7 @@ def fuzz(num_mutants: int, jobs: int, seed: int, timeout: int, replay: int, fold
             if fcp(["diff", os.path.join(folder, f"{name}.fcp"), path, "--fail-on", "change"]) != 0:
                 changed.append((name, path, label))
     replayed, mismatched = 0, []
+    changed.sort(key=lambda item: not item[2].startswith("paired"))  # stable: paired mutants replay first
     for name, path, label in changed[:replay]:
         try:
             replay_exactly(path)
