@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 trace_app = typer.Typer(no_args_is_help=True, help="Generate batches filled to exactly gpus x tokens-per-gpu tokens.")
 app.add_typer(trace_app, name="trace")
 
-GPUS = typer.Option(..., "--gpus", help="number of ranks (GPUs), >= 1")
+_INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
+_DECIMAL = re.compile(r"[+-]?([0-9]{1,40}(\.[0-9]{0,40})?|\.[0-9]{1,40})([eE][+-]?[0-9]{1,4})?")
+
+
+def _ascii_int(value: object) -> int:
+    """An integer option: ASCII digits only (no 4096.0, no other scripts' digits)."""
+    if isinstance(value, int):
+        return value
+    if not _INTEGER.fullmatch(str(value)):
+        raise typer.BadParameter(f"{str(value)!r} is not an integer (ASCII digits, like 4096)")
+    return int(value)
+
+
+def _finite_float(value: object) -> float:
+    """A number option: ASCII decimal notation, finite."""
+    if isinstance(value, float):
+        return value
+    if not _DECIMAL.fullmatch(str(value)) or not math.isfinite(float(value)):
+        raise typer.BadParameter(f"{str(value)!r} is not a finite decimal number (like 1.8 or 1e-3)")
+    return float(value)
+
+
+GPUS = typer.Option(..., "--gpus", help="number of ranks (GPUs), >= 1", parser=_ascii_int)
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -31,17 +54,17 @@ def compile_command(
     batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": ..., \"sequences\": [...]} or a list of lengths"),
     gpus: int = GPUS,
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per block, a positive multiple of 64 "
-                                                                        "[4096; not for ring, bytescale, wlbllm]"),
-    coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage"),
+                                                                        "[4096; not for ring, bytescale, wlbllm]", parser=_ascii_int),
+    coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage", parser=_ascii_int),
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node",
                                                 help="GPUs sharing NVLink in a node, each with its own NIC [the "
-                                                     "profile's: 8]"),
-    token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]"),
+                                                     "profile's: 8]", parser=_ascii_int),
+    token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]", parser=_ascii_int),
     token_tolerance: Optional[float] = typer.Option(
         None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
                                         "(plan layout's linear layers; costs some traffic) [0.01 with a model in "
-                                        "the plan layout, else off]"),
+                                        "the plan layout, else off]", parser=_finite_float),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
     layout: str = typer.Option("plan", "--layout",
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
@@ -53,9 +76,9 @@ def compile_command(
                                               help="ablation: no tiles during the reshuffle"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
                                                             "sliding_window:W (the W most recent keys)"),
-    q_heads: int = typer.Option(64, "--q-heads"),
-    kv_heads: int = typer.Option(8, "--kv-heads"),
-    head_dim: int = typer.Option(128, "--head-dim"),
+    q_heads: int = typer.Option(64, "--q-heads", parser=_ascii_int),
+    kv_heads: int = typer.Option(8, "--kv-heads", parser=_ascii_int),
+    head_dim: int = typer.Option(128, "--head-dim", parser=_ascii_int),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer whose per-rank time (linear layers on a "
                                                             "rank's tokens + attention) placement balances: "
@@ -64,13 +87,13 @@ def compile_command(
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing on success"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]", parser=_ascii_int),
 ) -> None:
     """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
     from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch, make_shape
-    from fcp_compiler.format.safe_io import check_output_target, write_files_atomic
+    from fcp_compiler.format.safe_io import check_outputs, write_files_atomic
     from fcp_compiler.tools.report import compile_summary
     from fcp_compiler.tools.simulate import layer_stats
 
@@ -81,12 +104,16 @@ def compile_command(
                                 reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model,
                                 gpus_per_node=gpus_per_node)
     if batch.suffix == ".jsonl":
+        if stats is not None:
+            raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
+                                    f"and each plan carries its own figures (fcp inspect)")
         _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
+    if jobs is not None:
+        raise InvalidInputError(f"--jobs {jobs} takes a .jsonl of batches; {str(batch)!r} is one batch")
     output = output or Path(batch.with_suffix(".fcp").name)
-    for target in (output, stats):  # before compiling: a bad target costs nothing
-        if target is not None:
-            check_output_target(target)
+    # Before compiling: a bad target costs nothing, and no output may overwrite an input or another output.
+    check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     plan = compile_plan(load_batch(batch), options=options)
     # The simulated layer makespans and their gap to the bound, for whoever reads them (a quiet compile skips them).
     figures = {**plan.stats, **layer_stats(plan)} if stats or not quiet else plan.stats
@@ -99,6 +126,11 @@ def compile_command(
         typer.echo(compile_summary(figures, str(output)))
 
 
+def _profile_file(profile: str | None) -> Path | None:
+    """The profile's file, when --profile names one rather than a preset."""
+    return Path(profile) if profile is not None and Path(profile).suffix == ".json" else None
+
+
 def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options) -> None:
     from fcp_compiler.tools.bulk import bulk_compile, read_jsonl
     from fcp_compiler.tools.report import bulk_summary, progress_bar
@@ -107,13 +139,21 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
     batches = read_jsonl(batch)
 
+    counts = [0, len(batches)]
+
     def progress(done: int, total: int) -> None:
+        counts[:] = [done, total]
         # A bar that redraws on a terminal; a single line at the end otherwise (logs, CI).
         if not quiet and (sys.stderr.isatty() or done == total):
             sys.stderr.write(progress_bar(done, total) + ("\n" if done == total else ""))
             sys.stderr.flush()
 
-    summary = bulk_compile(batches, out_dir, options, jobs=jobs, progress=progress)
+    try:
+        summary = bulk_compile(batches, out_dir, options, jobs=jobs, progress=progress)
+    except (KeyboardInterrupt, typer.Abort):
+        typer.echo(f"\nfcp compile: stopped with {counts[0]} of {counts[1]} plans in {out_dir} (the same command "
+                   f"resumes)", err=True)
+        raise
     if not quiet:
         typer.echo(bulk_summary(summary, out_dir))
 
@@ -135,7 +175,7 @@ def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None
 @app.command("inspect")
 def inspect_command(
     plan: Path = typer.Argument(..., help="plan file"),
-    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage"),
+    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage", parser=_ascii_int),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
@@ -185,7 +225,7 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
 @app.command("simulate")
 def simulate_command(
     source: Path = typer.Argument(..., help="plan file, or batch JSON (then give --gpus)"),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks, when SOURCE is a batch"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks, when SOURCE is a batch", parser=_ascii_int),
     profile: Optional[str] = typer.Option(None, "--profile", help="hardware to simulate on [the plan's]"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto)"),
@@ -198,10 +238,12 @@ def simulate_command(
     from fcp_compiler.format.validate import validate_plan
     from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
+    from fcp_compiler.format.safe_io import check_outputs
     from fcp_compiler.tools.simulate import simulate_plan, write_trace
 
     if model is not None:
         load_model(model)  # a bad name fails before any work
+    check_outputs([("--json", json_out), ("--trace", trace)], [("SOURCE", source), ("--profile", _profile_file(profile))])
     data = _plan_or_batch(source, gpus, profile, model)
     if not isinstance(data, bytes):
         validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
@@ -228,6 +270,9 @@ def ablate_command(
     from fcp_compiler.tools.ablation import run_ablation
     from fcp_compiler.tools.report import ablation_table
 
+    from fcp_compiler.format.safe_io import check_outputs
+
+    check_outputs([("--json", json_out)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     # The seed's Table 2 measures attention: each step is placed for attention alone, as the seed's system was.
     steps = run_ablation(load_batch(batch), CompileOptions.of(gpus, profile=profile, model="none"))
     if json_out:
@@ -252,12 +297,12 @@ def compare_command(
     trace_spec: Optional[str] = typer.Option(
         None, "--trace-spec", help="lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or file:PATH:TAIL_FRACTION[:SEED]: a batch "
                                    "per scale"),
-    tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)"),
+    tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)", parser=_ascii_int),
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
     profile: str = typer.Option("h100", "--profile"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
                                                             "none"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]", parser=_ascii_int),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
                                                              "needs matplotlib)"),
@@ -270,7 +315,10 @@ def compare_command(
     from fcp_compiler.tools.report import compare_rows
     from fcp_compiler.tools.traces import parse_trace_spec
 
+    from fcp_compiler.format.safe_io import check_outputs
+
     scales = _int_list(gpus, "--gpus")
+    check_outputs([("--json", json_out), ("--plot", plot)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     if plot:
         from fcp_compiler.tools.plots import check_plot_path, compare_figure
 
@@ -314,7 +362,10 @@ def sweep_command(
     from fcp_compiler.tools.compare import sweep_block_sizes
     from fcp_compiler.tools.report import sweep_table
 
+    from fcp_compiler.format.safe_io import check_outputs
+
     sizes = _int_list(block_size, "--block-size")
+    check_outputs([("--json", json_out), ("--plot", plot)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     if plot:
         from fcp_compiler.tools.plots import check_plot_path, sweep_figure
 
@@ -333,7 +384,7 @@ def diff_command(
     plan_b: Path = typer.Argument(..., help="the plan after"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON"),
     fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds"),
-    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression"),
+    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression", parser=_finite_float),
 ) -> None:
     """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
     from fcp_compiler.format.plan_format import PlanReader
@@ -345,6 +396,9 @@ def diff_command(
         raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
     if not math.isfinite(tolerance) or tolerance < 0:
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
+    from fcp_compiler.format.safe_io import check_outputs
+
+    check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
     readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
     for reader in readers:  # the diff simulates both: each must keep the invariants the simulator trusts
         validate_plan(reader)
@@ -379,9 +433,21 @@ def schemas_command(
     typer.echo(f"{folder}: wrote {', '.join(stale)}" if stale else f"{folder}: up to date")
 
 
-def _total_tokens(gpus: int, tokens_per_gpu: int) -> int:
-    if gpus < 1 or tokens_per_gpu < 1:
-        raise InvalidInputError(f"--gpus {gpus} and --tokens-per-gpu {tokens_per_gpu} must both be >= 1")
+def _trace_total(gpus: int, tokens_per_gpu: int, seed: int, mask: str, output: Path,
+                 source: tuple[str, Path] | None = None) -> int:
+    """The batch's tokens, once the options are checked: a batch `fcp compile` would take, a seed numpy takes, and
+    an output that is not the input."""
+    from fcp_compiler.format.inputs import MAX_BATCH_TOKENS, parse_mask
+    from fcp_compiler.format.plan_format import MAX_RANKS
+    from fcp_compiler.format.safe_io import check_outputs
+
+    if not 1 <= gpus <= MAX_RANKS or tokens_per_gpu < 1 or gpus * tokens_per_gpu > MAX_BATCH_TOKENS:
+        raise InvalidInputError(f"--gpus {gpus} x --tokens-per-gpu {tokens_per_gpu} must be a batch fcp compile takes: "
+                                f"1 to {MAX_RANKS} GPUs, at least 1 token each, at most {MAX_BATCH_TOKENS} tokens")
+    if seed < 0:
+        raise InvalidInputError(f"--seed {seed} must be >= 0")
+    parse_mask(mask)
+    check_outputs([("-o", output)], [source] if source else [])
     return gpus * tokens_per_gpu
 
 
@@ -396,8 +462,8 @@ def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> No
         typer.echo(f"wrote {output}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}")
 
 
-TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu")
-SEED = typer.Option(0, "--seed")
+TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu", parser=_ascii_int)
+SEED = typer.Option(0, "--seed", parser=_ascii_int)
 OUTPUT = typer.Option(..., "-o", "--output", help="batch JSON to write")
 MASK = typer.Option("causal", "--mask", help="causal, full or sliding_window:W")
 QUIET = typer.Option(False, "--quiet", "-q")
@@ -405,14 +471,14 @@ QUIET = typer.Option(False, "--quiet", "-q")
 
 @trace_app.command("lognormal")
 def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
-                    median: float = typer.Option(4096.0, "--median"), sigma: float = typer.Option(1.8, "--sigma"),
-                    min_len: int = typer.Option(64, "--min-len"), max_len: int = typer.Option(524288, "--max-len"),
+                    median: float = typer.Option(4096.0, "--median", parser=_finite_float), sigma: float = typer.Option(1.8, "--sigma", parser=_finite_float),
+                    min_len: int = typer.Option(64, "--min-len", parser=_ascii_int), max_len: int = typer.Option(524288, "--max-len", parser=_ascii_int),
                     seed: int = SEED, mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
     from fcp_compiler.tools.traces import lognormal_batch
 
-    _write_batch(lognormal_batch(_total_tokens(gpus, tokens_per_gpu), median, sigma, min_len, max_len, seed), mask,
-                 output, quiet)
+    _write_batch(lognormal_batch(_trace_total(gpus, tokens_per_gpu, seed, mask, output), median, sigma, min_len, max_len,
+                                 seed), mask, output, quiet)
 
 
 @trace_app.command("histogram")
@@ -422,21 +488,21 @@ def trace_histogram(histogram: Path = typer.Argument(..., help="CSV of bins: '[l
     """Lengths from a histogram: a bin by its count, then log-uniform inside it."""
     from fcp_compiler.tools.traces import histogram_batch, read_histogram_csv
 
+    total = _trace_total(gpus, tokens_per_gpu, seed, mask, output, ("HISTOGRAM", histogram))
     edges, counts = read_histogram_csv(histogram)
-    _write_batch(histogram_batch(edges, counts, _total_tokens(gpus, tokens_per_gpu), seed), mask, output, quiet)
+    _write_batch(histogram_batch(edges, counts, total, seed), mask, output, quiet)
 
 
 @trace_app.command("file")
 def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one length a line"),
                gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU, seed: int = SEED,
-               max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this"),
+               max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this", parser=_ascii_int),
                mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lengths drawn with replacement from a file of observed lengths."""
     from fcp_compiler.tools.traces import empirical_batch, read_lengths_file
 
-    _write_batch(empirical_batch(read_lengths_file(lengths_file), _total_tokens(gpus, tokens_per_gpu), seed,
-                                 max_len), mask,
-                 output, quiet)
+    total = _trace_total(gpus, tokens_per_gpu, seed, mask, output, ("LENGTHS_FILE", lengths_file))
+    _write_batch(empirical_batch(read_lengths_file(lengths_file), total, seed, max_len), mask, output, quiet)
 
 
 def _offending_value(argv: list[str], error: Exception) -> str:
@@ -456,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         result = app(args=argv, standalone_mode=False, prog_name="fcp")
+        if result == 130:  # Ctrl-C or SIGTERM: typer returns click's abort as this exit status
+            typer.echo("fcp: interrupted", err=True)
         if isinstance(result, int):
             return result
     except typer.Exit as done:
@@ -466,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
         context = getattr(error, "ctx", None)
         command = f" {context.info_name}" if context is not None and context.info_name != "fcp" else ""
-        typer.echo(f"fcp{command}: error: {error.format_message()}{_offending_value(argv, error)}", err=True)
+        message, got = error.format_message(), _offending_value(argv, error)
+        if not message:  # a bare `fcp` (or a group without its command): the help above says what to give
+            return 2
+        typer.echo(f"fcp{command}: error: {message}{'' if got[7:-1] in message else got}", err=True)
         return 2
     except FcpError as error:
         from fcp_compiler.format.validate import PlanInvalidError

@@ -59,7 +59,7 @@ def test_validate_exits_one_naming_the_invariant(tmp_path, capsys):
     ("[4096, 4096]", ["--block-size", "0"], "--block-size 0"),
     ("[4096, 4096]", ["--token-cap", "10"], "token cap 10"),
     ("[4096, 4096]", ["--token-tolerance", "1.5"], "--token-tolerance 1.5"),
-    ("[4096, 4096]", ["--token-tolerance", "nan"], "--token-tolerance nan"),
+    ("[4096, 4096]", ["--token-tolerance", "nan"], "'--token-tolerance': 'nan' is not a finite decimal number"),
     ("[4096, 4096]", ["--profile", "tpu"], "'tpu'"),
     ("[4096, 4096]", ["--gpus", "two"], "'two'"),
 ])

@@ -72,7 +72,7 @@ def test_profiles_and_traces_must_be_finite(tmp_path, capsys):
     expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "--profile", path, "-o", tmp_path / "p.fcp"],
                     "not finite")
     expect_one_line(capsys, ["trace", "lognormal", "--median", "nan", "--gpus", 4, "-o", tmp_path / "t.json"],
-                    "median=nan")
+                    "'--median': 'nan' is not a finite decimal number")
     assert not (tmp_path / "p.fcp").exists() and not (tmp_path / "t.json").exists()
 
 
@@ -150,3 +150,145 @@ def test_a_bulk_line_that_is_not_utf8_is_named(tmp_path, capsys):
     steps = _write(tmp_path / "steps.jsonl", b"[100, 200]\n[\xff]\n")
     expect_one_line(capsys, ["compile", steps, "--gpus", 2, "-o", tmp_path / "plans"], "steps.jsonl:2")
     assert not (tmp_path / "plans").exists()
+
+
+# Issue 24: outputs that would destroy inputs, unchecked numbers, silent ambiguity. One test a row: exit 2, one
+# line naming the value or path, the input untouched and no output written.
+
+GOLDEN = ROOT / "tests" / "golden" / "small_8gpu.fcp"
+
+
+def _copy(source: Path, target: Path) -> Path:
+    target.write_bytes(source.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("case", ["compile -o input", "compile --stats = -o", "simulate --json input",
+                                  "simulate --trace = --json", "diff --json a", "trace -o lengths file"])
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys, case):
+    batch, plan, other = _copy(SMALL, tmp_path / "b.json"), _copy(GOLDEN, tmp_path / "p.fcp"), tmp_path / "o.json"
+    args, kept, match = {
+        "compile -o input": (["compile", batch, "--gpus", 8, "-o", batch], batch, "is the input BATCH"),
+        "compile --stats = -o": (["compile", batch, "--gpus", 8, "--stats", other, "-o", other], batch,
+                                 "are the same file"),
+        "simulate --json input": (["simulate", plan, "--json", plan], plan, "is the input SOURCE"),
+        "simulate --trace = --json": (["simulate", plan, "--json", other, "--trace", other], plan,
+                                      "are the same file"),
+        "diff --json a": (["diff", plan, GOLDEN, "--json", plan], plan, "is the input A"),
+        "trace -o lengths file": (["trace", "file", batch, "--gpus", 1, "-o", batch], batch, "is the input LENGTHS_FILE"),
+    }[case]
+    before = kept.read_bytes()
+    expect_one_line(capsys, args, match)
+    assert kept.read_bytes() == before and not other.exists()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["compile", SMALL, "--gpus", 8, "--block-size", "4096.0"], "'4096.0' is not an integer"),
+    (["compile", SMALL, "--gpus", "８"], "'８' is not an integer"),
+    (["compile", SMALL, "--gpus", 8, "--mask", "sliding_window:²"], "the window must be a positive integer"),
+    (["compile", SMALL, "--gpus", 8, "--mask", "sliding_window:٣"], "the window must be a positive integer"),
+    (["trace", "lognormal", "--gpus", 2, "--seed", -1], "--seed -1 must be >= 0"),
+    (["trace", "lognormal", "--gpus", 2, "--tokens-per-gpu", 2**62], "must be a batch fcp compile takes"),
+    (["trace", "lognormal", "--gpus", 65536, "--tokens-per-gpu", 32768], "at most 2147483647 tokens"),
+    (["trace", "file", SMALL, "--gpus", 2, "--max-len", 0], "max length 0 must be >= 1"),
+    (["trace", "file", SMALL, "--gpus", 2, "--max-len", -5], "max length -5 must be >= 1"),
+    (["compare", "--trace-spec", "lognormal:4096:1.8:65536:-1", "--gpus", 2], "seed -1 must be an integer"),
+])
+def test_numeric_options_are_ascii_in_range_and_what_compile_takes(tmp_path, capsys, args, match):
+    out = tmp_path / "out.json"
+    expect_one_line(capsys, [*args, "-o", out] if args[0] != "compare" else args, match)
+    assert not out.exists()
+
+
+def test_efficiency_and_bandwidth_have_positive_floors_in_profiles_and_plan_headers(tmp_path, capsys):
+    from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble
+
+    profile = {"name": "x", "peak_tflops": 989, "network_gbps": 50, "nvlink_gbps": 450,
+               "efficiency_curve": [{"tokens": 128, "efficiency": 1e-300}]}
+    path = _write(tmp_path / "profile.json", json.dumps(profile))
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "--profile", path, "-o", tmp_path / "p.fcp"],
+                    "greater than or equal to 0.001")
+    path = _write(tmp_path / "slow.json", json.dumps({**profile, "network_gbps": 1e-300,
+                                                      "efficiency_curve": [{"tokens": 128, "efficiency": 0.5}]}))
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "--profile", path, "-o", tmp_path / "p.fcp"],
+                    "network_gbps")
+    assert not (tmp_path / "p.fcp").exists()
+    reader = PlanReader(GOLDEN)
+    fields = reader.header.model_dump(exclude={"global_section", "rank_sections", "global_sha256", "rank_sha256"})
+    fields["profile"]["efficiency_curve"][0]["efficiency"] = 1e-300
+    with pytest.raises(ValueError, match="greater than or equal to 0.001"):  # no such plan can even be written
+        assemble(fields, {name: getattr(reader.tables, name) for name in GLOBAL_ARRAYS},
+                 [program.arrays for program in reader.ranks()])
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"sequences": [5], "sequences": [7]}', "key 'sequences' appears more than once"),
+    ('{"mask": "full", "masks": ["causal"], "sequences": [7]}', "give either 'mask'"),
+])
+def test_ambiguous_batches_are_refused(tmp_path, capsys, content, match):
+    batch = _write(tmp_path / "b.json", content)
+    expect_one_line(capsys, ["compile", batch, "--gpus", 1, "--block-size", 64, "-o", tmp_path / "p.fcp"], match)
+    assert not (tmp_path / "p.fcp").exists()
+
+
+def test_flags_a_bulk_compile_would_ignore_are_refused(tmp_path, capsys):
+    steps = _write(tmp_path / "steps.jsonl", "[100, 200]\n")
+    expect_one_line(capsys, ["compile", steps, "--gpus", 2, "--stats", tmp_path / "s.json"], "--stats")
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "--jobs", 2, "-o", tmp_path / "p.fcp"],
+                    "--jobs 2 takes a .jsonl")
+    assert not (tmp_path / "s.json").exists() and not (tmp_path / "p.fcp").exists()
+
+
+def test_a_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import fcp_compiler.format.safe_io as safe_io
+
+    real = os.fdopen
+
+    def full(handle, mode="r", *args, **kwargs):
+        stream = real(handle, mode, *args, **kwargs)
+        if "w" in mode:
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            stream.write = write
+        return stream
+    monkeypatch.setattr(safe_io.os, "fdopen", full)
+    plan = tmp_path / "p.fcp"
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "-o", plan], f"cannot write {str(plan)!r}: No space")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bare_fcp_prints_its_help_and_no_empty_error(capsys):
+    code, out, err = run(capsys)
+    assert code == 2 and "Commands" in out + err and "error" not in err
+
+
+def test_a_stopped_bulk_compile_says_how_far_it_got(tmp_path, capsys, monkeypatch):
+    import fcp_compiler.tools.bulk as bulk
+
+    def stopped(batches, out_dir, options, jobs=None, progress=None):
+        progress(3, 5)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bulk, "bulk_compile", stopped)
+    steps = _write(tmp_path / "steps.jsonl", "[100, 200]\n" * 5)
+    code, _, err = run(capsys, "compile", steps, "--gpus", 2, "-o", tmp_path / "plans", "-q")
+    assert code == 130 and "stopped with 3 of 5 plans" in err and "the same command resumes" in err
+
+
+def test_diff_names_the_ranks_whose_programs_changed_when_nothing_else_did(tmp_path, capsys):
+    import numpy as np
+
+    from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
+
+    reader = PlanReader(GOLDEN)
+    arrays = [{name: values.copy() for name, values in program.arrays.items()} for program in reader.ranks()]
+    a = arrays[2]
+    first_stage = np.flatnonzero(a["tile_stage"] == a["tile_stage"][0])
+    assert first_stage.size >= 2  # two tiles of one stage swap places: the same work, another order
+    swap = first_stage[[1, 0]]
+    for name in ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"):
+        a[name][first_stage[:2]] = a[name][swap]
+    changed = _write(tmp_path / "changed.fcp", rebuild_plan(reader, arrays))
+    code, out, _ = run(capsys, "diff", GOLDEN, changed, "--fail-on", "change")
+    assert code == 1 and "rank programs" in out and "1 of 8 ranks" in out and "rank 2: tile_" in out

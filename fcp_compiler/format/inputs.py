@@ -7,6 +7,7 @@ The JSON Schema of each model is written into ``schemas/`` (see :func:`write_sch
 from __future__ import annotations
 
 import enum
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -102,6 +103,8 @@ class BatchSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_mask_a_sequence(self) -> "BatchSpec":
+        if self.masks is not None and "mask" in self.model_fields_set:
+            raise ValueError("give either 'mask' (one for every sequence) or 'masks' (one a sequence), not both")
         if self.masks is not None and len(self.masks) != len(self.sequences):
             raise ValueError(f"masks holds {len(self.masks)} masks for {len(self.sequences)} sequences; give one a "
                              f"sequence, or one 'mask' for all")
@@ -156,13 +159,18 @@ class AttentionShape(BaseModel):
         return self.q_heads * self.head_dim * self.dtype.num_bytes
 
 
+MIN_EFFICIENCY = 1e-3  # the least fraction of peak a tile may reach in a profile
+MIN_RATE = 1e-3  # the least TFLOP/s or GB/s a profile may state
+
+
 class EfficiencyPoint(BaseModel):
     """One point of the tile-efficiency curve: fraction of peak reached by a square tile of `tokens`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     tokens: Annotated[int, Field(ge=1)]
-    efficiency: Annotated[float, Field(gt=0.0, le=1.0)]
+    # A floor, not just > 0: the simulator divides by it, and a tile under 0.1% of peak is a broken measurement.
+    efficiency: Annotated[float, Field(ge=MIN_EFFICIENCY, le=1.0)]
 
 
 class HardwareProfile(BaseModel):
@@ -171,9 +179,12 @@ class HardwareProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(..., min_length=1)
-    peak_tflops: float = Field(..., gt=0, description="dense bf16 tensor-core peak, TFLOP/s")
-    network_gbps: float = Field(..., gt=0, description="per-GPU network bandwidth across nodes, GB/s per direction")
-    nvlink_gbps: float = Field(..., gt=0, description="per-GPU NVLink bandwidth inside a node, GB/s per direction")
+    # Floors rather than > 0: the simulator divides by each, and anything below is not hardware.
+    peak_tflops: float = Field(..., ge=MIN_RATE, description="dense bf16 tensor-core peak, TFLOP/s (>= 0.001)")
+    network_gbps: float = Field(..., ge=MIN_RATE, description="per-GPU network bandwidth across nodes, GB/s per "
+                                                               "direction (>= 0.001)")
+    nvlink_gbps: float = Field(..., ge=MIN_RATE, description="per-GPU NVLink bandwidth inside a node, GB/s per "
+                                                              "direction (>= 0.001)")
     gpus_per_node: int = Field(8, ge=1)
     latency_us: float = Field(10.0, ge=0, description="per-message latency, microseconds")
     launch_us: float = Field(5.0, ge=0, description="fixed cost of launching one stage's kernels, microseconds")
@@ -265,7 +276,7 @@ def parse_mask(value: object, what: str = "--mask") -> Mask:
     given = value
     if isinstance(value, str) and value.startswith(f"{MaskKind.SLIDING_WINDOW.value}:"):
         window = value.split(":", 1)[1]
-        if not window.isdigit():
+        if not re.fullmatch(r"[0-9]{1,10}", window):  # ASCII digits only: str.isdigit() also takes superscripts
             raise InvalidInputError(f"{what} {given!r}: the window must be a positive integer, e.g. "
                                     f"sliding_window:4096")
         value = {"kind": MaskKind.SLIDING_WINDOW.value, "window": int(window)}

@@ -94,6 +94,14 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(key for idx, key in enumerate(keys) if key in keys[:idx])
+        raise ValueError(f"key {duplicate!r} appears more than once in one object; give it once")
+    return dict(pairs)
+
+
 def parse_json(text: str, origin: str) -> object:
     """Decode JSON with bounded numbers (at most MAX_NUMBER_CHARS characters, finite), no NaN or Infinity, and at
     most MAX_JSON_DEPTH levels of nesting.
@@ -103,7 +111,7 @@ def parse_json(text: str, origin: str) -> object:
     """
     try:
         value = json.loads(text, parse_int=lambda t: _number(t, int), parse_float=lambda t: _number(t, float),
-                           parse_constant=_constant)
+                           parse_constant=_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
         raise InvalidInputError(f"{origin} is not valid JSON: {error.msg} at line {error.lineno}") from None
     except ValueError as error:
@@ -132,6 +140,35 @@ def check_output_target(path: Path) -> None:
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a folder" if stat.S_ISDIR(info.st_mode) \
             else "not a regular file"
         raise InvalidInputError(f"cannot write {str(path)!r}: it is {kind}; give a new or regular file path")
+
+
+def _same_file(first: Path, second: Path) -> bool:
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one does not exist yet: the same path, once links and '..' are resolved
+        return os.path.realpath(first) == os.path.realpath(second)
+
+
+def check_outputs(outputs: Sequence[tuple[str, Path | None]], inputs: Sequence[tuple[str, Path | None]] = ()) -> None:
+    """Refuse, before any work, an output that is not a new or regular file, two outputs that are one file, and an
+    output that is one of the inputs (writing it would destroy what was read).
+
+    Args:
+        outputs, inputs: (what the user called it: a flag or argument name, its path or None when not given).
+    Raises:
+        InvalidInputError: naming both paths.
+    """
+    given = [(name, Path(path)) for name, path in outputs if path is not None]
+    for idx, (name, path) in enumerate(given):
+        check_output_target(path)
+        for other_name, other in given[:idx]:
+            if _same_file(path, other):
+                raise InvalidInputError(f"{name} {str(path)!r} and {other_name} {str(other)!r} are the same file; "
+                                        f"give each output its own path")
+        for input_name, source in inputs:
+            if source is not None and _same_file(path, Path(source)):
+                raise InvalidInputError(f"{name} {str(path)!r} is the input {input_name} {str(source)!r}; writing it "
+                                        f"would destroy the input: give another path")
 
 
 def write_files_atomic(outputs: Sequence[tuple[Path, bytes]]) -> None:
@@ -169,6 +206,9 @@ def _stage(path: Path, data: bytes) -> str:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+    except OSError as error:  # a full disk, a quota: name the file the user asked for, not the temporary one
+        Path(temporary).unlink(missing_ok=True)
+        raise InvalidInputError(f"cannot write {str(path)!r}: {error.strerror or error}") from None
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

@@ -73,7 +73,9 @@ def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int
         tolerance: relative change of a quality figure below which it is not a regression.
         sample: how many moved blocks to list.
     Returns:
-        {"identical", "changed", "regressed", "parameters", "inputs", "blocks", "figures", "regressions"}.
+        {"identical", "changed", "regressed", "parameters", "inputs", "blocks", "windows" (sequences whose mask
+        window differs), "programs" (ranks whose program arrays differ, with the arrays), "figures",
+        "regressions"}.
     """
     ha, hb = a.header, b.header
     parameters = {}
@@ -113,9 +115,25 @@ def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int
             change = (fb[name] - fa[name]) / scale
             if (change > tolerance) if worse_if_higher else (-change > tolerance):
                 regressions[name] = {"a": fa[name], "b": fb[name], "relative_change": change}
-    program_bytes_equal = all(np.array_equal(pa.arrays[k], pb.arrays[k]) for pa, pb in zip(a.ranks(), b.ranks())
-                              for k in pa.arrays) if ha.num_ranks == hb.num_ranks else False
-    changed = bool(parameters or inputs or blocks or figures or not program_bytes_equal)
+    programs = _program_changes(a, b, sample)
+    windows = {}
+    if ta.seq_window.shape == tb.seq_window.shape and not np.array_equal(ta.seq_window, tb.seq_window):
+        changed_windows = np.flatnonzero(ta.seq_window != tb.seq_window)
+        windows = {"sequences": int(changed_windows.size), "sample": [
+            {"sequence": int(x), "a": int(ta.seq_window[x]), "b": int(tb.seq_window[x])} for x in changed_windows[:sample]]}
+    changed = bool(parameters or inputs or blocks or figures or programs or windows)
     return {"identical": not changed, "changed": changed, "regressed": bool(regressions),
-            "parameters": parameters, "inputs": inputs, "blocks": blocks, "figures": figures,
-            "regressions": regressions}
+            "parameters": parameters, "inputs": inputs, "blocks": blocks, "windows": windows, "programs": programs,
+            "figures": figures, "regressions": regressions}
+
+
+def _program_changes(a: PlanReader, b: PlanReader, sample: int) -> dict:
+    """Which ranks' programs differ, and in which arrays (a sample of ranks); {} when every program is the same."""
+    if a.header.num_ranks != b.header.num_ranks:
+        return {"ranks": a.header.num_ranks, "of": a.header.num_ranks, "sample": []}
+    differing = []
+    for pa, pb in zip(a.ranks(), b.ranks()):
+        names = [name for name in pa.arrays if not np.array_equal(pa.arrays[name], pb.arrays[name])]
+        if names:
+            differing.append({"rank": pa.rank, "arrays": names})
+    return {"ranks": len(differing), "of": a.header.num_ranks, "sample": differing[:sample]} if differing else {}

@@ -248,6 +248,13 @@ def diff_summary(result: dict, path_a, path_b) -> str:
                      ", ".join(f"{m['block']}: {m['a']}->{m['b']}" for m in blocks["sample"][:4])])
     if blocks.get("resharded"):
         rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "resharded"])
+    windows, programs = result.get("windows"), result.get("programs")
+    if windows:
+        rows.append(["mask windows", "", f"{windows['sequences']} sequences",
+                     ", ".join(f"seq {w['sequence']}: {w['a']}->{w['b']}" for w in windows["sample"][:4])])
+    if programs:
+        rows.append(["rank programs", "", f"{programs['ranks']} of {programs['of']} ranks",
+                     _short("; ".join(f"rank {p['rank']}: {', '.join(p['arrays'])}" for p in programs["sample"][:2]))])
     for name, v in result["figures"].items():
         rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
     return table(["what", "a", "b", "note"], rows)

@@ -15,15 +15,23 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.format.inputs import MAX_BATCH_TOKENS
 from fcp_compiler.format.safe_io import parse_json, read_input_text
 
 _DRAW_CHUNK = 4096
 
 
+def _generator(seed: int) -> np.random.Generator:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise InvalidInputError(f"seed {seed!r} must be an integer from 0 to 2^63 - 1")
+    return np.random.default_rng(seed)
+
+
 def _fill(draw, total_tokens: int) -> list[int]:
     """Draw lengths in chunks until their sum reaches total_tokens; cut the last one to fit exactly."""
-    if total_tokens < 1:
-        raise InvalidInputError(f"total tokens {total_tokens} must be >= 1")
+    if not 1 <= total_tokens <= MAX_BATCH_TOKENS:
+        raise InvalidInputError(f"total tokens {total_tokens} must be from 1 to {MAX_BATCH_TOKENS} (what a batch may "
+                                f"hold)")
     lengths: list[int] = []
     filled = 0
     while filled < total_tokens:
@@ -50,7 +58,7 @@ def lognormal_batch(total_tokens: int, median: float, sigma: float, min_len: int
         raise InvalidInputError(f"lognormal needs median > 0 and sigma >= 0, got median={median}, sigma={sigma}")
     if not 1 <= min_len <= max_len:
         raise InvalidInputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-    rng = np.random.default_rng(seed)
+    rng = _generator(seed)
 
     def draw(count: int) -> np.ndarray:
         values = rng.lognormal(mean=np.log(median), sigma=sigma, size=count)
@@ -71,9 +79,11 @@ def empirical_batch(values: np.ndarray, total_tokens: int, seed: int, max_len: i
     values = values[values > 0]
     if values.size == 0:
         raise InvalidInputError("the length file holds no positive lengths")
+    if max_len is not None and max_len < 1:
+        raise InvalidInputError(f"max length {max_len} must be >= 1")
     if max_len is not None:
         values = np.minimum(values, max_len)
-    rng = np.random.default_rng(seed)
+    rng = _generator(seed)
     return _with_tail(rng, lambda count: values[rng.integers(0, values.size, size=count)], total_tokens,
                       tail_fraction, tail_min, tail_max)
 
@@ -116,7 +126,7 @@ def histogram_batch(bin_edges: np.ndarray, counts: np.ndarray, total_tokens: int
                                 f"got {bin_edges.size} edges for {counts.size} counts")
     if counts.sum() <= 0 or (counts < 0).any():
         raise InvalidInputError("histogram counts must be non-negative with a positive sum")
-    rng = np.random.default_rng(seed)
+    rng = _generator(seed)
     probabilities = counts / counts.sum()
     log_edges = np.log(bin_edges)
 
