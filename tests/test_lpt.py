@@ -102,3 +102,82 @@ def test_level_sizes_swaps_when_no_bin_has_room_for_a_move():
     assert over_cap(levelled, sizes, 3, 7).sum() == 0
     assert levelled[2] == 0 and sorted(levelled[:2].tolist()) == [0, 1] and levelled[5] == 2
 
+
+
+def _dense_refine(weights, sizes, bin_of, num_bins, capacity, steps):
+    """The search written as one dense (top items x all bins) and (top items x all items) matrix a step."""
+    weights, sizes, bin_of = np.asarray(weights, float), np.asarray(sizes), np.array(bin_of)
+    loads = np.bincount(bin_of, weights=weights, minlength=num_bins)
+    used = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
+    tolerance = 1e-12 * max(float(loads.max()), 1e-300)
+    for _ in range(steps):
+        top = int(np.argmax(loads))
+        on_top = np.flatnonzero(bin_of == top)
+        best, action = loads[top] - tolerance, None
+        w_x = weights[on_top][:, None]
+        ok = used[None, :] + sizes[on_top][:, None] <= capacity
+        ok[:, top] = False
+        score = np.where(ok, np.maximum(loads[top] - w_x, loads[None, :] + w_x), np.inf)
+        if score.size and score.min() < best:
+            flat = int(np.argmin(score))
+            best, action = score.flat[flat], (int(on_top[flat // num_bins]), flat % num_bins, None)
+        delta = w_x - weights[None, :]
+        ok = (bin_of != top)[None, :] & (delta > 0)
+        ok &= used[top] - sizes[on_top][:, None] + sizes[None, :] <= capacity
+        ok &= used[bin_of][None, :] - sizes[None, :] + sizes[on_top][:, None] <= capacity
+        score = np.where(ok, np.maximum(loads[top] - delta, loads[bin_of][None, :] + delta), np.inf)
+        if score.size and score.min() < best:
+            flat = int(np.argmin(score))
+            y = flat % weights.size
+            action = (int(on_top[flat // weights.size]), int(bin_of[y]), y)
+        if action is None:
+            break
+        x, target, y = action
+        for item, source, to in ((x, top, target),) + (((y, target, top),) if y is not None else ()):
+            bin_of[item] = to
+            loads[source] -= weights[item]
+            loads[to] += weights[item]
+            used[source] -= sizes[item]
+            used[to] += sizes[item]
+    return bin_of
+
+
+@given(st.integers(2, 6), st.lists(st.tuples(st.integers(1, 40), st.integers(1, 5)), min_size=2, max_size=40),
+       st.integers(0, 2**16))
+def test_refine_in_slices_equals_the_dense_search(num_bins, items, seed):
+    # Slices of 3 entries: every step's matrices are cut into many pieces, and the first best must still win.
+    from unittest import mock
+
+    import fcp_compiler.algorithms.lpt as lpt
+
+    weights = np.array([w for w, _ in items], dtype=float)
+    sizes = np.array([s for _, s in items])
+    capacity = int(sizes.sum() // num_bins + sizes.max())
+    start = np.random.default_rng(seed).integers(0, num_bins, size=weights.size)
+    if over_cap(start, sizes, num_bins, capacity).any():
+        start = lpt_with_cap(weights, sizes, num_bins, capacity)
+    if (start == UNPLACED).any():
+        return
+    with mock.patch.object(lpt, "PAIRS_AT_ONCE", 3):
+        got = refine_moves_swaps(weights, sizes, start, num_bins, capacity, max_steps=20)
+    assert np.array_equal(got, _dense_refine(weights, sizes, start, num_bins, capacity, 20))
+
+
+def test_many_small_items_refine_in_bounded_memory_and_stay_feasible():
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    weights, sizes = rng.uniform(1, 2, size=60_000), np.full(60_000, 64)
+    num_bins, capacity = 16, 64 * 60_000 // 16 + 64
+    start = lpt_with_cap(weights, sizes, num_bins, capacity)
+    tracemalloc.start()
+    try:
+        got = refine_moves_swaps(weights, sizes, start, num_bins, capacity, max_steps=10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Dense, one step's swap matrix alone is 3750 x 60000 x 8 bytes = 1.8 GB.
+    assert peak < 300 * 2**20, peak
+    loads = np.bincount(got, weights=weights, minlength=num_bins)
+    assert not over_cap(got, sizes, num_bins, capacity).any()
+    assert loads.max() <= np.bincount(start, weights=weights, minlength=num_bins).max()

@@ -7,6 +7,11 @@ import heapq
 import numpy as np
 
 UNPLACED = -1
+# Bounds on the dense (top-bin item x candidate) matrices the local searches build, so that memory scales with the
+# items, not with bins x items: evaluated PAIRS_AT_ONCE at a time, and past SWAP_PAIRS in all, swaps look only at the
+# items of the least-loaded bins (moves, with one column a bin, always see every bin).
+PAIRS_AT_ONCE = 1 << 20
+SWAP_PAIRS = 1 << 22
 
 
 def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int,
@@ -76,7 +81,9 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
     Objective: lower the largest bin weight while keeping every bin within the size cap. Each step looks at every
     item of the most loaded bin against every other bin (moves) and every other item (swaps), and applies the one
     that leaves the smaller of the two touched bins' new maximum, if that is below the current maximum. Each step
-    is O(k * (N + K)) vectorised for k items on the top bin; it stops at a local optimum or after max_steps.
+    is O(k * (N + K)) vectorised for k items on the top bin, in slices of PAIRS_AT_ONCE entries; past SWAP_PAIRS
+    (top item, other item) pairs, swaps are sought among the items of the least-loaded bins only. It stops at a
+    local optimum or after max_steps.
 
     Args:
         weights, sizes: per-item work and tokens.
@@ -99,28 +106,12 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
         top_load = loads[top]
         on_top = np.flatnonzero(bin_of == top)
         best_score, best_action = top_load - tolerance, None
-        # Moves: item x of the top bin to bin r.
-        w_x = weights[on_top][:, None]
-        new_r = loads[None, :] + w_x
-        move_ok = used[None, :] + sizes[on_top][:, None] <= capacity
-        move_ok[:, top] = False
-        move_score = np.where(move_ok, np.maximum(top_load - w_x, new_r), np.inf)
-        flat = int(np.argmin(move_score))
-        if move_score.flat[flat] < best_score:
-            best_score = move_score.flat[flat]
-            best_action = ("move", int(on_top[flat // num_bins]), flat % num_bins)
-        # Swaps: item x of the top bin with item y elsewhere, lighter than x.
-        other = bin_of != top
-        delta = weights[on_top][:, None] - weights[None, :]
-        other_bins = bin_of[None, :]
-        swap_ok = other[None, :] & (delta > 0)
-        swap_ok &= used[top] - sizes[on_top][:, None] + sizes[None, :] <= capacity
-        swap_ok &= used[other_bins] - sizes[None, :] + sizes[on_top][:, None] <= capacity
-        swap_score = np.where(swap_ok, np.maximum(top_load - delta, loads[other_bins] + delta), np.inf)
-        flat = int(np.argmin(swap_score))
-        if swap_score.flat[flat] < best_score:
-            best_score = swap_score.flat[flat]
-            best_action = ("swap", int(on_top[flat // weights.size]), flat % weights.size)
+        move = _best_move(on_top, top, weights, sizes, loads, used, capacity)
+        if move is not None and move[0] < best_score:
+            best_score, best_action = move[0], ("move", move[1], move[2])
+        swap = _best_swap(on_top, top, weights, sizes, bin_of, loads, used, capacity)
+        if swap is not None and swap[0] < best_score:
+            best_score, best_action = swap[0], ("swap", swap[1], swap[2])
         if best_action is None:
             break
         kind, x, target = best_action
@@ -131,6 +122,78 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
             _move(x, top, y_bin, bin_of, loads, used, weights, sizes)
             _move(target, y_bin, top, bin_of, loads, used, weights, sizes)
     return bin_of
+
+
+def _row_chunks(num_rows: int, num_columns: int):
+    """Row ranges whose (rows x columns) matrices hold at most PAIRS_AT_ONCE entries (at least one row each)."""
+    step = max(1, PAIRS_AT_ONCE // max(num_columns, 1))
+    return ((start, min(start + step, num_rows)) for start in range(0, num_rows, step))
+
+
+def _best_move(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndarray, loads: np.ndarray,
+               used: np.ndarray, capacity: int) -> tuple[float, int, int] | None:
+    """The move of an item of the top bin to another bin that leaves the lower maximum of the two: (score, item,
+    bin), the first in (item, bin) order among equals; None when no move fits."""
+    best = None
+    for start, stop in _row_chunks(on_top.size, loads.size):
+        rows = on_top[start:stop]
+        w_x = weights[rows][:, None]
+        move_ok = used[None, :] + sizes[rows][:, None] <= capacity
+        move_ok[:, top] = False
+        score = np.where(move_ok, np.maximum(loads[top] - w_x, loads[None, :] + w_x), np.inf)
+        flat = int(np.argmin(score))
+        if np.isfinite(score.flat[flat]) and (best is None or score.flat[flat] < best[0]):
+            best = (float(score.flat[flat]), int(rows[flat // loads.size]), flat % loads.size)
+    return best
+
+
+def _swap_partners(on_top: np.ndarray, top: int, bin_of: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """The items a top-bin item may swap with: every item elsewhere while (top items x those) stays within
+    SWAP_PAIRS; past that, the items of the least-loaded bins (the partners that lower the top the most), whole
+    bins in order of load, in index order."""
+    others = np.flatnonzero(bin_of != top)
+    if on_top.size * others.size <= SWAP_PAIRS:
+        return others
+    per_bin = np.bincount(bin_of, minlength=loads.size)
+    lightest = np.lexsort((np.arange(loads.size), loads))
+    lightest = lightest[lightest != top]
+    enough = int(np.searchsorted(np.cumsum(per_bin[lightest]), max(SWAP_PAIRS // on_top.size, 1))) + 1
+    chosen = np.zeros(loads.size, dtype=bool)
+    chosen[lightest[:enough]] = True
+    return others[chosen[bin_of[others]]]
+
+
+def _items_of_roomiest_bins(items: np.ndarray, bin_of: np.ndarray, used: np.ndarray, capacity: int,
+                            at_least: int) -> np.ndarray:
+    """The items (of `items`) in the bins with the most room left, whole bins, until there are `at_least` of them."""
+    per_bin = np.bincount(bin_of[items], minlength=used.size)
+    roomiest = np.lexsort((np.arange(used.size), used - capacity))
+    enough = int(np.searchsorted(np.cumsum(per_bin[roomiest]), max(at_least, 1))) + 1
+    chosen = np.zeros(used.size, dtype=bool)
+    chosen[roomiest[:enough]] = True
+    return items[chosen[bin_of[items]]]
+
+
+def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray,
+               loads: np.ndarray, used: np.ndarray, capacity: int) -> tuple[float, int, int] | None:
+    """The swap of an item x of the top bin with a lighter item y elsewhere that leaves the lower maximum of the
+    two bins: (score, x, y), the first in (x, y) order among equals; None when no swap fits."""
+    partners = _swap_partners(on_top, top, bin_of, loads)
+    if partners.size == 0:
+        return None
+    partner_bins = bin_of[partners][None, :]
+    best = None
+    for start, stop in _row_chunks(on_top.size, partners.size):
+        rows = on_top[start:stop]
+        delta = weights[rows][:, None] - weights[partners][None, :]
+        swap_ok = delta > 0
+        swap_ok &= used[top] - sizes[rows][:, None] + sizes[partners][None, :] <= capacity
+        swap_ok &= used[partner_bins] - sizes[partners][None, :] + sizes[rows][:, None] <= capacity
+        score = np.where(swap_ok, np.maximum(loads[top] - delta, loads[partner_bins] + delta), np.inf)
+        flat = int(np.argmin(score))
+        if np.isfinite(score.flat[flat]) and (best is None or score.flat[flat] < best[0]):
+            best = (float(score.flat[flat]), int(rows[flat // partners.size]), int(partners[flat % partners.size]))
+    return best
 
 
 def _move(item: int, source: int, target: int, bin_of: np.ndarray, loads: np.ndarray, used: np.ndarray,
@@ -153,7 +216,7 @@ def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_
     those that lower it most), the one that leaves its target the least room (best fit, so that large gaps stay
     for the bins that need them), then the one that shifts the least weight, then the least-weighted target. Items
     of no size never move. Bins no move or swap can lower stay above the cap. O(steps * k * K) for k items on the
-    bin.
+    bin; past SWAP_PAIRS (item, other item) pairs, swaps look only at the items of the bins with the most room.
 
     Args:
         weights, sizes: per-item work and tokens.
@@ -173,6 +236,8 @@ def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_
             mine = np.flatnonzero((bin_of == source) & (sizes > 0))
             # Candidates (x, y): y = -1 moves x to bin `target`; else x and y swap. Size leaving the source: gap.
             others = np.flatnonzero((bin_of != source) & (sizes > 0))  # items of no size never move
+            if mine.size * others.size > SWAP_PAIRS:  # the bins with the most room take a swap most easily
+                others = _items_of_roomiest_bins(others, bin_of, used, capacity, SWAP_PAIRS // mine.size)
             gap = sizes[mine][:, None] - sizes[others][None, :]
             fits = (gap > 0) & (used[bin_of[others]][None, :] + gap <= capacity)
             x_idx, y_idx = np.nonzero(fits)
