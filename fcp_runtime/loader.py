@@ -57,7 +57,8 @@ class PlanningCollate:
     `tokens`, `labels`, `loss_mask`) with an optional `mask` ("causal", "full" or {"kind": "sliding_window",
     "window": W}; documents without one are causal). Each call returns a dict with every per-token field taken at
     this rank's rows, plus `position_ids` (each row's position inside its own document, for RoPE), `lengths` (all
-    documents' lengths), `plan` (this rank's RankPlan), `rows` (the rows' positions in the concatenated batch) and,
+    documents' lengths), `plan` (this rank's RankPlan), `inputs_digest` (the digest of the batch and options it was
+    compiled from), `rows` (the rows' positions in the concatenated batch) and,
     in the plan layout, `token_index` (the same as `rows`). The rows are the plan layout's `token_index`, or in the
     user layout rows [floor(r*T/N), floor((r+1)*T/N)).
     """
@@ -90,7 +91,10 @@ class PlanningCollate:
             rows = torch.arange(lo, hi)
             position_ids = torch.from_numpy(np.arange(lo, hi) - starts[lo:hi])
         out = {name: torch.cat(parts)[rows] for name, parts in fields.items()}
-        out.update(rows=rows, position_ids=position_ids, lengths=lengths, plan=rank_plan)
+        # The digest of the inputs the plan was compiled from (fcp_compiler.core.pipeline.plan_digest), to match
+        # against plans compiled elsewhere, e.g. by `fcp compile steps.jsonl`, whose file names carry it.
+        out.update(rows=rows, position_ids=position_ids, lengths=lengths, plan=rank_plan,
+                   inputs_digest=rank_plan.digest)
         if self.layout == "plan":
             out["token_index"] = rows
         return out

@@ -64,6 +64,7 @@ class RankPlan:
     rank: int
     num_ranks: int
     digest: str
+    seq_lengths: np.ndarray  # per sequence: its tokens
     seq_window: np.ndarray  # per sequence: keys a query sees back, itself included (its length: causal; 0: full)
     layout: str  # the compiled layout: "plan" or "user"
     coalesce: int  # rounds per stage, forward
@@ -96,6 +97,28 @@ class RankPlan:
     self_plan_rows: torch.Tensor  # ... and plan-layout index
     early_tiles: frozenset[int]  # stage-0 tiles whose tokens all stay on this rank (run during the reshuffle)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def check_batch(self, lengths, masks=None) -> None:
+        """Refuse a plan compiled for another batch or other attention: the batch's lengths and each sequence's
+        window (from `masks`: one mask, or one a sequence, as a batch file gives them; default causal) must be the
+        plan's. A plan file from elsewhere can be valid and still be a plan for different masks.
+
+        Raises:
+            ValueError: naming the first sequence that differs.
+        """
+        from fcp_compiler.format.inputs import parse_mask
+
+        lengths = [int(length) for length in lengths]
+        if len(lengths) != self.seq_lengths.size:
+            raise ValueError(f"the batch has {len(lengths)} sequences; the plan was compiled for "
+                             f"{self.seq_lengths.size}")
+        masks = [masks] * len(lengths) if masks is None or not isinstance(masks, (list, tuple)) else list(masks)
+        for seq_idx, (length, mask) in enumerate(zip(lengths, masks)):
+            window = parse_mask(mask if mask is not None else "causal", "mask").window_for(length)
+            if length != self.seq_lengths[seq_idx] or window != self.seq_window[seq_idx]:
+                raise ValueError(f"sequence {seq_idx}: the batch has {length} tokens with window {window}; the plan "
+                                 f"has {int(self.seq_lengths[seq_idx])} with window {int(self.seq_window[seq_idx])} "
+                                 f"(0: full)")
 
     def seg_len(self, seg: int) -> int:
         return int(self.seg_end[seg] - self.seg_start[seg])
@@ -208,7 +231,7 @@ def from_program(program: RankProgram) -> RankPlan:
     early = frozenset(np.flatnonzero(tiles_during_reshuffle(program)).tolist())
     return RankPlan(
         rank=program.rank, num_ranks=num_ranks, digest=header.inputs_digest,
-        seq_window=tables.seq_window,
+        seq_lengths=tables.seq_lengths, seq_window=tables.seq_window,
         layout=header.layout.value, coalesce=coalesce, bwd_coalesce=header.bwd_coalesce,
         q_heads=header.shape.q_heads, kv_heads=header.shape.kv_heads,
         head_dim=header.shape.head_dim, max_buffer_tokens=header.max_buffer_tokens,

@@ -82,3 +82,27 @@ def test_dispatch_and_undispatch_move_any_per_token_tensor_and_their_gradients(t
         return True
 
     assert all(run_ranks(4, task))
+
+
+def test_collate_records_the_inputs_digest_and_a_plan_for_other_windows_is_refused():
+    import numpy as np
+
+    from fcp_compiler.core.pipeline import plan_digest
+    from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble
+    from fcp_runtime import load_rank_plan
+
+    lengths = [int(doc.shape[0]) for doc in DOCUMENTS]
+    batch = PlanningCollate(0, 4, block_size=512)(DOCUMENTS)
+    assert batch["inputs_digest"] == plan_digest(lengths, 4, block_size=512) == batch["plan"].digest
+    batch["plan"].check_batch(lengths)  # causal, as compiled
+    with pytest.raises(ValueError, match="sequence 1: the batch has 3000 tokens with window 3000; the plan has 3000 "
+                                         "with window 100"):
+        # A mutant that only narrows one window is a valid plan, but for other attention: check_batch tells.
+        reader = PlanReader(compile_plan(lengths, 4, block_size=512).to_bytes())
+        fields = reader.header.model_dump(exclude={"global_section", "rank_sections", "global_sha256", "rank_sha256"})
+        tables = {name: getattr(reader.tables, name) for name in GLOBAL_ARRAYS}
+        tables["seq_window"] = np.array([700, 100, 90, 1200])
+        mutant = assemble(fields, tables, [program.arrays for program in reader.ranks()])
+        load_rank_plan(mutant, 0).check_batch(lengths)
+    with pytest.raises(ValueError, match="the batch has 3 sequences"):
+        batch["plan"].check_batch(lengths[:3])
