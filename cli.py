@@ -54,13 +54,15 @@ def compile_command(
     batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": ..., \"sequences\": [...]} or a list of lengths"),
     gpus: int = GPUS,
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per block, a positive multiple of 64 "
-                                                                        "[4096; not for ring, bytescale, wlbllm]", parser=_ascii_int),
+                                                                        "[4096; not for ring, bytescale, wlbllm]",
+                                            parser=_ascii_int),
     coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage", parser=_ascii_int),
     profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node",
                                                 help="GPUs sharing NVLink in a node, each with its own NIC [the "
                                                      "profile's: 8]", parser=_ascii_int),
-    token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]", parser=_ascii_int),
+    token_cap: Optional[int] = typer.Option(None, "--token-cap", help="most tokens per rank [mean + one block]",
+                                            parser=_ascii_int),
     token_tolerance: Optional[float] = typer.Option(
         None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
                                         "(plan layout's linear layers; costs some traffic) [0.01 with a model in "
@@ -87,7 +89,8 @@ def compile_command(
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing on success"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]", parser=_ascii_int),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]",
+                                       parser=_ascii_int),
 ) -> None:
     """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
     from fcp_compiler.core.options import CompileOptions
@@ -175,7 +178,8 @@ def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None
 @app.command("inspect")
 def inspect_command(
     plan: Path = typer.Argument(..., help="plan file"),
-    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage", parser=_ascii_int),
+    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage",
+                                       parser=_ascii_int),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
@@ -243,7 +247,8 @@ def simulate_command(
 
     if model is not None:
         load_model(model)  # a bad name fails before any work
-    check_outputs([("--json", json_out), ("--trace", trace)], [("SOURCE", source), ("--profile", _profile_file(profile))])
+    check_outputs([("--json", json_out), ("--trace", trace)],
+                  [("SOURCE", source), ("--profile", _profile_file(profile))])
     data = _plan_or_batch(source, gpus, profile, model)
     if not isinstance(data, bytes):
         validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
@@ -297,7 +302,8 @@ def compare_command(
     trace_spec: Optional[str] = typer.Option(
         None, "--trace-spec", help="lognormal:MEDIAN:SIGMA:MAXLEN[:SEED] or file:PATH:TAIL_FRACTION[:SEED]: a batch "
                                    "per scale"),
-    tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)", parser=_ascii_int),
+    tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)",
+                                       parser=_ascii_int),
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
     profile: str = typer.Option("h100", "--profile"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
@@ -384,7 +390,8 @@ def diff_command(
     plan_b: Path = typer.Argument(..., help="the plan after"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON"),
     fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds"),
-    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression", parser=_finite_float),
+    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression",
+                                    parser=_finite_float),
 ) -> None:
     """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
     from fcp_compiler.format.plan_format import PlanReader
@@ -471,14 +478,16 @@ QUIET = typer.Option(False, "--quiet", "-q")
 
 @trace_app.command("lognormal")
 def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
-                    median: float = typer.Option(4096.0, "--median", parser=_finite_float), sigma: float = typer.Option(1.8, "--sigma", parser=_finite_float),
-                    min_len: int = typer.Option(64, "--min-len", parser=_ascii_int), max_len: int = typer.Option(524288, "--max-len", parser=_ascii_int),
+                    median: float = typer.Option(4096.0, "--median", parser=_finite_float),
+                    sigma: float = typer.Option(1.8, "--sigma", parser=_finite_float),
+                    min_len: int = typer.Option(64, "--min-len", parser=_ascii_int),
+                    max_len: int = typer.Option(524288, "--max-len", parser=_ascii_int),
                     seed: int = SEED, mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
     from fcp_compiler.tools.traces import lognormal_batch
 
-    _write_batch(lognormal_batch(_trace_total(gpus, tokens_per_gpu, seed, mask, output), median, sigma, min_len, max_len,
-                                 seed), mask, output, quiet)
+    total = _trace_total(gpus, tokens_per_gpu, seed, mask, output)
+    _write_batch(lognormal_batch(total, median, sigma, min_len, max_len, seed), mask, output, quiet)
 
 
 @trace_app.command("histogram")

@@ -175,7 +175,8 @@ def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsy
         "simulate --trace = --json": (["simulate", plan, "--json", other, "--trace", other], plan,
                                       "are the same file"),
         "diff --json a": (["diff", plan, GOLDEN, "--json", plan], plan, "is the input A"),
-        "trace -o lengths file": (["trace", "file", batch, "--gpus", 1, "-o", batch], batch, "is the input LENGTHS_FILE"),
+        "trace -o lengths file": (["trace", "file", batch, "--gpus", 1, "-o", batch], batch,
+                                  "is the input LENGTHS_FILE"),
     }[case]
     before = kept.read_bytes()
     expect_one_line(capsys, args, match)

@@ -119,8 +119,9 @@ def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int
     windows = {}
     if ta.seq_window.shape == tb.seq_window.shape and not np.array_equal(ta.seq_window, tb.seq_window):
         changed_windows = np.flatnonzero(ta.seq_window != tb.seq_window)
-        windows = {"sequences": int(changed_windows.size), "sample": [
-            {"sequence": int(x), "a": int(ta.seq_window[x]), "b": int(tb.seq_window[x])} for x in changed_windows[:sample]]}
+        windows = {"sequences": int(changed_windows.size),
+                   "sample": [{"sequence": int(x), "a": int(ta.seq_window[x]), "b": int(tb.seq_window[x])}
+                              for x in changed_windows[:sample]]}
     changed = bool(parameters or inputs or blocks or figures or programs or windows)
     return {"identical": not changed, "changed": changed, "regressed": bool(regressions),
             "parameters": parameters, "inputs": inputs, "blocks": blocks, "windows": windows, "programs": programs,
