@@ -34,7 +34,15 @@ def visible_pairs(q_start, q_end, k_start, k_end, window) -> np.ndarray:
     """
     q_start, q_end, k_start, k_end, window = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (
         q_start, q_end, k_start, k_end, window)))
-    causal = _pairs_at_least(q_start, q_end, k_start, k_end, np.zeros_like(window))
-    beyond = _pairs_at_least(q_start, q_end, k_start, k_end, np.maximum(window, 1))
-    return np.where(window > 0, causal - beyond, (q_end - q_start) * (k_end - k_start))
+    # Most pairs of a long causal sequence are whole rectangles: every key at or before every query, and the
+    # farthest pair inside the window. Only the rest (diagonals, pairs a window cuts) need the closed form.
+    shape = q_start.shape
+    q_start, q_end, k_start, k_end, window = (x.reshape(-1) for x in (q_start, q_end, k_start, k_end, window))
+    pairs = np.maximum(q_end - q_start, 0) * np.maximum(k_end - k_start, 0)
+    partial = np.flatnonzero((window > 0) & ((k_end - 1 > q_start) | (q_end - 1 - k_start >= window)))
+    if partial.size:
+        q_start, q_end, k_start, k_end, window = (x[partial] for x in (q_start, q_end, k_start, k_end, window))
+        pairs[partial] = (_pairs_at_least(q_start, q_end, k_start, k_end, np.zeros_like(window))
+                          - _pairs_at_least(q_start, q_end, k_start, k_end, window))
+    return pairs.reshape(shape)
 
