@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from fcp_compiler.errors import FcpError, InvalidInputError
+from fcp_compiler.format.safe_io import check_outputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="fcp: compile batches of sequence lengths into per-rank flexible context parallel plans.")
@@ -96,7 +97,7 @@ def compile_command(
     from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch, make_shape
-    from fcp_compiler.format.safe_io import check_outputs, write_files_atomic
+    from fcp_compiler.format.safe_io import write_files_atomic
     from fcp_compiler.tools.report import compile_summary
     from fcp_compiler.tools.simulate import layer_stats
 
@@ -242,7 +243,6 @@ def simulate_command(
     from fcp_compiler.format.validate import validate_plan
     from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
-    from fcp_compiler.format.safe_io import check_outputs
     from fcp_compiler.tools.simulate import simulate_plan, write_trace
 
     if model is not None:
@@ -274,8 +274,6 @@ def ablate_command(
     from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.tools.ablation import run_ablation
     from fcp_compiler.tools.report import ablation_table
-
-    from fcp_compiler.format.safe_io import check_outputs
 
     check_outputs([("--json", json_out)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     # The seed's Table 2 measures attention: each step is placed for attention alone, as the seed's system was.
@@ -320,8 +318,6 @@ def compare_command(
     from fcp_compiler.tools.compare import compare
     from fcp_compiler.tools.report import compare_rows
     from fcp_compiler.tools.traces import parse_trace_spec
-
-    from fcp_compiler.format.safe_io import check_outputs
 
     scales = _int_list(gpus, "--gpus")
     check_outputs([("--json", json_out), ("--plot", plot)], [("BATCH", batch), ("--profile", _profile_file(profile))])
@@ -368,8 +364,6 @@ def sweep_command(
     from fcp_compiler.tools.compare import sweep_block_sizes
     from fcp_compiler.tools.report import sweep_table
 
-    from fcp_compiler.format.safe_io import check_outputs
-
     sizes = _int_list(block_size, "--block-size")
     check_outputs([("--json", json_out), ("--plot", plot)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     if plot:
@@ -403,8 +397,6 @@ def diff_command(
         raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
     if not math.isfinite(tolerance) or tolerance < 0:
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
-    from fcp_compiler.format.safe_io import check_outputs
-
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
     readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
     for reader in readers:  # the diff simulates both: each must keep the invariants the simulator trusts
@@ -446,8 +438,6 @@ def _trace_total(gpus: int, tokens_per_gpu: int, seed: int, mask: str, output: P
     an output that is not the input."""
     from fcp_compiler.format.inputs import MAX_BATCH_TOKENS, parse_mask
     from fcp_compiler.format.plan_format import MAX_RANKS
-    from fcp_compiler.format.safe_io import check_outputs
-
     if not 1 <= gpus <= MAX_RANKS or tokens_per_gpu < 1 or gpus * tokens_per_gpu > MAX_BATCH_TOKENS:
         raise InvalidInputError(f"--gpus {gpus} x --tokens-per-gpu {tokens_per_gpu} must be a batch fcp compile takes: "
                                 f"1 to {MAX_RANKS} GPUs, at least 1 token each, at most {MAX_BATCH_TOKENS} tokens")
