@@ -72,3 +72,59 @@ def test_a_delay_that_would_hold_buffers_past_the_budget_is_not_made():
     assert level_stages(earliest, rank, seconds, 2).tolist() == [3, 3, 3]
     assert level_stages(earliest, rank, seconds, 2, limit=limit(20)).tolist() == [3, 3, 3]
     assert level_stages(earliest, rank, seconds, 2, limit=limit(15)).tolist() == [1, 3, 3]
+
+
+def _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit):
+    """The greedy written plainly: per rank a list of unmoved tiles by earliest stage, a moved tile deleted."""
+    import bisect
+
+    from fcp_compiler.algorithms.leveling import MAX_SKIPS, _LiveBuffers
+
+    stage = earliest.astype(np.int64).copy()
+    num_stages = int(stage.max()) + 1
+    buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
+    pending = [[t for t in np.lexsort((np.arange(stage.size), earliest, rank)).tolist() if movable[t] and rank[t] == r]
+               for r in range(num_ranks)]
+    firsts = [[int(earliest[t]) for t in tiles] for tiles in pending]
+    load = stage_loads(stage, rank, seconds, num_stages, num_ranks).tolist()
+    for target in range(num_stages - 1, 0, -1):
+        level = max(load[target])
+        for r in range(num_ranks):
+            gap = level - load[target][r]
+            if gap <= 0:
+                continue
+            idx, skips = bisect.bisect_left(firsts[r], target) - 1, 0
+            while idx >= 0 and skips < MAX_SKIPS:
+                tile = pending[r][idx]
+                if seconds[tile] > gap or (buffers is not None and not buffers.extend(tile, target)):
+                    skips, idx = skips + 1, idx - 1
+                    continue
+                gap -= seconds[tile]
+                load[stage[tile]][r] -= seconds[tile]
+                load[target][r] += seconds[tile]
+                stage[tile] = target
+                del pending[r][idx], firsts[r][idx]
+                idx -= 1
+    return stage
+
+
+@given(st.integers(1, 4), st.integers(1, 60), st.integers(0, 2**16), st.booleans())
+def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget):
+    from fcp_compiler.algorithms.leveling import BufferLimit
+
+    rng = np.random.default_rng(seed)
+    earliest = rng.integers(0, 6, size=num_tiles)
+    rank = rng.integers(0, num_ranks, size=num_tiles)
+    seconds = rng.choice([0.0, 0.5, 1.0, 1.5, 4.0], size=num_tiles)
+    movable = rng.random(num_tiles) < 0.8
+    limit = None
+    if with_budget:
+        num_buffers = max(1, num_tiles // 3)
+        limit = BufferLimit(tile_buffer=rng.integers(-1, num_buffers, size=num_tiles),
+                            buffer_rank=rng.integers(0, num_ranks, size=num_buffers),
+                            buffer_first=rng.integers(0, 3, size=num_buffers),
+                            buffer_tokens=rng.integers(1, 5, size=num_buffers),
+                            buffer_hold=rng.integers(0, 2, size=num_buffers), budget=int(rng.integers(4, 12)))
+    got = level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=limit)
+    want = _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit)
+    assert np.array_equal(got, want)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,14 +69,15 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
     buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
     candidates = np.flatnonzero(movable)
-    order = candidates[np.lexsort((candidates, earliest[candidates], rank[candidates]))]
+    # Per rank, its movable tiles by earliest stage (ties in tile order): one stable sort of one key.
+    order = candidates[np.argsort(rank[candidates] * (num_stages + 1) + earliest[candidates], kind="stable")]
+    order_earliest = earliest[order]
     bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
-    # Per rank, its unmoved movable tiles by earliest stage; the latest ones go first. The loop runs on Python
-    # lists: it touches one tile at a time, where numpy scalars cost more than the work.
-    pending = [order[bounds[r]:bounds[r + 1]].tolist() for r in range(num_ranks)]
-    pending_earliest = [earliest[tiles].tolist() for tiles in pending]
     load = stage_loads(stage, rank, seconds, num_stages, num_ranks).tolist()
-    stage_list, seconds_list = stage.tolist(), seconds.tolist()
+    # Few tiles move (a handful a rank and stage, next to where its arrivals end), so the loop reads the arrays
+    # where it scans instead of copying millions of tiles into lists. A moved tile is marked by pointing left;
+    # scans jump over moved tiles (path compression keeps that O(1) amortised).
+    moved: dict[int, int] = {}
     for target in range(num_stages - 1, 0, -1):
         row = load[target]
         level = max(row)
@@ -85,23 +85,36 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             gap = level - row[r]
             if gap <= 0:
                 continue
-            tiles, firsts = pending[r], pending_earliest[r]
-            idx = bisect.bisect_left(firsts, target) - 1
+            low = int(bounds[r])
+            idx = _unmoved(moved, int(np.searchsorted(order_earliest[low:bounds[r + 1]], target)) + low - 1, low)
             skips = 0  # tiles that do not fit are passed over, a few per rank and stage (bounded scan)
-            while idx >= 0 and skips < MAX_SKIPS:
-                tile = tiles[idx]
-                work = seconds_list[tile]
+            while idx >= low and skips < MAX_SKIPS:
+                tile = int(order[idx])
+                work = float(seconds[tile])
                 if work > gap or (buffers is not None and not buffers.extend(tile, target)):
                     skips += 1
-                    idx -= 1
+                    idx = _unmoved(moved, idx - 1, low)
                     continue
                 gap -= work
-                load[stage_list[tile]][r] -= work
+                load[int(stage[tile])][r] -= work
                 row[r] += work
-                stage_list[tile] = target
-                del tiles[idx], firsts[idx]
-                idx -= 1
-    return np.asarray(stage_list, dtype=np.int64)
+                stage[tile] = target
+                moved[idx] = idx - 1
+                idx = _unmoved(moved, idx - 1, low)
+    return stage
+
+
+def _unmoved(moved: dict[int, int], idx: int, low: int) -> int:
+    """The last position at or before idx (and at or after low) whose tile has not moved, low - 1 if none; the
+    path there is compressed."""
+    root = idx
+    while root >= low and root in moved:
+        root = moved[root]
+    while idx > root:
+        following = moved[idx]
+        moved[idx] = root
+        idx = following
+    return max(root, low - 1)
 
 
 class _LiveBuffers:
@@ -116,13 +129,13 @@ class _LiveBuffers:
         self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
                                 int(max(end.max(initial=0), num_stages)) + 2).tolist()
         self.last = last.tolist()
-        self.tile_buffer = limit.tile_buffer.tolist()
+        self.tile_buffer = limit.tile_buffer  # one entry a tile (millions at small blocks): read in place
         self.rank, self.tokens = limit.buffer_rank.tolist(), limit.buffer_tokens.tolist()
         self.hold, self.budget = limit.buffer_hold.tolist(), limit.budget
 
     def extend(self, tile: int, target: int) -> bool:
         """Keep the tile's buffer live until `target` if the budget allows; False (and no change) if not."""
-        buffer = self.tile_buffer[tile]
+        buffer = int(self.tile_buffer[tile])
         if buffer < 0 or self.last[buffer] >= target:
             return True
         row = self.live[self.rank[buffer]]
