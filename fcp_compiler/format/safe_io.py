@@ -95,11 +95,13 @@ def _depth(value, limit: int) -> int:
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        duplicate = next(key for idx, key in enumerate(keys) if key in keys[:idx])
-        raise ValueError(f"key {duplicate!r} appears more than once in one object; give it once")
-    return dict(pairs)
+    """An object's members; a key given twice is refused (json.loads would keep the last one silently)."""
+    value: dict = {}
+    for key, member in pairs:
+        if key in value:
+            raise ValueError(f"key {key!r} appears more than once in one object; give it once")
+        value[key] = member
+    return value
 
 
 def parse_json(text: str, origin: str) -> object:
