@@ -113,6 +113,8 @@ class RankPlan:
             raise ValueError(f"the batch has {len(lengths)} sequences; the plan was compiled for "
                              f"{self.seq_lengths.size}")
         masks = [masks] * len(lengths) if masks is None or not isinstance(masks, (list, tuple)) else list(masks)
+        if len(masks) != len(lengths):
+            raise ValueError(f"{len(masks)} masks for {len(lengths)} sequences; give one mask, or one a sequence")
         for seq_idx, (length, mask) in enumerate(zip(lengths, masks)):
             window = parse_mask(mask if mask is not None else "causal", "mask").window_for(length)
             if length != self.seq_lengths[seq_idx] or window != self.seq_window[seq_idx]:
