@@ -7,7 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
-from fcp_compiler.algorithms.keys import sorted_unique
+from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
 from fcp_compiler.algorithms.ranges import user_layout_bounds
 from fcp_compiler.core.ir import Assignment, TileSet
@@ -89,8 +89,11 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     seg_block = tiles.sharding.seg_block
     q_block = seg_block[tiles.pair_q_seg]
     foreign = seg_block[tiles.pair_kv_seg] != q_block
-    key = sorted_unique(q_block[foreign] * tiles.sharding.num_segments + tiles.pair_kv_seg[foreign])
-    return key // tiles.sharding.num_segments, key % tiles.sharding.num_segments
+    num_segments = tiles.sharding.num_segments
+    # Counting instead of sorting where the (block, segment) space is small enough: millions of pairs at small blocks.
+    key = unique_keys(q_block[foreign] * num_segments + tiles.pair_kv_seg[foreign],
+                      tiles.sharding.num_blocks * num_segments)
+    return key // num_segments, key % num_segments
 
 
 def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,
