@@ -237,6 +237,18 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     backward = _backward(transfers, forward_round, 2 * coalesce, pipelined, kv_edge, q_edge,
                          BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
     arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
-    tile_order = np.lexsort((np.arange(tiles.num_tiles), arrival_round, forward.tile_stage, tile_rank))
+    tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
+
+
+def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray) -> np.ndarray:
+    """Tiles by (rank, stage, round their data arrives, index): one stable sort of one combined key where it fits
+    in int64 (a four-key lexsort costs three times as much on millions of tiles)."""
+    if tile_rank.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    num_stages, num_rounds = int(tile_stage.max()) + 1, int(arrival_round.max()) + 2
+    if (int(tile_rank.max()) + 1) * num_stages * num_rounds >= 2**62:
+        return np.lexsort((np.arange(tile_rank.size), arrival_round, tile_stage, tile_rank))
+    key = (tile_rank.astype(np.int64) * num_stages + tile_stage) * num_rounds + (arrival_round + 1)
+    return np.argsort(key, kind="stable")
