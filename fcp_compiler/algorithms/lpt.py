@@ -10,8 +10,8 @@ UNPLACED = -1
 # Bounds on the dense (top-bin item x candidate) matrices the local searches build, so that memory scales with the
 # items, not with bins x items: evaluated PAIRS_AT_ONCE at a time, and past SWAP_PAIRS in all, swaps look only at the
 # items of the least-loaded bins (moves, with one column a bin, always see every bin).
-PAIRS_AT_ONCE = 1 << 20
-SWAP_PAIRS = 1 << 22
+PAIRS_AT_ONCE = 1 << 18
+SWAP_PAIRS = 1 << 20
 
 
 def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int,
