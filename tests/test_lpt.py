@@ -80,13 +80,20 @@ def over_cap(assignment, sizes, num_bins, capacity):
     return np.maximum(used - capacity, 0)
 
 
-@given(st.integers(2, 4), st.lists(st.integers(0, 9), min_size=3, max_size=9), st.integers(0, 2**32 - 1))
-def test_level_sizes_never_pushes_a_bin_over_and_only_shrinks_excess(num_bins, sizes, seed):
+@given(st.integers(2, 4), st.lists(st.integers(0, 9), min_size=3, max_size=9), st.integers(0, 2**32 - 1),
+       st.sampled_from([None, 2]))
+def test_level_sizes_never_pushes_a_bin_over_and_only_shrinks_excess(num_bins, sizes, seed, swap_pairs):
+    # swap_pairs 2: swaps look only at the items of the roomiest bins, as they do past SWAP_PAIRS on big inputs.
+    from unittest import mock
+
+    import fcp_compiler.algorithms.lpt as lpt
+
     sizes = np.array(sizes)
     weights = np.random.default_rng(seed).uniform(1, 5, size=sizes.size)
     start = np.random.default_rng(seed).integers(0, num_bins, size=sizes.size)
     capacity = max(-(-int(sizes.sum()) // num_bins), int(sizes.max()), 1)
-    levelled = level_sizes(weights, sizes, start, num_bins, capacity)
+    with mock.patch.object(lpt, "SWAP_PAIRS", swap_pairs or lpt.SWAP_PAIRS):
+        levelled = level_sizes(weights, sizes, start, num_bins, capacity)
     before, after = over_cap(start, sizes, num_bins, capacity), over_cap(levelled, sizes, num_bins, capacity)
     assert (after[before == 0] == 0).all()  # a bin within the cap stays within it
     assert (after <= before).all() and after.sum() <= before.sum()

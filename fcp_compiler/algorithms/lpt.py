@@ -149,28 +149,22 @@ def _best_move(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
 
 def _swap_partners(on_top: np.ndarray, top: int, bin_of: np.ndarray, loads: np.ndarray) -> np.ndarray:
     """The items a top-bin item may swap with: every item elsewhere while (top items x those) stays within
-    SWAP_PAIRS; past that, the items of the least-loaded bins (the partners that lower the top the most), whole
-    bins in order of load, in index order."""
+    SWAP_PAIRS; past that, the items of the least-loaded bins (the partners that lower the top the most)."""
     others = np.flatnonzero(bin_of != top)
     if on_top.size * others.size <= SWAP_PAIRS:
         return others
-    per_bin = np.bincount(bin_of, minlength=loads.size)
     lightest = np.lexsort((np.arange(loads.size), loads))
-    lightest = lightest[lightest != top]
-    enough = int(np.searchsorted(np.cumsum(per_bin[lightest]), max(SWAP_PAIRS // on_top.size, 1))) + 1
-    chosen = np.zeros(loads.size, dtype=bool)
-    chosen[lightest[:enough]] = True
-    return others[chosen[bin_of[others]]]
+    return _items_of_first_bins(others, bin_of, lightest[lightest != top], loads.size, SWAP_PAIRS // on_top.size)
 
 
-def _items_of_roomiest_bins(items: np.ndarray, bin_of: np.ndarray, used: np.ndarray, capacity: int,
-                            at_least: int) -> np.ndarray:
-    """The items (of `items`) in the bins with the most room left, whole bins, until there are `at_least` of them."""
-    per_bin = np.bincount(bin_of[items], minlength=used.size)
-    roomiest = np.lexsort((np.arange(used.size), used - capacity))
-    enough = int(np.searchsorted(np.cumsum(per_bin[roomiest]), max(at_least, 1))) + 1
-    chosen = np.zeros(used.size, dtype=bool)
-    chosen[roomiest[:enough]] = True
+def _items_of_first_bins(items: np.ndarray, bin_of: np.ndarray, bin_order: np.ndarray, num_bins: int,
+                         at_least: int) -> np.ndarray:
+    """The items (of `items`, in their order) in the first bins of `bin_order`, whole bins, until there are at
+    least `at_least` of them (or every bin of the order is taken)."""
+    per_bin = np.bincount(bin_of[items], minlength=num_bins)
+    enough = int(np.searchsorted(np.cumsum(per_bin[bin_order]), max(at_least, 1))) + 1
+    chosen = np.zeros(num_bins, dtype=bool)
+    chosen[bin_order[:enough]] = True
     return items[chosen[bin_of[items]]]
 
 
@@ -237,7 +231,8 @@ def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_
             # Candidates (x, y): y = -1 moves x to bin `target`; else x and y swap. Size leaving the source: gap.
             others = np.flatnonzero((bin_of != source) & (sizes > 0))  # items of no size never move
             if mine.size * others.size > SWAP_PAIRS:  # the bins with the most room take a swap most easily
-                others = _items_of_roomiest_bins(others, bin_of, used, capacity, SWAP_PAIRS // mine.size)
+                roomiest = np.lexsort((np.arange(num_bins), used - capacity))
+                others = _items_of_first_bins(others, bin_of, roomiest, num_bins, SWAP_PAIRS // mine.size)
             gap = sizes[mine][:, None] - sizes[others][None, :]
             fits = (gap > 0) & (used[bin_of[others]][None, :] + gap <= capacity)
             x_idx, y_idx = np.nonzero(fits)
