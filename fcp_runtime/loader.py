@@ -15,7 +15,8 @@ import torch
 from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
 
-_RESERVED = ("plan", "lengths", "token_index", "position_ids", "mask")
+# Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
+_RESERVED = ("plan", "lengths", "rows", "token_index", "position_ids", "inputs_digest", "mask")
 
 
 def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor]], list | None]:
@@ -58,9 +59,9 @@ class PlanningCollate:
     "window": W}; documents without one are causal). Each call returns a dict with every per-token field taken at
     this rank's rows, plus `position_ids` (each row's position inside its own document, for RoPE), `lengths` (all
     documents' lengths), `plan` (this rank's RankPlan), `inputs_digest` (the digest of the batch and options it was
-    compiled from), `rows` (the rows' positions in the concatenated batch) and,
-    in the plan layout, `token_index` (the same as `rows`). The rows are the plan layout's `token_index`, or in the
-    user layout rows [floor(r*T/N), floor((r+1)*T/N)).
+    compiled from), `rows` (the rows' positions in the concatenated batch) and, in the plan layout, `token_index`
+    (the same as `rows`). The rows are the plan layout's `token_index`, or in the user layout rows
+    [floor(r*T/N), floor((r+1)*T/N)).
     """
 
     def __init__(self, rank: int, world_size: int, layout: str = "plan", **compile_options):
