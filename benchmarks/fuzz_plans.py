@@ -269,31 +269,11 @@ def run_chunk(job) -> Outcome:
     return outcome
 
 
-def _dispatch_exactly(plan_bytes: bytes, total: int):
-    """A rank task: dispatch() moves the rank's user-layout rows to exactly its plan-layout tokens, and
-    undispatch() moves them back (raises on a mismatch)."""
-
-    def task(rank, world):
-        import torch
-
-        from fcp_runtime import dispatch, load_rank_plan, undispatch
-
-        plan = load_rank_plan(plan_bytes, rank)
-        everything = torch.arange(total, dtype=torch.float64)[:, None].repeat(1, 2)
-        mine = everything[rank * total // world:(rank + 1) * total // world]
-        moved = dispatch(mine, plan)
-        torch.testing.assert_close(moved, everything[plan.token_index], rtol=0, atol=0)
-        torch.testing.assert_close(undispatch(moved, plan), mine, rtol=0, atol=0)
-        return True
-
-    return task
-
-
 def replay_exactly(path: str) -> None:
     """Replay a plan on gloo against the dense reference, attention in the plan's layout and dispatch() and
     undispatch() (raises on a mismatch)."""
     import torch
-    from runtime_harness import compare_with_reference, run_ranks
+    from runtime_harness import compare_with_reference, dispatch_round_trip, run_ranks
 
     reader = PlanReader(path)
     header = reader.header
@@ -302,7 +282,7 @@ def replay_exactly(path: str) -> None:
     windows = reader.tables.seq_window.tolist()
     run_ranks(header.num_ranks, compare_with_reference(data, lengths, windows, 2, 1, torch.float64,
                                                        header.layout.value))
-    run_ranks(header.num_ranks, _dispatch_exactly(data, sum(lengths)))
+    run_ranks(header.num_ranks, dispatch_round_trip(data, sum(lengths)))
 
 
 def compile_sources(folder: str) -> dict[str, bytes]:

@@ -107,6 +107,28 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     return task
 
 
+def dispatch_round_trip(plan_bytes: bytes, total: int):
+    """A rank task: dispatch() moves the rank's user-layout rows to exactly its plan-layout tokens, undispatch()
+    moves them back, and the gradient of both moves comes back the same way (asserts exact equality)."""
+
+    def task(rank, world):
+        from fcp_runtime import dispatch, load_rank_plan, undispatch
+
+        plan = load_rank_plan(plan_bytes, rank)
+        everything = torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor([1.0, -1.0], dtype=torch.float64)
+        lo, hi = rank * total // world, (rank + 1) * total // world
+        mine = everything[lo:hi].clone().requires_grad_()
+        dispatched = dispatch(mine, plan)
+        torch.testing.assert_close(dispatched, everything[plan.token_index], rtol=0, atol=0)
+        back = undispatch(dispatched * 3, plan)
+        torch.testing.assert_close(back, 3 * everything[lo:hi], rtol=0, atol=0)
+        back.sum().backward()  # d/dx of sum(3 x) through both moves
+        torch.testing.assert_close(mine.grad, torch.full_like(mine, 3.0), rtol=0, atol=0)
+        return True
+
+    return task
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

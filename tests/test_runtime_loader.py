@@ -2,7 +2,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from runtime_harness import run_ranks  # noqa: E402
+from runtime_harness import dispatch_round_trip, run_ranks  # noqa: E402
 
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_runtime.loader import PlanningCollate  # noqa: E402
@@ -43,7 +43,8 @@ def test_collate_takes_every_per_token_field_at_the_same_rows_and_compiles_each_
 
 
 def test_collate_refuses_documents_whose_fields_disagree():
-    with pytest.raises(ValueError, match="document 0's per-token fields differ in length: {'labels': 3, 'tokens': 700}"):
+    with pytest.raises(ValueError,
+                       match="document 0's per-token fields differ in length: {'labels': 3, 'tokens': 700}"):
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "labels": torch.zeros(3)}])
     with pytest.raises(ValueError, match="document 1 has fields"):
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0]}, {"labels": DOCUMENTS[1]}])
@@ -63,27 +64,10 @@ def test_collate_in_plan_layout_gives_each_rank_its_plan_tokens_with_positions_a
                        torch.arange(everything.numel()))
 
 
-def test_dispatch_and_undispatch_move_any_per_token_tensor_and_their_gradients(tmp_path):
+def test_dispatch_and_undispatch_move_any_per_token_tensor_and_their_gradients():
     lengths = [700, 3000, 90, 1200]
     plan_bytes = compile_plan(lengths, 4, block_size=512).to_bytes()
-    total = sum(lengths)
-
-    def task(rank, world):
-        from fcp_runtime import dispatch, load_rank_plan, undispatch
-
-        plan = load_rank_plan(plan_bytes, rank)
-        everything = torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor([1.0, -1.0], dtype=torch.float64)
-        lo, hi = rank * total // world, (rank + 1) * total // world
-        mine = everything[lo:hi].clone().requires_grad_()
-        dispatched = dispatch(mine, plan)
-        torch.testing.assert_close(dispatched, everything[plan.token_index], rtol=0, atol=0)
-        back = undispatch(dispatched * 3, plan)
-        torch.testing.assert_close(back, 3 * everything[lo:hi], rtol=0, atol=0)
-        back.sum().backward()  # d/dx of sum(3 x) through both moves
-        torch.testing.assert_close(mine.grad, torch.full_like(mine, 3.0), rtol=0, atol=0)
-        return True
-
-    assert all(run_ranks(4, task))
+    assert all(run_ranks(4, dispatch_round_trip(plan_bytes, sum(lengths))))
 
 
 def test_collate_records_the_inputs_digest_and_a_plan_for_other_windows_is_refused():
