@@ -40,3 +40,15 @@ def sorted_unique(keys: np.ndarray, return_inverse: bool = False):
     inverse = np.empty(keys.size, dtype=np.int64)
     inverse[order] = np.cumsum(first) - 1
     return ordered[first], inverse
+
+
+def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """np.argsort(keys, kind="stable") for int keys in [0, bound): by one or two 16-bit radix passes where bound
+    allows (numpy sorts 16-bit keys by radix, several times faster than a comparison sort of millions of int64)."""
+    keys = np.asarray(keys)
+    if bound <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    if bound <= 1 << 32:
+        order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+        return order[np.argsort((keys >> 16).astype(np.uint16)[order], kind="stable")]
+    return np.argsort(keys, kind="stable")

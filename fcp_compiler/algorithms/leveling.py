@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_order
 from fcp_compiler.algorithms.liveness import live_tokens
 
 
@@ -36,8 +37,28 @@ class BufferLimit:
     budget: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidates:
+    """The movable tiles per rank by earliest stage (ties in tile order): those of rank r that may run before stage
+    s are order[before[r * (S + 1)] : before[r * (S + 1) + s]] for S stages."""
+
+    order: np.ndarray
+    before: list[int]
+
+
+def candidates_by_rank(earliest: np.ndarray, rank: np.ndarray, num_ranks: int, movable: np.ndarray) -> Candidates:
+    """The Candidates of :func:`level_stages`: one stable sort of one key (rank, earliest stage). O(T) by radix."""
+    num_stages = int(earliest.max(initial=0)) + 1
+    candidates = np.flatnonzero(movable)
+    key = rank[candidates] * (num_stages + 1) + earliest[candidates]
+    order = candidates[stable_order(key, num_ranks * (num_stages + 1))]
+    before = np.concatenate(([0], np.cumsum(np.bincount(key, minlength=num_ranks * (num_stages + 1)))))
+    return Candidates(order=order, before=before.tolist())
+
+
 def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_ranks: int,
-                 movable: np.ndarray | None = None, limit: BufferLimit | None = None) -> np.ndarray:
+                 movable: np.ndarray | None = None, limit: BufferLimit | None = None,
+                 candidates: Candidates | None = None) -> np.ndarray:
     """Stages for tiles, each at or after its earliest stage, that lower the sum over stages of the busiest rank.
 
     Ranks exchange data every stage, so a stage lasts about as long as its busiest rank computes; a rank whose data
@@ -59,6 +80,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         num_ranks: N.
         movable: bool [T], tiles that may be delayed (default all).
         limit: the buffers tiles read and the budget on live tokens (default: no limit).
+        candidates: candidates_by_rank(earliest, rank, num_ranks, movable), when the caller has it already.
     Returns:
         int64 [T] stage of each tile.
     """
@@ -68,11 +90,9 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     num_stages = int(stage.max()) + 1
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
     buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
-    candidates = np.flatnonzero(movable)
-    # Per rank, its movable tiles by earliest stage (ties in tile order): one stable sort of one key.
-    order = candidates[np.argsort(rank[candidates] * (num_stages + 1) + earliest[candidates], kind="stable")]
-    order_earliest = earliest[order]
-    bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
+    if candidates is None:
+        candidates = candidates_by_rank(earliest, rank, num_ranks, movable)
+    order, before = candidates.order, candidates.before
     load = stage_loads(stage, rank, seconds, num_stages, num_ranks).tolist()
     # Few tiles move (a handful a rank and stage, next to where its arrivals end), so the loop reads the arrays
     # where it scans instead of copying millions of tiles into lists. A moved tile is marked by pointing left;
@@ -85,8 +105,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             gap = level - row[r]
             if gap <= 0:
                 continue
-            low = int(bounds[r])
-            idx = _unmoved(moved, int(np.searchsorted(order_earliest[low:bounds[r + 1]], target)) + low - 1, low)
+            low = before[r * (num_stages + 1)]
+            idx = _unmoved(moved, before[r * (num_stages + 1) + target] - 1, low)
             skips = 0  # tiles that do not fit are passed over, a few per rank and stage (bounded scan)
             while idx >= low and skips < MAX_SKIPS:
                 tile = int(order[idx])

@@ -177,7 +177,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     header_fields = _header_fields(final, options, assignment.token_cap, inputs_digest(the_batch, options, cap))
     data = timer.run("encode", encode, final, header_fields)
     compile_seconds = time.perf_counter() - total_start
-    stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model)
+    stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model,
+                       max_buffer=header_fields["max_buffer_tokens"])
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 

@@ -87,9 +87,10 @@ def pulls_read(schedule: Schedule) -> np.ndarray:
 
 
 def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_seconds: dict[str, float],
-               layout: str, model: ModelPreset | None = None) -> dict:
+               layout: str, model: ModelPreset | None = None, max_buffer: int | None = None) -> dict:
     """Every figure of the --stats JSON for a compiled plan that needs no simulation (the CLI adds the simulated
-    layer makespans and their gap to these bounds)."""
+    layer makespans and their gap to these bounds). `max_buffer`: max_buffer_tokens of the schedule, when the
+    caller has it (a pass over every tile of both passes)."""
     schedule = final.schedule
     rounds = schedule.rounds
     transfers = rounds.transfers
@@ -136,7 +137,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "bwd_exchange_degree": exchange_degree(transfers, schedule.backward, rounds.nvlink_lanes),
         "num_fwd_stages": schedule.forward.num_stages,
         "num_bwd_stages": schedule.backward.num_stages,
-        "max_buffer_tokens": max_buffer_tokens(schedule),
+        "max_buffer_tokens": max_buffer_tokens(schedule) if max_buffer is None else max_buffer,
         "compute_imbalance": imbalance_ratio(compute),
         # The placement's objective: each rank's forward linear layers on its plan-layout tokens (the user layout's
         # run on even chunks whatever the placement) plus its modelled tiles.

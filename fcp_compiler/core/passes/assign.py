@@ -7,9 +7,10 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs, dense_zigzag_sequences
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
-from fcp_compiler.algorithms.ranges import user_layout_bounds
+from fcp_compiler.algorithms.ranges import expand_ranges, user_layout_bounds
 from fcp_compiler.core.ir import Assignment, TileSet
 from fcp_compiler.errors import InfeasibleError
 
@@ -85,15 +86,39 @@ def home_ranks(sharding, num_ranks: int) -> np.ndarray:
 
 
 def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs (block b, segment k of another block that b's queries read), unique, sorted by block."""
-    seg_block = tiles.sharding.seg_block
+    """Pairs (block b, segment k of another block that b's queries read), unique, sorted by block.
+
+    The blocks of dense causal zig-zag sequences read what :func:`dense_zigzag_needs` says in closed form (their
+    n^2 tiles are millions of segment pairs at small blocks); every other block's needs come from its pairs.
+    """
+    sharding = tiles.sharding
+    seg_block, num_segments = sharding.seg_block, sharding.num_segments
+    batch = sharding.batch
+    first_block, num_dense, first_seg = dense_zigzag_sequences(seg_block, sharding.seg_seq, sharding.seg_start,
+                                                               sharding.seg_end, batch.windows == batch.lengths,
+                                                               sharding.block_size // 2)
+    in_dense = np.zeros(sharding.num_blocks, dtype=bool)
+    in_dense[expand_ranges(first_block, num_dense)] = True
     q_block = seg_block[tiles.pair_q_seg]
-    foreign = seg_block[tiles.pair_kv_seg] != q_block
-    num_segments = tiles.sharding.num_segments
+    wanted = ~in_dense[q_block] & (seg_block[tiles.pair_kv_seg] != q_block)
     # Counting instead of sorting where the (block, segment) space is small enough: millions of pairs at small blocks.
-    key = unique_keys(q_block[foreign] * num_segments + tiles.pair_kv_seg[foreign],
-                      tiles.sharding.num_blocks * num_segments)
-    return key // num_segments, key % num_segments
+    key = unique_keys(q_block[wanted] * num_segments + tiles.pair_kv_seg[wanted], sharding.num_blocks * num_segments)
+    need_block, need_seg = key // num_segments, key % num_segments
+    dense_block, dense_seg = dense_zigzag_needs(first_block, num_dense, first_seg)
+    if dense_block.size == 0:
+        return need_block, need_seg
+    # A dense sequence's rows are a run of its own blocks, which no other need has: each goes in whole, in order.
+    generic_bounds = np.concatenate(([0], np.searchsorted(need_block, first_block), [key.size])).tolist()
+    dense_bounds = np.concatenate(([0], np.cumsum(num_dense * (2 * num_dense - 2)
+                                                  - num_dense * (num_dense - 1) // 2))).tolist()
+
+    def interleave(generic: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        pieces = [generic[generic_bounds[0]:generic_bounds[1]]]
+        for idx in range(first_block.size):
+            pieces += [dense[dense_bounds[idx]:dense_bounds[idx + 1]],
+                       generic[generic_bounds[idx + 1]:generic_bounds[idx + 2]]]
+        return np.concatenate(pieces)
+    return interleave(need_block, dense_block), interleave(need_seg, dense_seg)
 
 
 def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs, dense_zigzag_sequences, num_dense_pairs
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.core.ir import AttentionShape, HardwareProfile, MaskKind, Sharding, TileSet
@@ -52,7 +56,9 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
 
     A segment pair (query segment, key segment of the same sequence) is one kernel call; its forward FLOPs are
     4 * visible_pairs * q_heads * head_dim and its time FLOPs / (peak * efficiency(sqrt(q_len * k_len))). A tile
-    sums the segment pairs of one block pair. O(sum over sequences of segments^2), vectorised.
+    sums the segment pairs of one block pair, in the order (sequence, query start, key start). Causal zig-zag
+    sequences, whose n blocks make n^2 tiles, are listed in closed form (:mod:`fcp_compiler.algorithms.dense_zigzag`);
+    the rest one segment pair at a time. O(sum over sequences of segments^2), vectorised.
 
     Args:
         sharding: blocks and segments.
@@ -69,6 +75,39 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
             f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
             f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
             f"cut every sequence into 2N chunks")
+    batch = sharding.batch
+    dense = dense_zigzag_sequences(sharding.seg_block, sharding.seg_seq, sharding.seg_start, sharding.seg_end,
+                                   batch.windows == batch.lengths, sharding.block_size // 2)
+    in_dense = np.zeros(sharding.num_segments, dtype=bool)
+    in_dense[expand_ranges(dense[2], 2 * dense[1])] = True
+    generic = _segment_pair_tiles(sharding, shape, profile, skip_queries=in_dense)
+    return _with_dense_tiles(sharding, shape, profile, generic, *dense)
+
+
+def _pair_cost(shape: AttentionShape, profile: HardwareProfile, pairs: np.ndarray, q_len: np.ndarray,
+               k_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(FLOPs, modelled seconds) of segment pairs with `pairs` visible token pairs between q_len and k_len tokens."""
+    flops = 4.0 * pairs * shape.q_heads * shape.head_dim
+    efficiency = tile_efficiency(profile, np.sqrt(q_len * k_len.astype(np.float64)))
+    return flops, flops / (profile.peak_tflops * 1e12 * efficiency)
+
+
+@dataclass(frozen=True, slots=True)
+class _Tiles:
+    """Tiles sorted by key (q_block * num_blocks + kv_block) and their segment pairs, grouped by tile in order."""
+
+    key: np.ndarray
+    flops: np.ndarray
+    seconds: np.ndarray
+    pair_tile: np.ndarray
+    pair_q_seg: np.ndarray
+    pair_kv_seg: np.ndarray
+    pair_flops: np.ndarray
+
+
+def _segment_pair_tiles(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile,
+                        skip_queries: np.ndarray) -> _Tiles:
+    """Tiles from the segment pairs of every query segment not in skip_queries, enumerated one by one."""
     # Segments of one sequence never overlap, so in start order (causal) a later key segment is never seen; the
     # earlier ones and the query segment itself are counted in closed form, under the sequence's window.
     seg_seq = sharding.seg_seq
@@ -79,6 +118,7 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
     window = sharding.batch.windows[sorted_seq]
     position = np.arange(by_seq.size) - group_first[sorted_seq]
     pairs_per_seg = np.where(window > 0, position + 1, group_count[sorted_seq])
+    pairs_per_seg[skip_queries[by_seq]] = 0
     q_pos = np.repeat(np.arange(by_seq.size), pairs_per_seg)
     pair_first = np.concatenate(([0], np.cumsum(pairs_per_seg)[:-1]))
     k_pos = np.repeat(group_first[sorted_seq], pairs_per_seg) + np.arange(q_pos.size) - np.repeat(pair_first,
@@ -88,20 +128,60 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
     seen = pairs > 0  # under a window, earlier segments past its reach have no tile
     q_pos, k_pos, pairs = q_pos[seen], k_pos[seen], pairs[seen]
     sorted_tokens = sharding.seg_tokens[by_seq]
-    q_len, k_len = sorted_tokens[q_pos], sorted_tokens[k_pos]
+    flops, seconds = _pair_cost(shape, profile, pairs, sorted_tokens[q_pos], sorted_tokens[k_pos])
     q_seg, k_seg = by_seq[q_pos], by_seq[k_pos]
-    flops = 4.0 * pairs * shape.q_heads * shape.head_dim
-    efficiency = tile_efficiency(profile, np.sqrt(q_len * k_len.astype(np.float64)))
-    seconds = flops / (profile.peak_tflops * 1e12 * efficiency)
     num_blocks = sharding.num_blocks
-    key = sharding.seg_block[q_seg] * num_blocks + sharding.seg_block[k_seg]
-    tile_key, pair_tile = unique_keys(key, num_blocks * num_blocks, return_inverse=True)
-    num_tiles = tile_key.size
-    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=tile_key // num_blocks,
-                   tile_kv_block=tile_key % num_blocks,
-                   tile_flops=np.bincount(pair_tile, weights=flops, minlength=num_tiles),
-                   tile_seconds=np.bincount(pair_tile, weights=seconds, minlength=num_tiles),
-                   pair_tile=pair_tile, pair_q_seg=q_seg, pair_kv_seg=k_seg, pair_flops=flops)
+    tile_key, pair_tile = unique_keys(sharding.seg_block[q_seg] * num_blocks + sharding.seg_block[k_seg],
+                                      num_blocks * num_blocks, return_inverse=True)
+    return _Tiles(key=tile_key, flops=np.bincount(pair_tile, weights=flops, minlength=tile_key.size),
+                  seconds=np.bincount(pair_tile, weights=seconds, minlength=tile_key.size), pair_tile=pair_tile,
+                  pair_q_seg=q_seg, pair_kv_seg=k_seg, pair_flops=flops)
+
+
+def _with_dense_tiles(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile, generic: _Tiles,
+                      first_block: np.ndarray, num_blocks: np.ndarray, first_seg: np.ndarray) -> TileSet:
+    """The TileSet of the generic tiles and those of dense causal zig-zag sequences, in closed form.
+
+    A dense sequence's n^2 tiles are the rows of its own blocks, which no generic tile has: they go in whole, between
+    the generic tiles. Every pair of one is h x h tokens, all visible but for a chunk against itself
+    (h (h + 1) / 2); a tile's sums are taken in the order the pair-by-pair listing adds them (a diagonal tile: self,
+    whole, self; any other: whole, whole), so the figures are those of the generic path to the last bit.
+    """
+    total_blocks = sharding.num_blocks
+    tiles_per_seq = num_blocks * num_blocks
+    first_key = first_block * total_blocks
+    dense_before = np.concatenate(([0], np.cumsum(tiles_per_seq)))
+    offset = np.searchsorted(generic.key, first_key) + dense_before[:-1]
+    generic_index = np.arange(generic.key.size) + dense_before[np.searchsorted(first_key, generic.key, side="right")]
+    num_tiles = generic.key.size + int(dense_before[-1])
+    key, flops, seconds = np.empty(num_tiles, dtype=np.int64), np.empty(num_tiles), np.empty(num_tiles)
+    key[generic_index], flops[generic_index], seconds[generic_index] = generic.key, generic.flops, generic.seconds
+    half = sharding.block_size // 2
+    # [a whole chunk pair, a chunk against itself]
+    pair_flops, pair_seconds = _pair_cost(shape, profile, np.array([half * half, half * (half + 1) // 2]),
+                                          np.full(2, half, dtype=np.int64), np.full(2, half, dtype=np.int64))
+    for block, num, first in zip(first_block.tolist(), num_blocks.tolist(), offset.tolist()):
+        rows = np.arange(block, block + num, dtype=np.int64)
+        part = slice(first, first + num * num)
+        np.add(rows[:, None] * total_blocks, rows[None, :], out=key[part].reshape(num, num))
+        diagonal = slice(first, first + num * num, num + 1)
+        flops[part], seconds[part] = pair_flops[0] + pair_flops[0], pair_seconds[0] + pair_seconds[0]
+        flops[diagonal] = (pair_flops[1] + pair_flops[0]) + pair_flops[1]
+        seconds[diagonal] = (pair_seconds[1] + pair_seconds[0]) + pair_seconds[1]
+    num_generic = generic.pair_tile.size
+    num_pairs = num_generic + num_dense_pairs(num_blocks)
+    pair_tile, pair_q_seg, pair_kv_seg = (np.empty(num_pairs, dtype=np.int64) for _ in range(3))
+    pair_tile[:num_generic] = generic_index[generic.pair_tile]
+    pair_q_seg[:num_generic], pair_kv_seg[:num_generic] = generic.pair_q_seg, generic.pair_kv_seg
+    pair_self = np.empty(num_pairs - num_generic, dtype=bool)
+    dense_zigzag_pairs(first_seg, num_blocks, offset, out=(pair_tile[num_generic:], pair_q_seg[num_generic:],
+                                                           pair_kv_seg[num_generic:], pair_self))
+    all_flops = np.empty(num_pairs)
+    all_flops[:num_generic] = generic.pair_flops
+    np.copyto(all_flops[num_generic:], pair_flops[pair_self.astype(np.int64)])
+    return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=key // total_blocks,
+                   tile_kv_block=key % total_blocks, tile_flops=flops, tile_seconds=seconds, pair_tile=pair_tile,
+                   pair_q_seg=pair_q_seg, pair_kv_seg=pair_kv_seg, pair_flops=all_flops)
 
 
 def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape: AttentionShape,

@@ -1,0 +1,139 @@
+"""The block pairs of causal zig-zag sequences, in closed form: every block of such a sequence sees every other.
+
+A sequence cut into n zig-zag blocks (block i holds chunks i and 2n-1-i of h tokens, :mod:`fcp_compiler.core.passes.shard`)
+under a causal mask makes all n^2 block pairs tiles, each with the same few segment pairs: query chunk i sees key
+chunks 0..i, query chunk 2n-1-i every first chunk and the second chunks 2n-1-j for j >= i. Enumerating those
+pairs one segment pair at a time and sorting them into tiles is what made 64-token blocks slow; here they come out
+in tile order, with their kinds, in a few vector passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Segment pair kinds inside a tile (i, j): in the order the pairs of a tile are listed (query chunk, then key chunk
+# by position), the first chunks (i, j), the second query chunk with the first key chunk, the second chunks.
+FIRST_FIRST, SECOND_FIRST, SECOND_SECOND = 0, 1, 2
+
+
+def dense_zigzag_sequences(seg_block: np.ndarray, seg_seq: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
+                           causal: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sequences whose blocks are exact zig-zag pairs under a causal mask, checked segment by segment.
+
+    A sequence qualifies when some n >= 1 consecutive blocks f..f+n-1 each hold exactly two segments of it,
+    [i h, (i+1) h) then [(2n-1-i) h, (2n-i) h) for block f+i, and its mask is causal (a window as long as the
+    sequence). Whatever else it has (a tail) starts at 2 n h, after every chunk, so no chunk sees it. O(segments).
+
+    Args:
+        seg_block, seg_seq, seg_start, seg_end: the segment table, sorted by block (two segments of a block in
+            start order).
+        causal: bool per sequence, a causal mask.
+        half: h, the chunk size (half a block).
+    Returns:
+        (first block, blocks n, first segment) of each such sequence, int64, in block order; segment first + 2 i
+        is chunk i and first + 2 i + 1 chunk 2n-1-i.
+    """
+    empty = np.zeros(0, dtype=np.int64)
+    if seg_block.size < 2:
+        return empty, empty, empty
+    num_blocks = int(seg_block[-1]) + 1
+    counts = np.bincount(seg_block, minlength=num_blocks)
+    first_seg = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    block = np.flatnonzero(counts == 2)
+    low, high = first_seg[block], first_seg[block] + 1
+    seq = seg_seq[low]
+    pair = ((seg_seq[high] == seq) & (seg_end[low] - seg_start[low] == half) & (seg_end[high] - seg_start[high] == half)
+            & causal[seq])
+    block, low, high, seq = block[pair], low[pair], high[pair], seq[pair]
+    if block.size == 0:
+        return empty, empty, empty
+    num_sequences = causal.size
+    num = np.bincount(seq, minlength=num_sequences)
+    first = np.full(num_sequences, num_blocks, dtype=np.int64)
+    np.minimum.at(first, seq, block)
+    position = block - first[seq]
+    wrong = ((seg_start[low] != position * half) | (seg_start[high] != (2 * num[seq] - 1 - position) * half)
+             | (position >= num[seq]))
+    bad = np.bincount(seq[wrong], minlength=num_sequences) > 0
+    chosen = np.flatnonzero((num > 0) & ~bad)
+    order = np.argsort(first[chosen], kind="stable")
+    chosen = chosen[order]
+    return first[chosen], num[chosen].astype(np.int64), first_seg[first[chosen]].astype(np.int64)
+
+
+def _by_offset(num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per offset t = p - 2i of pair p in row i (t in [-2(n-1), 2n]): the kind, the key block's distance j - i, and
+    whether the pair is a chunk against itself. Row i of a sequence's pair matrix reads these at t = p - 2i."""
+    t = np.arange(-2 * (num - 1), 2 * num + 1, dtype=np.int64)
+    kind = np.where(t < 0, t % 2, np.where(t <= 2, t, 1 + (t - 1) % 2))
+    step = (t - (t >= 2)) // 2
+    return kind, step, (t == 0) | (t == 2)
+
+
+def _rows(values: np.ndarray, num: int) -> np.ndarray:
+    """The n x (2n + 1) view whose row i is values[2(n - 1 - i) : 2(n - 1 - i) + 2n + 1] (no copy)."""
+    stride = values.strides[0]
+    return np.lib.stride_tricks.as_strided(values[2 * (num - 1):], shape=(num, 2 * num + 1),
+                                           strides=(-2 * stride, stride), writeable=False)
+
+
+def num_dense_pairs(num_blocks: np.ndarray) -> int:
+    """Segment pairs of dense zig-zag sequences of these block counts: n (2n + 1) each."""
+    return int((num_blocks * (2 * num_blocks + 1)).sum())
+
+
+def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray, out=None):
+    """Every segment pair of dense zig-zag sequences (:func:`dense_zigzag_sequences`), grouped by tile in tile
+    order: sequence m's n^2 tiles (i, j), row by row, are tiles tile_offset[m] + i n + j.
+
+    Tile (i, j) lists FIRST_FIRST when j <= i, SECOND_FIRST always, SECOND_SECOND when j >= i (query chunk i sees key
+    chunks up to itself, chunk 2n-1-i every first chunk and second chunks from its own on): row i holds 2n + 1
+    pairs, and pair p of it depends on p - 2i alone, so each sequence's pairs are a few broadcast writes over one
+    strided view. O(sum of n^2).
+
+    Args:
+        first_seg, num_blocks: as :func:`dense_zigzag_sequences` returns them.
+        tile_offset: int64, the index of each sequence's first tile.
+        out: four arrays of num_dense_pairs entries to write into, as returned (default: new ones).
+    Returns:
+        (pair_tile, pair_q_seg, pair_kv_seg) int64 [P] and pair_self bool [P] (a chunk against itself).
+    """
+    if out is None:
+        num_pairs = num_dense_pairs(num_blocks)
+        out = (np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64),
+               np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=bool))
+    pair_tile, pair_q_seg, pair_kv_seg, pair_self = out
+    first = 0
+    for seg0, num, offset in zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist()):
+        kind, step, itself = _by_offset(num)
+        shape = (num, 2 * num + 1)
+        row = np.arange(num, dtype=np.int64)[:, None]
+        part = slice(first, first + shape[0] * shape[1])
+        np.add(_rows(step, num), offset + row * (num + 1), out=pair_tile[part].reshape(shape))
+        np.add(_rows((kind != FIRST_FIRST).astype(np.int64), num), seg0 + 2 * row,
+               out=pair_q_seg[part].reshape(shape))
+        np.add(_rows(2 * step + (kind == SECOND_SECOND), num), seg0 + 2 * row, out=pair_kv_seg[part].reshape(shape))
+        pair_self[part].reshape(shape)[...] = _rows(itself, num)
+        first = part.stop
+    return pair_tile, pair_q_seg, pair_kv_seg, pair_self
+
+
+def dense_zigzag_needs(first_block: np.ndarray, num_blocks: np.ndarray,
+                       first_seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(block, segment of another block) pairs that dense zig-zag sequences' query blocks read, sorted.
+
+    Block i of n reads chunk j of every block j < i (its chunk i sees chunks up to itself; chunk 2n-1-i sees no
+    second chunk before its own) and both chunks of every block j > i: 2n - 2 - i segments, the first i of them
+    every other segment, the rest one run. O(sum of n^2).
+
+    Returns:
+        (need_block, need_seg) int64, sorted by (block, segment).
+    """
+    blocks, segs = [], []
+    for block0, num, seg0 in zip(first_block.tolist(), num_blocks.tolist(), first_seg.tolist()):
+        row = np.arange(num, dtype=np.int64)
+        blocks.append(np.repeat(block0 + row, 2 * num - 2 - row))
+        firsts, every = seg0 + 2 * row, seg0 + np.arange(2 * num, dtype=np.int64)
+        segs.extend(piece for i in range(num) for piece in (firsts[:i], every[2 * i + 2:]))
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(blocks), np.concatenate(segs)) if blocks else (empty, empty)
