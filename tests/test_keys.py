@@ -28,3 +28,14 @@ def test_sorted_unique_is_np_unique(values):
     ours, our_inverse = sorted_unique(keys, return_inverse=True)
     assert np.array_equal(ours, unique) and np.array_equal(our_inverse, inverse.reshape(-1))
     assert np.array_equal(sorted_unique(keys), unique)
+
+
+@pytest.mark.parametrize("bound", [1, 300, 1 << 16, (1 << 16) + 1, 5_000_000, 1 << 32, (1 << 32) + 7])
+def test_stable_order_is_a_stable_argsort_in_every_radix_regime(bound):
+    from fcp_compiler.algorithms.keys import stable_order
+
+    rng = np.random.default_rng(bound % 1000)
+    for size in (0, 1, 5000):
+        # Few distinct values, so the order among equal keys (index order) is what is being tested.
+        keys = rng.choice(rng.integers(0, bound, size=40), size=size).astype(np.int64)
+        assert np.array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))

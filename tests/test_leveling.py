@@ -128,3 +128,9 @@ def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tile
     got = level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=limit)
     want = _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit)
     assert np.array_equal(got, want)
+    # The candidates a caller sorted once (both passes of a plan share them) give the same stages.
+    from fcp_compiler.algorithms.leveling import candidates_by_rank
+
+    shared = candidates_by_rank(earliest, rank, num_ranks, movable)
+    assert np.array_equal(level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=limit,
+                                       candidates=shared), want)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
@@ -83,33 +85,33 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
     return np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
 
 
-def _earliest_stages(pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
-                     tile_q_edge: np.ndarray) -> np.ndarray:
-    """Each tile's first stage: the one after its pulls arrive, 0 for a tile whose data is all local."""
-    arrival_round = _arrival_round(pull_round, tile_kv_edge, tile_q_edge)
-    return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Earliest:
+    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local) and the tiles
+    levelling may delay, by rank and first stage. Both passes share them: the backward's pulls take round 2r in
+    stages of 2c rounds, the stage r // c of the forward's round r."""
+
+    stage: np.ndarray
+    candidates: Candidates
+
+    @classmethod
+    def of(cls, arrival_round: np.ndarray, coalesce: int, tile_q_edge: np.ndarray, tile_rank: np.ndarray,
+           num_ranks: int) -> _Earliest:
+        stage = np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+        return cls(stage=stage, candidates=candidates_by_rank(stage, tile_rank, num_ranks,
+                                                              (stage > 0) & (tile_q_edge < 0)))
 
 
-def _level_candidates(transfers: Transfers, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
-                      tile_q_edge: np.ndarray) -> Candidates:
-    """The tiles levelling may delay, by rank and first stage. The backward's are the forward's: its pulls take
-    round 2r in stages of 2c rounds, the stage r // c of the forward's round r."""
-    tile_stage = _earliest_stages(pull_round, coalesce, tile_kv_edge, tile_q_edge)
-    assignment = transfers.assignment
-    return candidates_by_rank(tile_stage, assignment.tile_rank, assignment.num_ranks,
-                              (tile_stage > 0) & (tile_q_edge < 0))
-
-
-def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int, pipelined: bool,
-                 tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int | None,
-                 candidates: Candidates | None = None) -> np.ndarray:
-    """Each tile's stage: after its pulls arrive, levelled within the buffer budget (None: not levelled);
-    `candidates` are the movable tiles in levelling order, when known (:func:`_level_candidates`)."""
+def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
+                 earliest: _Earliest | None, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray,
+                 budget: int | None) -> np.ndarray:
+    """Each tile's stage: at or after its earliest (None: not pipelined, every tile after the last pull), levelled
+    within the buffer budget (None: not levelled)."""
     assignment = transfers.assignment
     tiles = assignment.tiles
-    if not pipelined:
+    if earliest is None:
         return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // coalesce + 1, dtype=np.int64)
-    tile_stage = _earliest_stages(pull_round, coalesce, tile_kv_edge, tile_q_edge)
+    tile_stage = earliest.stage
     if budget is None:
         return tile_stage
     # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
@@ -123,16 +125,16 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
                         buffer_first=pull_round // coalesce, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
                         budget=budget)
     return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
-                        movable=(tile_stage > 0) & ~q_remote, limit=limit, candidates=candidates)
+                        movable=(tile_stage > 0) & ~q_remote, limit=limit, candidates=earliest.candidates)
 
 
-def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipelined: bool, tile_kv_edge: np.ndarray,
-             tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int, candidates: Candidates | None) -> PassSchedule:
+def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, earliest: _Earliest | None,
+             tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int) -> PassSchedule:
     """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds
     (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
     is_q = transfers.edge_kind == TransferKind.Q
-    tile_stage = _tile_stages(transfers, pull_round, np.flatnonzero(is_q), coalesce, pipelined, tile_kv_edge,
-                              tile_q_edge, budget, candidates)
+    tile_stage = _tile_stages(transfers, pull_round, np.flatnonzero(is_q), coalesce, earliest, tile_kv_edge,
+                              tile_q_edge, budget)
     push_edge, push_round = forward_push_rounds(is_q, transfers.edge_src, transfers.edge_dst,
                                                 transfers.assignment.num_ranks, pull_round, tile_stage, tile_kv_edge,
                                                 tile_q_edge, coalesce, transfers.edge_link, nvlink_lanes)
@@ -140,16 +142,15 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, pipeli
                         push_round=push_round)
 
 
-def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, pipelined: bool,
-              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int,
-              candidates: Candidates | None) -> PassSchedule:
+def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, earliest: _Earliest | None,
+              tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray, budget: int, nvlink_lanes: int) -> PassSchedule:
     """Pulls in the even rounds (round 2r for round r of the backward order); tiles after their data, levelled within
     the buffer budget (a later tile holds its block, and its gradient, longer); every gradient pushed back along its
     pull, relays after the pushes they sum
     (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     pull_round = 2 * forward_round
-    tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, pipelined,
-                              tile_kv_edge, tile_q_edge, budget, candidates)
+    tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, earliest,
+                              tile_kv_edge, tile_q_edge, budget)
     push_edge, push_round = backward_push_rounds(transfers.edge_src, transfers.edge_dst, transfers.edge_parent,
                                                  transfers.assignment.num_ranks, pull_round, tile_stage,
                                                  tile_kv_edge, tile_q_edge, coalesce, transfers.edge_link,
@@ -257,13 +258,13 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     # so the pulls re-sent inside a node take the same rounds in both passes.
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
-    candidates = _level_candidates(transfers, forward_round, coalesce, kv_edge, q_edge) if pipelined else None
-    forward = _forward(transfers, forward_round, coalesce, pipelined, kv_edge, q_edge, budget, lanes, candidates)
+    arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
+    earliest = _Earliest.of(arrival_round, coalesce, q_edge, tile_rank, assignment.num_ranks) if pipelined else None
+    forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
-    backward = _backward(transfers, forward_round, 2 * coalesce, pipelined, kv_edge, q_edge,
-                         BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes, candidates)
-    arrival_round = _arrival_round(forward.edge_round, kv_edge, q_edge)
+    backward = _backward(transfers, forward_round, 2 * coalesce, earliest, kv_edge, q_edge,
+                         BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
     tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
