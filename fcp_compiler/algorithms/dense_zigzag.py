@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import unique_keys
+
 # Segment pair kinds inside a tile (i, j): in the order the pairs of a tile are listed (query chunk, then key chunk
 # by position), the first chunks (i, j), the second query chunk with the first key chunk, the second chunks.
 FIRST_FIRST, SECOND_FIRST, SECOND_SECOND = 0, 1, 2
@@ -137,3 +139,39 @@ def dense_zigzag_needs(first_block: np.ndarray, num_blocks: np.ndarray,
         segs.extend(piece for i in range(num) for piece in (firsts[:i], every[2 * i + 2:]))
     empty = np.zeros(0, dtype=np.int64)
     return (np.concatenate(blocks), np.concatenate(segs)) if blocks else (empty, empty)
+
+
+def dense_zigzag_pull_needs(q_block: np.ndarray, kv_block: np.ndarray, rank: np.ndarray, owner: np.ndarray,
+                            block_first_seg: np.ndarray, num_ranks: int) -> tuple[np.ndarray, ...]:
+    """The (segment, rank) needs of tiles of dense zig-zag sequences run where a block they read is remote.
+
+    Tile (i, j) reads chunk j of key block j (first segment) always and chunk 2n-1-j (second) when j >= i; it reads
+    the second chunk of query block i always and the first when j <= i (:func:`dense_zigzag_pairs`). So a rank
+    pulls K, V of block j's first segment if any of its tiles reads j, its second if one of those has i <= j;
+    Q of block i's second segment if it runs any tile of i away from i's owner, its first if one of those has
+    j <= i. Block ids of one sequence are consecutive, so i <= j is q_block <= kv_block. O(T) for T tiles (by
+    counting; sorting where the (block, rank) space is much larger than T).
+
+    Args:
+        q_block, kv_block, rank: int64 [T], the tiles (all of dense sequences) and the ranks running them.
+        owner: int64 per block, its rank.
+        block_first_seg: int64 per block, its first segment (a dense block's second is the next one).
+        num_ranks: N.
+    Returns:
+        (kv_seg, kv_rank, q_seg, q_rank), int64, unique (segment, rank) needs of each kind.
+    """
+    space = owner.size * num_ranks
+    out = []
+    for needed, other in ((kv_block, q_block), (q_block, kv_block)):
+        remote = owner[needed] != rank
+        keys, inverse = unique_keys(needed[remote] * num_ranks + rank[remote], space, return_inverse=True)
+        least_other = np.full(keys.size, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(least_other, inverse, other[remote])
+        block, receiver = keys // num_ranks, keys % num_ranks
+        both = least_other <= block
+        out.append((block, receiver, both))
+    (kv_blocks, kv_ranks, kv_both), (q_blocks, q_ranks, q_both) = out
+    # K, V: the first segment always, the second where both; Q: the second always, the first where both.
+    kv_seg = np.concatenate((block_first_seg[kv_blocks], block_first_seg[kv_blocks[kv_both]] + 1))
+    q_seg = np.concatenate((block_first_seg[q_blocks] + 1, block_first_seg[q_blocks[q_both]]))
+    return kv_seg, np.concatenate((kv_ranks, kv_ranks[kv_both])), q_seg, np.concatenate((q_ranks, q_ranks[q_both]))

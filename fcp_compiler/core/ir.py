@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs, num_dense_pairs
 from fcp_compiler.algorithms.fan_out import class_degrees, link_class
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, MaskKind
 from fcp_compiler.format.plan_format import TransferKind
 
@@ -120,10 +122,46 @@ class Sharding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DenseTiles:
+    """Causal zig-zag sequences whose tiles and segment pairs a TileSet holds in closed form
+    (:mod:`fcp_compiler.algorithms.dense_zigzag`): sequence m has blocks first_block[m] .. + num_blocks[m] - 1,
+    segments first_seg[m] .. + 2 num_blocks[m] - 1, and tiles tile_offset[m] .. + num_blocks[m]^2 - 1, row by row.
+    Every pair of them is two chunks of h tokens: whole_flops, or self_flops for a chunk against itself."""
+
+    first_block: np.ndarray
+    num_blocks: np.ndarray
+    first_seg: np.ndarray
+    tile_offset: np.ndarray
+    whole_flops: float = 0.0
+    self_flops: float = 0.0
+
+    @classmethod
+    def none(cls) -> DenseTiles:
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(first_block=empty, num_blocks=empty, first_seg=empty, tile_offset=empty)
+
+    @property
+    def num_pairs(self) -> int:
+        return num_dense_pairs(self.num_blocks)
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """Every block of these sequences."""
+        return expand_ranges(self.first_block, self.num_blocks)
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """Every tile of these sequences, in order."""
+        return expand_ranges(self.tile_offset, self.num_blocks * self.num_blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TileSet:
     """Every (query block, key/value block) pair with visible token pairs, and its modelled cost.
 
-    Segment pairs (pair_*) are the kernel calls inside tiles; tiles are sorted by (q_block, kv_block).
+    Segment pairs (pair_*) are the kernel calls inside tiles; tiles are sorted by (q_block, kv_block). The pairs of
+    dense causal zig-zag sequences (`dense`, n^2 tiles each, millions at small blocks) are not stored: the pair_*
+    properties list them after the stored ones (listed_pair_*), built on each call.
     """
 
     sharding: Sharding
@@ -133,10 +171,11 @@ class TileSet:
     tile_kv_block: np.ndarray
     tile_flops: np.ndarray  # float64 forward FLOPs
     tile_seconds: np.ndarray  # float64 modelled forward time at the profile's peak and efficiency
-    pair_tile: np.ndarray  # int64 [num_pairs] tile of each segment pair
-    pair_q_seg: np.ndarray
-    pair_kv_seg: np.ndarray
-    pair_flops: np.ndarray  # float64 forward FLOPs of each segment pair
+    listed_pair_tile: np.ndarray  # int64 [num_listed_pairs] tile of each segment pair not in `dense`
+    listed_pair_q_seg: np.ndarray
+    listed_pair_kv_seg: np.ndarray
+    listed_pair_flops: np.ndarray  # float64 forward FLOPs of each segment pair
+    dense: DenseTiles = DenseTiles.none()
 
     @property
     def num_tiles(self) -> int:
@@ -145,7 +184,39 @@ class TileSet:
     @property
     def has_pairs(self) -> bool:
         """False for a tile set costed in closed form (the ring at scale): its tiles read whole blocks."""
-        return self.pair_tile.size > 0 or self.num_tiles == 0
+        return self.listed_pair_tile.size > 0 or self.dense.num_blocks.size > 0 or self.num_tiles == 0
+
+    def _dense_pairs(self) -> tuple[np.ndarray, ...]:
+        dense = self.dense
+        return dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
+
+    @property
+    def pair_tile(self) -> np.ndarray:
+        """int64 [num_pairs]: the tile of each segment pair (the listed ones, then the dense ones)."""
+        if self.dense.num_blocks.size == 0:
+            return self.listed_pair_tile
+        return np.concatenate((self.listed_pair_tile, self._dense_pairs()[0]))
+
+    @property
+    def pair_q_seg(self) -> np.ndarray:
+        if self.dense.num_blocks.size == 0:
+            return self.listed_pair_q_seg
+        return np.concatenate((self.listed_pair_q_seg, self._dense_pairs()[1]))
+
+    @property
+    def pair_kv_seg(self) -> np.ndarray:
+        if self.dense.num_blocks.size == 0:
+            return self.listed_pair_kv_seg
+        return np.concatenate((self.listed_pair_kv_seg, self._dense_pairs()[2]))
+
+    @property
+    def pair_flops(self) -> np.ndarray:
+        """float64 [num_pairs]: forward FLOPs of each segment pair."""
+        if self.dense.num_blocks.size == 0:
+            return self.listed_pair_flops
+        itself = self._dense_pairs()[3]
+        return np.concatenate((self.listed_pair_flops, np.where(itself, self.dense.self_flops,
+                                                                self.dense.whole_flops)))
 
     @property
     def block_seconds(self) -> np.ndarray:

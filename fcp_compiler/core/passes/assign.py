@@ -7,10 +7,10 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs, dense_zigzag_sequences
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
-from fcp_compiler.algorithms.ranges import expand_ranges, user_layout_bounds
+from fcp_compiler.algorithms.ranges import user_layout_bounds
 from fcp_compiler.core.ir import Assignment, TileSet
 from fcp_compiler.errors import InfeasibleError
 
@@ -88,21 +88,18 @@ def home_ranks(sharding, num_ranks: int) -> np.ndarray:
 def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (block b, segment k of another block that b's queries read), unique, sorted by block.
 
-    The blocks of dense causal zig-zag sequences read what :func:`dense_zigzag_needs` says in closed form (their
-    n^2 tiles are millions of segment pairs at small blocks); every other block's needs come from its pairs.
+    The blocks of dense causal zig-zag sequences (tiles.dense) read what :func:`dense_zigzag_needs` says in closed
+    form (their n^2 tiles are millions of segment pairs at small blocks); every other block's needs come from its
+    listed pairs.
     """
     sharding = tiles.sharding
     seg_block, num_segments = sharding.seg_block, sharding.num_segments
-    batch = sharding.batch
-    first_block, num_dense, first_seg = dense_zigzag_sequences(seg_block, sharding.seg_seq, sharding.seg_start,
-                                                               sharding.seg_end, batch.windows == batch.lengths,
-                                                               sharding.block_size // 2)
-    in_dense = np.zeros(sharding.num_blocks, dtype=bool)
-    in_dense[expand_ranges(first_block, num_dense)] = True
-    q_block = seg_block[tiles.pair_q_seg]
-    wanted = ~in_dense[q_block] & (seg_block[tiles.pair_kv_seg] != q_block)
+    first_block, num_dense, first_seg = tiles.dense.first_block, tiles.dense.num_blocks, tiles.dense.first_seg
+    q_block = seg_block[tiles.listed_pair_q_seg]
+    wanted = seg_block[tiles.listed_pair_kv_seg] != q_block
     # Counting instead of sorting where the (block, segment) space is small enough: millions of pairs at small blocks.
-    key = unique_keys(q_block[wanted] * num_segments + tiles.pair_kv_seg[wanted], sharding.num_blocks * num_segments)
+    key = unique_keys(q_block[wanted] * num_segments + tiles.listed_pair_kv_seg[wanted],
+                      sharding.num_blocks * num_segments)
     need_block, need_seg = key // num_segments, key % num_segments
     dense_block, dense_seg = dense_zigzag_needs(first_block, num_dense, first_seg)
     if dense_block.size == 0:

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs, dense_zigzag_sequences, num_dense_pairs
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_sequences
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.core.ir import AttentionShape, HardwareProfile, MaskKind, Sharding, TileSet
+from fcp_compiler.core.ir import AttentionShape, DenseTiles, HardwareProfile, MaskKind, Sharding, TileSet
 
 
 # Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past this many pairs (~8 GB)
@@ -143,8 +143,8 @@ def _with_dense_tiles(sharding: Sharding, shape: AttentionShape, profile: Hardwa
     """The TileSet of the generic tiles and those of dense causal zig-zag sequences, in closed form.
 
     A dense sequence's n^2 tiles are the rows of its own blocks, which no generic tile has: they go in whole, between
-    the generic tiles. Every pair of one is h x h tokens, all visible but for a chunk against itself
-    (h (h + 1) / 2); a tile's sums are taken in the order the pair-by-pair listing adds them (a diagonal tile: self,
+    the generic tiles; their segment pairs are not stored (TileSet.dense). Every pair of one is h x h tokens, all
+    visible but for a chunk against itself (h (h + 1) / 2); a tile's sums are taken in the order the pair-by-pair listing adds them (a diagonal tile: self,
     whole, self; any other: whole, whole), so the figures are those of the generic path to the last bit.
     """
     total_blocks = sharding.num_blocks
@@ -168,20 +168,13 @@ def _with_dense_tiles(sharding: Sharding, shape: AttentionShape, profile: Hardwa
         flops[part], seconds[part] = pair_flops[0] + pair_flops[0], pair_seconds[0] + pair_seconds[0]
         flops[diagonal] = (pair_flops[1] + pair_flops[0]) + pair_flops[1]
         seconds[diagonal] = (pair_seconds[1] + pair_seconds[0]) + pair_seconds[1]
-    num_generic = generic.pair_tile.size
-    num_pairs = num_generic + num_dense_pairs(num_blocks)
-    pair_tile, pair_q_seg, pair_kv_seg = (np.empty(num_pairs, dtype=np.int64) for _ in range(3))
-    pair_tile[:num_generic] = generic_index[generic.pair_tile]
-    pair_q_seg[:num_generic], pair_kv_seg[:num_generic] = generic.pair_q_seg, generic.pair_kv_seg
-    pair_self = np.empty(num_pairs - num_generic, dtype=bool)
-    dense_zigzag_pairs(first_seg, num_blocks, offset, out=(pair_tile[num_generic:], pair_q_seg[num_generic:],
-                                                           pair_kv_seg[num_generic:], pair_self))
-    all_flops = np.empty(num_pairs)
-    all_flops[:num_generic] = generic.pair_flops
-    np.copyto(all_flops[num_generic:], pair_flops[pair_self.astype(np.int64)])
     return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=key // total_blocks,
-                   tile_kv_block=key % total_blocks, tile_flops=flops, tile_seconds=seconds, pair_tile=pair_tile,
-                   pair_q_seg=pair_q_seg, pair_kv_seg=pair_kv_seg, pair_flops=all_flops)
+                   tile_kv_block=key % total_blocks, tile_flops=flops, tile_seconds=seconds,
+                   listed_pair_tile=generic_index[generic.pair_tile], listed_pair_q_seg=generic.pair_q_seg,
+                   listed_pair_kv_seg=generic.pair_kv_seg, listed_pair_flops=generic.pair_flops,
+                   dense=DenseTiles(first_block=first_block, num_blocks=num_blocks, first_seg=first_seg,
+                                    tile_offset=offset, whole_flops=float(pair_flops[0]),
+                                    self_flops=float(pair_flops[1])))
 
 
 def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape: AttentionShape,
@@ -230,4 +223,5 @@ def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape:
     return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=q_block[order],
                    tile_kv_block=kv_block[order], tile_flops=per_pair * pairs[q_rank, kv_rank][order],
                    tile_seconds=per_pair * weighted[q_rank, kv_rank][order] / (profile.peak_tflops * 1e12),
-                   pair_tile=empty, pair_q_seg=empty, pair_kv_seg=empty, pair_flops=np.zeros(0))
+                   listed_pair_tile=empty, listed_pair_q_seg=empty, listed_pair_kv_seg=empty,
+                   listed_pair_flops=np.zeros(0))

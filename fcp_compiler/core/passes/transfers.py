@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pull_needs
 from fcp_compiler.algorithms.keys import unique_keys
 
 from fcp_compiler.core.ir import Assignment, TransferKind, Transfers
@@ -46,7 +47,8 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     run away from its owner.
 
     A rank pulls a block once however many of its tiles use it, and only the segments those tiles read. Edges are
-    sorted by (kind, block, receiver). O(P log P) for P segment pairs.
+    sorted by (kind, block, receiver). O(P log P) for P listed segment pairs, O(T) for the tiles of dense zig-zag
+    sequences (:func:`~fcp_compiler.algorithms.dense_zigzag.dense_zigzag_pull_needs`).
 
     Args:
         assignment: block owners and tile ranks.
@@ -59,14 +61,19 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     sharding = tiles.sharding
     seg_block = sharding.seg_block
     num_segments, num_ranks = sharding.num_segments, assignment.num_ranks
-    pair_rank = assignment.tile_rank[tiles.pair_tile]
+    pair_rank = assignment.tile_rank[tiles.listed_pair_tile]
     seg_owner = assignment.block_rank[seg_block]
-    remote_kv = seg_owner[tiles.pair_kv_seg] != pair_rank
-    remote_q = seg_owner[tiles.pair_q_seg] != pair_rank
-    kv = _edges_from_segment_needs(tiles.pair_kv_seg[remote_kv], pair_rank[remote_kv], seg_block, num_segments,
-                                   num_ranks)
-    q = _edges_from_segment_needs(tiles.pair_q_seg[remote_q], pair_rank[remote_q], seg_block, num_segments,
-                                  num_ranks)
+    remote_kv = seg_owner[tiles.listed_pair_kv_seg] != pair_rank
+    remote_q = seg_owner[tiles.listed_pair_q_seg] != pair_rank
+    # Tiles of dense zig-zag sequences list no pairs: their needs in closed form, per tile.
+    dense = tiles.dense.tiles
+    kv_seg, kv_rank, q_seg, q_rank = dense_zigzag_pull_needs(
+        tiles.tile_q_block[dense], tiles.tile_kv_block[dense], assignment.tile_rank[dense], assignment.block_rank,
+        sharding.block_seg_offsets[:-1], num_ranks)
+    kv = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_kv_seg[remote_kv], kv_seg)),
+                                   np.concatenate((pair_rank[remote_kv], kv_rank)), seg_block, num_segments, num_ranks)
+    q = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_q_seg[remote_q], q_seg)),
+                                  np.concatenate((pair_rank[remote_q], q_rank)), seg_block, num_segments, num_ranks)
     kinds = np.concatenate((np.full(kv[0].size, TransferKind.KV), np.full(q[0].size, TransferKind.Q)))
     blocks = np.concatenate((kv[0], q[0]))
     return Transfers(assignment=assignment, edge_kind=kinds.astype(np.int64), edge_block=blocks,
