@@ -41,14 +41,18 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
     rest = per_class - (num_stages - 1) * rounds_per_stage * lanes
     room[:, -1] = np.where(rest > 0, rest, room[:, -1])
     stage_of = np.empty(num_rounds, dtype=np.int64)
+    busiest = np.zeros(num_stages)  # load.max(axis=1), kept up to date stage by stage
     for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))).tolist():
         cls = int(round_class[rnd])
         new_max = (load + round_work[rnd]).max(axis=1)
-        growth = new_max - load.max(axis=1)
+        growth = new_max - busiest
         growth[room[cls] <= 0] = np.inf
-        stage = int(np.lexsort((np.arange(num_stages), new_max, growth))[0])
+        # The least growth, then the lowest new busiest rank, then the earliest stage.
+        tied = np.flatnonzero(growth == growth.min())
+        stage = int(tied[np.argmin(new_max[tied])]) if tied.size > 1 else int(tied[0])
         stage_of[rnd] = stage
         load[stage] += round_work[rnd]
+        busiest[stage] = load[stage].max()
         room[cls, stage] -= 1
     position = np.empty(num_rounds, dtype=np.int64)
     for cls in (0, 1):

@@ -224,8 +224,10 @@ def encode_section(arrays: dict[str, np.ndarray | bytes]) -> bytes:
 def int32_bytes(values: np.ndarray) -> memoryview:
     """Little-endian int32 bytes of an int array, as a memoryview to slice without copying."""
     values = np.asarray(values)
-    assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31)
-    return memoryview(values.astype(_ARRAY_DTYPE).tobytes())
+    if values.dtype != _ARRAY_DTYPE:
+        assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31)
+        values = values.astype(_ARRAY_DTYPE)
+    return memoryview(np.ascontiguousarray(values)).cast("B")
 
 
 def _decode_section(data: bytes, names: tuple[str, ...], what: str) -> dict[str, np.ndarray]:
