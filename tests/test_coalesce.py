@@ -116,3 +116,50 @@ def test_round_order_fills_every_stage_but_the_last(num_rounds, num_ranks, per_s
     work = np.random.default_rng(seed).random((num_rounds, num_ranks))
     position = order_rounds(work, per_stage)
     assert np.array_equal(np.sort(position), np.arange(num_rounds))
+
+
+def _greedy_stages(round_work, rounds_per_stage, round_class, class_lanes):
+    """order_rounds' stage choice written plainly: per round, the stage with room for its class whose busiest rank
+    grows least, then ends lowest, then the earliest (a lexsort over the stages each time)."""
+    num_rounds, num_ranks = round_work.shape
+    per_class = np.bincount(round_class, minlength=2)
+    lanes = np.asarray(class_lanes)
+    num_stages = int(max(-(-per_class // (rounds_per_stage * lanes))))
+    load = np.zeros((num_stages, num_ranks))
+    room = np.repeat((rounds_per_stage * lanes)[:, None], num_stages, axis=1)
+    rest = per_class - (num_stages - 1) * rounds_per_stage * lanes
+    room[:, -1] = np.where(rest > 0, rest, room[:, -1])
+    stage_of = np.empty(num_rounds, dtype=np.int64)
+    for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))):
+        new_max = (load + round_work[rnd]).max(axis=1)
+        growth = new_max - load.max(axis=1)
+        growth[room[round_class[rnd]] <= 0] = np.inf
+        stage_of[rnd] = stage = np.lexsort((np.arange(num_stages), new_max, growth))[0]
+        load[stage] += round_work[rnd]
+        room[round_class[rnd], stage] -= 1
+    return stage_of
+
+
+@given(st.integers(1, 30), st.integers(1, 4), st.integers(1, 4), st.integers(0, 10_000))
+def test_round_order_chooses_the_stages_of_the_plain_greedy(num_rounds, num_ranks, per_stage, seed):
+    from fcp_compiler.algorithms.round_order import order_rounds
+
+    rng = np.random.default_rng(seed)
+    work = rng.integers(0, 3, size=(num_rounds, num_ranks)).astype(float)  # many ties, where the rules matter
+    round_class = rng.integers(0, 2, size=num_rounds)
+    position = order_rounds(work, per_stage, round_class, (2, 1))
+    assert np.array_equal(position // per_stage, _greedy_stages(work, per_stage, round_class, (2, 1)))
+
+
+@given(st.integers(1, 4), st.integers(0, 300), st.integers(1, 3), st.integers(0, 10_000))
+def test_pipeline_order_is_the_lexsort_by_rank_stage_arrival_and_index(num_ranks, num_tiles, per_stage, seed):
+    from fcp_compiler.core.passes.coalesce import _pipeline_order
+
+    rng = np.random.default_rng(seed)
+    rank = rng.integers(0, num_ranks, size=num_tiles)
+    arrival = rng.integers(-1, 12, size=num_tiles)  # -1: local data
+    earliest = np.where(arrival >= 0, arrival // per_stage + 1, 0)
+    # Levelling delays a few tiles past their earliest stage, never earlier.
+    stage = earliest + np.where(rng.random(num_tiles) < 0.2, rng.integers(1, 4, size=num_tiles), 0)
+    want = np.lexsort((np.arange(num_tiles), arrival, stage, rank))
+    assert np.array_equal(_pipeline_order(rank, stage, arrival, earliest), want)
