@@ -6,8 +6,8 @@ import numpy as np
 
 
 class _Slots:
-    """Which rounds each end's send and receive slots are taken in: a bit mask (Python int) per end and slot, and
-    per end the mask of rounds whose slots are all taken."""
+    """Which rounds each end's send and receive slots are taken in: per end, the mask of rounds whose slots are all
+    taken (a Python int), and one mask per slot but the last (a round's last slot taken is a full round)."""
 
     def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
                  fixed_dst: np.ndarray):
@@ -18,7 +18,8 @@ class _Slots:
     @staticmethod
     def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> tuple[list[list[int]], list[int]]:
         """Per end, one bit mask a slot: slot j has the rounds in which more than j messages use the end (fixed
-        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it); and the last slot's."""
+        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it); the last slot's is
+        the end's full rounds, returned apart."""
         width = int(rounds.max(initial=-1)) + 1
         counts = np.bincount(ends * width + rounds, minlength=slots.size * width).reshape(slots.size, width) \
             if width else np.zeros((slots.size, 0), dtype=np.int64)
@@ -27,7 +28,7 @@ class _Slots:
             packed = np.packbits(counts > slot, axis=1, bitorder="little")
             for end in np.flatnonzero(slots > slot).tolist():
                 out[end].append(int.from_bytes(packed[end].tobytes(), "little"))
-        return out, [masks[-1] for masks in out]  # slot j's rounds include slot j + 1's
+        return [masks[:-1] for masks in out], [masks[-1] if masks else 0 for masks in out]
 
     def place(self, a: int, b: int, ready: int) -> int:
         """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
@@ -41,15 +42,13 @@ class _Slots:
 
 
 def _take(masks: list[int], full: list[int], end: int, bit: int) -> None:
-    """Take the end's first free slot in the round of `bit` (slots fill in order, so a round's slot j is taken only
-    if slot j - 1 is; taking the last marks the round full)."""
+    """Take the end's first free slot in the round of `bit`, which is not full (slots fill in order, so a round's
+    slot j is taken only if slot j - 1 is; taking the last marks the round full)."""
     for slot, mask in enumerate(masks):
         if not mask & bit:
             masks[slot] = mask | bit
-            if slot == len(masks) - 1:
-                full[end] |= bit
             return
-    raise AssertionError("no free slot")
+    full[end] |= bit
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
