@@ -49,3 +49,23 @@ def test_pulls_are_the_tiles_needs(lengths, num_ranks, mask):
     # Edges sorted by (kind, block, receiver), as coalesce's lookups need.
     order = np.lexsort((transfers.edge_dst, transfers.edge_block, transfers.edge_kind))
     assert np.array_equal(order, np.arange(transfers.num_edges))
+
+
+@given(st.lists(st.integers(64, 6000), min_size=1, max_size=8), st.integers(2, 5), st.integers(0, 10_000))
+def test_pulls_are_the_needs_of_tiles_run_anywhere(lengths, num_ranks, seed):
+    # Tiles run on random ranks, most away from their query block's owner: Q pulls of causal zig-zag blocks (whose
+    # needs come in closed form, not from listed pairs) are exercised as much as K, V pulls.
+    import dataclasses
+
+    batch = Batch.uniform(np.array(lengths), MaskKind.CAUSAL)
+    tiles = cost(shard(batch, 512, True), AttentionShape(), PRESET_PROFILES["h100"])
+    rng = np.random.default_rng(seed)
+    assignment = assign(tiles, num_ranks, batch.total_tokens, 0.01)
+    assignment = dataclasses.replace(assignment, tile_rank=rng.integers(0, num_ranks, size=tiles.num_tiles))
+    transfers = plan_transfers(assignment)
+    found = {}
+    for edge in range(transfers.num_edges):
+        key = (int(transfers.edge_kind[edge]), int(transfers.edge_block[edge]), int(transfers.edge_dst[edge]))
+        found[key] = set(transfers.edge_segs[transfers.edge_seg_offsets[edge]:
+                                             transfers.edge_seg_offsets[edge + 1]].tolist())
+    assert found == needed_by_brute_force(assignment)
