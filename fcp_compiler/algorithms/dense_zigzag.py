@@ -1,6 +1,6 @@
 """The block pairs of causal zig-zag sequences, in closed form: every block of such a sequence sees every other.
 
-A sequence cut into n zig-zag blocks (block i holds chunks i and 2n-1-i of h tokens, :mod:`fcp_compiler.core.passes.shard`)
+A sequence cut into n zig-zag blocks (block i holds chunks i and 2n-1-i of h tokens, as the shard pass cuts them)
 under a causal mask makes all n^2 block pairs tiles, each with the same few segment pairs: query chunk i sees key
 chunks 0..i, query chunk 2n-1-i every first chunk and the second chunks 2n-1-j for j >= i. Enumerating those
 pairs one segment pair at a time and sorting them into tiles is what made 64-token blocks slow; here they come out

@@ -186,35 +186,33 @@ class TileSet:
         """False for a tile set costed in closed form (the ring at scale): its tiles read whole blocks."""
         return self.listed_pair_tile.size > 0 or self.dense.num_blocks.size > 0 or self.num_tiles == 0
 
-    def _dense_pairs(self) -> tuple[np.ndarray, ...]:
+    def _all_pairs(self, listed: np.ndarray, column: int) -> np.ndarray:
+        """A pair column: the listed pairs', then column `column` of dense_zigzag_pairs for the dense ones."""
         dense = self.dense
-        return dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
+        if dense.num_blocks.size == 0:
+            return listed
+        pairs = dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
+        return np.concatenate((listed, pairs[column]))
 
     @property
     def pair_tile(self) -> np.ndarray:
         """int64 [num_pairs]: the tile of each segment pair (the listed ones, then the dense ones)."""
-        if self.dense.num_blocks.size == 0:
-            return self.listed_pair_tile
-        return np.concatenate((self.listed_pair_tile, self._dense_pairs()[0]))
+        return self._all_pairs(self.listed_pair_tile, 0)
 
     @property
     def pair_q_seg(self) -> np.ndarray:
-        if self.dense.num_blocks.size == 0:
-            return self.listed_pair_q_seg
-        return np.concatenate((self.listed_pair_q_seg, self._dense_pairs()[1]))
+        return self._all_pairs(self.listed_pair_q_seg, 1)
 
     @property
     def pair_kv_seg(self) -> np.ndarray:
-        if self.dense.num_blocks.size == 0:
-            return self.listed_pair_kv_seg
-        return np.concatenate((self.listed_pair_kv_seg, self._dense_pairs()[2]))
+        return self._all_pairs(self.listed_pair_kv_seg, 2)
 
     @property
     def pair_flops(self) -> np.ndarray:
         """float64 [num_pairs]: forward FLOPs of each segment pair."""
         if self.dense.num_blocks.size == 0:
             return self.listed_pair_flops
-        itself = self._dense_pairs()[3]
+        itself = self._all_pairs(np.zeros(0, dtype=bool), 3)
         return np.concatenate((self.listed_pair_flops, np.where(itself, self.dense.self_flops,
                                                                 self.dense.whole_flops)))
 

@@ -144,8 +144,9 @@ def _with_dense_tiles(sharding: Sharding, shape: AttentionShape, profile: Hardwa
 
     A dense sequence's n^2 tiles are the rows of its own blocks, which no generic tile has: they go in whole, between
     the generic tiles; their segment pairs are not stored (TileSet.dense). Every pair of one is h x h tokens, all
-    visible but for a chunk against itself (h (h + 1) / 2); a tile's sums are taken in the order the pair-by-pair listing adds them (a diagonal tile: self,
-    whole, self; any other: whole, whole), so the figures are those of the generic path to the last bit.
+    visible but for a chunk against itself (h (h + 1) / 2); a tile's sums are taken in the order the pair-by-pair
+    listing adds them (a diagonal tile: self, whole, self; any other: whole, whole), so the figures are those of the
+    generic path to the last bit.
     """
     total_blocks = sharding.num_blocks
     tiles_per_seq = num_blocks * num_blocks
