@@ -122,13 +122,14 @@ def _greedy_stages(round_work, rounds_per_stage, round_class, class_lanes):
     """order_rounds' stage choice written plainly: per round, the stage with room for its class whose busiest rank
     grows least, then ends lowest, then the earliest (a lexsort over the stages each time)."""
     num_rounds, num_ranks = round_work.shape
-    per_class = np.bincount(round_class, minlength=2)
-    lanes = np.asarray(class_lanes)
-    num_stages = int(max(-(-per_class // (rounds_per_stage * lanes))))
+    # A stage holds c x lanes rounds of a class; the stages a class needs beyond its own last are full but the last.
+    per_stage = [rounds_per_stage * lanes for lanes in class_lanes]
+    count = [int((round_class == cls).sum()) for cls in (0, 1)]
+    num_stages = max(-(-count[cls] // per_stage[cls]) for cls in (0, 1))
+    room = np.array([[per_stage[cls]] * (num_stages - 1) + [count[cls] - (num_stages - 1) * per_stage[cls]
+                                                             if count[cls] > (num_stages - 1) * per_stage[cls]
+                                                             else per_stage[cls]] for cls in (0, 1)])
     load = np.zeros((num_stages, num_ranks))
-    room = np.repeat((rounds_per_stage * lanes)[:, None], num_stages, axis=1)
-    rest = per_class - (num_stages - 1) * rounds_per_stage * lanes
-    room[:, -1] = np.where(rest > 0, rest, room[:, -1])
     stage_of = np.empty(num_rounds, dtype=np.int64)
     for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))):
         new_max = (load + round_work[rnd]).max(axis=1)
