@@ -51,7 +51,7 @@ def candidates_by_rank(earliest: np.ndarray, rank: np.ndarray, num_ranks: int, m
     num_stages = int(earliest.max(initial=0)) + 1
     candidates = np.flatnonzero(movable)
     key = rank[candidates] * (num_stages + 1) + earliest[candidates]
-    order = candidates[stable_order(key, num_ranks * (num_stages + 1))]
+    order = candidates[stable_order(key, num_ranks * (num_stages + 1))].astype(np.int32)  # tile rows are int32
     before = np.concatenate(([0], np.cumsum(np.bincount(key, minlength=num_ranks * (num_stages + 1)))))
     return Candidates(order=order, before=before.tolist())
 
@@ -84,7 +84,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     Returns:
         int64 [T] stage of each tile.
     """
-    stage = earliest.astype(np.int64).copy()
+    stage = np.array(earliest, dtype=np.int64)  # a copy: the stages it returns
     if stage.size == 0:
         return stage
     num_stages = int(stage.max()) + 1

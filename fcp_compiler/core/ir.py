@@ -375,9 +375,9 @@ class Schedule:
     coalesce: int
     forward: PassSchedule  # pushes: partial O and LSE back along Q pulls
     backward: PassSchedule  # pushes: dK, dV (or dQ) back along every pull
-    tile_kv_edge: np.ndarray  # int64 [num_tiles], the KV pull each tile reads, -1 where its K,V are local
-    tile_q_edge: np.ndarray  # the Q pull, -1 where its queries are local
-    tile_order: np.ndarray  # tiles in forward pipeline order: by rank, stage, arrival round, index
+    tile_kv_edge: np.ndarray  # int32 [num_tiles], the KV pull each tile reads, -1 where its K,V are local
+    tile_q_edge: np.ndarray  # int32, the Q pull, -1 where its queries are local
+    tile_order: np.ndarray  # int32, tiles in forward pipeline order: by rank, stage, arrival round, index
 
     @property
     def num_comm_stages(self) -> int:

@@ -251,8 +251,13 @@ def assemble(header_fields: dict, global_arrays: dict[str, np.ndarray],
     Layout: magic, u32 header length, sha256 of the header, the header (msgpack), the global section, then one
     section per rank; the header holds every section's place and sha256, so any flipped bit is caught by a reader.
     """
-    global_bytes = encode_section(global_arrays)
-    rank_bytes = [encode_section(arrays) for arrays in rank_arrays]
+    return assemble_sections(header_fields, encode_section(global_arrays),
+                             [encode_section(arrays) for arrays in rank_arrays])
+
+
+def assemble_sections(header_fields: dict, global_bytes: bytes, rank_bytes: list[bytes]) -> bytes:
+    """:func:`assemble` from sections already encoded (:func:`encode_section`), so that a caller may free the
+    arrays they came from before the file's bytes are joined."""
     offset = len(global_bytes)
     sections = []
     for blob in rank_bytes:

@@ -25,7 +25,8 @@ BACKWARD_BUDGET_STAGES = 2
 
 
 def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Index of the pull edge (kind, block, receiving rank) for each query, -1 where there is none."""
+    """Index of the pull edge (kind, block, receiving rank) for each query, -1 where there is none: int32, one entry
+    a tile (millions at small blocks; a plan's edges are int32 rows)."""
     num_ranks = transfers.assignment.num_ranks
     of_kind = np.flatnonzero(transfers.edge_kind == kind)
     keys = transfers.edge_block[of_kind] * num_ranks + transfers.edge_dst[of_kind]
@@ -34,13 +35,13 @@ def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.nd
     space = transfers.assignment.tiles.sharding.num_blocks * num_ranks
     if space <= max(4 * wanted.size, 1 << 16):
         # A table over every (block, rank) beats a binary search per tile when there are as many tiles.
-        table = np.full(space, -1, dtype=np.int64)
+        table = np.full(space, -1, dtype=np.int32)
         table[keys] = of_kind
         return table[wanted]
     pos = np.minimum(np.searchsorted(keys, wanted), max(keys.size - 1, 0))
     found = keys.size > 0
     hit = (keys[pos] == wanted) if found else np.zeros(wanted.size, dtype=bool)
-    return np.where(hit, of_kind[pos] if found else -1, -1)
+    return np.where(hit, of_kind[pos] if found else -1, -1).astype(np.int32)
 
 
 def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndarray, tile_kv_edge: np.ndarray,
@@ -80,9 +81,11 @@ def max_buffer_tokens(schedule: Schedule) -> int:
 
 
 def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
-    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local."""
-    round_or_local = np.append(pull_round, -1)  # index -1 (no pull) reads -1 (local)
-    return np.maximum(round_or_local[tile_kv_edge], round_or_local[tile_q_edge])
+    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local: int32 (one entry a
+    tile; rounds are int32 in the plan), so arithmetic on it that may grow widens first."""
+    round_or_local = np.append(pull_round, -1).astype(np.int32)  # index -1 (no pull) reads -1 (local)
+    arrival = round_or_local[tile_kv_edge]
+    return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,7 +116,7 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
         return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // coalesce + 1, dtype=np.int64)
     tile_stage = earliest.stage
     if budget is None:
-        return tile_stage
+        return tile_stage.astype(np.int64)
     # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
     # level each stage's busiest rank, as far as the buffers they read may stay live. Local tiles stay in stage 0
     # (they hide the first transfers), and tiles run for another rank stay put so that their partial outputs leave
@@ -167,7 +170,7 @@ def _round_work(rounds: Rounds, item: np.ndarray, num_items: int, tile_kv_edge: 
     arrival = _arrival_round(item, tile_kv_edge, tile_q_edge)
     remote = arrival >= 0
     num_ranks = assignment.num_ranks
-    work = np.bincount(arrival[remote] * num_ranks + assignment.tile_rank[remote],
+    work = np.bincount(arrival[remote].astype(np.int64) * num_ranks + assignment.tile_rank[remote],
                        weights=assignment.tiles.tile_seconds[remote], minlength=num_items * num_ranks)
     return work.reshape(num_items, num_ranks)
 
@@ -194,7 +197,7 @@ def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per
     arrival = _arrival_round(edge_round, tile_kv_edge, tile_q_edge)
     feeds_child = np.append(edge_round < 0, False)[tile_kv_edge]
     num_stages = int(edge_round.max()) // rounds_per_stage + 2
-    stage = np.where(arrival >= 0, arrival // rounds_per_stage + 1, 0)
+    stage = np.where(arrival >= 0, arrival // rounds_per_stage + 1, 0).astype(np.int64)
     load = np.bincount(stage[~feeds_child] * num_ranks + assignment.tile_rank[~feeds_child],
                        weights=seconds[~feeds_child], minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
     work = np.bincount(tile_kv_edge[feeds_child], weights=seconds[feeds_child], minlength=transfers.num_edges)
@@ -265,20 +268,21 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
     backward = _backward(transfers, forward_round, 2 * coalesce, earliest, kv_edge, q_edge,
                          BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
-    tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round,
-                                 forward.tile_stage if earliest is None else earliest.stage)
+    delayed = np.zeros(tile_rank.size, dtype=bool) if earliest is None else forward.tile_stage != earliest.stage
+    del earliest  # millions of entries at small blocks: gone before the order is sorted
+    tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round, delayed)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
 
 
 def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
-                    earliest_stage: np.ndarray) -> np.ndarray:
+                    delayed: np.ndarray) -> np.ndarray:
     """Tiles by (rank, stage, round their data arrives, index).
 
     A tile's earliest stage never decreases with its arrival round, so the tiles levelling left there are in this
     order once sorted by (rank, arrival round): one radix pass over millions of tiles. The few it delayed are sorted
     apart and merged in; none shares a (rank, stage, round) with a tile left in place, whose stage is the earliest
-    of that round.
+    of that round. `delayed`: the tiles levelling moved past their earliest stage.
     """
     if tile_rank.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -286,8 +290,8 @@ def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round
     num_stages, num_rounds = int(tile_stage.max()) + 1, int(arrival_round.max()) + 2
     if num_ranks * num_stages * num_rounds >= 2**62:
         return np.lexsort((np.arange(tile_rank.size), arrival_round, tile_stage, tile_rank))
-    delayed = tile_stage != earliest_stage
-    kept = stable_order(tile_rank * num_rounds + (arrival_round + 1), num_ranks * num_rounds)
+    # int32: one entry a tile, an index into the plan's int32 tile rows.
+    kept = stable_order(tile_rank * num_rounds + (arrival_round + 1), num_ranks * num_rounds).astype(np.int32)
     if not delayed.any():
         return kept
     kept = kept[~delayed[kept]]

@@ -6,7 +6,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.core.ir import Reshuffle
-from fcp_compiler.format.plan_format import RANK_ARRAYS, assemble, int32_bytes
+from fcp_compiler.format.plan_format import RANK_ARRAYS, assemble_sections, encode_section, int32_bytes
 
 
 class _RankSlicer:
@@ -18,7 +18,11 @@ class _RankSlicer:
 
     def add(self, names: tuple[str, ...], rank_of_row: np.ndarray, *columns: np.ndarray) -> None:
         """Add columns whose rows belong to rank_of_row (sorted)."""
-        bounds = np.searchsorted(rank_of_row, np.arange(self.num_ranks + 1)) * 4
+        self.add_counted(names, np.bincount(rank_of_row, minlength=self.num_ranks), *columns)
+
+    def add_counted(self, names: tuple[str, ...], rows_per_rank: np.ndarray, *columns: np.ndarray) -> None:
+        """Add columns whose first rows_per_rank[0] rows belong to rank 0, the next ones to rank 1, and so on."""
+        bounds = np.concatenate(([0], np.cumsum(rows_per_rank))) * 4
         for name, column in zip(names, columns):
             self.columns[name] = (int32_bytes(column), bounds)
 
@@ -108,12 +112,15 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
     row_of_edge = _add_pulls(out, transfers, forward, backward, num_ranks)
     tile_order = schedule.tile_order
     # Millions of tiles at small blocks: each column narrowed to int32 before it is gathered into pipeline order.
-    out.add(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"), assignment.tile_rank[tile_order],
-            *(_int32(column)[tile_order] for column in (forward.tile_stage, backward.tile_stage, tiles.tile_q_block,
-                                                        tiles.tile_kv_block)))
+    out.add_counted(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"),
+                    np.bincount(assignment.tile_rank, minlength=num_ranks),  # tile_order is by rank first
+                    *(_int32(column)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
+                                                                tiles.tile_q_block, tiles.tile_kv_block)))
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
     global_arrays = {"seq_lengths": sharding.batch.lengths, "seq_window": sharding.batch.windows,
                      "seg_block": sharding.seg_block,
                      "seg_seq": sharding.seg_seq, "seg_start": sharding.seg_start, "seg_end": sharding.seg_end}
-    return assemble(header_fields, global_arrays, [out.rank(rank) for rank in range(num_ranks)])
+    sections = [encode_section(out.rank(rank)) for rank in range(num_ranks)]
+    del out  # the int32 columns (millions of tile rows at small blocks) go before the file's bytes are joined
+    return assemble_sections(header_fields, encode_section(global_arrays), sections)
