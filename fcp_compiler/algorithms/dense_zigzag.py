@@ -120,25 +120,44 @@ def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offse
     return pair_tile, pair_q_seg, pair_kv_seg, pair_self
 
 
-def dense_zigzag_needs(first_block: np.ndarray, num_blocks: np.ndarray,
-                       first_seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def num_dense_needs(num_blocks: np.ndarray) -> np.ndarray:
+    """Per dense zig-zag sequence, the (block, segment) needs :func:`dense_zigzag_needs` lists: sum over its n
+    blocks i of 2n - 2 - i."""
+    return num_blocks * (2 * num_blocks - 2) - num_blocks * (num_blocks - 1) // 2
+
+
+def dense_zigzag_needs(first_block: np.ndarray, num_blocks: np.ndarray, first_seg: np.ndarray,
+                       out: tuple[np.ndarray, np.ndarray] | None = None,
+                       out_offset: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(block, segment of another block) pairs that dense zig-zag sequences' query blocks read, sorted.
 
     Block i of n reads chunk j of every block j < i (its chunk i sees chunks up to itself; chunk 2n-1-i sees no
     second chunk before its own) and both chunks of every block j > i: 2n - 2 - i segments, the first i of them
     every other segment, the rest one run. O(sum of n^2).
 
+    Args:
+        first_block, num_blocks, first_seg: as :func:`dense_zigzag_sequences` returns them.
+        out, out_offset: arrays (need_block, need_seg) to write into, sequence m's needs from out_offset[m] on
+            (default: new arrays, the sequences one after another).
     Returns:
-        (need_block, need_seg) int64, sorted by (block, segment).
+        (need_block, need_seg) int64, sorted by (block, segment) within each sequence.
     """
-    blocks, segs = [], []
-    for block0, num, seg0 in zip(first_block.tolist(), num_blocks.tolist(), first_seg.tolist()):
-        row = np.arange(num, dtype=np.int64)
-        blocks.append(np.repeat(block0 + row, 2 * num - 2 - row))
-        firsts, every = seg0 + 2 * row, seg0 + np.arange(2 * num, dtype=np.int64)
-        segs.extend(piece for i in range(num) for piece in (firsts[:i], every[2 * i + 2:]))
-    empty = np.zeros(0, dtype=np.int64)
-    return (np.concatenate(blocks), np.concatenate(segs)) if blocks else (empty, empty)
+    sizes = num_dense_needs(num_blocks)
+    if out is None:
+        total = int(sizes.sum())
+        out = (np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64))
+        out_offset = np.cumsum(sizes) - sizes
+    need_block, need_seg = out
+    for block0, num, seg0, first in zip(first_block.tolist(), num_blocks.tolist(), first_seg.tolist(),
+                                        out_offset.tolist()):
+        firsts, every = seg0 + 2 * np.arange(num, dtype=np.int64), seg0 + np.arange(2 * num, dtype=np.int64)
+        for i in range(num):
+            after = first + i + 2 * (num - 1 - i)
+            need_block[first:after] = block0 + i
+            need_seg[first:first + i] = firsts[:i]
+            need_seg[first + i:after] = every[2 * i + 2:]
+            first = after
+    return need_block, need_seg
 
 
 def dense_zigzag_pull_needs(q_block: np.ndarray, kv_block: np.ndarray, rank: np.ndarray, owner: np.ndarray,

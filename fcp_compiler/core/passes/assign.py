@@ -7,7 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
 from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs, num_dense_needs
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
 from fcp_compiler.algorithms.ranges import user_layout_bounds
@@ -100,22 +100,19 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     # Counting instead of sorting where the (block, segment) space is small enough: millions of pairs at small blocks.
     key = unique_keys(q_block[wanted] * num_segments + tiles.listed_pair_kv_seg[wanted],
                       sharding.num_blocks * num_segments)
-    need_block, need_seg = key // num_segments, key % num_segments
-    dense_block, dense_seg = dense_zigzag_needs(first_block, num_dense, first_seg)
-    if dense_block.size == 0:
-        return need_block, need_seg
-    # A dense sequence's rows are a run of its own blocks, which no other need has: each goes in whole, in order.
-    generic_bounds = np.concatenate(([0], np.searchsorted(need_block, first_block), [key.size])).tolist()
-    dense_bounds = np.concatenate(([0], np.cumsum(num_dense * (2 * num_dense - 2)
-                                                  - num_dense * (num_dense - 1) // 2))).tolist()
-
-    def interleave(generic: np.ndarray, dense: np.ndarray) -> np.ndarray:
-        pieces = [generic[generic_bounds[0]:generic_bounds[1]]]
-        for idx in range(first_block.size):
-            pieces += [dense[dense_bounds[idx]:dense_bounds[idx + 1]],
-                       generic[generic_bounds[idx + 1]:generic_bounds[idx + 2]]]
-        return np.concatenate(pieces)
-    return interleave(need_block, dense_block), interleave(need_seg, dense_seg)
+    if first_block.size == 0:
+        return key // num_segments, key % num_segments
+    # A dense sequence's rows are a run of its own blocks, which no other need has: each goes in whole, in order,
+    # written in place between the others.
+    sizes = num_dense_needs(num_dense)
+    dense_before = np.concatenate(([0], np.cumsum(sizes)))
+    generic_at = np.arange(key.size) + dense_before[np.searchsorted(first_block * num_segments, key, side="right")]
+    need_block = np.empty(key.size + int(dense_before[-1]), dtype=np.int64)
+    need_seg = np.empty_like(need_block)
+    need_block[generic_at], need_seg[generic_at] = key // num_segments, key % num_segments
+    dense_zigzag_needs(first_block, num_dense, first_seg, out=(need_block, need_seg),
+                       out_offset=np.searchsorted(key, first_block * num_segments) + dense_before[:-1])
+    return need_block, need_seg
 
 
 def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,
