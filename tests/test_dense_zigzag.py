@@ -105,3 +105,20 @@ def test_needs_are_those_of_the_pairs(sequences):
     foreign = dense & (sharding.seg_block[tiles.pair_kv_seg] != q_block)
     key = np.unique(q_block[foreign] * sharding.num_segments + tiles.pair_kv_seg[foreign])
     assert np.array_equal(need_block * sharding.num_segments + need_seg, key)
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 5), st.integers(0, 10_000))
+def test_home_needs_are_the_per_tile_needs_of_tiles_run_by_their_owner(block_counts, num_ranks, seed):
+    from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_home_needs, dense_zigzag_pull_needs
+
+    num_blocks = np.array(block_counts, dtype=np.int64)
+    first_block = np.concatenate(([0], np.cumsum(num_blocks)[:-1]))
+    owner = np.random.default_rng(seed).integers(0, num_ranks, size=int(num_blocks.sum()))
+    first_seg = 2 * np.arange(owner.size)
+    q_block = np.concatenate([b + np.repeat(np.arange(n), n) for b, n in zip(first_block, num_blocks)])
+    kv_block = np.concatenate([b + np.tile(np.arange(n), n) for b, n in zip(first_block, num_blocks)])
+    kv_seg, kv_rank, q_seg, _ = dense_zigzag_pull_needs(q_block, kv_block, owner[q_block], owner, first_seg,
+                                                        num_ranks)
+    assert q_seg.size == 0  # every tile at home: no query block is pulled
+    home_seg, home_rank = dense_zigzag_home_needs(first_block, num_blocks, owner, first_seg, num_ranks)
+    assert sorted(zip(home_seg.tolist(), home_rank.tolist())) == sorted(zip(kv_seg.tolist(), kv_rank.tolist()))

@@ -51,17 +51,21 @@ def test_pulls_are_the_tiles_needs(lengths, num_ranks, mask):
     assert np.array_equal(order, np.arange(transfers.num_edges))
 
 
-@given(st.lists(st.integers(64, 6000), min_size=1, max_size=8), st.integers(2, 5), st.integers(0, 10_000))
-def test_pulls_are_the_needs_of_tiles_run_anywhere(lengths, num_ranks, seed):
-    # Tiles run on random ranks, most away from their query block's owner: Q pulls of causal zig-zag blocks (whose
-    # needs come in closed form, not from listed pairs) are exercised as much as K, V pulls.
+@given(st.lists(st.integers(64, 6000), min_size=1, max_size=8), st.integers(2, 5), st.integers(0, 10_000),
+       st.sampled_from([0.002, 0.05, 1.0]))
+def test_pulls_are_the_needs_of_tiles_run_anywhere(lengths, num_ranks, seed, moved):
+    # A fraction of the tiles run on random ranks, away from their query block's owner: Q pulls of causal zig-zag
+    # blocks (whose needs come in closed form, not from listed pairs) are exercised as much as K, V pulls, and
+    # sequences with no tile moved (needs from the block owners) sit beside sequences with some.
     import dataclasses
 
     batch = Batch.uniform(np.array(lengths), MaskKind.CAUSAL)
     tiles = cost(shard(batch, 512, True), AttentionShape(), PRESET_PROFILES["h100"])
     rng = np.random.default_rng(seed)
     assignment = assign(tiles, num_ranks, batch.total_tokens, 0.01)
-    assignment = dataclasses.replace(assignment, tile_rank=rng.integers(0, num_ranks, size=tiles.num_tiles))
+    elsewhere = rng.random(tiles.num_tiles) < moved
+    assignment = dataclasses.replace(assignment, tile_rank=np.where(
+        elsewhere, rng.integers(0, num_ranks, size=tiles.num_tiles), assignment.tile_rank))
     transfers = plan_transfers(assignment)
     found = {}
     for edge in range(transfers.num_edges):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.ranges import expand_ranges
 
 # Segment pair kinds inside a tile (i, j): in the order the pairs of a tile are listed (query chunk, then key chunk
 # by position), the first chunks (i, j), the second query chunk with the first key chunk, the second chunks.
@@ -194,3 +195,36 @@ def dense_zigzag_pull_needs(q_block: np.ndarray, kv_block: np.ndarray, rank: np.
     kv_seg = np.concatenate((block_first_seg[kv_blocks], block_first_seg[kv_blocks[kv_both]] + 1))
     q_seg = np.concatenate((block_first_seg[q_blocks] + 1, block_first_seg[q_blocks[q_both]]))
     return kv_seg, np.concatenate((kv_ranks, kv_ranks[kv_both])), q_seg, np.concatenate((q_ranks, q_ranks[q_both]))
+
+
+def dense_zigzag_home_needs(first_block: np.ndarray, num_blocks: np.ndarray, owner: np.ndarray,
+                            block_first_seg: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K, V (segment, rank) needs of dense zig-zag sequences' tiles run by their query block's owner, from the
+    block owners alone.
+
+    A rank running every tile of the query blocks it owns reads all of a sequence's blocks it holds any block of:
+    :func:`dense_zigzag_pull_needs` with tile (i, j) on owner[i], so block j's first segment, and its second from
+    the rank's first block of the sequence on. O(sum over sequences of blocks x ranks holding one), not O(tiles).
+
+    Args:
+        first_block, num_blocks: as :func:`dense_zigzag_sequences` returns them.
+        owner: int64 per block, its rank.
+        block_first_seg: int64 per block, its first segment (a dense block's second is the next one).
+        num_ranks: N.
+    Returns:
+        (kv_seg, kv_rank), int64, unique.
+    """
+    blocks = expand_ranges(first_block, num_blocks)
+    seq = np.repeat(np.arange(num_blocks.size, dtype=np.int64), num_blocks)
+    # Each (sequence, rank holding one of its blocks) once, with the rank's first block of it.
+    keys, inverse = unique_keys(seq * num_ranks + owner[blocks], num_blocks.size * num_ranks, return_inverse=True)
+    first_held = np.full(keys.size, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_held, inverse, blocks)
+    holder_seq, holder = keys // num_ranks, keys % num_ranks
+    read = expand_ranges(first_block[holder_seq], num_blocks[holder_seq])  # every block of the sequence ...
+    reader = np.repeat(holder, num_blocks[holder_seq])  # ... by each rank holding one
+    from_block = np.repeat(first_held, num_blocks[holder_seq])
+    remote = owner[read] != reader
+    read, reader, both = read[remote], reader[remote], from_block[remote] <= read[remote]
+    return (np.concatenate((block_first_seg[read], block_first_seg[read[both]] + 1)),
+            np.concatenate((reader, reader[both])))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pull_needs
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_home_needs, dense_zigzag_pull_needs
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.ranges import expand_ranges
 
 from fcp_compiler.core.ir import Assignment, TransferKind, Transfers
 
@@ -47,8 +48,9 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     run away from its owner.
 
     A rank pulls a block once however many of its tiles use it, and only the segments those tiles read. Edges are
-    sorted by (kind, block, receiver). O(P log P) for P listed segment pairs, O(T) for the tiles of dense zig-zag
-    sequences (:func:`~fcp_compiler.algorithms.dense_zigzag.dense_zigzag_pull_needs`).
+    sorted by (kind, block, receiver). O(P log P) for P listed segment pairs; the tiles of dense zig-zag sequences
+    in closed form (:mod:`~fcp_compiler.algorithms.dense_zigzag`): from the block owners, or per tile in a sequence
+    with a tile run away from its query block's owner.
 
     Args:
         assignment: block owners and tile ranks.
@@ -65,13 +67,25 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     seg_owner = assignment.block_rank[seg_block]
     remote_kv = seg_owner[tiles.listed_pair_kv_seg] != pair_rank
     remote_q = seg_owner[tiles.listed_pair_q_seg] != pair_rank
-    # Tiles of dense zig-zag sequences list no pairs: their needs in closed form, per tile.
-    dense = tiles.dense.tiles
+    # Tiles of dense zig-zag sequences list no pairs: their needs in closed form, from the block owners where every
+    # tile runs on its query block's owner, per tile in the (few) sequences with a tile offloaded elsewhere.
+    dense, first_seg_of = tiles.dense, sharding.block_seg_offsets[:-1]
+    tiles_per_seq = dense.num_blocks * dense.num_blocks
+    offloaded = np.zeros(dense.num_blocks.size, dtype=bool)
+    if offloaded.size:
+        away = np.flatnonzero(assignment.tile_rank != assignment.block_rank[tiles.tile_q_block])
+        seq_of_away = np.searchsorted(dense.tile_offset, away, side="right") - 1
+        in_dense = (seq_of_away >= 0) & (away < (dense.tile_offset + tiles_per_seq)[np.maximum(seq_of_away, 0)])
+        offloaded[seq_of_away[in_dense]] = True
+    home_seg, home_rank = dense_zigzag_home_needs(dense.first_block[~offloaded], dense.num_blocks[~offloaded],
+                                                  assignment.block_rank, first_seg_of, num_ranks)
+    each = expand_ranges(dense.tile_offset[offloaded], tiles_per_seq[offloaded])
     kv_seg, kv_rank, q_seg, q_rank = dense_zigzag_pull_needs(
-        tiles.tile_q_block[dense], tiles.tile_kv_block[dense], assignment.tile_rank[dense], assignment.block_rank,
-        sharding.block_seg_offsets[:-1], num_ranks)
-    kv = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_kv_seg[remote_kv], kv_seg)),
-                                   np.concatenate((pair_rank[remote_kv], kv_rank)), seg_block, num_segments, num_ranks)
+        tiles.tile_q_block[each], tiles.tile_kv_block[each], assignment.tile_rank[each], assignment.block_rank,
+        first_seg_of, num_ranks)
+    kv = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_kv_seg[remote_kv], home_seg, kv_seg)),
+                                   np.concatenate((pair_rank[remote_kv], home_rank, kv_rank)), seg_block,
+                                   num_segments, num_ranks)
     q = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_q_seg[remote_q], q_seg)),
                                   np.concatenate((pair_rank[remote_q], q_rank)), seg_block, num_segments, num_ranks)
     kinds = np.concatenate((np.full(kv[0].size, TransferKind.KV), np.full(q[0].size, TransferKind.Q)))
