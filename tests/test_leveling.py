@@ -82,7 +82,13 @@ def _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit):
 
     stage = earliest.astype(np.int64).copy()
     num_stages = int(stage.max()) + 1
-    buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
+    buffers = None
+    if limit is not None:
+        last = limit.buffer_first.astype(np.int64)
+        for tile, buffer in enumerate(limit.tile_buffer.tolist()):
+            if buffer >= 0:
+                last[buffer] = max(last[buffer], stage[tile])
+        buffers = _LiveBuffers(limit, last, num_ranks, num_stages)
     pending = [[t for t in np.lexsort((np.arange(stage.size), earliest, rank)).tolist() if movable[t] and rank[t] == r]
                for r in range(num_ranks)]
     firsts = [[int(earliest[t]) for t in tiles] for tiles in pending]
@@ -128,9 +134,17 @@ def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tile
     got = level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=limit)
     want = _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit)
     assert np.array_equal(got, want)
-    # The candidates a caller sorted once (both passes of a plan share them) give the same stages.
-    from fcp_compiler.algorithms.leveling import candidates_by_rank
+    # What a caller prepared once (both passes of a plan share it) gives the same stages, under another hold.
+    from dataclasses import replace
 
-    shared = candidates_by_rank(earliest, rank, num_ranks, movable)
+    from fcp_compiler.algorithms.leveling import prepare_levelling
+
+    shared = prepare_levelling(earliest, rank, seconds, num_ranks, movable,
+                               *((limit.tile_buffer, limit.buffer_first) if limit is not None else ()))
     assert np.array_equal(level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=limit,
-                                       candidates=shared), want)
+                                       prepared=shared), want)
+    if limit is not None:
+        other = replace(limit, buffer_hold=1 - limit.buffer_hold)
+        assert np.array_equal(level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=other,
+                                           prepared=shared),
+                              _reference_level_stages(earliest, rank, seconds, num_ranks, movable, other))

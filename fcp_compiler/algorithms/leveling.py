@@ -13,7 +13,7 @@ from fcp_compiler.algorithms.liveness import live_tokens
 def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_stages: int,
                 num_ranks: int) -> np.ndarray:
     """Work per (stage, rank), float64 [num_stages, num_ranks]."""
-    return np.bincount(stage * num_ranks + rank, weights=seconds,
+    return np.bincount(np.multiply(stage, num_ranks, dtype=np.int64) + rank, weights=seconds,
                        minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
 
 
@@ -38,27 +38,45 @@ class BufferLimit:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Candidates:
-    """The movable tiles per rank by earliest stage (ties in tile order): those of rank r that may run before stage
-    s are order[before[r * (S + 1)] : before[r * (S + 1) + s]] for S stages."""
+class Prepared:
+    """What :func:`level_stages` derives from the earliest stages alone, shared by callers that level the same
+    tiles from the same stages twice (a plan's two passes): the movable tiles per rank by earliest stage (ties in
+    tile order; those of rank r that may run before stage s are order[before[r * (S + 1)] : before[r * (S + 1) +
+    s]] for S stages), the work per (stage, rank), and, under a BufferLimit, each buffer's last reader's stage."""
 
     order: np.ndarray
     before: list[int]
+    load: np.ndarray
+    buffer_first: np.ndarray | None = None
+    buffer_last: np.ndarray | None = None
 
 
-def candidates_by_rank(earliest: np.ndarray, rank: np.ndarray, num_ranks: int, movable: np.ndarray) -> Candidates:
-    """The Candidates of :func:`level_stages`: one stable sort of one key (rank, earliest stage). O(T) by radix."""
+def prepare_levelling(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_ranks: int,
+                      movable: np.ndarray, tile_buffer: np.ndarray | None = None,
+                      buffer_first: np.ndarray | None = None) -> Prepared:
+    """The Prepared of :func:`level_stages` for these earliest stages (tile_buffer and buffer_first: a BufferLimit's,
+    when levelling under one): one stable sort of one key (rank, earliest stage), by radix, and two passes over the
+    tiles. O(T)."""
     num_stages = int(earliest.max(initial=0)) + 1
     candidates = np.flatnonzero(movable)
     key = rank[candidates] * (num_stages + 1) + earliest[candidates]
     order = candidates[stable_order(key, num_ranks * (num_stages + 1))].astype(np.int32)  # tile rows are int32
     before = np.concatenate(([0], np.cumsum(np.bincount(key, minlength=num_ranks * (num_stages + 1)))))
-    return Candidates(order=order, before=before.tolist())
+    del key, candidates
+    last = None
+    if tile_buffer is not None:
+        reads = tile_buffer >= 0
+        values = earliest[reads].astype(np.int64)  # ufunc.at is many times slower on mixed types
+        last = buffer_first.astype(np.int64)  # a copy
+        np.maximum.at(last, tile_buffer[reads], values)
+    return Prepared(order=order, before=before.tolist(), load=stage_loads(earliest, rank, seconds, num_stages,
+                                                                          num_ranks),
+                    buffer_first=buffer_first, buffer_last=last)
 
 
 def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_ranks: int,
                  movable: np.ndarray | None = None, limit: BufferLimit | None = None,
-                 candidates: Candidates | None = None) -> np.ndarray:
+                 prepared: Prepared | None = None) -> np.ndarray:
     """Stages for tiles, each at or after its earliest stage, that lower the sum over stages of the busiest rank.
 
     Ranks exchange data every stage, so a stage lasts about as long as its busiest rank computes; a rank whose data
@@ -80,7 +98,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         num_ranks: N.
         movable: bool [T], tiles that may be delayed (default all).
         limit: the buffers tiles read and the budget on live tokens (default: no limit).
-        candidates: candidates_by_rank(earliest, rank, num_ranks, movable), when the caller has it already.
+        prepared: prepare_levelling(earliest, rank, seconds, num_ranks, movable, limit.tile_buffer,
+            limit.buffer_first), when the caller has it already.
     Returns:
         int64 [T] stage of each tile.
     """
@@ -89,11 +108,13 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         return stage
     num_stages = int(stage.max()) + 1
     movable = np.ones(stage.size, dtype=bool) if movable is None else movable
-    buffers = None if limit is None else _LiveBuffers(limit, stage, num_ranks, num_stages)
-    if candidates is None:
-        candidates = candidates_by_rank(earliest, rank, num_ranks, movable)
-    order, before = candidates.order, candidates.before
-    load = stage_loads(stage, rank, seconds, num_stages, num_ranks).tolist()
+    if prepared is None:
+        prepared = prepare_levelling(earliest, rank, seconds, num_ranks, movable,
+                                     *((limit.tile_buffer, limit.buffer_first) if limit is not None else ()))
+    assert limit is None or np.array_equal(prepared.buffer_first, limit.buffer_first)
+    buffers = None if limit is None else _LiveBuffers(limit, prepared.buffer_last, num_ranks, num_stages)
+    order, before = prepared.order, prepared.before
+    load = prepared.load.tolist()
     # Few tiles move (a handful a rank and stage, next to where its arrivals end), so the loop reads the arrays
     # where it scans instead of copying millions of tiles into lists. A moved tile is marked by pointing left;
     # scans jump over moved tiles (path compression keeps that O(1) amortised).
@@ -141,10 +162,8 @@ class _LiveBuffers:
     """Live tokens per rank and stage, and each buffer's last stage of use, as Python lists: each check touches a
     few stages of one rank, where list slices beat numpy calls."""
 
-    def __init__(self, limit: BufferLimit, stage: np.ndarray, num_ranks: int, num_stages: int):
-        reads = limit.tile_buffer >= 0
-        last = limit.buffer_first.astype(np.int64).copy()
-        np.maximum.at(last, limit.tile_buffer[reads], stage[reads])
+    def __init__(self, limit: BufferLimit, last: np.ndarray, num_ranks: int, num_stages: int):
+        """`last`: each buffer's last reader's stage before any delay (Prepared.buffer_last)."""
         end = last + limit.buffer_hold
         self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
                                 int(max(end.max(initial=0), num_stages)) + 2).tolist()

@@ -9,7 +9,7 @@ import numpy as np
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
 from fcp_compiler.algorithms.keys import stable_order
-from fcp_compiler.algorithms.leveling import BufferLimit, Candidates, candidates_by_rank, level_stages
+from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
@@ -90,19 +90,27 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Earliest:
-    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local) and the tiles
-    levelling may delay, by rank and first stage. Both passes share them: the backward's pulls take round 2r in
-    stages of 2c rounds, the stage r // c of the forward's round r."""
+    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local) and what
+    levelling derives from it (:class:`Prepared`). Both passes share them: the backward's pulls take round 2r in
+    stages of 2c rounds, the stage r // c of the forward's round r, and the same tiles may be delayed."""
 
     stage: np.ndarray
-    candidates: Candidates
+    prepared: Prepared
 
     @classmethod
-    def of(cls, arrival_round: np.ndarray, coalesce: int, tile_q_edge: np.ndarray, tile_rank: np.ndarray,
-           num_ranks: int) -> _Earliest:
+    def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
+           tile_q_edge: np.ndarray, assignment) -> _Earliest:
         stage = np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
-        return cls(stage=stage, candidates=candidates_by_rank(stage, tile_rank, num_ranks,
-                                                              (stage > 0) & (tile_q_edge < 0)))
+        q_remote = tile_q_edge >= 0
+        return cls(stage=stage, prepared=prepare_levelling(
+            stage, assignment.tile_rank, assignment.tiles.tile_seconds, assignment.num_ranks, (stage > 0) & ~q_remote,
+            _tile_buffer(tile_kv_edge, q_remote), pull_round // coalesce))
+
+
+def _tile_buffer(tile_kv_edge: np.ndarray, q_remote: np.ndarray) -> np.ndarray:
+    """The buffer whose liveness delaying a tile extends: its K,V pull, none for a tile run for another rank (it is
+    not delayed)."""
+    return np.where(q_remote, -1, tile_kv_edge)
 
 
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
@@ -124,11 +132,11 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
     q_remote = tile_q_edge >= 0
     pushed = np.zeros(transfers.num_edges, dtype=np.int64)
     pushed[push_edge] = 1
-    limit = BufferLimit(tile_buffer=np.where(q_remote, -1, tile_kv_edge), buffer_rank=transfers.edge_dst,
+    limit = BufferLimit(tile_buffer=_tile_buffer(tile_kv_edge, q_remote), buffer_rank=transfers.edge_dst,
                         buffer_first=pull_round // coalesce, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
                         budget=budget)
     return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
-                        movable=(tile_stage > 0) & ~q_remote, limit=limit, candidates=earliest.candidates)
+                        movable=(tile_stage > 0) & ~q_remote, limit=limit, prepared=earliest.prepared)
 
 
 def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, earliest: _Earliest | None,
@@ -262,7 +270,7 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
-    earliest = _Earliest.of(arrival_round, coalesce, q_edge, tile_rank, assignment.num_ranks) if pipelined else None
+    earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, q_edge, assignment) if pipelined else None
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
