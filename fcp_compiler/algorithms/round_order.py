@@ -42,7 +42,10 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
     room[:, -1] = np.where(rest > 0, rest, room[:, -1])
     stage_of = np.empty(num_rounds, dtype=np.int64)
     busiest = np.zeros(num_stages)  # load.max(axis=1), kept up to date stage by stage
-    for rnd in np.lexsort((np.arange(num_rounds), -round_work.max(axis=1))).tolist():
+    most = round_work.max(axis=1)
+    by_work = np.lexsort((np.arange(num_rounds), -most))
+    num_busy = int((most > 0).sum())
+    for rnd in by_work[:num_busy].tolist():
         cls = int(round_class[rnd])
         new_max = (load + round_work[rnd]).max(axis=1)
         growth = new_max - busiest
@@ -54,6 +57,13 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
         load[stage] += round_work[rnd]
         busiest[stage] = load[stage].max()
         room[cls, stage] -= 1
+    # Rounds without work come last and change no load: each takes the stage with room for its class whose busiest
+    # rank is lowest (the earliest of equals), as the loop would, so they fill the stages in that order.
+    best_first = np.lexsort((np.arange(num_stages), busiest))
+    idle = by_work[num_busy:]  # in index order
+    for cls in (0, 1):
+        mine = idle[round_class[idle] == cls]
+        stage_of[mine] = np.repeat(best_first, room[cls, best_first])[:mine.size]
     position = np.empty(num_rounds, dtype=np.int64)
     for cls in (0, 1):
         mine = np.flatnonzero(round_class == cls)

@@ -90,53 +90,49 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Earliest:
-    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local) and what
-    levelling derives from it (:class:`Prepared`). Both passes share them: the backward's pulls take round 2r in
-    stages of 2c rounds, the stage r // c of the forward's round r, and the same tiles may be delayed."""
+    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local), the tiles
+    levelling may delay, the buffer delaying one keeps live, and what levelling derives from them
+    (:class:`Prepared`). Both passes share them: the backward's pulls take round 2r in stages of 2c rounds, the
+    stage r // c of the forward's round r."""
 
     stage: np.ndarray
+    movable: np.ndarray
+    tile_buffer: np.ndarray
     prepared: Prepared
 
     @classmethod
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
            tile_q_edge: np.ndarray, assignment) -> _Earliest:
         stage = np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+        # Local tiles stay in stage 0 (they hide the first transfers), and tiles run for another rank stay put so
+        # that their partial outputs leave early; a delayed tile keeps its K,V pull live.
         q_remote = tile_q_edge >= 0
-        return cls(stage=stage, prepared=prepare_levelling(
-            stage, assignment.tile_rank, assignment.tiles.tile_seconds, assignment.num_ranks, (stage > 0) & ~q_remote,
-            _tile_buffer(tile_kv_edge, q_remote), pull_round // coalesce))
-
-
-def _tile_buffer(tile_kv_edge: np.ndarray, q_remote: np.ndarray) -> np.ndarray:
-    """The buffer whose liveness delaying a tile extends: its K,V pull, none for a tile run for another rank (it is
-    not delayed)."""
-    return np.where(q_remote, -1, tile_kv_edge)
+        movable = (stage > 0) & ~q_remote
+        tile_buffer = np.where(q_remote, -1, tile_kv_edge)
+        return cls(stage=stage, movable=movable, tile_buffer=tile_buffer, prepared=prepare_levelling(
+            stage, assignment.tile_rank, assignment.tiles.tile_seconds, assignment.num_ranks, movable, tile_buffer,
+            pull_round // coalesce))
 
 
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
-                 earliest: _Earliest | None, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray,
-                 budget: int | None) -> np.ndarray:
+                 earliest: _Earliest | None, budget: int | None) -> np.ndarray:
     """Each tile's stage: at or after its earliest (None: not pipelined, every tile after the last pull), levelled
     within the buffer budget (None: not levelled)."""
     assignment = transfers.assignment
     tiles = assignment.tiles
     if earliest is None:
         return np.full(tiles.num_tiles, int(pull_round.max(initial=-1)) // coalesce + 1, dtype=np.int64)
-    tile_stage = earliest.stage
     if budget is None:
-        return tile_stage.astype(np.int64)
+        return earliest.stage.astype(np.int64)
     # Ranks whose data comes early would front-load their tiles while others wait for late data; delay some to
-    # level each stage's busiest rank, as far as the buffers they read may stay live. Local tiles stay in stage 0
-    # (they hide the first transfers), and tiles run for another rank stay put so that their partial outputs leave
-    # early.
-    q_remote = tile_q_edge >= 0
+    # level each stage's busiest rank, as far as the buffers they read may stay live.
     pushed = np.zeros(transfers.num_edges, dtype=np.int64)
     pushed[push_edge] = 1
-    limit = BufferLimit(tile_buffer=_tile_buffer(tile_kv_edge, q_remote), buffer_rank=transfers.edge_dst,
+    limit = BufferLimit(tile_buffer=earliest.tile_buffer, buffer_rank=transfers.edge_dst,
                         buffer_first=pull_round // coalesce, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
                         budget=budget)
-    return level_stages(tile_stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
-                        movable=(tile_stage > 0) & ~q_remote, limit=limit, prepared=earliest.prepared)
+    return level_stages(earliest.stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
+                        movable=earliest.movable, limit=limit, prepared=earliest.prepared)
 
 
 def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, earliest: _Earliest | None,
@@ -144,8 +140,7 @@ def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, earlie
     """Pulls in their rounds, tiles levelled, partial outputs pushed back along Q pulls in free rounds
     (:func:`fcp_compiler.algorithms.exchange.forward_push_rounds`)."""
     is_q = transfers.edge_kind == TransferKind.Q
-    tile_stage = _tile_stages(transfers, pull_round, np.flatnonzero(is_q), coalesce, earliest, tile_kv_edge,
-                              tile_q_edge, budget)
+    tile_stage = _tile_stages(transfers, pull_round, np.flatnonzero(is_q), coalesce, earliest, budget)
     push_edge, push_round = forward_push_rounds(is_q, transfers.edge_src, transfers.edge_dst,
                                                 transfers.assignment.num_ranks, pull_round, tile_stage, tile_kv_edge,
                                                 tile_q_edge, coalesce, transfers.edge_link, nvlink_lanes)
@@ -160,8 +155,7 @@ def _backward(transfers: Transfers, forward_round: np.ndarray, coalesce: int, ea
     pull, relays after the pushes they sum
     (:func:`fcp_compiler.algorithms.exchange.backward_push_rounds`)."""
     pull_round = 2 * forward_round
-    tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, earliest,
-                              tile_kv_edge, tile_q_edge, budget)
+    tile_stage = _tile_stages(transfers, pull_round, np.arange(transfers.num_edges), coalesce, earliest, budget)
     push_edge, push_round = backward_push_rounds(transfers.edge_src, transfers.edge_dst, transfers.edge_parent,
                                                  transfers.assignment.num_ranks, pull_round, tile_stage,
                                                  tile_kv_edge, tile_q_edge, coalesce, transfers.edge_link,
