@@ -58,11 +58,12 @@ def prepare_levelling(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarra
     when levelling under one): one stable sort of one key (rank, earliest stage), by radix, and two passes over the
     tiles. O(T)."""
     num_stages = int(earliest.max(initial=0)) + 1
-    candidates = np.flatnonzero(movable)
-    key = rank[candidates] * (num_stages + 1) + earliest[candidates]
-    order = candidates[stable_order(key, num_ranks * (num_stages + 1))].astype(np.int32)  # tile rows are int32
+    key = rank[movable] * (num_stages + 1)
+    key += earliest[movable]
+    order = stable_order(key, num_ranks * (num_stages + 1))
+    order = np.flatnonzero(movable)[order].astype(np.int32)  # tile rows are int32
     before = np.concatenate(([0], np.cumsum(np.bincount(key, minlength=num_ranks * (num_stages + 1)))))
-    del key, candidates
+    del key
     last = None
     if tile_buffer is not None:
         reads = tile_buffer >= 0

@@ -79,11 +79,6 @@ def _add_pushes(out: _RankSlicer, transfers, forward, backward, row_of_edge: dic
                 push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
 
 
-def _int32(values: np.ndarray) -> np.ndarray:
-    assert values.size == 0 or (values.min() >= -(2**31) and values.max() < 2**31)
-    return values.astype(np.int32)
-
-
 def encode(plan: Reshuffle, header_fields: dict) -> bytes:
     """Write the plan file bytes: header, batch-wide tables, then each rank's program.
 
@@ -111,11 +106,13 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
             plan.run_user_rank[recv_runs], plan.run_plan_offset[recv_runs], plan.run_length[recv_runs])
     row_of_edge = _add_pulls(out, transfers, forward, backward, num_ranks)
     tile_order = schedule.tile_order
-    # Millions of tiles at small blocks: each column narrowed to int32 before it is gathered into pipeline order.
+    # Millions of tiles at small blocks: each column narrowed to int32 before it is gathered into pipeline order
+    # (stages and blocks count from 0 up to the header's int32 counts, so no column needs scanning for its range).
+    assert max(sharding.num_blocks, forward.num_stages, backward.num_stages) < 2**31
     out.add_counted(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"),
                     np.bincount(assignment.tile_rank, minlength=num_ranks),  # tile_order is by rank first
-                    *(_int32(column)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
-                                                                tiles.tile_q_block, tiles.tile_kv_block)))
+                    *(column.astype(np.int32)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
+                                                                         tiles.tile_q_block, tiles.tile_kv_block)))
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
     global_arrays = {"seq_lengths": sharding.batch.lengths, "seq_window": sharding.batch.windows,
