@@ -115,6 +115,13 @@ def block_needs(tiles: TileSet) -> tuple[np.ndarray, np.ndarray]:
     return need_block, need_seg
 
 
+def _own_tiles(tile_batch: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The columns at the tiles left with their query block (tile_batch -1): all of them, uncopied, when no block
+    lent tiles to a helper batch (millions of tiles at small blocks)."""
+    own = tile_batch < 0
+    return columns if own.all() else tuple(column[own] for column in columns)
+
+
 def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weights: np.ndarray,
                     batch_rank: np.ndarray, batch_seconds: np.ndarray, tile_batch: np.ndarray, token_cap: int,
                     token_tolerance: float | None, pairs_balanced: bool, rounds: int) -> np.ndarray:
@@ -124,10 +131,13 @@ def _refine_jointly(tiles: TileSet, num_ranks: int, block_rank: np.ndarray, weig
     sharding = tiles.sharding
     batch_compute = np.bincount(batch_rank, weights=batch_seconds, minlength=num_ranks)
     # Visible pairs (FLOPs, free of the efficiency model) balanced beside modelled time.
-    own = tile_batch < 0
-    block_pairs = np.bincount(tiles.tile_q_block[own], weights=tiles.tile_flops[own], minlength=sharding.num_blocks)
-    batch_pairs = np.bincount(batch_rank[tile_batch[~own]], weights=tiles.tile_flops[~own], minlength=num_ranks) \
-        if batch_rank.size else np.zeros(num_ranks)
+    block_pairs = np.bincount(*_own_tiles(tile_batch, tiles.tile_q_block, tiles.tile_flops),
+                              minlength=sharding.num_blocks)
+    if batch_rank.size:
+        lent = tile_batch >= 0
+        batch_pairs = np.bincount(batch_rank[tile_batch[lent]], weights=tiles.tile_flops[lent], minlength=num_ranks)
+    else:
+        batch_pairs = np.zeros(num_ranks)
     need_block, need_seg = block_needs(tiles)
     for _ in range(rounds):
         # Each round balances against the mean volume it starts from; moves shift that mean, so repeat while the
@@ -194,7 +204,7 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     tile_batch, batch_block, batch_seconds = split_heavy_blocks(
         tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=attention_room,
         piece=attention_room * HELPER_PIECE)
-    weights = np.bincount(tiles.tile_q_block[tile_batch < 0], weights=tiles.tile_seconds[tile_batch < 0],
+    weights = np.bincount(*_own_tiles(tile_batch, tiles.tile_q_block, tiles.tile_seconds),
                           minlength=num_blocks) + block_linear
     # A block prefers the rank that holds most of its tokens in the user layout, when that costs little balance:
     # the reshuffle then moves less, and more tiles run while it is in flight.
