@@ -6,9 +6,9 @@ import numpy as np
 
 from fcp_compiler.algorithms.bounds import makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import balance_two_dimensional
-from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
 from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_needs, num_dense_needs
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.lpt import UNPLACED, level_sizes, lpt_with_cap, refine_moves_swaps
 from fcp_compiler.algorithms.offload import offload_tiles, split_heavy_blocks
 from fcp_compiler.algorithms.ranges import user_layout_bounds
 from fcp_compiler.core.ir import Assignment, TileSet

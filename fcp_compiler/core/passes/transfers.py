@@ -43,6 +43,28 @@ def _whole_block_transfers(assignment: Assignment) -> Transfers:
                      edge_seg_offsets=np.zeros(blocks.size + 1, dtype=np.int64), edge_segs=np.zeros(0, dtype=np.int64))
 
 
+def _dense_needs(assignment: Assignment) -> tuple[np.ndarray, ...]:
+    """(kv_seg, kv_rank, q_seg, q_rank): the remote segments the tiles of dense zig-zag sequences read, which list
+    no pairs. In closed form: from the block owners where every tile of a sequence runs on its query block's owner,
+    per tile in the (few) sequences with a tile offloaded elsewhere."""
+    tiles, owner, num_ranks = assignment.tiles, assignment.block_rank, assignment.num_ranks
+    dense, first_seg_of = tiles.dense, tiles.sharding.block_seg_offsets[:-1]
+    tiles_per_seq = dense.num_blocks * dense.num_blocks
+    offloaded = np.zeros(dense.num_blocks.size, dtype=bool)
+    if offloaded.size:
+        away = np.flatnonzero(assignment.tile_rank != owner[tiles.tile_q_block])
+        seq_of_away = np.searchsorted(dense.tile_offset, away, side="right") - 1
+        in_dense = (seq_of_away >= 0) & (away < (dense.tile_offset + tiles_per_seq)[np.maximum(seq_of_away, 0)])
+        offloaded[seq_of_away[in_dense]] = True
+    home_seg, home_rank = dense_zigzag_home_needs(dense.first_block[~offloaded], dense.num_blocks[~offloaded], owner,
+                                                  first_seg_of, num_ranks)
+    each = expand_ranges(dense.tile_offset[offloaded], tiles_per_seq[offloaded])
+    kv_seg, kv_rank, q_seg, q_rank = dense_zigzag_pull_needs(
+        tiles.tile_q_block[each], tiles.tile_kv_block[each], assignment.tile_rank[each], owner, first_seg_of,
+        num_ranks)
+    return np.concatenate((home_seg, kv_seg)), np.concatenate((home_rank, kv_rank)), q_seg, q_rank
+
+
 def plan_transfers(assignment: Assignment) -> Transfers:
     """List the pulls: the K, V of each remote block a rank's tiles read, and the Q of each query block whose tiles
     run away from its owner.
@@ -67,25 +89,9 @@ def plan_transfers(assignment: Assignment) -> Transfers:
     seg_owner = assignment.block_rank[seg_block]
     remote_kv = seg_owner[tiles.listed_pair_kv_seg] != pair_rank
     remote_q = seg_owner[tiles.listed_pair_q_seg] != pair_rank
-    # Tiles of dense zig-zag sequences list no pairs: their needs in closed form, from the block owners where every
-    # tile runs on its query block's owner, per tile in the (few) sequences with a tile offloaded elsewhere.
-    dense, first_seg_of = tiles.dense, sharding.block_seg_offsets[:-1]
-    tiles_per_seq = dense.num_blocks * dense.num_blocks
-    offloaded = np.zeros(dense.num_blocks.size, dtype=bool)
-    if offloaded.size:
-        away = np.flatnonzero(assignment.tile_rank != assignment.block_rank[tiles.tile_q_block])
-        seq_of_away = np.searchsorted(dense.tile_offset, away, side="right") - 1
-        in_dense = (seq_of_away >= 0) & (away < (dense.tile_offset + tiles_per_seq)[np.maximum(seq_of_away, 0)])
-        offloaded[seq_of_away[in_dense]] = True
-    home_seg, home_rank = dense_zigzag_home_needs(dense.first_block[~offloaded], dense.num_blocks[~offloaded],
-                                                  assignment.block_rank, first_seg_of, num_ranks)
-    each = expand_ranges(dense.tile_offset[offloaded], tiles_per_seq[offloaded])
-    kv_seg, kv_rank, q_seg, q_rank = dense_zigzag_pull_needs(
-        tiles.tile_q_block[each], tiles.tile_kv_block[each], assignment.tile_rank[each], assignment.block_rank,
-        first_seg_of, num_ranks)
-    kv = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_kv_seg[remote_kv], home_seg, kv_seg)),
-                                   np.concatenate((pair_rank[remote_kv], home_rank, kv_rank)), seg_block,
-                                   num_segments, num_ranks)
+    kv_seg, kv_rank, q_seg, q_rank = _dense_needs(assignment)
+    kv = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_kv_seg[remote_kv], kv_seg)),
+                                   np.concatenate((pair_rank[remote_kv], kv_rank)), seg_block, num_segments, num_ranks)
     q = _edges_from_segment_needs(np.concatenate((tiles.listed_pair_q_seg[remote_q], q_seg)),
                                   np.concatenate((pair_rank[remote_q], q_rank)), seg_block, num_segments, num_ranks)
     kinds = np.concatenate((np.full(kv[0].size, TransferKind.KV), np.full(q[0].size, TransferKind.Q)))
