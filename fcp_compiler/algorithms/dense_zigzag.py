@@ -85,7 +85,7 @@ def num_dense_pairs(num_blocks: np.ndarray) -> int:
     return int((num_blocks * (2 * num_blocks + 1)).sum())
 
 
-def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray, out=None):
+def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray):
     """Every segment pair of dense zig-zag sequences (:func:`dense_zigzag_sequences`), grouped by tile in tile
     order: sequence m's n^2 tiles (i, j), row by row, are tiles tile_offset[m] + i n + j.
 
@@ -97,15 +97,12 @@ def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offse
     Args:
         first_seg, num_blocks: as :func:`dense_zigzag_sequences` returns them.
         tile_offset: int64, the index of each sequence's first tile.
-        out: four arrays of num_dense_pairs entries to write into, as returned (default: new ones).
     Returns:
         (pair_tile, pair_q_seg, pair_kv_seg) int64 [P] and pair_self bool [P] (a chunk against itself).
     """
-    if out is None:
-        num_pairs = num_dense_pairs(num_blocks)
-        out = (np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64),
-               np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=bool))
-    pair_tile, pair_q_seg, pair_kv_seg, pair_self = out
+    num_pairs = num_dense_pairs(num_blocks)
+    pair_tile, pair_q_seg, pair_kv_seg = (np.empty(num_pairs, dtype=np.int64) for _ in range(3))
+    pair_self = np.empty(num_pairs, dtype=bool)
     first = 0
     for seg0, num, offset in zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist()):
         kind, step, itself = _by_offset(num)

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs, num_dense_pairs
+from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs
 from fcp_compiler.algorithms.fan_out import class_degrees, link_class
-from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, MaskKind
 from fcp_compiler.format.plan_format import TransferKind
 
@@ -139,20 +138,6 @@ class DenseTiles:
     def none(cls) -> DenseTiles:
         empty = np.zeros(0, dtype=np.int64)
         return cls(first_block=empty, num_blocks=empty, first_seg=empty, tile_offset=empty)
-
-    @property
-    def num_pairs(self) -> int:
-        return num_dense_pairs(self.num_blocks)
-
-    @property
-    def blocks(self) -> np.ndarray:
-        """Every block of these sequences."""
-        return expand_ranges(self.first_block, self.num_blocks)
-
-    @property
-    def tiles(self) -> np.ndarray:
-        """Every tile of these sequences, in order."""
-        return expand_ranges(self.tile_offset, self.num_blocks * self.num_blocks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
