@@ -39,3 +39,13 @@ def test_stable_order_is_a_stable_argsort_in_every_radix_regime(bound):
         # Few distinct values, so the order among equal keys (index order) is what is being tested.
         keys = rng.choice(rng.integers(0, bound, size=40), size=size).astype(np.int64)
         assert np.array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))
+
+
+@given(st.lists(st.integers(-5, 10**12), max_size=200))
+def test_sorted_unique_counts_is_np_unique_with_counts(values):
+    from fcp_compiler.algorithms.keys import sorted_unique_counts
+
+    keys = np.array(values, dtype=np.int64)
+    unique, counts = np.unique(keys, return_counts=True)
+    ours, our_counts = sorted_unique_counts(keys)
+    assert np.array_equal(ours, unique) and np.array_equal(our_counts, counts)

@@ -52,3 +52,12 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
         order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
         return order[np.argsort((keys >> 16).astype(np.uint16)[order], kind="stable")]
     return np.argsort(keys, kind="stable")
+
+
+def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(keys, return_counts=True) for int keys by one sort (see :func:`sorted_unique`)."""
+    ordered = np.sort(np.asarray(keys, dtype=np.int64))
+    if ordered.size == 0:
+        return ordered, np.zeros(0, dtype=np.int64)
+    first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    return ordered[first], np.diff(np.append(first, ordered.size))

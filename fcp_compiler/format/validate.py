@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
+from fcp_compiler.algorithms.keys import sorted_unique, sorted_unique_counts
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
@@ -240,6 +241,15 @@ def _check_blocks(plan: _Plan) -> _Blocks:
     return _Blocks(num_blocks=num_blocks, block_tokens=block_tokens, owner=owner, held=held, held_rank=held_rank)
 
 
+def _in_sorted(values: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """np.isin(values, members) for sorted unique int members, by binary search: no unique of millions of values
+    (numpy's is hash-based and many times slower on them)."""
+    if members.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    pos = np.minimum(np.searchsorted(members, values), members.size - 1)
+    return members[pos] == values
+
+
 def _visible_segment_pairs(tables) -> tuple[np.ndarray, np.ndarray]:
     """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly.
 
@@ -265,20 +275,20 @@ def _check_coverage(plan: _Plan, blocks: _Blocks) -> _Tiles:
     """1. Coverage: every block pair with a visible (query, key) pair is one tile, run exactly once."""
     num_blocks, seg_block = blocks.num_blocks, plan.tables.seg_block
     q_seg, k_seg = _visible_segment_pairs(plan.tables)
-    required = np.unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
+    required = sorted_unique(seg_block[q_seg] * num_blocks + seg_block[k_seg])
     tile_q, tile_rank = plan.stacked("tile_q_block")
     tile_kv, _ = plan.stacked("tile_kv_block")
     tile_key = tile_q * num_blocks + tile_kv
-    keys, key_count = np.unique(tile_key, return_counts=True)
+    keys, key_count = sorted_unique_counts(tile_key)
     if (key_count > 1).any():
         dup = int(keys[np.argmax(key_count > 1)])
         _fail(1, f"tile (q block {dup // num_blocks}, kv block {dup % num_blocks}) runs "
                  f"{int(key_count.max())} times")
-    missing = np.setdiff1d(required, keys)
+    missing = np.setdiff1d(required, keys, assume_unique=True)
     if missing.size:
         _fail(1, f"tile (q block {int(missing[0]) // num_blocks}, kv block {int(missing[0]) % num_blocks}) "
                  f"has visible pairs but runs nowhere ({missing.size} such tiles)")
-    extra = np.setdiff1d(keys, required)
+    extra = np.setdiff1d(keys, required, assume_unique=True)
     if extra.size:
         _fail(1, f"tile (q block {int(extra[0]) // num_blocks}, kv block {int(extra[0]) % num_blocks}) has no "
                  f"visible pair (an empty tile)")
@@ -419,7 +429,7 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
     if unknown.any():
         _fail(2, f"a pull has unknown kind {int(pulls.kind[unknown][0])}")
     pull_key = (pulls.kind * blocks.num_blocks + pulls.block) * plan.num_ranks + pulls.me
-    if np.unique(pull_key).size != pull_key.size:
+    if sorted_unique(pull_key).size != pull_key.size:
         _fail(2, "a rank pulls the same block twice")
     _check_relay_data(pulls)
 
@@ -566,7 +576,7 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
         tile_sorted = np.argsort(tiles.key, kind="stable")
         pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
         pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
-        carried = np.unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
+        carried = sorted_unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
                             + np.repeat(pulls.me, pulls.count)) if num_pulls else np.zeros(0, dtype=np.int64)
     for kind, what, tile_block, needed_seg in ((TransferKind.Q, "Q", tiles.q, tiles.q_seg),
                                                (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
@@ -594,7 +604,7 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
         pair_rank = tiles.rank[pair_tile]
         pair_remote = owner[seg_block[needed_seg]] != pair_rank
         needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
-        lacking = ~np.isin(needed, carried)
+        lacking = ~_in_sorted(needed, carried)
         if lacking.any():
             bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
             _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
