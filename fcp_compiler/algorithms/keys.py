@@ -27,16 +27,21 @@ def unique_keys(keys: np.ndarray, space: int, return_inverse: bool = False):
     return unique, position[keys]
 
 
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """bool per entry of a sorted array: whether it starts a run of equal keys."""
+    return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
+
+
 def sorted_unique(keys: np.ndarray, return_inverse: bool = False):
     """np.unique for int keys by one sort (numpy's hash-based unique is several times slower on millions of int64
     keys). Returns the sorted unique keys, and with return_inverse the index of each key among them."""
     keys = np.asarray(keys, dtype=np.int64)
     if not return_inverse:
         ordered = np.sort(keys)
-        return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
+        return ordered[_run_starts(ordered)]
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
-    first = np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
+    first = _run_starts(ordered)
     inverse = np.empty(keys.size, dtype=np.int64)
     inverse[order] = np.cumsum(first) - 1
     return ordered[first], inverse
@@ -57,7 +62,5 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
 def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(keys, return_counts=True) for int keys by one sort (see :func:`sorted_unique`)."""
     ordered = np.sort(np.asarray(keys, dtype=np.int64))
-    if ordered.size == 0:
-        return ordered, np.zeros(0, dtype=np.int64)
-    first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    first = np.flatnonzero(_run_starts(ordered))
     return ordered[first], np.diff(np.append(first, ordered.size))

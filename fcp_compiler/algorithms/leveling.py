@@ -97,7 +97,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         rank: int64 [T], the rank running it.
         seconds: float64 [T], its work.
         num_ranks: N.
-        movable: bool [T], tiles that may be delayed (default all).
+        movable: bool [T], tiles that may be delayed (default all; with `prepared`, the ones it was prepared for).
         limit: the buffers tiles read and the budget on live tokens (default: no limit).
         prepared: prepare_levelling(earliest, rank, seconds, num_ranks, movable, limit.tile_buffer,
             limit.buffer_first), when the caller has it already.
@@ -108,8 +108,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     if stage.size == 0:
         return stage
     num_stages = int(stage.max()) + 1
-    movable = np.ones(stage.size, dtype=bool) if movable is None else movable
     if prepared is None:
+        movable = np.ones(stage.size, dtype=bool) if movable is None else movable
         prepared = prepare_levelling(earliest, rank, seconds, num_ranks, movable,
                                      *((limit.tile_buffer, limit.buffer_first) if limit is not None else ()))
     assert limit is None or np.array_equal(prepared.buffer_first, limit.buffer_first)

@@ -171,35 +171,35 @@ class TileSet:
         """False for a tile set costed in closed form (the ring at scale): its tiles read whole blocks."""
         return self.listed_pair_tile.size > 0 or self.dense.num_blocks.size > 0 or self.num_tiles == 0
 
-    def _all_pairs(self, listed: np.ndarray, column: int) -> np.ndarray:
-        """A pair column: the listed pairs', then column `column` of dense_zigzag_pairs for the dense ones."""
+    def segment_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(pair_tile, pair_q_seg, pair_kv_seg, pair_flops): every segment pair, the listed ones then the dense
+        ones, built in one go (the dense ones are millions at small blocks: a caller wanting several columns should
+        take them from one call)."""
         dense = self.dense
+        listed = (self.listed_pair_tile, self.listed_pair_q_seg, self.listed_pair_kv_seg, self.listed_pair_flops)
         if dense.num_blocks.size == 0:
             return listed
-        pairs = dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
-        return np.concatenate((listed, pairs[column]))
+        pair_tile, q_seg, kv_seg, itself = dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
+        flops = np.where(itself, dense.self_flops, dense.whole_flops)
+        return tuple(np.concatenate(pair) for pair in zip(listed, (pair_tile, q_seg, kv_seg, flops)))
 
     @property
     def pair_tile(self) -> np.ndarray:
-        """int64 [num_pairs]: the tile of each segment pair (the listed ones, then the dense ones)."""
-        return self._all_pairs(self.listed_pair_tile, 0)
+        """int64 [num_pairs]: the tile of each segment pair (:meth:`segment_pairs`)."""
+        return self.segment_pairs()[0]
 
     @property
     def pair_q_seg(self) -> np.ndarray:
-        return self._all_pairs(self.listed_pair_q_seg, 1)
+        return self.segment_pairs()[1]
 
     @property
     def pair_kv_seg(self) -> np.ndarray:
-        return self._all_pairs(self.listed_pair_kv_seg, 2)
+        return self.segment_pairs()[2]
 
     @property
     def pair_flops(self) -> np.ndarray:
         """float64 [num_pairs]: forward FLOPs of each segment pair."""
-        if self.dense.num_blocks.size == 0:
-            return self.listed_pair_flops
-        itself = self._all_pairs(np.zeros(0, dtype=bool), 3)
-        return np.concatenate((self.listed_pair_flops, np.where(itself, self.dense.self_flops,
-                                                                self.dense.whole_flops)))
+        return self.segment_pairs()[3]
 
     @property
     def block_seconds(self) -> np.ndarray:

@@ -350,9 +350,8 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     sharding = tiles.sharding
     plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_plan_tile = plan_tile_of[tiles.pair_tile]
-    q_seg, kv_seg = tiles.pair_q_seg, tiles.pair_kv_seg
-    flops = tiles.pair_flops
+    pair_tile, q_seg, kv_seg, flops = tiles.segment_pairs()
+    pair_plan_tile = plan_tile_of[pair_tile]
     seg_tokens = sharding.seg_tokens
     num_segments = sharding.num_segments
     num_groups = int(launch_group.max()) + 2 if launch_group.size else 1  # launch -1 (reshuffle) maps to 0
@@ -386,8 +385,8 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
         return (runs * per_run).astype(np.int64).reshape(num_stages, num_ranks)
     plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_plan_tile = plan_tile_of[tiles.pair_tile]
-    q_seg, k_seg = tiles.pair_q_seg, tiles.pair_kv_seg
+    pair_tile, q_seg, k_seg, _ = tiles.segment_pairs()
+    pair_plan_tile = plan_tile_of[pair_tile]
     slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
     start, end = sharding.seg_start, sharding.seg_end
     kind, left, _, _ = classify_pairs(start[q_seg], end[q_seg], start[k_seg], end[k_seg],

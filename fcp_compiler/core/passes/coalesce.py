@@ -90,13 +90,12 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Earliest:
-    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local), the tiles
-    levelling may delay, the buffer delaying one keeps live, and what levelling derives from them
-    (:class:`Prepared`). Both passes share them: the backward's pulls take round 2r in stages of 2c rounds, the
+    """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local), the buffer
+    delaying it keeps live, and what levelling derives from them (:class:`Prepared`: the tiles it may delay among
+    them). Both passes share them: the backward's pulls take round 2r in stages of 2c rounds, the
     stage r // c of the forward's round r."""
 
     stage: np.ndarray
-    movable: np.ndarray
     tile_buffer: np.ndarray
     prepared: Prepared
 
@@ -109,7 +108,7 @@ class _Earliest:
         q_remote = tile_q_edge >= 0
         movable = (stage > 0) & ~q_remote
         tile_buffer = np.where(q_remote, -1, tile_kv_edge)
-        return cls(stage=stage, movable=movable, tile_buffer=tile_buffer, prepared=prepare_levelling(
+        return cls(stage=stage, tile_buffer=tile_buffer, prepared=prepare_levelling(
             stage, assignment.tile_rank, assignment.tiles.tile_seconds, assignment.num_ranks, movable, tile_buffer,
             pull_round // coalesce))
 
@@ -132,7 +131,7 @@ def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.nda
                         buffer_first=pull_round // coalesce, buffer_tokens=transfers.edge_tokens, buffer_hold=pushed,
                         budget=budget)
     return level_stages(earliest.stage, assignment.tile_rank, tiles.tile_seconds, assignment.num_ranks,
-                        movable=earliest.movable, limit=limit, prepared=earliest.prepared)
+                        limit=limit, prepared=earliest.prepared)
 
 
 def _forward(transfers: Transfers, pull_round: np.ndarray, coalesce: int, earliest: _Earliest | None,

@@ -76,12 +76,13 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
             f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
             f"cut every sequence into 2N chunks")
     batch = sharding.batch
-    dense = dense_zigzag_sequences(sharding.seg_block, sharding.seg_seq, sharding.seg_start, sharding.seg_end,
-                                   batch.windows == batch.lengths, sharding.block_size // 2)
+    first_block, num_blocks, first_seg = dense_zigzag_sequences(
+        sharding.seg_block, sharding.seg_seq, sharding.seg_start, sharding.seg_end, batch.windows == batch.lengths,
+        sharding.block_size // 2)
     in_dense = np.zeros(sharding.num_segments, dtype=bool)
-    in_dense[expand_ranges(dense[2], 2 * dense[1])] = True
+    in_dense[expand_ranges(first_seg, 2 * num_blocks)] = True
     generic = _segment_pair_tiles(sharding, shape, profile, skip_queries=in_dense)
-    return _with_dense_tiles(sharding, shape, profile, generic, *dense)
+    return _with_dense_tiles(sharding, shape, profile, generic, first_block, num_blocks, first_seg)
 
 
 def _pair_cost(shape: AttentionShape, profile: HardwareProfile, pairs: np.ndarray, q_len: np.ndarray,
