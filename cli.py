@@ -99,7 +99,7 @@ def compile_command(
     from fcp_compiler.format.inputs import load_batch, make_shape
     from fcp_compiler.format.safe_io import write_files_atomic
     from fcp_compiler.tools.report import compile_summary
-    from fcp_compiler.tools.simulate import layer_stats
+    from fcp_compiler.core.simulate import layer_stats
 
     options = CompileOptions.of(gpus, block_size=block_size, coalesce=coalesce, token_cap=token_cap,
                                 token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
@@ -243,7 +243,7 @@ def simulate_command(
     from fcp_compiler.format.validate import validate_plan
     from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
-    from fcp_compiler.tools.simulate import simulate_plan, write_trace
+    from fcp_compiler.core.simulate import simulate_plan, write_trace
 
     if model is not None:
         load_model(model)  # a bad name fails before any work

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fcp_compiler import compile_plan
 from fcp_compiler.format.plan_format import PlanReader
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 from fcp_compiler.tools.traces import lognormal_batch
 
 

@@ -38,7 +38,7 @@ from fcp_compiler.errors import InfeasibleError  # noqa: E402
 from fcp_compiler.format.validate import validate_unless_too_large  # noqa: E402
 from fcp_compiler.tools.parallel import map_on_cores  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
-from fcp_compiler.tools.simulate import simulate_plan  # noqa: E402
+from fcp_compiler.core.simulate import simulate_plan  # noqa: E402
 
 BASELINES = ("ring", "bytescale", "wlbllm", "magi")
 _CONTEXT: dict = {}

@@ -47,7 +47,7 @@ _JOB_SCRIPT = """import json, sys, time
 import numpy as np
 from fcp_compiler import compile_plan
 from fcp_compiler.format.validate import validate_plan
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 lengths, gpus = json.loads(sys.stdin.read())
 compile_plan(lengths[:50], 8)  # imports and first-call costs outside the timing
 started = time.perf_counter()

@@ -21,7 +21,7 @@ from placement import TOKENS_PER_GPU, batches  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.format.validate import validate_plan  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
-from fcp_compiler.tools.simulate import simulate_plan  # noqa: E402
+from fcp_compiler.core.simulate import simulate_plan  # noqa: E402
 
 WORST = "wlbllm+tail:256:1,prolong:256:0,prolong+tail:64:1,prolong+tail:256:0,prolong:256:1"
 SPACE = {"coalesce": (8, 16, 32), "zigzag": ("auto", "off"), "token_tolerance": (0.005, 0.01, 0.02, 0.99),

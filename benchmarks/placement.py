@@ -25,7 +25,7 @@ import numpy as np
 from fcp_compiler import compile_plan
 from fcp_compiler.core.baselines import Planner
 from fcp_compiler.tools.report import table
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 from fcp_compiler.tools.traces import empirical_batch, histogram_batch, read_histogram_csv, read_lengths_file
 
 TOKENS_PER_GPU = 32768

@@ -24,7 +24,7 @@ sys.path[:0] = {paths!r}
 from pathlib import Path
 from placement import batches
 from fcp_compiler import compile_plan
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 lengths = batches(Path({eval_data!r}))[{name!r}]({tokens}, {seed})
 start = time.perf_counter()
 plan = compile_plan(lengths, {gpus}, planner="ring")

@@ -15,7 +15,7 @@ from fcp_compiler import compile_plan
 from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.format.validate import validate_plan
 from fcp_compiler.tools.report import human_bytes, table
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

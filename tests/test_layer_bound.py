@@ -17,7 +17,7 @@ from fcp_compiler.algorithms.layer_bound import (Machine, PassCosts, bytes_for_e
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import tile_efficiency
 from fcp_compiler.format.inputs import PRESET_PROFILES, BatchSpec
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 from conftest import compile_valid
 
 

@@ -11,7 +11,8 @@ from conftest import compile_valid
 from fcp_compiler import CompileOptions
 from fcp_compiler.tools.ablation import run_ablation
 from fcp_compiler.format.inputs import load_batch
-from fcp_compiler.tools.simulate import TRACKS, LinkModel, PassInput, simulate_pass, simulate_plan
+from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, simulate_pass
+from fcp_compiler.core.simulate import simulate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BW, LAT, LAUNCH = 1e9, 1e-5, 2e-6

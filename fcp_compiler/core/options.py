@@ -14,13 +14,17 @@ from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, M
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
 
 MAX_COALESCE = 2**16  # rounds per stage
-_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model"})
+_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model", "node_fan_out"})
 DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
 # With a model in the plan layout, tokens a rank holds are linear-layer time: ranks keep within 1% of the mean tokens
 # where whole blocks allow. On nine real-distribution batches at 64 and 256 GPUs (benchmarks/layer_objective.py
 # --fcp-options token_tolerance=T) the cap alone (mean + one block) leaves ranks 11% above the mean tokens and the
 # layer waits for them; 0.5%, 1% and 2% gave summed layer makespans within 1.3% of each other, 1% the least.
 LAYER_TOKEN_TOLERANCE = 0.01
+# Node fan-out as each system ships: MagiAttention 1.1 has hierarchical (node-level) group collectives, a chunk sent
+# once to each destination node and forwarded over NVLink; the ring, ByteScale and WLB-LLM send point to point.
+NODE_FAN_OUT_DEFAULT = {Planner.FCP: True, Planner.MAGI: True, Planner.RING: False, Planner.BYTESCALE: False,
+                        Planner.WLBLLM: False}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,7 +59,9 @@ class CompileOptions:
     pipelined: bool = True
     matching_rounds: bool = True
     reshuffle_overlap: bool = True
-    node_fan_out: bool = True  # a K,V block crosses into a node once and fans out over NVLink (FCP only)
+    # A K,V block crosses into a node once and fans out over NVLink; None: as each planner ships
+    # (NODE_FAN_OUT_DEFAULT). FCP's floor also tries its placements with it off.
+    node_fan_out: bool | None = None
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:
@@ -102,6 +108,11 @@ class CompileOptions:
         return LAYER_TOKEN_TOLERANCE if self.model is not None and self.layout is Layout.PLAN else None
 
     @property
+    def resolved_node_fan_out(self) -> bool:
+        """Whether K,V blocks fan out inside nodes: the given switch, else the planner's own default."""
+        return NODE_FAN_OUT_DEFAULT[self.planner] if self.node_fan_out is None else self.node_fan_out
+
+    @property
     def model_name(self) -> str:
         """The model preset's name, or "none"."""
         return self.model.name if self.model is not None else NO_MODEL
@@ -137,6 +148,8 @@ class CompileOptions:
                                                not 1 <= self.gpus_per_node <= MAX_RANKS):
             raise InvalidInputError(f"--gpus-per-node {self.gpus_per_node!r} must be an integer from 1 to {MAX_RANKS} "
                                     f"(8 on an HGX node)")
+        if self.node_fan_out is not None and not isinstance(self.node_fan_out, bool):
+            raise InvalidInputError(f"--node-fan-out {self.node_fan_out!r} must be on or off")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):

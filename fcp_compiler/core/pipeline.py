@@ -76,7 +76,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "shape": options.shape.model_dump(mode="json"), "profile": options.profile.model_dump(mode="json"),
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
-        "model": options.model_name, "node_fan_out": options.node_fan_out,
+        "model": options.model_name, "node_fan_out": options.resolved_node_fan_out,
     }
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
@@ -166,7 +166,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     else:
         assignment = timer.run("localize", localize, assignment)
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
-    if planner is Planner.FCP and options.matching_rounds and options.node_fan_out:
+    if options.matching_rounds and options.resolved_node_fan_out:
         transfers = timer.run("fan_out", fan_out, transfers)
     rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
                        transfers)

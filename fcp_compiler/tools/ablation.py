@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 
 # Normalised attention MFU of the seed's Table 2 (128 GPUs, forward / backward).
 SEED_TABLE = {"base": (0.29, 0.37), "pipeline": (0.48, 0.46), "solver": (0.62, 0.59), "coalescer": (0.70, 0.69),

@@ -10,7 +10,7 @@ from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.validate import validate_unless_too_large
 from fcp_compiler.tools.parallel import map_on_cores
-from fcp_compiler.tools.simulate import simulate_plan
+from fcp_compiler.core.simulate import simulate_plan
 
 
 _CONTEXT: dict = {}  # batch_for and the base CompileOptions, inherited by forked workers

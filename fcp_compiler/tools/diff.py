@@ -20,7 +20,7 @@ PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zi
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     """Quality figures of a plan, from the plan file alone (DESIGN section 5)."""
-    from fcp_compiler.tools.simulate import simulate_plan
+    from fcp_compiler.core.simulate import simulate_plan
 
     header, tables = reader.header, reader.tables
     simulation = simulate_plan(reader)

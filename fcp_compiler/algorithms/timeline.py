@@ -1,0 +1,213 @@
+"""The timing model: one pass of a plan, rank by rank and stage by stage, on plain arrays (what `fcp simulate`, the
+compiler's floor and the bound tests score every plan by).
+
+Model (per rank: one compute stream, and a send and a receive link for each of NVLink and the NIC):
+- Plan layout (the default): tokens were dispatched once per step, so attention starts with stage 0. User layout:
+  the input reshuffle starts at time 0; tiles whose tokens stay on the rank run while it is in flight (when the
+  plan allows the overlap), and stage 0 starts when both are done.
+- A stage's messages (pulls of its rounds, pushes posted in it) launch together; a message starts when both ends
+  have begun the stage, pays the per-message latency, and ends when the busier of its two link ends has drained:
+  every message sharing a link end in the stage shares its bandwidth (NVLink within a node, the NIC across), so
+  two senders into one receiver each get half its rate. Messages of different stages never share a link end,
+  because a rank starts stage s + 1 only after its stage-s messages are done.
+- The stage's tiles run on the compute stream from the stage start, at (1 - comm_sm_fraction) of full speed while
+  the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
+  for a full mask and up to two under a causal one (query segments with their diagonal, and those without), and
+  one more per window a sliding window cuts a key segment with (`fcp_compiler.core.simulate.kernel_calls`).
+- The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
+  reshuffle starts when both ends have finished their last stage.
+Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Trace tracks (Chrome trace thread ids) of each rank's process.
+TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
+          ("bwd", "recv"): 5}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassInput:
+    """One pass (forward or backward) as plain arrays."""
+
+    num_ranks: int
+    num_stages: int
+    flow_src: np.ndarray
+    flow_dst: np.ndarray
+    flow_bytes: np.ndarray
+    flow_stage: np.ndarray
+    flow_name: list[str] | None
+    tile_rank: np.ndarray
+    tile_stage: np.ndarray
+    tile_seconds: np.ndarray
+    tile_early: np.ndarray  # bool: may run during the input reshuffle
+    tile_name: list[str] | None
+    reshuffle_in: tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, bytes)
+    reshuffle_out: tuple[np.ndarray, np.ndarray, np.ndarray]
+    stage_calls: np.ndarray | None = None  # kernel calls per (stage, rank); None: one per stage that runs tiles
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkModel:
+    """Bandwidths (bytes/s), latency and launch cost (s), and how ranks map to nodes."""
+
+    node_of_rank: np.ndarray
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float
+    launch_s: float
+    sm_fraction: float
+
+
+@dataclass(slots=True, kw_only=True)
+class PassResult:
+    """Timeline of one pass: when each rank ends, how long its compute stream was busy, and trace events."""
+
+    end: np.ndarray
+    busy: np.ndarray
+    compute: np.ndarray  # tile work at full speed per rank
+    calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
+    reshuffle: float = 0.0  # seconds the input and output reshuffles take (their slowest rank each; user layout)
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return float(self.end.max()) if self.end.size else 0.0
+
+
+def _message_ends(t0, src, dst, nbytes, links: LinkModel, num_ranks: int) -> np.ndarray:
+    """End time of each message of one group that launches together (shared link ends drain together)."""
+    if src.size == 0:
+        return np.zeros(0)
+    inter = links.node_of_rank[src] != links.node_of_rank[dst]
+    bandwidth = np.where(inter, links.inter_bytes_per_s, links.intra_bytes_per_s)
+    out_key = src * 2 + inter
+    in_key = dst * 2 + inter
+    out_drain = np.bincount(out_key, weights=nbytes, minlength=2 * num_ranks)[out_key] / bandwidth
+    in_drain = np.bincount(in_key, weights=nbytes, minlength=2 * num_ranks)[in_key] / bandwidth
+    return t0 + links.latency_s + np.maximum(out_drain, in_drain)
+
+
+def _compute_end(start, work, comm_end, has_comm, sm_fraction):
+    """When a compute stream starting at `start` with `work` seconds ends, slowed while messages are in flight."""
+    window = np.where(has_comm, np.maximum(comm_end - start, 0.0), 0.0)
+    slow = 1.0 - sm_fraction
+    within = work / slow <= window
+    return np.where(within, start + work / slow, start + window + (work - window * slow))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TraceRecorder:
+    """Appends one pass's Chrome trace events: a message on its sender's and its receiver's tracks, tiles back to
+    back over each rank's compute window."""
+
+    events: list
+    data: PassInput
+    links: LinkModel
+    time_offset: float
+    label: str
+
+    def messages(self, t0, ends, src, dst, names, stage_name) -> None:
+        for i in range(src.size):
+            ts, dur = (self.time_offset + t0[i]) * 1e6, (ends[i] - t0[i]) * 1e6
+            name = f"{names[i]} {stage_name}" if names is not None else stage_name
+            self.events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(src[i]),
+                                "tid": TRACKS[(self.label, "send")], "args": {"to": int(dst[i])}})
+            self.events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(dst[i]),
+                                "tid": TRACKS[(self.label, "recv")], "args": {"from": int(src[i])}})
+
+    def compute(self, rank_start, rank_end, mask, stage_name) -> None:
+        # Tiles of the stage back to back, stretched over the compute window (launch cost first).
+        data, track = self.data, TRACKS[(self.label, "compute")]
+        for rank in np.flatnonzero(rank_end > rank_start).tolist():
+            tiles = np.flatnonzero(mask & (data.tile_rank == rank))
+            span = rank_end[rank] - rank_start[rank]
+            launch = self.links.launch_s if tiles.size and stage_name != "reshuffle" else 0.0
+            scale = (span - launch) / max(float(data.tile_seconds[tiles].sum()), 1e-30)
+            t = rank_start[rank]
+            if launch:
+                self.events.append({"name": f"launch {stage_name}", "ph": "X", "ts": (self.time_offset + t) * 1e6,
+                                    "dur": launch * 1e6, "pid": rank, "tid": track})
+                t += launch
+            for tile in tiles.tolist():
+                dur = float(data.tile_seconds[tile]) * scale
+                name = data.tile_name[tile] if data.tile_name is not None else "tile"
+                self.events.append({"name": f"{name} {stage_name}", "ph": "X", "ts": (self.time_offset + t) * 1e6,
+                                    "dur": dur * 1e6, "pid": rank, "tid": track})
+                t += dur
+
+
+def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
+                  time_offset: float = 0.0, label: str = "fwd", rank_start: np.ndarray | None = None) -> PassResult:
+    """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised.
+
+    rank_start: when each rank may begin (its linear layers before attention); a message waits for both ends.
+    """
+    n = data.num_ranks
+    begin = np.zeros(n) if rank_start is None else np.asarray(rank_start, dtype=np.float64)
+    events: list[dict] = []
+    work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
+                          minlength=max(data.num_stages, 1) * n).reshape(-1, n)
+    early = data.tile_early if overlap_reshuffle else np.zeros(data.tile_rank.size, dtype=bool)
+    early_work = np.bincount(data.tile_rank[early], weights=data.tile_seconds[early], minlength=n)
+    work_by[0] -= early_work
+    has_tiles = np.bincount(data.tile_stage * n + data.tile_rank, minlength=max(data.num_stages, 1) * n
+                            ).reshape(-1, n) > 0
+    busy = np.zeros(n)
+
+    trace = _TraceRecorder(events=events, data=data, links=links, time_offset=time_offset, label=label)
+    # Input reshuffle, with the tiles whose tokens stay local.
+    src, dst, nbytes = data.reshuffle_in
+    t0 = np.maximum(begin[src], begin[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    comm_end = begin.copy()
+    np.maximum.at(comm_end, src, ends)
+    np.maximum.at(comm_end, dst, ends)
+    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+    compute_end = _compute_end(begin, early_work, comm_end, has_comm, links.sm_fraction)
+    busy += compute_end - begin
+    if record:
+        trace.messages(t0, ends, src, dst, None, "reshuffle in")
+        trace.compute(begin, compute_end, early, "reshuffle")
+    start = np.maximum(comm_end, compute_end)
+    reshuffle_in = float((ends - t0).max()) if src.size else 0.0
+
+    order = np.argsort(data.flow_stage, kind="stable")
+    bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
+    for stage in range(data.num_stages):
+        idx = order[bounds[stage]:bounds[stage + 1]]
+        src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
+        t0 = np.maximum(start[src], start[dst])
+        ends = _message_ends(t0, src, dst, nbytes, links, n)
+        comm_end = start.copy()
+        np.maximum.at(comm_end, src, ends)
+        np.maximum.at(comm_end, dst, ends)
+        has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+        launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
+        work = work_by[stage] + launches * links.launch_s
+        compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
+        busy += compute_end - start
+        if record:
+            names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
+            trace.messages(t0, ends, src, dst, names, f"stage {stage}")
+            trace.compute(start, compute_end, (data.tile_stage == stage) & ~early, f"stage {stage}")
+        start = np.maximum(compute_end, comm_end)
+
+    src, dst, nbytes = data.reshuffle_out
+    t0 = np.maximum(start[src], start[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    end = start.copy()
+    np.maximum.at(end, src, ends)
+    np.maximum.at(end, dst, ends)
+    if record:
+        trace.messages(t0, ends, src, dst, None, "reshuffle out")
+    compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
+    reshuffle_out = float((ends - t0).max()) if src.size else 0.0
+    return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
+                      reshuffle=reshuffle_in + reshuffle_out, events=events)
+
+
