@@ -62,6 +62,8 @@ class CompileOptions:
     # A K,V block crosses into a node once and fans out over NVLink; None: as each planner ships
     # (NODE_FAN_OUT_DEFAULT). FCP's floor also tries its placements with it off.
     node_fan_out: bool | None = None
+    # FCP schedules its candidate placements (core/floor.py) and keeps the fastest; False: its own placement only.
+    floor: bool = True
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:

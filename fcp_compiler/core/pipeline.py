@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import BASELINES, Planner
-from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, ZigzagMode
+from fcp_compiler.core.floor import Placement
+from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, TileSet, Transfers, ZigzagMode
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
@@ -26,12 +28,15 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
+from fcp_compiler.core.simulate import LAYER_STATS, simulate_plan
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import BatchSpec, Layout, Mask, MaskKind, parse_batch
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
 
+# _fit_memory aims this share of the memory budget when it shrinks the stages of a plan over it.
+FIT_MARGIN = 0.8
 # A rank may be 2% above the compute lower bound before tiles of heavy blocks are moved off their owner.
 BALANCE_TOLERANCE = 0.02
 
@@ -78,6 +83,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
         "model": options.model_name, "node_fan_out": options.resolved_node_fan_out,
     }
+    if not _floor_applies(options):  # absent where the floor runs (the default), as before it existed
+        canonical["floor"] = False
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
     if batch.mask not in (MaskKind.CAUSAL, MaskKind.FULL):  # the lengths say every window of the others
@@ -86,6 +93,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
 
 
 class _PassTimer:
+    """Each pass's seconds, summed over the floor's candidates."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
@@ -156,52 +165,129 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     total_start = time.perf_counter()
     timer = _PassTimer()
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
-    planner = options.planner
-    assignment = _place(timer, the_batch, options, cap)
-    if planner is Planner.FCP and options.layout is Layout.PLAN:
-        # Grouping ranks into nodes needs the traffic, and renumbering the pulls is cheaper than listing them again.
-        transfers = timer.run("plan_transfers", plan_transfers, assignment)
-        transfers = timer.run("localize", group_nodes, transfers)
-        assignment = transfers.assignment
+    digest = inputs_digest(the_batch, options, cap)
+    if _floor_applies(options):
+        final, header_fields, data, floor_stats = _compile_with_floor(timer, the_batch, options, cap, digest)
     else:
-        assignment = timer.run("localize", localize, assignment)
-        transfers = timer.run("plan_transfers", plan_transfers, assignment)
-    if options.matching_rounds and options.resolved_node_fan_out:
-        transfers = timer.run("fan_out", fan_out, transfers)
-    rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
-                       transfers)
-    schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
-    if planner is Planner.FCP and options.matching_rounds:  # baselines keep their systems' star-shaped senders
-        schedule = timer.run("relay", relay, schedule)
-    final = timer.run("reshuffle", reshuffle, schedule)
-    header_fields = _header_fields(final, options, assignment.token_cap, inputs_digest(the_batch, options, cap))
-    data = timer.run("encode", encode, final, header_fields)
+        assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
+        final, header_fields, data = _schedule(timer, _route(timer, assignment, options), options,
+                                               options.resolved_node_fan_out, digest)
+        floor_stats = None
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model,
                        max_buffer=header_fields["max_buffer_tokens"])
+    if floor_stats is not None:
+        stats.update(floor_stats)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
-def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -> Assignment:
-    """shard, cost and assign for FCP; a baseline's own sharding and placement (DESIGN section 6) otherwise."""
+def _floor_applies(options: CompileOptions) -> bool:
+    """The floor compares FCP's candidates; a baseline is its system's placement, and an ablation shows one
+    technique alone."""
+    return options.planner is Planner.FCP and options.floor and options.pipelined and options.matching_rounds
+
+
+def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str) -> tuple:
+    """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each by the timing
+    model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
+    started = time.perf_counter()
+    budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
+    routed: dict[Placement, Transfers] = {}
+    fcp_tiles = None  # the layer and attention placements share one tile set
+    plans, scores = [], []
+    for candidate in floor.candidates(options.model is None, options.node_fan_out):
+        if candidate.placement not in routed:
+            if candidate.placement is not Placement.GREEDY and fcp_tiles is None:
+                fcp_tiles = _fcp_tiles(timer, batch, options)
+            assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
+            routed[candidate.placement] = _route(timer, assignment, options)
+        final, header_fields, data = _fit_memory(timer, routed[candidate.placement], options, candidate.fan_out,
+                                                 digest, budget)
+        fits = header_fields["max_buffer_tokens"] <= budget
+        figures = timer.run("floor", lambda: simulate_plan(CompiledPlan(
+            data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()) if fits else None
+        plans.append((final, header_fields, data, figures))
+        scores.append(floor.Score(candidate=candidate, coalesce=header_fields["coalesce"],
+                                  layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if fits else float("inf"),
+                                  layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if fits else float("inf"),
+                                  max_buffer_tokens=header_fields["max_buffer_tokens"]))
+    winner = floor.choose(scores, budget)
+    final, header_fields, data, figures = plans[winner]
+    if figures is None:  # nothing fits the budget: the least memory, scored for the stats alone
+        figures = simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()
+    floor_stats = {name: figures[name] for name in LAYER_STATS}
+    floor_stats["floor"] = {
+        "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
+        "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
+                        "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
+                        "max_buffer_tokens": score.max_buffer_tokens} for score in scores]}
+    return final, header_fields, data, floor_stats
+
+
+def _fit_memory(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool, digest: str,
+                budget: int) -> tuple:
+    """:func:`_schedule` with the requested rounds a stage and, when the live buffers exceed the budget by less than
+    half the stage size can take back, once more with fewer rounds a stage (a rank receives at most a stage's
+    rounds of messages at a time, so the peak falls about in proportion). Stages of fewer than half the rounds cost
+    more time than they save memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling.
+    Returns the last try: (final IR, header fields, plan bytes)."""
+    rounds_per_stage = options.coalesce
+    final, header_fields, data = _schedule(timer, transfers, options, with_fan_out, digest, rounds_per_stage)
+    peak = header_fields["max_buffer_tokens"]
+    if budget < peak <= 2 * budget and rounds_per_stage > 1:
+        # The peak falls a little slower than the stage size (fan-out entries hold a block across stages): aim
+        # below the budget.
+        fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
+                                                                         // peak)))
+        final, header_fields, data = _schedule(timer, transfers, options, with_fan_out, digest, fewer)
+    return final, header_fields, data
+
+
+def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions) -> Transfers:
+    """plan_transfers and localize: FCP in the plan layout groups heavy-talking ranks into nodes after listing the
+    pulls (renumbering them is cheaper than listing them again); otherwise a block's owner goes where its tokens
+    live, before the pulls are listed."""
+    if options.planner is Planner.FCP and options.layout is Layout.PLAN:
+        transfers = timer.run("plan_transfers", plan_transfers, assignment)
+        return timer.run("localize", group_nodes, transfers)
+    assignment = timer.run("localize", localize, assignment)
+    return timer.run("plan_transfers", plan_transfers, assignment)
+
+
+def _schedule(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool,
+              digest: str, rounds_per_stage: int | None = None) -> tuple:
+    """fan_out (when asked), schedule_rounds, coalesce (`rounds_per_stage` a forward stage, default the options'),
+    relay (FCP), reshuffle and encode: (final IR, header fields, plan bytes)."""
+    if options.matching_rounds and with_fan_out:
+        transfers = timer.run("fan_out", fan_out, transfers)
+    rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
+                       transfers)
+    schedule = timer.run("coalesce", coalesce, rounds, rounds_per_stage or options.coalesce, options.pipelined)
+    if options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their systems' star senders
+        schedule = timer.run("relay", relay, schedule)
+    final = timer.run("reshuffle", reshuffle, schedule)
+    header_fields = _header_fields(final, options, transfers.assignment.token_cap, digest)
+    return final, header_fields, timer.run("encode", encode, final, header_fields)
+
+
+def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, placement: Placement,
+           tiles: TileSet | None = None) -> Assignment:
+    """shard, cost and assign: FCP's placement for each rank's layer time (or attention alone) on `tiles` (default:
+    FCP's own, sharded and costed here), the equal-chunk greedy of the floor, or a baseline's own sharding and
+    placement (DESIGN section 6)."""
     planner, num_ranks, block_size = options.planner, options.num_ranks, options.resolved_block_size
-    if planner is Planner.FCP:
-        # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
-        # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
-        # heavy last blocks of a long sequence leave it unbalanced: measured in benchmarks/balance.py).
-        zigzag_on = options.zigzag is ZigzagMode.ON or (
-            options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
-                                                        & (batch.lengths >= 2 * block_size)).any()))
-        sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
-        tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+    if planner is Planner.FCP and placement is not Placement.GREEDY:
+        tiles = tiles if tiles is not None else _fcp_tiles(timer, batch, options)
         # The linear layers run on a rank's blocks only in the plan layout; in the user layout they run on the even
         # user chunks whatever the placement, which then weighs attention (and its reshuffle, by home ranks) alone.
+        by_layer = placement is Placement.LAYER and options.model is not None and options.layout is Layout.PLAN
         linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT \
-            if options.layout is Layout.PLAN else 0.0
-        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE,
-                         options.resolved_token_tolerance, linear)
-    sharding, block_rank = timer.run("shard", BASELINES[planner], batch, num_ranks, block_size, cap)
-    if planner is Planner.RING and ring_in_closed_form(sharding):
+            if by_layer else 0.0
+        tolerance = options.resolved_token_tolerance if placement is Placement.LAYER else options.token_tolerance
+        return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, tolerance, linear)
+    baseline = Planner.MAGI if placement is Placement.GREEDY else planner
+    sharding, block_rank = timer.run("shard", BASELINES[baseline], batch, num_ranks, block_size, cap)
+    if baseline is Planner.RING and ring_in_closed_form(sharding):
         tiles = timer.run("cost", ring_cost, sharding, block_rank, num_ranks, options.shape, options.profile)
     else:
         tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
@@ -209,6 +295,19 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int) -
     return timer.run("assign", Assignment, tiles=tiles, num_ranks=num_ranks,
                      token_cap=max(cap, int(rank_tokens.max())), block_rank=block_rank,
                      tile_rank=block_rank[tiles.tile_q_block])
+
+
+def _fcp_tiles(timer: _PassTimer, batch: Batch, options: CompileOptions) -> TileSet:
+    """FCP's shard and cost (the layer and attention placements share them: one tile set, costed once)."""
+    block_size = options.resolved_block_size
+    # Zigzag gives every block of a sequence the same work and nearly the same traffic, which is what lets the
+    # placement balance compute and traffic together (plain blocks carry about a third less traffic, but the
+    # heavy last blocks of a long sequence leave it unbalanced: measured in benchmarks/balance.py).
+    zigzag_on = options.zigzag is ZigzagMode.ON or (
+        options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
+                                                    & (batch.lengths >= 2 * block_size)).any()))
+    sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
+    return timer.run("cost", cost, sharding, options.shape, options.profile)
 
 
 def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str) -> dict:
@@ -221,7 +320,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
         recv_buffer = int(per_stage.max())
     return dict(planner=options.planner.value, inputs_digest=digest, num_ranks=options.num_ranks,
                 block_size=sharding.block_size,
-                coalesce=options.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
+                coalesce=schedule.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
                 zigzag=sharding.zigzag, mask=sharding.batch.mask,
                 num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
                 num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile, model=options.model_name,

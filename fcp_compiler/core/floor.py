@@ -1,0 +1,96 @@
+"""The floor: FCP never emits a plan slower than one of its own simpler candidates.
+
+FCP's placement balances each rank's layer time; whether its traffic hides is known only once the plan is scheduled.
+So `compile_plan` schedules a few placements, each with and without node fan-out, scores every resulting plan by the
+timing model (:mod:`fcp_compiler.core.simulate`: the forward plus backward layer makespan, exactly what `fcp
+simulate` reports) and keeps the fastest whose live buffers fit the memory budget (MEMORY_BUDGET_STAGES x coalesce x
+block size tokens). A candidate over the budget is scheduled again with fewer rounds a stage until it fits. It is a
+floor, not the method: the candidates are the placements FCP would otherwise lose to.
+
+- ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance);
+- ``attention``: FCP's placement of attention alone (the joint compute/traffic search, tokens under the cap only);
+- ``greedy``: a MagiAttention-like equal-chunk greedy (fixed slices of the packed batch, a min-heap on attention
+  area, the same number of slices a rank), run through FCP's own transfer passes (node grouping, fan-out, relays).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# Live buffer tokens a plan may hold on any rank, in stages' worth of pulls (coalesce x block size): what the
+# runtime's memory can give. A candidate over it is kept only when every candidate is over it (then the one with the
+# fewest); time does not buy memory.
+MEMORY_BUDGET_STAGES = 4
+
+
+class Placement(str, enum.Enum):
+    """Which placement a floor candidate schedules."""
+
+    LAYER = "layer"
+    ATTENTION = "attention"
+    GREEDY = "greedy"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One plan the floor compares: a placement, with or without node fan-out."""
+
+    placement: Placement
+    fan_out: bool
+
+    @property
+    def name(self) -> str:
+        """How the stats name it, e.g. "layer+fan-out" or "greedy direct"."""
+        return f"{self.placement.value}{'+fan-out' if self.fan_out else ' direct'}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Score:
+    """A scheduled candidate's figures: its simulated layer makespans and its peak live buffer tokens."""
+
+    candidate: Candidate
+    coalesce: int  # rounds a forward stage it was scheduled with (fewer than asked where memory needed)
+    layer_makespan_fwd_s: float
+    layer_makespan_bwd_s: float
+    max_buffer_tokens: int
+
+    @property
+    def name(self) -> str:
+        """The candidate's name, with its stage size where it differs from the one asked for."""
+        return f"{self.candidate.name} c{self.coalesce}"
+
+    @property
+    def layer_seconds(self) -> float:
+        """What a training step pays for the layer: forward plus backward makespan."""
+        return self.layer_makespan_fwd_s + self.layer_makespan_bwd_s
+
+
+def candidates(attention_only: bool, fan_out: bool | None) -> list[Candidate]:
+    """The candidates in the order they are tried (ties go to the earlier).
+
+    Args:
+        attention_only: no model around attention (the layer placement is then the attention placement).
+        fan_out: the user's node fan-out switch; None tries both.
+    Returns:
+        the candidates, FCP's own placement with fan-out first.
+    """
+    placements = [Placement.LAYER] + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
+    switches = [True, False] if fan_out is None else [fan_out]
+    return [Candidate(placement=placement, fan_out=switch) for placement in placements for switch in switches]
+
+
+def choose(scores: list[Score], memory_budget_tokens: int) -> int:
+    """Index of the winner: the least layer time among the scores within the memory budget, else the least buffer.
+
+    Args:
+        scores: the scheduled candidates, in the order tried.
+        memory_budget_tokens: the most live buffer tokens a rank may hold.
+    Returns:
+        the index in `scores` (the first on a tie).
+    """
+    assert scores
+    fitting = [idx for idx, score in enumerate(scores) if score.max_buffer_tokens <= memory_budget_tokens]
+    if fitting:
+        return min(fitting, key=lambda idx: (scores[idx].layer_seconds, idx))
+    return min(range(len(scores)), key=lambda idx: (scores[idx].max_buffer_tokens, scores[idx].layer_seconds, idx))
