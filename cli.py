@@ -32,6 +32,15 @@ def _ascii_int(value: object) -> int:
     return int(value)
 
 
+def _on_off(flag: str, value: str | None) -> bool | None:
+    """A switch given as on or off (None: not given)."""
+    if value is None:
+        return None
+    if value not in ("on", "off"):
+        raise InvalidInputError(f"{flag} {value!r} must be on or off")
+    return value == "on"
+
+
 def _finite_float(value: object) -> float:
     """A number option: ASCII decimal notation, finite."""
     if isinstance(value, float):
@@ -72,6 +81,11 @@ def compile_command(
     layout: str = typer.Option("plan", "--layout",
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
     planner: str = typer.Option("fcp", "--planner", help="fcp, or a baseline: ring, bytescale, wlbllm, magi"),
+    node_fan_out: Optional[str] = typer.Option(None, "--node-fan-out", help="on or off: a K,V block crosses into a "
+                                               "node once and fans out over NVLink [fcp tries both; magi on; ring, "
+                                               "bytescale, wlbllm off]"),
+    no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only, not the floor's "
+                                  "candidates (faster compile, no guarantee against the simpler placements)"),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
     arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
@@ -106,7 +120,8 @@ def compile_command(
                                 shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=profile, mask=mask,
                                 pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
                                 reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model,
-                                gpus_per_node=gpus_per_node)
+                                gpus_per_node=gpus_per_node, node_fan_out=_on_off("--node-fan-out", node_fan_out),
+                                floor=not no_floor)
     if batch.suffix == ".jsonl":
         if stats is not None:
             raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
@@ -120,7 +135,8 @@ def compile_command(
     check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     plan = compile_plan(load_batch(batch), options=options)
     # The simulated layer makespans and their gap to the bound, for whoever reads them (a quiet compile skips them).
-    figures = {**plan.stats, **layer_stats(plan)} if stats or not quiet else plan.stats
+    figures = {**plan.stats, **layer_stats(plan)} if (stats or not quiet) and "floor" not in plan.stats \
+        else plan.stats
     # The plan and its figures land together or not at all.
     files = [(output, plan.to_bytes())]
     if stats:

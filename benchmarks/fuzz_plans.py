@@ -288,7 +288,9 @@ def replay_exactly(path: str) -> None:
 def compile_sources(folder: str) -> dict[str, bytes]:
     sources = {}
     for name, (lengths, gpus, options) in SOURCES.items():
-        sources[name] = compile_plan(lengths, gpus, **options).to_bytes()
+        # FCP's own placement: the sources must carry the mechanisms they name (relays, fan-out, offloads), not
+        # whichever candidate the floor would keep.
+        sources[name] = compile_plan(lengths, gpus, **{"floor": False, **options}).to_bytes()
         Path(folder, f"{name}.fcp").write_bytes(sources[name])
     return sources
 

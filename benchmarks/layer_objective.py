@@ -8,10 +8,11 @@ The matrix: the paper-like lognormal trace and each length file in --eval-data w
 32768 tokens per GPU, three seeds, 64 and 256 GPUs, block 4096, coalesce 16, h100, plan layout. For every batch:
 
 - fcp: this tree, placed for the model's per-rank layer time;
-- main: the placement of main before issue 20, which balanced attention alone: the same code with --model none,
-  whose plans are byte-identical to main's rank by rank (--main-tree checks that on the first batch and times main's
-  own compile_plan, median of 3, on the 256-GPU paper batch);
-- ring, bytescale, wlbllm, magi: the baselines, on the same executor.
+- main: the placement of main before issue 20, which balanced attention alone: the same code with --model none and
+  no floor (--main-tree checks main's own plan on the first batch and times main's own compile_plan, median of 3, on
+  the 256-GPU paper batch);
+- ring, bytescale, wlbllm, magi: the baselines, on the same executor, each at its better node fan-out variant (on or
+  off, scored by the layer makespan, forward plus backward).
 
 Every plan is validated and simulated with the model's layer around attention. It prints each batch's layer gaps, FCP
 over the best baseline and over main (layer makespan ratios, > 1 is FCP faster), then the summary the issue asks for.
@@ -45,22 +46,41 @@ _CONTEXT: dict = {}
 
 
 def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
-    """Compile, validate and simulate one plan; the layer figures with the model's layer around attention."""
+    """Compile, validate and simulate one plan; the layer figures with the model's layer around attention. A
+    baseline is scored at its better node fan-out variant (on or off), as the issue asks."""
     if method == "main":
-        options = dict(model="none")
+        variants = [dict(model="none", floor=False)]
     elif method == "fcp":
-        options = {"model": model, **_CONTEXT.get("fcp_options", {})}  # --fcp-options may place for another model
+        variants = [{"model": model, **_CONTEXT.get("fcp_options", {})}]  # --fcp-options may place for another model
     else:
-        options = dict(planner=Planner(method), model=model)
+        variants = [dict(planner=Planner(method), model=model, node_fan_out=switch) for switch in (True, False)]
+    best = None
+    for options in variants:
+        row = _score_one(lengths, gpus, method, model, options)
+        if best is None or (not row.get("error") and (best.get("error") or row["layer_s"] < best["layer_s"])):
+            best = row
+    return best
+
+
+def _score_one(lengths: list[int], gpus: int, method: str, model: str, options: dict) -> dict:
+    if _CONTEXT.get("mask"):
+        options = {**options, "mask": _CONTEXT["mask"]}
     started = time.perf_counter()
     try:
         plan = compile_plan(lengths, gpus, **options)
     except InfeasibleError as error:
         return {"method": method, "error": str(error)}
     seconds = time.perf_counter() - started
-    validated = validate_unless_too_large(plan.to_bytes())  # rings past the validator's 64M segment pairs are not
+    # Rings past the validator's 64M segment pairs are not validated; --validate fcp validates fcp's plans alone.
+    validated = validate_unless_too_large(plan.to_bytes()) if method in _CONTEXT.get("validate", (method,)) else None
     figures = simulate_plan(plan, model=model).figures()
-    return {"factors": _gap_factors(figures),"method": method, "compile_s": seconds, "rank_sha256": plan.header.rank_sha256, "validated": validated,
+    floor = plan.stats.get("floor")
+    return {"factors": _gap_factors(figures), "method": method, "compile_s": seconds,
+            "rank_sha256": plan.header.rank_sha256, "validated": validated,
+            "node_fan_out": options.get("node_fan_out"), "winner": floor["winner"] if floor else None,
+            "max_buffer_tokens": plan.header.max_buffer_tokens,
+            "buffer_budget": 4 * 16 * 4096,
+            "layer_s": figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"],
             **{key: figures[key] for key in ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd",
                                              "layer_gap_bwd", "normalized_layer_mfu",
                                              "layer_makespan_lower_bound_fwd_s",
@@ -137,7 +157,7 @@ def _main_tree_check(tree: Path, makers: dict, model: str, timed: list[str]) -> 
 
 
 def _report(rows: list[dict], model: str) -> None:
-    if not {"fcp", "main"} <= {row["method"] for row in rows} or not {row["method"] for row in rows} & set(BASELINES):
+    if "fcp" not in {row["method"] for row in rows} or not {row["method"] for row in rows} & set(BASELINES):
         gaps = [row[f"layer_gap_{p}"] for row in rows if not row.get("error") for p in ("fwd", "bwd")]
         print(f"{len(rows)} plans; layer gap median {statistics.median(gaps):.3f}, max {max(gaps):.3f} (the table "
               f"needs fcp, main and a baseline: --write keeps every row)")
@@ -147,7 +167,8 @@ def _report(rows: list[dict], model: str) -> None:
         by_batch.setdefault((row["batch"], row["gpus"], row["seed"]), {})[row["method"]] = row
     body, summary = [], {"gaps": [], "speedups": [], "losses": [], "vs_main": [], "mfu_gain": []}
     for (name, gpus, seed), methods in by_batch.items():
-        fcp, main = methods["fcp"], methods["main"]
+        fcp = methods["fcp"]
+        main = methods.get("main", fcp)  # without the main method, its columns repeat fcp's
         base = {m: r for m, r in methods.items() if m in BASELINES and not r.get("error")}
         best = min(base.values(), key=lambda r: r["layer_makespan_fwd_s"] + r["layer_makespan_bwd_s"])
         speed = [best[f"layer_makespan_{p}_s"] / fcp[f"layer_makespan_{p}_s"] for p in ("fwd", "bwd")]
@@ -174,6 +195,9 @@ def _report(rows: list[dict], model: str) -> None:
                  "gap = efficiency x imbalance x exposure (fwd/bwd)"], body))
     gaps = summary["gaps"]
     unvalidated = sorted({(r["method"], r["batch"], r["gpus"]) for r in rows if r.get("validated") is False})
+    skipped = sorted({r["method"] for r in rows if r.get("validated") is None and not r.get("error")})
+    if skipped:
+        print(f"not validated (--validate): {', '.join(skipped)}")
     print(f"\nmodel {model}; {len(by_batch)} batches; every plan validated except "
           f"{len(unvalidated)} with more segment pairs than the validator enumerates: "
           + ", ".join(f"{m} {b}@{g}" for m, b, g in unvalidated[:6]) + ("..." if len(unvalidated) > 6 else ""))
@@ -188,6 +212,22 @@ def _report(rows: list[dict], model: str) -> None:
                        for k in ("efficiency", "imbalance", "exposure")}
         print(f"the {len(over)} passes above 1.10, geometric mean factors: " + ", ".join(
             f"{k} {v:.3f}" for k, v in mean_factor.items()))
+    fcp_rows = [m["fcp"] for m in by_batch.values()]
+    exposures = [f["factors"][p]["exposure"] for f in fcp_rows for p in ("fwd", "bwd")]
+    print(f"exposed time (layer makespan over the busiest rank's layer busy time) <= 5% on "
+          f"{sum(e <= 1.05 for e in exposures)} of {len(exposures)} fcp passes")
+    over_memory = {m: sum(r["max_buffer_tokens"] > 4 * 16 * 4096 for r in rows if r["method"] == m and not r.get("error"))
+                   for m in sorted({r["method"] for r in rows})}
+    print("plans whose live buffers exceed 4cB = 262144 tokens: " + ", ".join(f"{m} {n}" for m, n in over_memory.items()))
+    winners: dict = {}
+    for f in fcp_rows:
+        if f.get("winner"):
+            winners[f["winner"].split(" c")[0]] = winners.get(f["winner"].split(" c")[0], 0) + 1
+    print("floor winners: " + ", ".join(f"{name} {count}" for name, count in sorted(winners.items())))
+    print("baselines' better fan-out variant: " + ", ".join(
+        f"{m} on {sum(r.get('node_fan_out') is True for r in rows if r['method'] == m)}/off "
+        f"{sum(r.get('node_fan_out') is False for r in rows if r['method'] == m)}" for m in BASELINES
+        if any(r["method"] == m for r in rows)))
     print(f"fcp over main: min {min(summary['vs_main']):.3f}x (either pass), slower than main on "
           f"{sum(v < 1.0 for v in summary['vs_main'])} of {len(summary['vs_main'])} pass-batches; mean "
           f"normalized_layer_mfu gain {float(np.mean(summary['mfu_gain'])):+.4f}")
@@ -203,12 +243,16 @@ def main() -> None:
                         help="compile options for fcp, e.g. zigzag=off,token_tolerance=0.02")
     parser.add_argument("--main-tree", type=Path, help="a checkout of main before issue 20 (identity and timing)")
     parser.add_argument("--write", type=Path, help="write every row as JSON")
+    parser.add_argument("--mask", help="override every batch's mask, e.g. sliding_window:4096")
+    parser.add_argument("--validate", help="comma-separated methods whose plans are validated [all]")
     parser.add_argument("--timing-only", action="store_true",
                         help="only the --main-tree checks, timing each of --batches at 256 GPUs")
     args = parser.parse_args()
     makers = batches(args.eval_data)
     chosen = args.batches.split(",") if args.batches else list(makers)
-    _CONTEXT.update(makers=makers, model=args.model)
+    _CONTEXT.update(makers=makers, model=args.model, mask=args.mask)
+    if args.validate:
+        _CONTEXT["validate"] = tuple(args.validate.split(","))
     _CONTEXT["fcp_options"] = {key: _number(value) for key, value in
                                (item.split("=", 1) for item in args.fcp_options.split(",") if item)}
     if args.timing_only:

@@ -71,6 +71,7 @@ class Config:
     lengths_from: str = str(REPO / "traces" / "paper_lognormal_64gpu.json")
     length_scale: int = 64  # the distribution's lengths are divided by this (a tiny model, tiny documents)
     dtype: str = "float32"
+    floor: bool = True  # the compiler keeps the fastest of its candidate plans (False: FCP's own placement only)
 
     @property
     def head_dim(self) -> int:
@@ -247,7 +248,7 @@ def train_rank(config: Config, save_after: int | None = None, checkpoint: Path |
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first_step = state["step"]
-    collate = PlanningCollate(rank, world, layout=config.layout, block_size=config.block_size)
+    collate = PlanningCollate(rank, world, layout=config.layout, block_size=config.block_size, floor=config.floor)
     loader = torch.utils.data.DataLoader(StepBatches(config, first_step), batch_size=None, collate_fn=collate,
                                          num_workers=loader_workers,
                                          multiprocessing_context="fork" if loader_workers else None)

@@ -23,6 +23,12 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+def compile_own(lengths, gpus, **options):
+    """compile_valid with FCP's own placement only (no floor): a test of one mechanism (relays, fan-out, offloads,
+    the placement's balance) needs the plan that uses it, not whichever candidate the floor keeps."""
+    return compile_valid(lengths, gpus, **{"floor": False, **options})
+
+
 def compile_valid(lengths, gpus, **options):
     """Compile and validate; return the plan."""
     plan = compile_plan(lengths, gpus, **options)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cli import main
-from conftest import compile_valid
+from conftest import compile_own
 from fcp_compiler.tools.traces import lognormal_batch
 
 LENGTHS = lognormal_batch(16 * 32768, 4096, 1.8, 64, 131072, seed=2)
@@ -13,12 +13,12 @@ LENGTHS = lognormal_batch(16 * 32768, 4096, 1.8, 64, 131072, seed=2)
 @pytest.mark.parametrize("planner", ["ring", "bytescale", "wlbllm", "magi"])
 @pytest.mark.parametrize("mask", ["causal", "full"])
 def test_every_baseline_gives_a_valid_plan(planner, mask):
-    plan = compile_valid(LENGTHS, 16, planner=planner, mask=mask)
+    plan = compile_own(LENGTHS, 16, planner=planner, mask=mask)
     assert plan.header.planner == planner
 
 
 def test_ring_puts_every_sequence_on_every_rank():
-    plan = compile_valid([5000, 300, 20000], 4, planner="ring")
+    plan = compile_own([5000, 300, 20000], 4, planner="ring")
     tables = plan._reader.tables
     owner = np.empty(plan.header.num_blocks, dtype=int)
     for rank in range(4):
@@ -30,7 +30,7 @@ def test_ring_puts_every_sequence_on_every_rank():
 
 
 def test_bytescale_keeps_short_sequences_whole_and_is_unbalanced_on_a_long_tail():
-    plan = compile_valid(LENGTHS, 16, planner="bytescale")
+    plan = compile_own(LENGTHS, 16, planner="bytescale")
     tables = plan._reader.tables
     share = -(-sum(LENGTHS) // 16)
     for seq, length in enumerate(LENGTHS):
@@ -40,8 +40,8 @@ def test_bytescale_keeps_short_sequences_whole_and_is_unbalanced_on_a_long_tail(
 
 
 def test_fcp_balances_traffic_better_than_magi():
-    fcp = compile_valid(LENGTHS, 16).stats
-    magi = compile_valid(LENGTHS, 16, planner="magi").stats
+    fcp = compile_own(LENGTHS, 16).stats
+    magi = compile_own(LENGTHS, 16, planner="magi").stats
     assert fcp["comm_imbalance"] < magi["comm_imbalance"]
 
 
@@ -68,11 +68,11 @@ def test_segment_pair_count_is_exact_and_guards_memory(monkeypatch):
     from fcp_compiler.core.passes import cost as cost_pass
 
     for planner in ("fcp", "ring"):
-        tiles = compile_valid([5000, 300, 20000], 4, planner=planner).ir.tiles
+        tiles = compile_own([5000, 300, 20000], 4, planner=planner).ir.tiles
         assert cost_pass.count_segment_pairs(tiles.sharding) == tiles.pair_tile.size
     monkeypatch.setattr(cost_pass, "MAX_SEGMENT_PAIRS", 20)
     with pytest.raises(InfeasibleError, match="segment pairs, over the 20 a plan may hold"):
-        compile_valid([5000, 300, 20000], 4, planner="ring")
+        compile_own([5000, 300, 20000], 4, planner="ring")
 
 
 def test_compare_reports_a_method_that_cannot_plan_and_goes_on(tmp_path, capsys, monkeypatch):
@@ -119,7 +119,7 @@ def test_magi_cuts_fixed_slices_of_the_packed_sequence_and_gives_every_rank_as_m
 
     lengths = [5000, 300, 70000, 12, 4096, 8192, 20000, 999]
     block = 1024
-    plan = compile_valid(lengths, 4, block_size=block, planner="magi")
+    plan = compile_own(lengths, 4, block_size=block, planner="magi")
     sharding = plan.ir.sharding
     block_rank = plan.ir.assignment.block_rank
     offsets = np.concatenate(([0], np.cumsum(lengths)))

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import compile_valid, congestion_free
+from conftest import compile_own, congestion_free
 from fcp_compiler.algorithms.exchange import place_messages, spread_messages
 from fcp_compiler.algorithms.fan_out import class_degrees, node_fan_out, nvlink_lanes
 from fcp_compiler.algorithms.round_order import order_rounds
@@ -103,7 +103,7 @@ def test_round_order_gives_each_class_its_lanes_per_position():
 @given(st.lists(st.integers(64, 5000), min_size=1, max_size=12), st.integers(2, 12), st.sampled_from([1, 2, 4]),
        st.sampled_from(["causal", "full"]), st.sampled_from(["plan", "user"]))
 def test_every_kv_block_crosses_into_a_node_once(lengths, gpus, per_node, mask, layout):
-    plan = compile_valid(lengths, gpus, block_size=128, coalesce=2, mask=mask, layout=layout,
+    plan = compile_own(lengths, gpus, block_size=128, coalesce=2, mask=mask, layout=layout,
                          gpus_per_node=per_node)
     transfers = plan.ir.transfers
     node = transfers.edge_dst // per_node
@@ -127,13 +127,13 @@ def test_every_kv_block_crosses_into_a_node_once(lengths, gpus, per_node, mask, 
 
 
 def test_diff_reads_the_same_nic_figures_from_the_file_as_the_compiler_states():
-    plan = compile_valid([9000, 3000, 1200, 700, 300], 8, block_size=512, coalesce=2, gpus_per_node=2)
+    plan = compile_own([9000, 3000, 1200, 700, 300], 8, block_size=512, coalesce=2, gpus_per_node=2)
     figures = plan_figures(PlanReader(plan.to_bytes()), simulate=False)
     for key in ("nic_bytes", "max_rank_nic_send_bytes", "max_rank_nic_recv_bytes", "nic_degree", "nvlink_degree"):
         assert figures[key] == plan.stats[key], key
     assert plan.stats["nic_bytes"] > 0 and plan.stats["num_fanned_out_transfers"] > 0
     # Without fan-out the same placement moves more over the NICs.
-    direct = compile_valid([9000, 3000, 1200, 700, 300], 8, block_size=512, coalesce=2, gpus_per_node=2,
+    direct = compile_own([9000, 3000, 1200, 700, 300], 8, block_size=512, coalesce=2, gpus_per_node=2,
                            node_fan_out=False)
     assert direct.stats["nic_bytes"] > plan.stats["nic_bytes"]
 
@@ -145,7 +145,7 @@ def test_pulls_from_owners_take_exactly_each_class_delta_over_its_lanes(lengths,
     from fcp_compiler.core.passes.fan_out import fan_out
     from fcp_compiler.core.passes.rounds import schedule_rounds
 
-    plan = compile_valid(lengths, gpus, block_size=128, coalesce=2, gpus_per_node=per_node, node_fan_out=False)
+    plan = compile_own(lengths, gpus, block_size=128, coalesce=2, gpus_per_node=per_node, node_fan_out=False)
     before = plan.ir.transfers
     before = type(before)(**{**{name: getattr(before, name) for name in before.__slots__},
                              "edge_src": before.edge_owner, "edge_parent": np.full(before.num_edges, -1)})

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import compile_valid
+from conftest import compile_own
 from fcp_compiler.algorithms.relays import (RelayEdges, RelayLinks, busiest_send_seconds, choose_relays,
                                           stage_gain_bounds)
 from fcp_compiler.format.inputs import PRESET_PROFILES
@@ -92,14 +92,14 @@ def _check_relays(plan):
 @given(st.lists(st.integers(64, 4000), min_size=2, max_size=10), st.integers(3, 8), st.sampled_from([1, 2]),
        st.sampled_from(["causal", "full"]), st.sampled_from(["plan", "user"]))
 def test_random_batches_on_a_slow_network_give_valid_relayed_plans(lengths, gpus, coalesce, mask, layout):
-    plan = compile_valid(lengths, gpus, block_size=128, coalesce=coalesce, mask=mask, layout=layout,
+    plan = compile_own(lengths, gpus, block_size=128, coalesce=coalesce, mask=mask, layout=layout,
                          profile=SLOW_NETWORK)
     assert _check_relays(plan) == plan.stats["num_relayed_transfers"]
 
 
 @pytest.fixture(scope="module")
 def relayed_bytes():
-    plan = compile_valid([752, 2962, 580, 999], 6, block_size=128, coalesce=2, profile=SLOW_NETWORK, model="none")
+    plan = compile_own([752, 2962, 580, 999], 6, block_size=128, coalesce=2, profile=SLOW_NETWORK, model="none")
     assert plan.stats["num_relayed_transfers"] > 0
     return plan.to_bytes()
 

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import compile_valid  # noqa: E402
+from conftest import compile_own  # noqa: E402
 from runtime_harness import compare_with_reference, run_ranks  # noqa: E402
 
 from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func  # noqa: E402
@@ -47,7 +47,7 @@ def _compile(case, layout):
     own_blocks = planner and planner[0] in ("ring", "bytescale", "wlbllm")  # they size their own blocks
     # Offloading balances what whole blocks cannot; with attention alone as the objective these batches need it.
     model = "none" if name.startswith("offloaded") else "llama3-70b"
-    plan = compile_valid(lengths, gpus, block_size=None if own_blocks else block, coalesce=coalesce,
+    plan = compile_own(lengths, gpus, block_size=None if own_blocks else block, coalesce=coalesce,
                          mask=mask, zigzag=zigzag, planner=planner[0] if planner else "fcp", layout=layout,
                          model=model)
     if name.startswith("offloaded"):
@@ -78,7 +78,7 @@ def test_baselines_replay_exactly(case):
 
 def test_position_and_sequence_ids_name_each_plan_row():
     lengths = [700, 90, 1500, 33, 260, 1200, 64]
-    plan = compile_valid(lengths, 4, block_size=256, coalesce=2)
+    plan = compile_own(lengths, 4, block_size=256, coalesce=2)
     starts = torch.cumsum(torch.tensor([0] + lengths), 0)
     seen = []
     for rank in range(4):
@@ -130,7 +130,7 @@ def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
 @pytest.mark.parametrize("case", RELAYED, ids=[c[0] for c in RELAYED])
 def test_plans_with_relays_replay_exactly(case):
     _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
+    plan = compile_own(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
                          layout=layout, profile=SLOW_NETWORK, model="none")  # batches chosen to relay so
     assert plan.stats["num_relayed_transfers"] > 0
     assert any(pull.source >= 0 for rank in range(gpus) for pull in load_rank_plan(plan.to_bytes(), rank).pull_send)
@@ -146,7 +146,7 @@ def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
     the order the two ends post would mismatch sizes or data."""
     if case[0] == "relayed":
         _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
-        plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
+        plan = compile_own(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
                              layout=layout, profile=SLOW_NETWORK, model="none")
         hq, hkv, dtype = 2, 1, torch.float64
     else:
@@ -164,9 +164,9 @@ def test_ring_costed_in_closed_form_pulls_whole_blocks_and_replays_exactly(monke
     import fcp_compiler.core.passes.cost as cost
 
     lengths = [700, 90, 1500, 33, 260, 1200, 64]
-    exact = compile_valid(lengths, 4, planner="ring", mask=mask)
+    exact = compile_own(lengths, 4, planner="ring", mask=mask)
     monkeypatch.setattr(cost, "RING_CLOSED_FORM_PAIRS", 0)
-    closed = compile_valid(lengths, 4, planner="ring", mask=mask)
+    closed = compile_own(lengths, 4, planner="ring", mask=mask)
     tiles = [plan.ir.tiles for plan in (exact, closed)]
     assert not tiles[1].has_pairs and tiles[0].has_pairs
     assert tiles[0].tile_q_block.tolist() == tiles[1].tile_q_block.tolist()
@@ -184,7 +184,7 @@ FAN_OUT = [  # (name, lengths, gpus, block, coalesce, mask, gpus_per_node)
 
 def _fan_out_plan(case, layout):
     _, lengths, gpus, block, coalesce, mask, per_node = case
-    plan = compile_valid(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, layout=layout,
+    plan = compile_own(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, layout=layout,
                          gpus_per_node=per_node)
     # Blocks crossed into a node once and were re-sent over NVLink from the entry's received buffer.
     assert plan.stats["num_fanned_out_transfers"] > 0
@@ -214,6 +214,6 @@ def test_each_context_parallel_group_of_its_own_replays_the_plan_exactly(layout)
     """World 6 as three CP groups of 2 (dist.new_group): messages go to the group's ranks, named by their global
     rank, and the plan check runs within the group."""
     lengths = [1000, 333, 77, 2100]
-    plan = compile_valid(lengths, 2, block_size=192, coalesce=2, layout=layout)
+    plan = compile_own(lengths, 2, block_size=192, coalesce=2, layout=layout)
     assert plan.stats["num_transfers"] > 0
     run_ranks(6, compare_with_reference(plan.to_bytes(), lengths, True, 2, 1, torch.float64, layout, groups=3))

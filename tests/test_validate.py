@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import compile_valid
+from conftest import compile_own
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
 from fcp_compiler.format.validate import PlanInvalidError, validate_plan
@@ -13,7 +13,7 @@ from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 def plan_bytes():
     # Causal long sequences over 8 ranks in 4 nodes: remote pulls of both link classes, node fan-out, several rounds
     # and stages.
-    return compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024,
+    return compile_own([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024,
                          coalesce=2, gpus_per_node=2).to_bytes()
 
 
@@ -22,7 +22,7 @@ PER_NODE = 2
 
 @pytest.fixture(scope="module")
 def offload_bytes():
-    return compile_valid([32768], 16, block_size=4096, mask="full", coalesce=2).to_bytes()
+    return compile_own([32768], 16, block_size=4096, mask="full", coalesce=2).to_bytes()
 
 
 def edited(data, edit, **header_changes):
@@ -120,7 +120,7 @@ def test_nvlink_messages_beyond_the_lanes_of_a_round_break_congestion_freedom(pl
 def test_one_message_of_each_class_in_a_round_is_congestion_free():
     # Two ranks on two nodes and two on one: rank 0 sends to a rank of its node and to one of the other node in the
     # same round, which is congestion-free per class (and was not under one class).
-    plan = compile_valid([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024, coalesce=2,
+    plan = compile_own([20000, 9000, 3000, 700, 5000, 12000, 300, 64], 8, block_size=1024, coalesce=2,
                          gpus_per_node=2)
     stats = plan.stats
     both = 0

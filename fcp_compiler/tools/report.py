@@ -45,6 +45,19 @@ def _layer_line(stats: dict) -> list[str]:
             f"{stats['normalized_layer_mfu']:.3f}"]
 
 
+def _floor_line(stats: dict) -> list[str]:
+    """The floor's verdict: which candidate won, what each scored (fwd + bwd layer ms, or over the memory budget)."""
+    floor = stats.get("floor")
+    if not floor:
+        return []
+    scored = [f"{row['name']} " + (f"{(row['layer_makespan_fwd_s'] + row['layer_makespan_bwd_s']) * 1e3:.1f} ms"
+                                   if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]
+                                   else f"over memory ({row['max_buffer_tokens']} tokens)")
+              for row in floor["candidates"]]
+    return [f"  floor: kept {floor['winner']} of {len(scored)} candidates (layer fwd + bwd, live buffers <= "
+            f"{floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+
+
 def compile_summary(stats: dict, path: str | None) -> str:
     """The table `fcp compile` prints."""
     blocks = "zigzag" if stats["zigzag"] else "plain"
@@ -69,7 +82,9 @@ def compile_summary(stats: dict, path: str | None) -> str:
         f"(degree {stats['fwd_exchange_degree']}), bwd {stats['num_bwd_rounds']} (degree "
         f"{stats['bwd_exchange_degree']}); live buffers <= {stats['max_buffer_tokens']} tokens",
         *_layer_line(stats),
-        "  compile {:.3f} s: {}".format(stats["compile_seconds"], "  ".join(
+        *_floor_line(stats),
+        "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" (floor {stats['floor']['seconds']:.3f} s)"
+                                          if stats.get("floor") else "", "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
     ]
     if path:

@@ -1,0 +1,77 @@
+"""The floor (core/floor.py, core/pipeline._compile_with_floor): FCP keeps the fastest of its candidates that fits the
+memory budget, scored by the same simulation `fcp simulate` runs, and no faster-fitting candidate is passed over."""
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import compile_valid
+from fcp_compiler import compile_plan
+from fcp_compiler.core.floor import Candidate, Placement, Score, candidates, choose
+from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.tools.traces import lognormal_batch
+
+
+def _score(name: str, seconds: float, buffer: int, fan_out: bool = True) -> Score:
+    return Score(candidate=Candidate(placement=Placement(name), fan_out=fan_out), coalesce=16,
+                 layer_makespan_fwd_s=seconds / 3, layer_makespan_bwd_s=2 * seconds / 3, max_buffer_tokens=buffer)
+
+
+def test_choose_takes_the_fastest_within_the_budget_else_the_least_memory():
+    scores = [_score("layer", 3.0, 100), _score("attention", 2.0, 300), _score("greedy", 2.5, 200)]
+    assert choose(scores, 250) == 2  # the fastest (attention) is over the budget
+    assert choose(scores, 300) == 1
+    assert choose(scores, 50) == 0  # none fits: the fewest buffer tokens
+    tied = [_score("layer", 2.0, 10), _score("greedy", 2.0, 10)]
+    assert choose(tied, 10) == 0  # ties go to the candidate tried first
+
+
+def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
+    names = [candidate.name for candidate in candidates(False, None)]
+    assert names == ["layer+fan-out", "layer direct", "attention+fan-out", "attention direct", "greedy+fan-out",
+                     "greedy direct"]
+    assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct"]
+
+
+@pytest.mark.parametrize("seed, gpus", [(1, 16), (4, 32)])
+def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simulate_says(seed, gpus):
+    lengths = lognormal_batch(gpus * 8192, 2048, 1.8, 64, 131072, seed=seed)
+    options = dict(block_size=512, coalesce=4, gpus_per_node=4)
+    plan = compile_valid(lengths, gpus, **options)
+    floor = plan.stats["floor"]
+    rows = floor["candidates"]
+    assert len(rows) == 6 and floor["memory_budget_tokens"] == 4 * 4 * 512
+    simulated = simulate_plan(plan).layer_figures()
+    layer = simulated["layer_makespan_fwd_s"] + simulated["layer_makespan_bwd_s"]
+    assert plan.header.max_buffer_tokens <= floor["memory_budget_tokens"] or all(
+        row["max_buffer_tokens"] > floor["memory_budget_tokens"] for row in rows)
+    for row in rows:
+        if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]:
+            assert layer <= row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] + 1e-12, row["name"]
+        else:
+            assert math.isinf(row["layer_makespan_fwd_s"])
+    # FCP's own placement compiled alone scores what the floor recorded for it (the same plan, the same simulation).
+    for fan_out in (True, False):
+        alone = compile_plan(lengths, gpus, floor=False, node_fan_out=fan_out, **options)
+        row = next(r for r in rows if r["name"].startswith("layer+fan-out" if fan_out else "layer direct"))
+        if row["name"].endswith(" c4") and row["max_buffer_tokens"] <= floor["memory_budget_tokens"]:
+            figures = simulate_plan(alone).layer_figures()
+            assert figures["layer_makespan_fwd_s"] == pytest.approx(row["layer_makespan_fwd_s"], rel=1e-12)
+            assert alone.header.max_buffer_tokens == row["max_buffer_tokens"]
+
+
+def test_the_winner_is_deterministic_and_the_stats_name_it():
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=2)
+    first = compile_plan(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
+    second = compile_plan(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
+    assert first.to_bytes() == second.to_bytes()
+    assert first.stats["floor"]["winner"] in [row["name"] for row in first.stats["floor"]["candidates"]]
+    assert first.header.coalesce == int(first.stats["floor"]["winner"].rsplit(" c", 1)[1])
+
+
+def test_no_floor_and_ablations_compile_one_candidate():
+    lengths = np.array([8192, 4096, 300, 2000] * 4)
+    assert "floor" not in compile_plan(lengths, 8, block_size=1024, floor=False).stats
+    assert "floor" not in compile_plan(lengths, 8, block_size=1024, pipelined=False).stats
+    assert "floor" not in compile_plan(lengths, 8, block_size=1024, planner="magi").stats
