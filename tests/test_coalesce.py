@@ -164,3 +164,23 @@ def test_pipeline_order_is_the_lexsort_by_rank_stage_arrival_and_index(num_ranks
     stage = earliest + np.where(rng.random(num_tiles) < 0.2, rng.integers(1, 4, size=num_tiles), 0)
     want = np.lexsort((np.arange(num_tiles), arrival, stage, rank))
     assert np.array_equal(_pipeline_order(rank, stage, arrival, stage != earliest), want)
+
+
+def test_smaller_backward_stages_keep_the_forward_and_are_the_default_at_twice_the_forward(small_plan):
+    from fcp_compiler.core.passes.coalesce import pass_peaks, with_backward_rounds
+
+    schedule = coalesce(small_plan.ir.rounds, 4)
+    same = with_backward_rounds(schedule, 8)  # twice the forward's: what coalesce itself builds
+    for name in ("edge_round", "tile_stage", "push_edge", "push_round"):
+        assert np.array_equal(getattr(same.backward, name), getattr(schedule.backward, name)), name
+    smaller = with_backward_rounds(schedule, 2)
+    assert smaller.forward is schedule.forward and smaller.backward.coalesce == 2
+    assert pass_peaks(smaller)[0] == pass_peaks(schedule)[0]
+    assert pass_peaks(smaller)[1] <= pass_peaks(schedule)[1]
+    # Pulls keep their rounds; every gradient still leaves after the tiles that made it.
+    assert np.array_equal(smaller.backward.edge_round, schedule.backward.edge_round)
+    tile_edge = schedule.tile_kv_edge
+    reads = tile_edge >= 0
+    push_stage = np.full(small_plan.ir.transfers.num_edges, -1)
+    push_stage[smaller.backward.push_edge] = smaller.backward.push_round // 2
+    assert (push_stage[tile_edge[reads]] > smaller.backward.tile_stage[reads]).all()

@@ -4,8 +4,9 @@ FCP's placement balances each rank's layer time; whether its traffic hides is kn
 So `compile_plan` schedules a few placements, each with and without node fan-out, scores every resulting plan by the
 timing model (:mod:`fcp_compiler.core.simulate`: the forward plus backward layer makespan, exactly what `fcp
 simulate` reports) and keeps the fastest whose live buffers fit the memory budget (MEMORY_BUDGET_STAGES x coalesce x
-block size tokens). A candidate over the budget is scheduled again with fewer rounds a stage until it fits. It is a
-floor, not the method: the candidates are the placements FCP would otherwise lose to.
+block size tokens). A candidate over the budget is scheduled again with smaller backward stages and then, if it is
+near, smaller stages in both passes; one still over it is out. It is a floor, not the method: the candidates are the
+placements FCP would otherwise lose to.
 
 - ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance);
 - ``attention``: FCP's placement of attention alone (the joint compute/traffic search, tokens under the cap only);
@@ -51,14 +52,15 @@ class Score:
 
     candidate: Candidate
     coalesce: int  # rounds a forward stage it was scheduled with (fewer than asked where memory needed)
+    backward_rounds: int  # rounds a backward stage (2 x coalesce unless memory needed fewer)
     layer_makespan_fwd_s: float
     layer_makespan_bwd_s: float
     max_buffer_tokens: int
 
     @property
     def name(self) -> str:
-        """The candidate's name, with its stage size where it differs from the one asked for."""
-        return f"{self.candidate.name} c{self.coalesce}"
+        """The candidate's name with its stage sizes: rounds a forward stage / a backward stage."""
+        return f"{self.candidate.name} c{self.coalesce}/{self.backward_rounds}"
 
     @property
     def layer_seconds(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,11 +15,11 @@ import numpy as np
 from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.floor import Placement
-from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, TileSet, Transfers, ZigzagMode
+from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule, TileSet, Transfers, ZigzagMode
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
-from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
+from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens, pass_peaks, with_backward_rounds
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.fan_out import fan_out
@@ -170,8 +171,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
         final, header_fields, data, floor_stats = _compile_with_floor(timer, the_batch, options, cap, digest)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
-        final, header_fields, data = _schedule(timer, _route(timer, assignment, options), options,
-                                               options.resolved_node_fan_out, digest)
+        rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
+        schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
+        final, header_fields, data = _finish(timer, schedule, options, digest)
         floor_stats = None
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model,
@@ -188,59 +190,82 @@ def _floor_applies(options: CompileOptions) -> bool:
 
 
 def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str) -> tuple:
-    """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each by the timing
-    model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
+    """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
+    the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
     started = time.perf_counter()
     budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
     routed: dict[Placement, Transfers] = {}
     fcp_tiles = None  # the layer and attention placements share one tile set
-    plans, scores = [], []
+    schedules, plans, scores = [], [], []
     for candidate in floor.candidates(options.model is None, options.node_fan_out):
         if candidate.placement not in routed:
             if candidate.placement is not Placement.GREEDY and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
             assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
             routed[candidate.placement] = _route(timer, assignment, options)
-        final, header_fields, data = _fit_memory(timer, routed[candidate.placement], options, candidate.fan_out,
-                                                 digest, budget)
-        fits = header_fields["max_buffer_tokens"] <= budget
-        figures = timer.run("floor", lambda: simulate_plan(CompiledPlan(
-            data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()) if fits else None
-        plans.append((final, header_fields, data, figures))
-        scores.append(floor.Score(candidate=candidate, coalesce=header_fields["coalesce"],
-                                  layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if fits else float("inf"),
-                                  layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if fits else float("inf"),
-                                  max_buffer_tokens=header_fields["max_buffer_tokens"]))
+        schedule, peak = _fit_memory(timer, _rounds(timer, routed[candidate.placement], options, candidate.fan_out),
+                                     options, budget)
+        plan = figures = None
+        if peak <= budget:  # only a plan that may fit is finished and scored
+            plan = _finish(timer, schedule, options, digest)
+            peak = plan[1]["max_buffer_tokens"]
+            if peak <= budget:
+                figures = timer.run("floor", _layer_figures, plan)
+        schedules.append(schedule)
+        plans.append((plan, figures))
+        scores.append(floor.Score(candidate=candidate, coalesce=schedule.coalesce,
+                                  backward_rounds=schedule.backward.coalesce,
+                                  layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
+                                  layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf,
+                                  max_buffer_tokens=peak))
     winner = floor.choose(scores, budget)
-    final, header_fields, data, figures = plans[winner]
-    if figures is None:  # nothing fits the budget: the least memory, scored for the stats alone
-        figures = simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()
+    plan, figures = plans[winner]
+    if figures is None:  # nothing fits the budget: the one with the fewest buffer tokens, scored for the stats
+        plan = plan or _finish(timer, schedules[winner], options, digest)
+        figures = _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS}
     floor_stats["floor"] = {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
                         "max_buffer_tokens": score.max_buffer_tokens} for score in scores]}
-    return final, header_fields, data, floor_stats
+    return (*plan, floor_stats)
 
 
-def _fit_memory(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool, digest: str,
-                budget: int) -> tuple:
-    """:func:`_schedule` with the requested rounds a stage and, when the live buffers exceed the budget by less than
-    half the stage size can take back, once more with fewer rounds a stage (a rank receives at most a stage's
-    rounds of messages at a time, so the peak falls about in proportion). Stages of fewer than half the rounds cost
-    more time than they save memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling.
-    Returns the last try: (final IR, header fields, plan bytes)."""
+def _layer_figures(plan: tuple) -> dict:
+    """The simulated layer figures of a finished plan (final IR, header fields, bytes)."""
+    final, _, data = plan
+    return simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()
+
+
+def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule, int]:
+    """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with smaller
+    stages: first the backward's alone, when its peak is the one over (its pulls stay live until their gradients
+    leave two stages later); then, when that leaves it over by at most half, both passes' (a rank receives at most a
+    stage's rounds of messages at a time, so the peak falls about in proportion). Smaller still costs more time
+    than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling.
+
+    Returns:
+        (the last schedule tried, its peak live buffer tokens before relays).
+    """
     rounds_per_stage = options.coalesce
-    final, header_fields, data = _schedule(timer, transfers, options, with_fan_out, digest, rounds_per_stage)
-    peak = header_fields["max_buffer_tokens"]
-    if budget < peak <= 2 * budget and rounds_per_stage > 1:
-        # The peak falls a little slower than the stage size (fan-out entries hold a block across stages): aim
-        # below the budget.
+    schedule = timer.run("coalesce", coalesce, rounds, rounds_per_stage, options.pipelined)
+    forward_peak, backward_peak = timer.run("floor", pass_peaks, schedule)
+    if not options.pipelined or max(forward_peak, backward_peak) <= budget:
+        return schedule, max(forward_peak, backward_peak)
+    if forward_peak <= budget and rounds_per_stage > 1:
+        schedule = timer.run("coalesce", with_backward_rounds, schedule, rounds_per_stage // 2 * 2)
+        forward_peak, backward_peak = timer.run("floor", pass_peaks, schedule)
+    peak = max(forward_peak, backward_peak)
+    if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
+        # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
-        final, header_fields, data = _schedule(timer, transfers, options, with_fan_out, digest, fewer)
-    return final, header_fields, data
+        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined)
+        if max(timer.run("floor", pass_peaks, schedule)) > budget and fewer > 1:
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, fewer // 2 * 2)
+        peak = max(timer.run("floor", pass_peaks, schedule))
+    return schedule, peak
 
 
 def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions) -> Transfers:
@@ -254,19 +279,19 @@ def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions) -
     return timer.run("plan_transfers", plan_transfers, assignment)
 
 
-def _schedule(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool,
-              digest: str, rounds_per_stage: int | None = None) -> tuple:
-    """fan_out (when asked), schedule_rounds, coalesce (`rounds_per_stage` a forward stage, default the options'),
-    relay (FCP), reshuffle and encode: (final IR, header fields, plan bytes)."""
+def _rounds(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool) -> Rounds:
+    """fan_out (when asked) and schedule_rounds."""
     if options.matching_rounds and with_fan_out:
         transfers = timer.run("fan_out", fan_out, transfers)
-    rounds = timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds,
-                       transfers)
-    schedule = timer.run("coalesce", coalesce, rounds, rounds_per_stage or options.coalesce, options.pipelined)
+    return timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds, transfers)
+
+
+def _finish(timer: _PassTimer, schedule: Schedule, options: CompileOptions, digest: str) -> tuple:
+    """relay (FCP), reshuffle and encode: (final IR, header fields, plan bytes)."""
     if options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their systems' star senders
         schedule = timer.run("relay", relay, schedule)
     final = timer.run("reshuffle", reshuffle, schedule)
-    header_fields = _header_fields(final, options, transfers.assignment.token_cap, digest)
+    header_fields = _header_fields(final, options, schedule.rounds.transfers.assignment.token_cap, digest)
     return final, header_fields, timer.run("encode", encode, final, header_fields)
 
 

@@ -461,9 +461,9 @@ def _check_congestion_freedom(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passe
     each class's forward pulls, and its round and stage counts, are the ones the plan has. Returns the larger
     Delta."""
     header, num_ranks = plan.header, plan.num_ranks
-    if header.bwd_coalesce != 2 * header.coalesce:
+    if header.bwd_coalesce % 2 or header.bwd_coalesce > 2 * header.coalesce:
         _fail(3, f"the backward pass has {header.bwd_coalesce} rounds a stage; its pulls take every other round, so "
-                 f"it must be twice the forward's {header.coalesce}")
+                 f"it must be even and at most twice the forward's {header.coalesce}")
     gpus_per_node, profile = header.profile.gpus_per_node, header.profile
     most_lanes = nvlink_lanes(profile.nvlink_gbps, profile.network_gbps)
     if header.nvlink_lanes > most_lanes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,13 +72,19 @@ def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndar
             np.concatenate((tokens, tokens[program.push_edge])))
 
 
-def max_buffer_tokens(schedule: Schedule) -> int:
-    """The most live buffer tokens any rank holds in any stage of either pass."""
+def pass_peaks(schedule: Schedule) -> tuple[int, int]:
+    """The most live buffer tokens any rank holds in any stage of the forward, and of the backward pass."""
     transfers = schedule.rounds.transfers
     tile_rank = transfers.assignment.tile_rank
-    return max(int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
-                                                  schedule.tile_q_edge), transfers.assignment.num_ranks).max())
-               for program in (schedule.forward, schedule.backward))
+    forward, backward = (int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
+                                                            schedule.tile_q_edge), transfers.assignment.num_ranks).max())
+                         for program in (schedule.forward, schedule.backward))
+    return forward, backward
+
+
+def max_buffer_tokens(schedule: Schedule) -> int:
+    """The most live buffer tokens any rank holds in any stage of either pass."""
+    return max(pass_peaks(schedule))
 
 
 def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
@@ -278,6 +285,26 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round, delayed)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
+
+
+def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
+    """The same schedule with the backward pass in stages of `backward_rounds` rounds (even, at most twice the
+    forward's): the forward, the pulls' rounds and the tiles' order are kept.
+
+    A backward pull stays live from its stage until its gradient leaves two stages later, so fewer rounds a stage
+    hold fewer pulled blocks at a time.
+    """
+    rounds = schedule.rounds
+    transfers, coalesce_degree = rounds.transfers, schedule.coalesce
+    assert backward_rounds % 2 == 0 and 2 <= backward_rounds <= 2 * coalesce_degree
+    forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
+    arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
+    earliest = _Earliest.of(np.where(arrival_round >= 0, 2 * arrival_round, -1), 2 * forward_round, backward_rounds,
+                            kv_edge, q_edge, transfers.assignment)
+    block_size = transfers.assignment.tiles.sharding.block_size
+    backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
+                         BACKWARD_BUDGET_STAGES * coalesce_degree * block_size, rounds.nvlink_lanes)
+    return dataclasses.replace(schedule, backward=backward)
 
 
 def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
