@@ -51,7 +51,7 @@ def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypat
         rounds, degree, False, **sizes))
     expected = (GOLDEN / "small_8gpu.fcp").read_bytes()
     changed = compile_case("small_8gpu")
-    with pytest.raises(AssertionError, match="num_bwd_stages"):
+    with pytest.raises(AssertionError, match="num_fwd_stages"):
         assert changed == expected, describe(expected, changed)
     # Run refresh.py as a developer would after an intended change, into a scratch copy of the golden folder.
     monkeypatch.setattr(refresh, "GOLDEN", tmp_path)

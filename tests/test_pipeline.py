@@ -59,7 +59,9 @@ def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size
 
 def test_stats_hold_every_documented_key(small_plan):
     assert STATS_KEYS <= set(small_plan.stats)
-    assert list(small_plan.stats["pass_seconds"]) == ["parse"] + PASSES + ["floor"]
+    # The floor's own time (memory checks and scoring) is an entry of its own, between the passes it interleaves.
+    assert [name for name in small_plan.stats["pass_seconds"] if name != "floor"] == ["parse"] + PASSES
+    assert "floor" in small_plan.stats["pass_seconds"]
     user = compile_own([5000, 300, 70000], 4, block_size=1024, layout="user")
     assert list(user.stats["pass_seconds"]) == ["parse"] + USER_LAYOUT_PASSES
     json.dumps(small_plan.stats)
