@@ -99,9 +99,11 @@ def compare_rows(rows: Sequence[dict]) -> str:
         return f"{row[f'fcp_speedup_{key}']:.2f}x" if row.get(f"fcp_speedup_{key}") else "-"
 
     planned = sorted((r for r in rows if not r.get("error")), key=lambda r: (r["gpus"], r["layer_rank"]))
-    lines = [table(["gpus", "rank", "method", "layer fwd ms", "layer bwd ms", "gap fwd", "gap bwd", "compute imb",
-                    "max rank bytes", "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd", "bwd"],
-                   [[r["gpus"], r["layer_rank"], r["method"], f"{r['layer_makespan_fwd_s'] * 1e3:.2f}",
+    lines = [table(["gpus", "rank", "method", "fan-out", "live buffers", "layer fwd ms", "layer bwd ms", "gap fwd",
+                    "gap bwd", "compute imb", "max rank bytes", "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd",
+                    "bwd"],
+                   [[r["gpus"], r["layer_rank"], r["method"], "on" if r.get("node_fan_out") else "off",
+                     r.get("max_buffer_tokens", "-"), f"{r['layer_makespan_fwd_s'] * 1e3:.2f}",
                      f"{r['layer_makespan_bwd_s'] * 1e3:.2f}", f"{r['layer_gap_fwd']:.3f}", f"{r['layer_gap_bwd']:.3f}",
                      f"{r['compute_imbalance']:.3f}", human_bytes(r["max_rank_comm_bytes"]),
                      f"{r['normalized_mfu_fwd']:.3f}", f"{r['normalized_mfu_bwd']:.3f}", speedup(r, "fwd"),
