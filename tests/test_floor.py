@@ -10,6 +10,7 @@ from conftest import compile_valid
 from fcp_compiler import compile_plan
 from fcp_compiler.core.floor import Candidate, Placement, Score, candidates, choose
 from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.format.models import load_model
 from fcp_compiler.tools.traces import lognormal_batch
 
 
@@ -90,3 +91,22 @@ def test_plans_with_smaller_backward_stages_validate_and_replay_exactly(seed, gp
     assert plan.header.bwd_coalesce < 2 * plan.header.coalesce  # the case this test is for
     assert plan.header.max_buffer_tokens <= plan.stats["floor"]["memory_budget_tokens"]
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_busy_bound_never_exceeds_the_simulated_layer_of_any_schedule_of_the_placement(layout, seed):
+    """The floor skips a placement whose busiest rank alone outlasts the best plan so far: the bound must hold for
+    every schedule of it, whatever the stage sizes, fan-out or model."""
+    from fcp_compiler.core.simulate import busy_lower_bound
+
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=seed)
+    for model in ("llama3-70b", "none"):
+        for fan_out in (True, False):
+            for coalesce in (1, 4):
+                plan = compile_plan(lengths, 16, block_size=512, coalesce=coalesce, gpus_per_node=4, layout=layout,
+                                    model=model, floor=False, node_fan_out=fan_out)
+                figures = simulate_plan(plan).layer_figures()
+                bound = busy_lower_bound(plan.ir.assignment, plan.header.layout, load_model(model))
+                simulated = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+                assert 0 < bound <= simulated, (model, fan_out, coalesce)

@@ -29,7 +29,7 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
-from fcp_compiler.core.simulate import LAYER_STATS, simulate_plan
+from fcp_compiler.core.simulate import LAYER_STATS, busy_lower_bound, simulate_plan
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import BatchSpec, Layout, Mask, MaskKind, parse_batch
@@ -196,12 +196,21 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
     routed: dict[Placement, Transfers] = {}
     fcp_tiles = None  # the layer and attention placements share one tile set
-    schedules, plans, scores = [], [], []
+    schedules, plans, scores, pruned = [], [], [], {}
     for candidate in floor.candidates(options.model is None, options.node_fan_out):
+        if candidate.placement in pruned:
+            continue
         if candidate.placement not in routed:
             if candidate.placement is not Placement.GREEDY and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
             assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
+            # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
+            # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
+            best = min((score.layer_seconds for score in scores), default=math.inf)
+            bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
+            if bound >= best:
+                pruned[candidate.placement] = bound
+                continue
             routed[candidate.placement] = _route(timer, assignment, options)
         schedule, peak = _fit_memory(timer, _rounds(timer, routed[candidate.placement], options, candidate.fan_out),
                                      options, budget)
@@ -228,7 +237,9 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
-                        "max_buffer_tokens": score.max_buffer_tokens} for score in scores]}
+                        "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
+        "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound}
+                   for placement, bound in pruned.items()]}
     return (*plan, floor_stats)
 
 

@@ -408,6 +408,41 @@ def _single_gpu_efficiency(lengths: np.ndarray, windows: np.ndarray, profile: Ha
     return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths.astype(np.float64))).sum())
 
 
+def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None) -> float:
+    """A lower bound on the simulated layer makespan, forward plus backward, of every plan scheduled from this
+    placement (any stages, rounds, fan-out or relays; ranks renumbered): the busiest rank's compute alone.
+
+    Each rank computes its linear layers and its tiles. :func:`coalesced_seconds` charges a tile its FLOPs at the
+    efficiency of its kernel call, one per (rank, stage, query segment) over all of that segment's keys in the stage;
+    the efficiency curve rises with a call's size (checked here), so one call over all of a query segment's keys on
+    the rank, whatever the stages, is the cheapest the simulator can charge. Launches, waits and the SMs lent to
+    communication only add time. In the user layout the linear layers see the even chunks, whichever rank the tiles
+    land on after renumbering, so the smallest chunk is counted. O(pairs).
+
+    Args:
+        assignment: the placement (tiles and where each runs, blocks and where each lives).
+        layout: the plan's layout.
+        model: the layer around attention (None: attention alone).
+    Returns:
+        seconds.
+    """
+    tiles, num_ranks = assignment.tiles, assignment.num_ranks
+    curve = np.array([point.efficiency for point in tiles.profile.efficiency_curve])
+    assert (np.diff(curve) >= 0).all(), "the bound needs an efficiency curve that rises with the call's size"
+    seconds = coalesced_seconds(tiles, np.arange(tiles.num_tiles), assignment.tile_rank,
+                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile)
+    attention = np.bincount(assignment.tile_rank, weights=seconds, minlength=num_ranks)
+    if layout is Layout.USER:
+        total = tiles.sharding.batch.total_tokens
+        tokens = np.full(num_ranks, float(total // num_ranks))
+    else:
+        tokens = np.bincount(assignment.block_rank, weights=tiles.sharding.block_tokens, minlength=num_ranks)
+    linear = LayerCosts.of(model, tiles.profile).phases(tokens)  # zero without a model
+    forward = attention + linear["fwd_before"] + linear["fwd_after"]
+    backward = BACKWARD_WORK * attention + linear["bwd_before"] + linear["bwd_after"]
+    return float(forward.max()) + float(backward.max())
+
+
 def _layer_tokens(header, tables, programs) -> np.ndarray:
     """Tokens each rank's linear layers see: the user layout's even chunks, or the plan layout's blocks."""
     n = header.num_ranks
