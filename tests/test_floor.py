@@ -30,8 +30,11 @@ def test_choose_takes_the_fastest_within_the_budget_else_the_least_memory():
 
 def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
     names = [candidate.name for candidate in candidates(False, None)]
-    assert names == ["layer+fan-out", "layer direct", "attention+fan-out", "attention direct", "greedy+fan-out",
-                     "greedy direct"]
+    assert names == ["layer+fan-out", "layer direct", "layer-tokens-5%+fan-out", "layer-tokens-5% direct",
+                     "layer-tokens-10%+fan-out", "layer-tokens-10% direct", "attention+fan-out", "attention direct",
+                     "greedy+fan-out", "greedy direct"]
+    assert [c.name for c in candidates(False, True, tolerances=False)] == ["layer+fan-out", "attention+fan-out",
+                                                                          "greedy+fan-out"]
     assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct"]
 
 
@@ -42,7 +45,11 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     plan = compile_valid(lengths, gpus, **options)
     floor = plan.stats["floor"]
     rows = floor["candidates"]
-    assert len(rows) == 6 and floor["memory_budget_tokens"] == 4 * 4 * 512
+    # Every candidate is scheduled, or skipped as the same placement as an earlier one or by its busy bound.
+    assert len(rows) + 2 * len(floor["pruned"]) == 10 and floor["memory_budget_tokens"] == 4 * 4 * 512
+    best = min(row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] for row in rows)
+    for skipped in floor["pruned"]:
+        assert skipped["same_as"] is not None or skipped["busy_lower_bound_s"] >= best
     simulated = simulate_plan(plan).layer_figures()
     layer = simulated["layer_makespan_fwd_s"] + simulated["layer_makespan_bwd_s"]
     assert plan.header.max_buffer_tokens <= floor["memory_budget_tokens"] or all(
@@ -50,7 +57,7 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     for row in rows:
         if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]:
             assert layer <= row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] + 1e-12, row["name"]
-        else:
+        else:  # over the budget (or its forward half alone was): never scored
             assert math.isinf(row["layer_makespan_fwd_s"])
     # FCP's own placement compiled alone scores what the floor recorded for it (the same plan, the same simulation).
     for fan_out in (True, False):

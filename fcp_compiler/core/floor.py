@@ -8,7 +8,8 @@ block size tokens). A candidate over the budget is scheduled again with smaller 
 near, smaller stages in both passes; one still over it is out. It is a floor, not the method: the candidates are the
 placements FCP would otherwise lose to.
 
-- ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance);
+- ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance), and the same at
+  the looser tolerances of LAYER_TOLERANCES (``layer-tokens-5%``, ``layer-tokens-10%``);
 - ``attention``: FCP's placement of attention alone (the joint compute/traffic search, tokens under the cap only);
 - ``greedy``: a MagiAttention-like equal-chunk greedy (fixed slices of the packed batch, a min-heap on attention
   area, the same number of slices a rank), run through FCP's own transfer passes (node grouping, fan-out, relays).
@@ -29,8 +30,18 @@ class Placement(str, enum.Enum):
     """Which placement a floor candidate schedules."""
 
     LAYER = "layer"
+    LAYER_TOKENS_5 = "layer-tokens-5%"
+    LAYER_TOKENS_10 = "layer-tokens-10%"
     ATTENTION = "attention"
     GREEDY = "greedy"
+
+
+# The layer placement's token tolerance for each of its candidates (None: the options' own). How far ranks may
+# hold more tokens than the mean trades linear-layer balance against attention traffic, and no one tolerance is
+# best: on 18 real-distribution batches (benchmarks/placement.py's kinds at 64 and 256 GPUs, seed 0, direct pulls)
+# 1%, 5% and 10% each gave the least layer time on some, by up to 9% (ProLong + tail at 256 GPUs: 477.7, 447.2 and
+# 467.9 ms; WLB-LLM + tail at 64: 487.6, 487.6 and 446.3 ms).
+LAYER_TOLERANCES = {Placement.LAYER: None, Placement.LAYER_TOKENS_5: 0.05, Placement.LAYER_TOKENS_10: 0.10}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,16 +79,19 @@ class Score:
         return self.layer_makespan_fwd_s + self.layer_makespan_bwd_s
 
 
-def candidates(attention_only: bool, fan_out: bool | None) -> list[Candidate]:
+def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = True) -> list[Candidate]:
     """The candidates in the order they are tried (ties go to the earlier).
 
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).
         fan_out: the user's node fan-out switch; None tries both.
+        tolerances: also the layer placement at the looser token tolerances of LAYER_TOLERANCES (not when the user
+            gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load).
     Returns:
         the candidates, FCP's own placement with fan-out first.
     """
-    placements = [Placement.LAYER] + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
+    looser = [Placement.LAYER_TOKENS_5, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
+    placements = [Placement.LAYER] + looser + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
     switches = [True, False] if fan_out is None else [fan_out]
     return [Candidate(placement=placement, fan_out=switch) for placement in placements for switch in switches]
 

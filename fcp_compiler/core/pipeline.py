@@ -19,7 +19,8 @@ from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule,
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
-from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens, pass_peaks, with_backward_rounds
+from fcp_compiler.core.passes.coalesce import (coalesce, coalesce_forward, complete_backward, forward_peak,
+                                               max_buffer_tokens, pass_peaks, with_backward_rounds)
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.fan_out import fan_out
@@ -195,9 +196,10 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     started = time.perf_counter()
     budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
     routed: dict[Placement, Transfers] = {}
-    fcp_tiles = None  # the layer and attention placements share one tile set
-    schedules, plans, scores, pruned = [], [], [], {}
-    for candidate in floor.candidates(options.model is None, options.node_fan_out):
+    fcp_tiles = None  # shared by FCP's own placements
+    tried, scores, pruned, placed_by = [], [], {}, {}
+    tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
+    for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if candidate.placement in pruned:
             continue
         if candidate.placement not in routed:
@@ -208,39 +210,48 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
             best = min((score.layer_seconds for score in scores), default=math.inf)
             bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
-            if bound >= best:
-                pruned[candidate.placement] = bound
+            same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)]
+            if bound >= best or same:  # cannot win, or schedules exactly as an earlier placement does
+                pruned[candidate.placement] = (bound, same[0] if same else None)
                 continue
+            placed_by[candidate.placement] = assignment
             routed[candidate.placement] = _route(timer, assignment, options)
-        schedule, peak = _fit_memory(timer, _rounds(timer, routed[candidate.placement], options, candidate.fan_out),
-                                     options, budget)
+        transfers = routed[candidate.placement]
+        schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
         plan = figures = None
-        if peak <= budget:  # only a plan that may fit is finished and scored
+        if schedule is not None and peak <= budget:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, digest)
             peak = plan[1]["max_buffer_tokens"]
-            if peak <= budget:
-                figures = timer.run("floor", _layer_figures, plan)
-        schedules.append(schedule)
-        plans.append((plan, figures))
-        scores.append(floor.Score(candidate=candidate, coalesce=schedule.coalesce,
-                                  backward_rounds=schedule.backward.coalesce,
-                                  layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
-                                  layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf,
-                                  max_buffer_tokens=peak))
+            figures = timer.run("floor", _layer_figures, plan) if peak <= budget else None
+        tried.append((transfers, candidate.fan_out, schedule, plan, figures))
+        scores.append(floor.Score(
+            candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
+            backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
+            layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
+            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak))
     winner = floor.choose(scores, budget)
-    plan, figures = plans[winner]
-    if figures is None:  # nothing fits the budget: the one with the fewest buffer tokens, scored for the stats
-        plan = plan or _finish(timer, schedules[winner], options, digest)
-        figures = _layer_figures(plan)
+    transfers, with_fan_out, schedule, plan, figures = tried[winner]
+    if plan is None:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
+        schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
+                                         options.coalesce, options.pipelined)
+        plan = _finish(timer, schedule, options, digest)
+    figures = figures or _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS}
     floor_stats["floor"] = {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
                         "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
-        "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound}
-                   for placement, bound in pruned.items()]}
+        "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
+                    "same_as": same.value if same is not None else None}
+                   for placement, (bound, same) in pruned.items()]}
     return (*plan, floor_stats)
+
+
+def _same_placement(first: Assignment, second: Assignment) -> bool:
+    """Whether two placements of one tile set put every block and every tile on the same rank."""
+    return first.tiles is second.tiles and np.array_equal(first.block_rank, second.block_rank) and \
+        np.array_equal(first.tile_rank, second.tile_rank)
 
 
 def _layer_figures(plan: tuple) -> dict:
@@ -249,25 +260,31 @@ def _layer_figures(plan: tuple) -> dict:
     return simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()
 
 
-def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule, int]:
+def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:
     """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with smaller
     stages: first the backward's alone, when its peak is the one over (its pulls stay live until their gradients
     leave two stages later); then, when that leaves it over by at most half, both passes' (a rank receives at most a
     stage's rounds of messages at a time, so the peak falls about in proportion). Smaller still costs more time
-    than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling.
+    than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward
+    half over the budget by more than half is not completed at all.
 
     Returns:
-        (the last schedule tried, its peak live buffer tokens before relays).
+        (the last schedule tried, or None when its forward half alone was over by more than half; its peak live
+        buffer tokens before relays).
     """
     rounds_per_stage = options.coalesce
-    schedule = timer.run("coalesce", coalesce, rounds, rounds_per_stage, options.pipelined)
-    forward_peak, backward_peak = timer.run("floor", pass_peaks, schedule)
-    if not options.pipelined or max(forward_peak, backward_peak) <= budget:
-        return schedule, max(forward_peak, backward_peak)
-    if forward_peak <= budget and rounds_per_stage > 1:
+    part = timer.run("coalesce", coalesce_forward, rounds, rounds_per_stage, options.pipelined)
+    forward = timer.run("floor", forward_peak, part)
+    if forward > budget * 3 // 2 and options.pipelined:
+        return None, forward
+    schedule = timer.run("coalesce", complete_backward, part)
+    del part
+    peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
+    if not options.pipelined or peak <= budget:
+        return schedule, peak
+    if forward <= budget and rounds_per_stage > 1:
         schedule = timer.run("coalesce", with_backward_rounds, schedule, rounds_per_stage // 2 * 2)
-        forward_peak, backward_peak = timer.run("floor", pass_peaks, schedule)
-    peak = max(forward_peak, backward_peak)
+        peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
@@ -316,10 +333,13 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, p
         tiles = tiles if tiles is not None else _fcp_tiles(timer, batch, options)
         # The linear layers run on a rank's blocks only in the plan layout; in the user layout they run on the even
         # user chunks whatever the placement, which then weighs attention (and its reshuffle, by home ranks) alone.
-        by_layer = placement is Placement.LAYER and options.model is not None and options.layout is Layout.PLAN
+        by_layer = placement in floor.LAYER_TOLERANCES and options.model is not None and \
+            options.layout is Layout.PLAN
         linear = LayerCosts.of(options.model, options.profile).linear_seconds_per_token * LINEAR_WEIGHT \
             if by_layer else 0.0
-        tolerance = options.resolved_token_tolerance if placement is Placement.LAYER else options.token_tolerance
+        tolerance = options.token_tolerance
+        if placement in floor.LAYER_TOLERANCES:
+            tolerance = floor.LAYER_TOLERANCES[placement] or options.resolved_token_tolerance
         return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, tolerance, linear)
     baseline = Planner.MAGI if placement is Placement.GREEDY else planner
     sharding, block_rank = timer.run("shard", BASELINES[baseline], batch, num_ranks, block_size, cap)

@@ -54,8 +54,10 @@ def _floor_line(stats: dict) -> list[str]:
                                    if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]
                                    else f"over memory ({row['max_buffer_tokens']} tokens)")
               for row in floor["candidates"]]
-    scored += [f"{row['placement']} placement skipped (its busiest rank alone takes "
-               f"{row['busy_lower_bound_s'] * 1e3:.1f} ms)" for row in floor.get("pruned", [])]
+    scored += [f"{row['placement']} placement skipped (" + (f"the same as {row['same_as']}" if row.get("same_as")
+                                                          else f"its busiest rank alone takes "
+                                                                f"{row['busy_lower_bound_s'] * 1e3:.1f} ms") + ")"
+               for row in floor.get("pruned", [])]
     return [f"  floor: kept {floor['winner']} of {len(floor['candidates'])} candidates scheduled (layer fwd + bwd, "
             f"live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
 

@@ -120,6 +120,22 @@ class _Earliest:
             pull_round // coalesce))
 
 
+@dataclass(slots=True, kw_only=True)
+class ForwardSchedule:
+    """:func:`coalesce_forward`'s result: the forward pass and what the backward derives from it. Not frozen:
+    :func:`complete_backward` consumes it and drops its earliest stages (one entry a tile, millions at small blocks)
+    before the tiles' order is sorted."""
+
+    rounds: Rounds
+    coalesce: int
+    pipelined: bool
+    forward: PassSchedule
+    tile_kv_edge: np.ndarray
+    tile_q_edge: np.ndarray
+    arrival_round: np.ndarray
+    earliest: _Earliest | None
+
+
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
                  earliest: _Earliest | None, budget: int | None) -> np.ndarray:
     """Each tile's stage: at or after its earliest (None: not pipelined, every tile after the last pull), levelled
@@ -241,6 +257,13 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     Returns:
         the Schedule.
     """
+    return complete_backward(coalesce_forward(rounds, coalesce, pipelined, buffer_budget))
+
+
+def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True,
+                     buffer_budget: int | None = None) -> ForwardSchedule:
+    """The forward half of :func:`coalesce` (its arguments): the pulls' rounds, the tiles' stages and the partial
+    outputs' pushes. Its live buffers are known before the backward is built (:func:`complete_backward`)."""
     transfers = rounds.transfers
     assignment = transfers.assignment
     tiles = assignment.tiles
@@ -276,11 +299,24 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
     earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, q_edge, assignment) if pipelined else None
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
+    return ForwardSchedule(rounds=rounds, coalesce=coalesce, pipelined=pipelined, forward=forward,
+                           tile_kv_edge=kv_edge, tile_q_edge=q_edge, arrival_round=arrival_round, earliest=earliest)
+
+
+def complete_backward(part: ForwardSchedule) -> Schedule:
+    """The Schedule: the forward half with the backward pass (stages of 2c rounds) and the tiles' pipeline order."""
+    rounds, coalesce, forward, earliest = part.rounds, part.coalesce, part.forward, part.earliest
+    transfers = rounds.transfers
+    tile_rank = transfers.assignment.tile_rank
+    kv_edge, q_edge, arrival_round = part.tile_kv_edge, part.tile_q_edge, part.arrival_round
+    forward_round, lanes = forward.edge_round, rounds.nvlink_lanes
+    block_size = transfers.assignment.tiles.sharding.block_size
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
     backward = _backward(transfers, forward_round, 2 * coalesce, earliest, kv_edge, q_edge,
                          BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
     delayed = np.zeros(tile_rank.size, dtype=bool) if earliest is None else forward.tile_stage != earliest.stage
+    part.earliest = None
     del earliest  # millions of entries at small blocks: gone before the order is sorted
     tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round, delayed)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
@@ -305,6 +341,14 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
     backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
                          BACKWARD_BUDGET_STAGES * coalesce_degree * block_size, rounds.nvlink_lanes)
     return dataclasses.replace(schedule, backward=backward)
+
+
+def forward_peak(part: ForwardSchedule) -> int:
+    """The most live buffer tokens any rank holds in any stage of the forward half."""
+    transfers = part.rounds.transfers
+    return int(peak_live_tokens(*pass_buffers(part.forward, transfers, transfers.assignment.tile_rank,
+                                              part.tile_kv_edge, part.tile_q_edge),
+                                transfers.assignment.num_ranks).max())
 
 
 def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
