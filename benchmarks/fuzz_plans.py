@@ -205,6 +205,7 @@ class Outcome:
     bugs: list = field(default_factory=list)  # (label, where, error)
     hangs: list = field(default_factory=list)
     peak_rss_mb: float = 0.0
+    rss_growth_mb: float = 0.0  # the peak above the worker's resident memory when it started
     kinds: dict = field(default_factory=dict)
 
 
@@ -238,6 +239,9 @@ def run_chunk(job) -> Outcome:
     seed, count, timeout, sources, folder = job
     rng = np.random.default_rng(seed)
     outcome = Outcome()
+    # A forked worker starts with its parent's resident memory as its high-water mark: what the cases themselves
+    # allocate is the growth above that.
+    start_mb = _resident_mb()
     signal.signal(signal.SIGALRM, _alarm)
     names = sorted(sources)
     case = 0
@@ -266,7 +270,17 @@ def run_chunk(job) -> Outcome:
             signal.alarm(0)
         outcome.cases += 1
     outcome.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    outcome.rss_growth_mb = max(0.0, outcome.peak_rss_mb - start_mb)
     return outcome
+
+
+def _resident_mb() -> float:
+    """This process's resident memory now (Linux; elsewhere its high-water mark so far)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def replay_exactly(path: str) -> None:
@@ -324,7 +338,8 @@ def fuzz(num_mutants: int, jobs: int, seed: int, timeout: int, replay: int, fold
             "kinds": kinds, "accepted": len(accepted), "accepted_identical": len(accepted) - len(changed),
             "accepted_changed": len(changed), "replayed_exactly": replayed, "replay_mismatches": mismatched,
             "bugs": [b for o in outcomes for b in o.bugs], "hangs": [h for o in outcomes for h in o.hangs],
-            "peak_rss_mb": max(o.peak_rss_mb for o in outcomes)}
+            "peak_rss_mb": max(o.peak_rss_mb for o in outcomes),
+            "rss_growth_mb": max(o.rss_growth_mb for o in outcomes)}
 
 
 def main() -> None:
@@ -344,7 +359,7 @@ def main() -> None:
           f"their source, {figures['accepted_changed']} changed; {figures['replayed_exactly']} of those replayed "
           f"exactly on gloo, {len(figures['replay_mismatches'])} mismatches)")
     print(f"internal errors or tracebacks: {len(figures['bugs'])}; hangs: {len(figures['hangs'])}; "
-          f"peak RSS of a worker: {figures['peak_rss_mb']:.0f} MB")
+          f"peak RSS of a worker: {figures['peak_rss_mb']:.0f} MB ({figures['rss_growth_mb']:.0f} MB above its start)")
     for bug in figures["bugs"][:20] + figures["replay_mismatches"][:10]:
         print("  BUG", *bug)
     for hang in figures["hangs"][:10]:

@@ -197,7 +197,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
     routed: dict[Placement, Transfers] = {}
     fcp_tiles = None  # shared by FCP's own placements
-    tried, scores, pruned, placed_by = [], [], {}, {}
+    scores, pruned, placed_by = [], {}, {}
+    best = least = None
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if candidate.placement in pruned:
@@ -208,34 +209,45 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
             # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
             # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
-            best = min((score.layer_seconds for score in scores), default=math.inf)
+            fastest = best[0].layer_seconds if best is not None else math.inf
             bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
             same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)]
-            if bound >= best or same:  # cannot win, or schedules exactly as an earlier placement does
+            if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
                 pruned[candidate.placement] = (bound, same[0] if same else None)
                 continue
             placed_by[candidate.placement] = assignment
             routed[candidate.placement] = _route(timer, assignment, options)
         transfers = routed[candidate.placement]
         schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
-        plan = figures = None
+        figures = None
         if schedule is not None and peak <= budget:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, digest)
             peak = plan[1]["max_buffer_tokens"]
             figures = timer.run("floor", _layer_figures, plan) if peak <= budget else None
-        tried.append((transfers, candidate.fan_out, schedule, plan, figures))
-        scores.append(floor.Score(
+        score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
             layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
-            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak))
+            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak)
+        # Only the best plan so far, and the least memory among those over the budget, are kept (each candidate's
+        # IR is hundreds of MB at thousands of ranks); floor.choose makes the same choice from the scores alone.
+        if figures is not None and (best is None or score.layer_seconds < best[0].layer_seconds):
+            best = (score, plan, figures)
+        if figures is None and (least is None or peak < least[0].max_buffer_tokens):
+            least = (score, transfers, candidate.fan_out, schedule)
+        scores.append(score)
+        del schedule
     winner = floor.choose(scores, budget)
-    transfers, with_fan_out, schedule, plan, figures = tried[winner]
-    if plan is None:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
+    if best is not None:
+        assert best[0] is scores[winner]
+        plan, figures = best[1], best[2]
+    else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
+        assert least[0] is scores[winner]
+        _, transfers, with_fan_out, schedule = least
         schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
                                          options.coalesce, options.pipelined)
         plan = _finish(timer, schedule, options, digest)
-    figures = figures or _layer_figures(plan)
+        figures = _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS}
     floor_stats["floor"] = {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
