@@ -30,9 +30,9 @@ def test_choose_takes_the_fastest_within_the_budget_else_the_least_memory():
 
 def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
     names = [candidate.name for candidate in candidates(False, None)]
-    assert names == ["layer+fan-out", "layer direct", "layer-tokens-5%+fan-out", "layer-tokens-5% direct",
-                     "layer-tokens-10%+fan-out", "layer-tokens-10% direct", "attention+fan-out", "attention direct",
-                     "greedy+fan-out", "greedy direct"]
+    assert names == ["layer direct", "layer+fan-out", "layer-tokens-5% direct", "layer-tokens-5%+fan-out",
+                     "layer-tokens-10% direct", "layer-tokens-10%+fan-out", "attention direct", "attention+fan-out",
+                     "greedy direct", "greedy+fan-out"]
     assert [c.name for c in candidates(False, True, tolerances=False)] == ["layer+fan-out", "attention+fan-out",
                                                                           "greedy+fan-out"]
     assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct"]
@@ -117,3 +117,15 @@ def test_the_busy_bound_never_exceeds_the_simulated_layer_of_any_schedule_of_the
                 bound = busy_lower_bound(plan.ir.assignment, plan.header.layout, load_model(model))
                 simulated = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
                 assert 0 < bound <= simulated, (model, fan_out, coalesce)
+
+
+def test_the_floors_work_is_bounded_by_tiles_and_always_schedules_fcps_own_placement(monkeypatch):
+    from fcp_compiler.core import floor
+
+    assert floor.most_scheduled(75_000) >= 10 and floor.most_scheduled(1_200_000) == 1
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=1)
+    plan = compile_plan(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
+    monkeypatch.setattr(floor, "TILE_BUDGET", 2 * plan.stats["num_tiles"])
+    bounded = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4).stats["floor"]
+    assert bounded["most_scheduled"] == 2
+    assert [row["name"].split(" c")[0] for row in bounded["candidates"]] == ["layer direct", "layer+fan-out"]

@@ -20,6 +20,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# The floor's work is bounded: it schedules at most this many tiles in all (candidates x the batch's tiles), and
+# always FCP's own placement. At the seed's 32K tokens a GPU that is every candidate up to about 256 GPUs (75K
+# tiles), three at 1024 and one at 4096 (1.2M tiles), where a schedule takes 15-20 s on one core.
+TILE_BUDGET = 1_000_000
+
+
+def most_scheduled(num_tiles: int) -> int:
+    """How many candidates the floor schedules for a batch of `num_tiles` tiles (at least one)."""
+    return max(1, TILE_BUDGET // max(num_tiles, 1))
+
+
 # Live buffer tokens a plan may hold on any rank, in stages' worth of pulls (coalesce x block size): what the
 # runtime's memory can give. A candidate over it is kept only when every candidate is over it (then the one with the
 # fewest); time does not buy memory.
@@ -88,11 +99,11 @@ def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = Tr
         tolerances: also the layer placement at the looser token tolerances of LAYER_TOLERANCES (not when the user
             gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load).
     Returns:
-        the candidates, FCP's own placement with fan-out first.
+        the candidates, FCP's own placement first, each placement direct first (its fan-out holds more memory).
     """
     looser = [Placement.LAYER_TOKENS_5, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
     placements = [Placement.LAYER] + looser + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
-    switches = [True, False] if fan_out is None else [fan_out]
+    switches = [False, True] if fan_out is None else [fan_out]
     return [Candidate(placement=placement, fan_out=switch) for placement in placements for switch in switches]
 
 

@@ -203,6 +203,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if candidate.placement in pruned:
             continue
+        if fcp_tiles is not None and len(scores) >= floor.most_scheduled(fcp_tiles.num_tiles):
+            break  # the floor's work is bounded (floor.TILE_BUDGET)
         if candidate.placement not in routed:
             if candidate.placement is not Placement.GREEDY and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
@@ -251,6 +253,7 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats = {name: figures[name] for name in LAYER_STATS}
     floor_stats["floor"] = {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
+        "most_scheduled": floor.most_scheduled(fcp_tiles.num_tiles) if fcp_tiles is not None else None,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
                         "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
