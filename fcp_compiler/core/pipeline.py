@@ -85,7 +85,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
         "model": options.model_name, "node_fan_out": options.resolved_node_fan_out,
     }
-    if not _floor_applies(options):  # absent where the floor runs (the default), as before it existed
+    if options.planner is Planner.FCP and not _floor_applies(options):  # absent where it runs, as before it existed
         canonical["floor"] = False
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
@@ -146,7 +146,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
-    timing each (stats["pass_seconds"]).
+    timing each (stats["pass_seconds"]). For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
+    candidate placements, each direct and with node fan-out, and keeps the plan with the least simulated layer time
+    whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which, and what each scored).
 
     Args:
         batch: a BatchSpec, or a list/array of lengths (causal unless the options' `mask` says otherwise).
@@ -156,8 +158,10 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             default 4096; refused for the baselines that size their own blocks), coalesce (rounds a stage, 16),
             token_cap (default mean + one block), token_tolerance, zigzag ("auto", "on", "off"), layout ("plan":
             tokens dispatched once into the plan's layout; "user": attention reshuffles), shape, profile (a preset
-            name or a HardwareProfile), mask, planner (fcp, or a baseline: ring, bytescale, wlbllm, magi), and the
-            ablation switches pipelined, matching_rounds (False fails validation), reshuffle_overlap.
+            name or a HardwareProfile), mask, planner (fcp, or a baseline: ring, bytescale, wlbllm, magi),
+            node_fan_out (None: FCP's floor tries both, each baseline as its system ships), floor (False: FCP's own
+            placement only), and the ablation switches pipelined, matching_rounds (False fails validation),
+            reshuffle_overlap.
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
