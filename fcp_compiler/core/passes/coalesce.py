@@ -75,9 +75,9 @@ def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndar
 def pass_peaks(schedule: Schedule) -> tuple[int, int]:
     """The most live buffer tokens any rank holds in any stage of the forward, and of the backward pass."""
     transfers = schedule.rounds.transfers
-    tile_rank = transfers.assignment.tile_rank
+    tile_rank, num_ranks = transfers.assignment.tile_rank, transfers.assignment.num_ranks
     forward, backward = (int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
-                                                            schedule.tile_q_edge), transfers.assignment.num_ranks).max())
+                                                            schedule.tile_q_edge), num_ranks).max())
                          for program in (schedule.forward, schedule.backward))
     return forward, backward
 
