@@ -92,6 +92,18 @@ def _message_ends(t0, src, dst, nbytes, links: LinkModel, num_ranks: int) -> np.
     return t0 + links.latency_s + np.maximum(out_drain, in_drain)
 
 
+def _exchange(start, src, dst, nbytes, links: LinkModel, num_ranks: int):
+    """One group of messages launched together, each when both its ends have reached `start`: (t0, ends) per
+    message, each rank's comm_end (its start, or its last message's end) and whether it has any message."""
+    t0 = np.maximum(start[src], start[dst])
+    ends = _message_ends(t0, src, dst, nbytes, links, num_ranks)
+    comm_end = start.copy()
+    np.maximum.at(comm_end, src, ends)
+    np.maximum.at(comm_end, dst, ends)
+    has_comm = np.bincount(np.concatenate((src, dst)), minlength=num_ranks) > 0
+    return t0, ends, comm_end, has_comm
+
+
 def _compute_end(start, work, comm_end, has_comm, sm_fraction):
     """When a compute stream starting at `start` with `work` seconds ends, slowed while messages are in flight."""
     window = np.where(has_comm, np.maximum(comm_end - start, 0.0), 0.0)
@@ -162,12 +174,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     trace = _TraceRecorder(events=events, data=data, links=links, time_offset=time_offset, label=label)
     # Input reshuffle, with the tiles whose tokens stay local.
     src, dst, nbytes = data.reshuffle_in
-    t0 = np.maximum(begin[src], begin[dst])
-    ends = _message_ends(t0, src, dst, nbytes, links, n)
-    comm_end = begin.copy()
-    np.maximum.at(comm_end, src, ends)
-    np.maximum.at(comm_end, dst, ends)
-    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+    t0, ends, comm_end, has_comm = _exchange(begin, src, dst, nbytes, links, n)
     compute_end = _compute_end(begin, early_work, comm_end, has_comm, links.sm_fraction)
     busy += compute_end - begin
     if record:
@@ -181,12 +188,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     for stage in range(data.num_stages):
         idx = order[bounds[stage]:bounds[stage + 1]]
         src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
-        t0 = np.maximum(start[src], start[dst])
-        ends = _message_ends(t0, src, dst, nbytes, links, n)
-        comm_end = start.copy()
-        np.maximum.at(comm_end, src, ends)
-        np.maximum.at(comm_end, dst, ends)
-        has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+        t0, ends, comm_end, has_comm = _exchange(start, src, dst, nbytes, links, n)
         launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
         work = work_by[stage] + launches * links.launch_s
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
@@ -198,11 +200,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         start = np.maximum(compute_end, comm_end)
 
     src, dst, nbytes = data.reshuffle_out
-    t0 = np.maximum(start[src], start[dst])
-    ends = _message_ends(t0, src, dst, nbytes, links, n)
-    end = start.copy()
-    np.maximum.at(end, src, ends)
-    np.maximum.at(end, dst, ends)
+    t0, ends, end, _ = _exchange(start, src, dst, nbytes, links, n)
     if record:
         trace.messages(t0, ends, src, dst, None, "reshuffle out")
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)

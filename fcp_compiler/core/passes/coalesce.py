@@ -72,14 +72,19 @@ def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndar
             np.concatenate((tokens, tokens[program.push_edge])))
 
 
+def _pass_peak(program: PassSchedule, transfers: Transfers, tile_kv_edge: np.ndarray,
+               tile_q_edge: np.ndarray) -> int:
+    """The most live buffer tokens any rank holds in any stage of one pass."""
+    assignment = transfers.assignment
+    return int(peak_live_tokens(*pass_buffers(program, transfers, assignment.tile_rank, tile_kv_edge, tile_q_edge),
+                                assignment.num_ranks).max())
+
+
 def pass_peaks(schedule: Schedule) -> tuple[int, int]:
     """The most live buffer tokens any rank holds in any stage of the forward, and of the backward pass."""
     transfers = schedule.rounds.transfers
-    tile_rank, num_ranks = transfers.assignment.tile_rank, transfers.assignment.num_ranks
-    forward, backward = (int(peak_live_tokens(*pass_buffers(program, transfers, tile_rank, schedule.tile_kv_edge,
-                                                            schedule.tile_q_edge), num_ranks).max())
-                         for program in (schedule.forward, schedule.backward))
-    return forward, backward
+    return (_pass_peak(schedule.forward, transfers, schedule.tile_kv_edge, schedule.tile_q_edge),
+            _pass_peak(schedule.backward, transfers, schedule.tile_kv_edge, schedule.tile_q_edge))
 
 
 def max_buffer_tokens(schedule: Schedule) -> int:
@@ -345,10 +350,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
 
 def forward_peak(part: ForwardSchedule) -> int:
     """The most live buffer tokens any rank holds in any stage of the forward half."""
-    transfers = part.rounds.transfers
-    return int(peak_live_tokens(*pass_buffers(part.forward, transfers, transfers.assignment.tile_rank,
-                                              part.tile_kv_edge, part.tile_q_edge),
-                                transfers.assignment.num_ranks).max())
+    return _pass_peak(part.forward, part.rounds.transfers, part.tile_kv_edge, part.tile_q_edge)
 
 
 def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
