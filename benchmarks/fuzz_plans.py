@@ -9,15 +9,17 @@ mutates each at random:
   or duplicated, or a header field changed, and the plan re-sealed with valid sha256s, so that the structural
   checks and the validator are what stands between the mutant and the runtime;
 - paired: a change that keeps both ends consistent: one rank's reshuffle runs regrouped across peers (send or
-  receive side), or one pull moved to another round at its sender and its receiver.
+  receive side), one rank's received pulls listed in another order, one segment listed twice in a pull at both
+  ends, or one pull moved to another round at its sender and its receiver.
 
 Every mutant goes through `fcp validate`, `fcp inspect` (all ranks and one), `fcp simulate` and `fcp diff` in
 process (cli.main), and through load_rank_program and load_rank_plan for every rank. A case passes when every
 command exits 0, 1 or 2 (never 3, an internal error) and every library reader returns or raises FcpError. Each
 case runs under a timeout (SIGALRM, a hang if it fires); the workers' peak RSS bounds every case's memory. A mutant
 that `fcp validate` accepts must be identical in meaning to its source (`fcp diff --fail-on change` exits 0) or
-replay exactly on gloo against the dense reference, and dispatch() and undispatch() move exactly the plan's
-tokens: up to --replay such mutants are replayed, the paired ones first.
+replay exactly on gloo against the dense reference with messages matched by posting order (as NCCL matches
+them), and dispatch() and undispatch() move exactly the plan's tokens: up to --replay such mutants are replayed,
+the paired ones first (received pulls listed in another order are replayed even when identical in meaning).
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ SOURCES = {  # name: (lengths, gpus, compile options)
     "offloaded-8": ([2048, 100, 60], 8, dict(block_size=512, coalesce=2, mask="full")),
     "relayed-8": ([563, 209, 3467, 1669, 298, 1939], 8, dict(block_size=128, coalesce=2, zigzag="off",
                                                              profile=SLOW_NETWORK)),
+    # Node fan-out with NVLink lanes: one pair may exchange two messages in a round.
+    "fan-out-8": ([3000, 1200, 700, 300, 90], 8, dict(block_size=128, coalesce=2, gpus_per_node=2)),
 }
+# Mutants whose meaning is the source's but whose posting order per pair may differ: replayed like changed ones.
+REPLAYED_WHEN_IDENTICAL = ("paired pull_recv order",)
 HEADER_FIELDS = ("num_ranks", "block_size", "coalesce", "bwd_coalesce", "token_cap", "zigzag", "mask",
                  "num_sequences", "total_tokens", "num_blocks", "layout", "num_rounds", "num_fwd_rounds",
                  "num_bwd_rounds", "num_fwd_stages", "num_bwd_stages", "recv_buffer_tokens", "max_buffer_tokens",
@@ -158,11 +164,71 @@ def _move_message(ranks: list[dict], rng) -> bool:
     return True
 
 
+def permute_received_pulls(arrays: dict, order: np.ndarray) -> None:
+    """Reorder one rank's pull_recv rows (new row i is old row order[i]), every reference to them renumbered: the
+    same plan in meaning, with this rank listing its received pulls in another order than their senders do."""
+    counts = arrays["pull_recv_seg_count"]
+    first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    arrays["pull_recv_segs"] = np.concatenate([arrays["pull_recv_segs"][first[row]:first[row] + counts[row]]
+                                               for row in order] or [arrays["pull_recv_segs"]])
+    for name in ("round", "bwd_round", "kind", "block", "peer", "seg_count"):
+        arrays[f"pull_recv_{name}"] = arrays[f"pull_recv_{name}"][order]
+    new_row = np.empty(order.size, dtype=np.int64)
+    new_row[order] = np.arange(order.size)
+    source = arrays["pull_send_source"]
+    arrays["pull_send_source"] = np.where(source >= 0, new_row[np.maximum(source, 0)], -1)
+    for name in ("fwd_push_send_pull", "bwd_push_send_pull"):
+        arrays[name] = new_row[arrays[name]]
+
+
+def _reorder_received(ranks: list[dict], rng) -> bool:
+    """Reverse one rank's pull_recv rows (both ends stay consistent; only the posting order per pair can change)."""
+    receivers = [rank for rank, arrays in enumerate(ranks) if arrays["pull_recv_round"].size > 1]
+    if not receivers:
+        return False
+    arrays = ranks[receivers[int(rng.integers(len(receivers)))]]
+    permute_received_pulls(arrays, np.arange(arrays["pull_recv_round"].size)[::-1])
+    return True
+
+
+def duplicate_segment(ranks: list[dict], sender: int, row: int) -> bool:
+    """List the first segment of one pull's explicit segment list twice, at its sender and its receiver alike.
+    False: the row lists no segments (a whole block)."""
+    send = ranks[sender]
+    count = send["pull_send_seg_count"]
+    if count[row] == 0:
+        return False
+    receiver, block, kind = (int(send[f"pull_send_{name}"][row]) for name in ("peer", "block", "kind"))
+    recv = ranks[receiver]
+    match = np.flatnonzero((recv["pull_recv_peer"] == sender) & (recv["pull_recv_block"] == block)
+                           & (recv["pull_recv_kind"] == kind))
+    for arrays, side, at in ((send, "send", row), (recv, "recv", int(match[0]))):
+        counts = arrays[f"pull_{side}_seg_count"]
+        start = int(counts[:at].sum())
+        segs = arrays[f"pull_{side}_segs"]
+        arrays[f"pull_{side}_segs"] = np.insert(segs, start + int(counts[at]), segs[start])
+        arrays[f"pull_{side}_seg_count"] = counts + (np.arange(counts.size) == at)
+    return True
+
+
+def _duplicate_some_segment(ranks: list[dict], rng) -> bool:
+    listed = [(rank, row) for rank, arrays in enumerate(ranks)
+              for row in np.flatnonzero(arrays["pull_send_seg_count"] > 0).tolist()]
+    if not listed:
+        return False
+    return duplicate_segment(ranks, *listed[int(rng.integers(len(listed)))])
+
+
 def _mutate_paired(ranks: list[dict], rng) -> str | None:
     """A mutation that keeps both ends of what it touches consistent, so that only the meaning can be wrong."""
-    if rng.random() < 0.6:
+    choice = rng.random()
+    if choice < 0.4:
         rank, side = int(rng.integers(len(ranks))), ("send", "recv")[int(rng.integers(2))]
         return f"paired reshuffle_{side} peer order" if _regroup_reshuffle(ranks[rank], side, rng) else None
+    if choice < 0.6:
+        return "paired pull_recv order" if _reorder_received(ranks, rng) else None
+    if choice < 0.8:
+        return "paired duplicate segment" if _duplicate_some_segment(ranks, rng) else None
     return "paired pull round" if _move_message(ranks, rng) else None
 
 
@@ -284,7 +350,7 @@ def _resident_mb() -> float:
 
 
 def replay_exactly(path: str) -> None:
-    """Replay a plan on gloo against the dense reference, attention in the plan's layout and dispatch() and
+    """Replay a plan on gloo against the dense reference, messages matched by posting order, and dispatch() and
     undispatch() (raises on a mismatch)."""
     import torch
     from runtime_harness import compare_with_reference, dispatch_round_trip, run_ranks
@@ -294,8 +360,9 @@ def replay_exactly(path: str) -> None:
     lengths = reader.tables.seq_lengths.tolist()
     data = Path(path).read_bytes()
     windows = reader.tables.seq_window.tolist()
+    # Every message with tag 0: gloo matches a pair's messages by posting order, as NCCL does.
     run_ranks(header.num_ranks, compare_with_reference(data, lengths, windows, 2, 1, torch.float64,
-                                                       header.layout.value))
+                                                       header.layout.value, order_matching=True))
     run_ranks(header.num_ranks, dispatch_round_trip(data, sum(lengths)))
 
 
@@ -320,7 +387,8 @@ def fuzz(num_mutants: int, jobs: int, seed: int, timeout: int, replay: int, fold
     changed = []
     for name, path, label in accepted:
         with contextlib.redirect_stdout(io.StringIO()):
-            if fcp(["diff", os.path.join(folder, f"{name}.fcp"), path, "--fail-on", "change"]) != 0:
+            if fcp(["diff", os.path.join(folder, f"{name}.fcp"), path, "--fail-on", "change"]) != 0 \
+                    or label in REPLAYED_WHEN_IDENTICAL:
                 changed.append((name, path, label))
     replayed, mismatched = 0, []
     changed.sort(key=lambda item: not item[2].startswith("paired"))  # stable: paired mutants replay first

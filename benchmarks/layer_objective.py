@@ -54,7 +54,8 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     elif method == "fcp":
         variants = [{"model": model, **_CONTEXT.get("fcp_options", {})}]  # --fcp-options may place for another model
     else:
-        variants = [dict(planner=Planner(method), model=model, node_fan_out=switch) for switch in (True, False)]
+        variants = [dict(planner=Planner(method), model=model, node_fan_out=switch, validatable=False)
+                    for switch in (True, False)]
     best = None
     for options in variants:
         row = _score_one(lengths, gpus, method, model, options)

@@ -52,7 +52,7 @@ class PassProgram:
 
     name: str
     num_stages: int
-    messages: list[list[Message]]  # per stage, in round order (the order both ends post them)
+    messages: list[list[Message]]  # per stage, in the order both ends of each pair post them (_pass_program)
     tiles: list[list[int]]  # per stage, tile rows in pipeline order
     free_after: list[list[int]]  # per stage, pull_recv rows whose buffers are freed at its end
 
@@ -175,8 +175,15 @@ def _pass_program(name: str, a: dict[str, np.ndarray], pull_send: list[Pull], pu
     for pull in pull_send:  # a relay keeps the block it re-sends until it has sent it
         if pull.source >= 0:
             last_stage[pull.source] = max(last_stage[pull.source], pull_round_of(pull) // coalesce)
+    # Both ends of a pair derive the same order from what they agree on (round; pull before push; kind and block,
+    # which name one pull of a pair), not from their own row numbers: NCCL matches a pair's messages by posting
+    # order, and with NVLink lanes a pair may exchange two messages in one round.
+    def posting_key(message: Message) -> tuple[int, int, int, int]:
+        pull = (pull_send if message.what in ("pull_send", "push_recv") else pull_recv)[message.pull]
+        return message.round, message.what.startswith("push"), pull.kind, pull.block
+
     for stage_messages in messages:
-        stage_messages.sort(key=lambda m: (m.round, m.what, m.pull))
+        stage_messages.sort(key=posting_key)
     free_after: list[list[int]] = [[] for _ in range(num_stages)]
     for row, stage in enumerate(last_stage):
         free_after[stage].append(row)

@@ -1,6 +1,10 @@
 """fcp_attn_func on forked gloo ranks equals dense attention over the whole batch, forward and backward, in both
 layouts; the plan layout makes no all-to-all."""
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -217,3 +221,29 @@ def test_each_context_parallel_group_of_its_own_replays_the_plan_exactly(layout)
     plan = compile_own(lengths, 2, block_size=192, coalesce=2, layout=layout)
     assert plan.stats["num_transfers"] > 0
     run_ranks(6, compare_with_reference(plan.to_bytes(), lengths, True, 2, 1, torch.float64, layout, groups=3))
+
+
+def test_received_pulls_listed_in_another_order_replay_exactly_when_messages_match_by_posting_order():
+    """Each end of a pair posts its messages in an order derived from what both ends state (round, pull or push,
+    kind, block), not from its own row numbers: with every rank's received pulls listed in reverse (the same plan,
+    valid), two messages a pair exchanges in one round still match by posting order."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fuzz_plans import permute_received_pulls
+
+    from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
+    from fcp_compiler.format.validate import validate_plan
+
+    case = FAN_OUT[0]
+    plan = _fan_out_plan(case, "plan")
+    reader = PlanReader(plan.to_bytes())
+    arrays = [{name: values.copy() for name, values in program.arrays.items()} for program in reader.ranks()]
+    # Some pair exchanges two messages in one round (NVLink lanes), so that the order can matter.
+    pairs = [(rank, int(peer), int(rnd)) for rank, a in enumerate(arrays)
+             for peer, rnd in zip(a["pull_recv_peer"], a["pull_recv_round"])]
+    assert len(set(pairs)) < len(pairs)
+    for a in arrays:
+        permute_received_pulls(a, np.arange(a["pull_recv_round"].size)[::-1])
+    reordered = rebuild_plan(reader, arrays)
+    validate_plan(reordered)
+    run_ranks(case[2], compare_with_reference(reordered, case[1], True, 4, 2, torch.float64, "plan",
+                                              order_matching=True))

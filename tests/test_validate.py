@@ -310,3 +310,72 @@ def test_a_plan_too_large_to_enumerate_is_scored_unvalidated_and_said_so(plan_by
     monkeypatch.undo()
     with pytest.raises(PlanInvalidError):
         validate.validate_unless_too_large(rebuild_plan(PlanReader(plan_bytes), token_cap=100))
+
+
+def _fuzz_helpers():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fuzz_plans
+
+    return fuzz_plans
+
+
+def test_a_segment_listed_twice_in_a_pull_at_both_ends_is_refused():
+    # Whole blocks of a sequence split across blocks list their segments explicitly where a pull carries part of
+    # a block: a zigzag pair pulled for one of its chunks.
+    data = compile_own([5000, 3000, 700, 64], 4, block_size=1024, coalesce=2, mask="sliding_window:600").to_bytes()
+    helpers = _fuzz_helpers()
+    arrays = [dict(program.arrays) for program in PlanReader(data).ranks()]
+    listed = [(rank, int(row)) for rank, a in enumerate(arrays) for row in np.flatnonzero(a["pull_send_seg_count"])]
+    assert listed, "the plan has no pull that lists its segments"
+    validate_plan(data)
+
+    def twice(ranks):
+        assert helpers.duplicate_segment(ranks, *listed[0])
+    expect(edited(data, twice), 2, "lists a segment twice")
+
+
+def test_a_rank_pulling_its_own_block_is_refused(plan_bytes):
+    def self_pull(arrays):
+        rank = rank_with(arrays, "blocks")
+        a = arrays[rank]
+        block = int(a["blocks"][0])
+        for side in ("send", "recv"):
+            for name, value in (("round", 0), ("bwd_round", 0), ("kind", 0), ("block", block), ("peer", rank),
+                                ("seg_count", 0)):
+                a[f"pull_{side}_{name}"] = np.append(a[f"pull_{side}_{name}"], value)
+        a["pull_send_source"] = np.append(a["pull_send_source"], -1)
+    expect(edited(plan_bytes, self_pull), 2, "pulls block .* from itself")
+
+
+def test_received_pulls_listed_in_another_order_validate(plan_bytes):
+    """The same plan, one rank listing its received pulls in reverse: valid (the runtime's posting order does not
+    follow row numbers: tests/test_runtime_exact.py replays such a plan with posting-order matching)."""
+    helpers = _fuzz_helpers()
+
+    def reverse(arrays):
+        rank = rank_with(arrays, "pull_recv_round")
+        helpers.permute_received_pulls(arrays[rank], np.arange(arrays[rank]["pull_recv_round"].size)[::-1])
+    validate_plan(edited(plan_bytes, reverse))
+
+
+def test_a_coalesce_beyond_what_the_compiler_writes_is_refused(plan_bytes):
+    """A header's rounds a stage size per-round tables; the format refuses more than the compiler may write."""
+    import hashlib
+    import struct
+
+    import msgpack
+
+    from fcp_compiler.format.plan_format import MAGIC, MAX_COALESCE
+
+    header_length = struct.unpack("<I", plan_bytes[len(MAGIC):len(MAGIC) + 4])[0]
+    start = len(MAGIC) + 4 + 32
+    fields = msgpack.unpackb(plan_bytes[start:start + header_length])
+    fields.update(coalesce=MAX_COALESCE + 1, bwd_coalesce=2 * MAX_COALESCE + 2)
+    header = msgpack.packb(fields, use_bin_type=True)
+    forged = b"".join([MAGIC, struct.pack("<I", len(header)), hashlib.sha256(header).digest(), header,
+                       plan_bytes[start + header_length:]])
+    with pytest.raises(PlanFormatError, match="coalesce"):
+        validate_plan(forged)

@@ -11,9 +11,8 @@ from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
                                         Mask, load_profile, parse_mask)
 from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, ModelPreset, load_model
-from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_RANKS
+from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_COALESCE, MAX_RANKS
 
-MAX_COALESCE = 2**16  # rounds per stage
 _NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model", "node_fan_out"})
 DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
 # With a model in the plan layout, tokens a rank holds are linear-layer time: ranks keep within 1% of the mean tokens
@@ -64,6 +63,9 @@ class CompileOptions:
     node_fan_out: bool | None = None
     # FCP schedules its candidate placements (core/floor.py) and keeps the fastest; False: its own placement only.
     floor: bool = True
+    # Refuse a plan with more segment pairs than the validator enumerates (algorithms/limits.py), before sharding
+    # where the lengths alone show it; False lets a tool score a ring baseline over hundreds of GPUs unvalidated.
+    validatable: bool = True
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:

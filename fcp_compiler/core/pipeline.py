@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS, least_segment_pairs, segment_pairs
 from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.floor import Placement
@@ -32,8 +33,9 @@ from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
 from fcp_compiler.core.simulate import LAYER_STATS, busy_lower_bound, simulate_plan
 from fcp_compiler.core.stats import plan_stats
-from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.format.inputs import BatchSpec, Layout, Mask, MaskKind, parse_batch
+from fcp_compiler.errors import InfeasibleError, InvalidInputError
+from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
+                                        too_many_sequences)
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
 
@@ -110,6 +112,8 @@ class _PassTimer:
 def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: Mask | None) -> Batch:
     """The IR batch: lengths and each sequence's window; `mask` overrides the batch's mask (or masks)."""
     if not isinstance(batch, BatchSpec):
+        if len(batch) > MAX_SEQUENCES:  # before a list of them is built
+            raise InvalidInputError(f"batch: {too_many_sequences(len(batch))}")
         lengths = batch.tolist() if isinstance(batch, np.ndarray) else list(batch)
         batch = parse_batch({"sequences": lengths})
     spec = batch if mask is None else BatchSpec(mask=mask, sequences=batch.sequences)
@@ -126,9 +130,30 @@ def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, field
     elif num_ranks is not None or fields:
         options = options.replace(**fields, **({} if num_ranks is None else {"num_ranks": num_ranks}))
     the_batch = _to_batch(batch, options.mask)
+    if options.validatable and options.planner is Planner.FCP:
+        # Sequences of L tokens are cut into at least L / B segments each: a batch too large to validate is refused
+        # from its lengths, before sharding allocates per block.
+        least = least_segment_pairs(the_batch.lengths, options.resolved_block_size)
+        if least > MAX_SEGMENT_PAIRS:
+            raise _too_many_pairs(least, options, at_least=True)
     cap = options.token_cap if options.token_cap is not None else default_token_cap(
         the_batch.total_tokens, options.num_ranks, options.resolved_block_size)
     return options, the_batch, cap
+
+
+def _too_many_pairs(num_pairs: int, options: CompileOptions, at_least: bool = False) -> InfeasibleError:
+    return InfeasibleError(
+        f"the plan would cut its sequences into {'at least ' if at_least else ''}{num_pairs:,} segment pairs, more "
+        f"than the {MAX_SEGMENT_PAIRS:,} fcp validate checks (block size {options.resolved_block_size}); use a larger "
+        f"--block-size, or fewer or shorter sequences")
+
+
+def _check_validatable(sharding, options: CompileOptions) -> None:
+    """Refuse a sharding the validator would refuse (unless options.validatable is off)."""
+    if options.validatable:
+        num_pairs = segment_pairs(sharding.seg_seq, sharding.batch.num_sequences)
+        if num_pairs > MAX_SEGMENT_PAIRS:
+            raise _too_many_pairs(num_pairs, options)
 
 
 def plan_digest(batch, num_ranks: int | None = None, *, options: CompileOptions | None = None, **fields) -> str:
@@ -362,6 +387,7 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, p
         return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, tolerance, linear)
     baseline = Planner.MAGI if placement is Placement.GREEDY else planner
     sharding, block_rank = timer.run("shard", BASELINES[baseline], batch, num_ranks, block_size, cap)
+    _check_validatable(sharding, options)
     if baseline is Planner.RING and ring_in_closed_form(sharding):
         tiles = timer.run("cost", ring_cost, sharding, block_rank, num_ranks, options.shape, options.profile)
     else:
@@ -382,6 +408,7 @@ def _fcp_tiles(timer: _PassTimer, batch: Batch, options: CompileOptions) -> Tile
         options.zigzag is ZigzagMode.AUTO and bool((pairs_chunks(batch) & batch.seq_causal
                                                     & (batch.lengths >= 2 * block_size)).any()))
     sharding = timer.run("shard", shard, batch, block_size, zigzag_on)
+    _check_validatable(sharding, options)
     return timer.run("cost", cost, sharding, options.shape, options.profile)
 
 

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.safe_io import parse_json, read_input_text
 
@@ -89,6 +90,7 @@ class DType(str, enum.Enum):
 
 
 MAX_BATCH_TOKENS = 2**31 - 1  # a plan stores token counts and offsets as int32
+MAX_SEQUENCES = MAX_SEGMENT_PAIRS  # every sequence is at least one segment pair
 
 
 class BatchSpec(BaseModel):
@@ -122,6 +124,8 @@ class BatchSpec(BaseModel):
             raise ValueError(f"sequences must be a list of positive integers, got {type(value).__name__}")
         if not value:
             raise ValueError("sequences is empty; a batch needs at least one sequence")
+        if len(value) > MAX_SEQUENCES:
+            raise ValueError(too_many_sequences(len(value)))
         for seq_idx, length in enumerate(value):
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise ValueError(f"sequence {seq_idx} has length {length!r}; lengths must be positive integers")
@@ -286,6 +290,12 @@ def parse_mask(value: object, what: str = "--mask") -> Mask:
         reason = error.errors()[0]["msg"].removeprefix("Value error, ")
         raise InvalidInputError(f"{what} {given!r}: {reason}; valid: causal, full or sliding_window:W "
                                 f"(W >= 1)") from None
+
+
+def too_many_sequences(num_sequences: int) -> str:
+    """Why a batch of this many sequences is refused, before anything is allocated per sequence."""
+    return (f"the batch holds {num_sequences:,} sequences, more than the {MAX_SEQUENCES:,} a plan may hold (each is "
+            f"at least one segment pair for fcp validate to check)")
 
 
 def parse_batch(data: object, origin: str = "batch") -> BatchSpec:

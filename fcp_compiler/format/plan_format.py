@@ -51,6 +51,7 @@ FORMAT_VERSION = 8  # 6: per-sequence masks (seq_window); 7: the model whose lay
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
+MAX_COALESCE = 2**16  # forward rounds a stage (the backward's: twice); the compiler writes no more
 MAX_HEADER_BYTES = 2**26
 _HEX = re.compile(r"[0-9a-f]*")
 _PREFIX = len(MAGIC) + 4 + 32  # magic, header length, sha256 of the header
@@ -89,8 +90,8 @@ class PlanHeader(BaseModel):
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
     block_size: int = Field(..., ge=64, le=MAX_BLOCK_SIZE)
-    coalesce: int = Field(..., ge=1, le=MAX_INT32, description="rounds per stage of the forward pass")
-    bwd_coalesce: int = Field(..., ge=1, le=MAX_INT32,
+    coalesce: int = Field(..., ge=1, le=MAX_COALESCE, description="rounds per stage of the forward pass")
+    bwd_coalesce: int = Field(..., ge=1, le=2 * MAX_COALESCE,
                               description="rounds per stage of the backward pass, whose pulls take every other round: "
                                           "twice coalesce, so each stage holds as many pulls")
     token_cap: int = Field(..., ge=1, le=MAX_INT32)

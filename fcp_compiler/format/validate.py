@@ -13,6 +13,8 @@ import numpy as np
 
 from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
 from fcp_compiler.algorithms.keys import sorted_unique, sorted_unique_counts
+from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
+from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
@@ -20,7 +22,7 @@ from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ra
 
 # Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
 # validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
-MAX_VALIDATED_PAIRS = 64_000_000
+MAX_VALIDATED_PAIRS = MAX_SEGMENT_PAIRS  # the compiler refuses larger plans (algorithms/limits.py)
 
 INVARIANTS = {
     0: "well-formed blocks",
@@ -95,8 +97,11 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     - tile_q_block, tile_kv_block, tile_stage, tile_bwd_stage: S (ranges), 1 (each visible pair once), 2 (data
       before use).
     - pull_{send,recv}_{round,bwd_round,kind,block,peer,seg_count,segs}, pull_send_source: S (ranges, segment counts
-      add up), 2 (each pull received as sent, from a holder), 3 (rounds congestion-free, both ends in the same
-      round, so posting order matches per pair).
+      add up), 2 (each pull received as sent, from a holder other than the receiver, no segment listed twice), 3
+      (rounds congestion-free, both ends in the same round). Two messages of one pair may share a round (NVLink
+      lanes); the runtime posts a pair's messages in an order both ends derive from what they agree on (round,
+      pull or push, kind, block), never from their own row numbers, so posting-order matching holds whatever
+      order each end lists its rows in.
     - {fwd,bwd}_push_{send,recv}_{round,pull}: S (ranges, stage within the pass), 2 (pushed after the last tile,
       received along its pull), 3.
     - reshuffle_{send,recv}_{peer,offset,length}: S (runs within the rank's user chunk or plan layout, grouped by
@@ -154,8 +159,7 @@ def segment_pairs(reader: PlanReader) -> int:
     """How many (segment, segment) pairs of the same sequence the validator enumerates for this plan; past
     MAX_VALIDATED_PAIRS it refuses the plan (a ring over hundreds of GPUs), so callers that score many plans can
     say which ones were too large to validate instead of failing."""
-    per_sequence = np.bincount(reader.tables.seg_seq, minlength=reader.header.num_sequences).astype(np.int64)
-    return int((per_sequence * per_sequence).sum())
+    return count_segment_pairs(reader.tables.seg_seq, reader.header.num_sequences)
 
 
 def validate_unless_too_large(source) -> bool:
@@ -180,8 +184,8 @@ def _read(reader: PlanReader) -> _Plan:
     num_pairs = segment_pairs(reader)
     if num_pairs > MAX_VALIDATED_PAIRS:
         raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
-                              f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (a ring over hundreds of GPUs); "
-                              f"validate the same layout at fewer GPUs")
+                              f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (the compiler refuses such "
+                              f"plans too; a ring baseline over hundreds of GPUs is scored unvalidated)")
     return _Plan(header=header, tables=tables, programs=reader.ranks())
 
 
@@ -425,6 +429,17 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
                  f"{int(owner[pulls.send_block[bad]])} holds, and names no pull it received the block by")
     if pulls.segs.size and (plan.tables.seg_block[pulls.segs] != np.repeat(pulls.block, pulls.count)).any():
         _fail(2, "a pull carries a segment of another block")
+    # A segment listed twice would be sent twice and land twice: the message's rows would not be the block's.
+    row_seg = np.repeat(np.arange(pulls.count.size, dtype=np.int64), pulls.count) * plan.tables.seg_block.size \
+        + pulls.segs
+    if sorted_unique(row_seg).size != row_seg.size:
+        row = int(np.flatnonzero(np.diff(np.sort(row_seg)) == 0)[0])
+        row = int(np.sort(row_seg)[row]) // plan.tables.seg_block.size
+        _fail(2, f"rank {int(pulls.me[row])}'s pull of block {int(pulls.block[row])} from rank "
+                 f"{int(pulls.peer[row])} lists a segment twice")
+    if (pulls.peer == pulls.me).any():
+        row = int(np.flatnonzero(pulls.peer == pulls.me)[0])
+        _fail(2, f"rank {int(pulls.me[row])} pulls block {int(pulls.block[row])} from itself")
     unknown = np.isin(pulls.kind, (TransferKind.KV, TransferKind.Q), invert=True)
     if unknown.any():
         _fail(2, f"a pull has unknown kind {int(pulls.kind[unknown][0])}")

@@ -35,8 +35,10 @@ def _one(job: tuple[int, str]) -> dict:
     best = None
     for switch in switches:
         try:
+            # A baseline past what the validator enumerates (a ring over hundreds of GPUs) is scored unvalidated.
             options = base.replace(num_ranks=gpus, planner=planner, layout=layout, node_fan_out=switch,
-                                   block_size=None if planner in OWN_BLOCK_SIZE else base.block_size)
+                                   block_size=None if planner in OWN_BLOCK_SIZE else base.block_size,
+                                   validatable=planner is Planner.FCP)
             plan = compile_plan(batch, options=options)
         except InfeasibleError as error:
             # A method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.

@@ -9,33 +9,34 @@ import numpy as np
 from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
 from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_sequences
 from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS, segment_pairs
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.core.ir import AttentionShape, DenseTiles, HardwareProfile, MaskKind, Sharding, TileSet
 
 
-# Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past this many pairs (~8 GB)
-# the plan is refused rather than left to exhaust memory. Only layouts that cut every sequence N ways (ring at
-# hundreds of GPUs on batches of thousands of sequences) come near it; FCP's blocks stay far below.
-MAX_SEGMENT_PAIRS = 64_000_000
+# Compiling holds about 120 bytes per (query segment, key segment) pair at its peak: past MAX_SEGMENT_PAIRS
+# (algorithms/limits.py, counted as the validator counts them) the plan is refused rather than left to exhaust
+# memory. Only layouts that cut every sequence N ways (ring at hundreds of GPUs on batches of thousands of
+# sequences) come near it; FCP's blocks stay far below.
 # Past this many segment pairs the ring baseline is costed in closed form per sequence (ring_cost), without a list
 # of segment pairs: a zig-zag ring cuts every sequence into 2N chunks, hundreds of millions of pairs at 256 GPUs.
 RING_CLOSED_FORM_PAIRS = 4_000_000
 
 
 def count_segment_pairs(sharding: Sharding) -> int:
-    """How many (query segment, key segment) pairs of the same sequence cost enumerates: per sequence cut into g
-    segments, g(g+1)/2 causal (a window drops some of them afterwards) or g^2 full."""
-    per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
-    return int(np.where(sharding.batch.seq_causal, per_seq * (per_seq + 1) // 2, per_seq * per_seq).sum())
+    """(query segment, key segment) pairs of the same sequence, ordered, as the validator counts them
+    (:func:`fcp_compiler.algorithms.limits.segment_pairs`): cost lists the visible ones among them."""
+    return segment_pairs(sharding.seg_seq, sharding.batch.num_sequences)
 
 
 def ring_in_closed_form(sharding: Sharding) -> bool:
     """Whether the ring baseline is costed in closed form (:func:`ring_cost`): past RING_CLOSED_FORM_PAIRS segment
     pairs, for a batch all causal or all full (windows are costed pair by pair)."""
-    return sharding.batch.mask in (MaskKind.CAUSAL, MaskKind.FULL) and \
-        count_segment_pairs(sharding) > RING_CLOSED_FORM_PAIRS
+    per_seq = np.bincount(sharding.seg_seq, minlength=sharding.batch.num_sequences).astype(np.int64)
+    listed = int(np.where(sharding.batch.seq_causal, per_seq * (per_seq + 1) // 2, per_seq * per_seq).sum())
+    return sharding.batch.mask in (MaskKind.CAUSAL, MaskKind.FULL) and listed > RING_CLOSED_FORM_PAIRS
 
 
 def tile_efficiency(profile: HardwareProfile, tokens: np.ndarray) -> np.ndarray:
@@ -73,8 +74,8 @@ def cost(sharding: Sharding, shape: AttentionShape, profile: HardwareProfile) ->
     if num_pairs > MAX_SEGMENT_PAIRS:
         raise InfeasibleError(
             f"the layout cuts the batch into {num_pairs:,} (query, key) segment pairs, over the "
-            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile); use fewer GPUs or a planner that does not "
-            f"cut every sequence into 2N chunks")
+            f"{MAX_SEGMENT_PAIRS:,} a plan may hold (~8 GB to compile, and what the validator enumerates); use a "
+            f"larger block size, fewer GPUs or a planner that does not cut every sequence into 2N chunks")
     batch = sharding.batch
     first_block, num_blocks, first_seg = dense_zigzag_sequences(
         sharding.seg_block, sharding.seg_seq, sharding.seg_start, sharding.seg_end, batch.windows == batch.lengths,
