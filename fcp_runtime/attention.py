@@ -516,10 +516,20 @@ def dispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
     """Move a per-token tensor [user_tokens, ...] from the user layout to this rank's plan layout
     [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way)."""
     check_plan(plan, group)
+    _check_rows(x, plan.user_tokens, plan, "dispatch", "user")
     return _Dispatch.apply(x, plan, group, True)
 
 
 def undispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
     """The inverse of :func:`dispatch`: plan layout [plan_tokens, ...] back to the user layout [user_tokens, ...]."""
     check_plan(plan, group)
+    _check_rows(x, plan.plan_tokens, plan, "undispatch", "plan")
     return _Dispatch.apply(x, plan, group, False)
+
+
+def _check_rows(x: torch.Tensor, expected: int, plan: RankPlan, what: str, layout: str) -> None:
+    """A per-token tensor must hold exactly this rank's rows of the layout it comes from: more rows would be
+    silently dropped or misplaced, fewer would fail deep inside the exchange."""
+    if x.dim() == 0 or x.shape[0] != expected:
+        raise ValueError(f"{what}: rank {plan.rank} holds {expected} tokens in the {layout} layout, but x has shape "
+                         f"{tuple(x.shape)}; give x [{expected}, ...]")

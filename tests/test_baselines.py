@@ -63,16 +63,29 @@ def test_compare_and_sweep_commands(tmp_path, capsys):
     assert main(["compare", str(batch), "--gpus", "4", "--methods", "fcp,nope"]) == 2
 
 
-def test_segment_pair_count_is_exact_and_guards_memory(monkeypatch):
-    from fcp_compiler.errors import InfeasibleError
+def test_segment_pairs_are_counted_as_the_validator_counts_them_and_guard_memory(monkeypatch):
+    from fcp_compiler.core import pipeline
     from fcp_compiler.core.passes import cost as cost_pass
+    from fcp_compiler.errors import InfeasibleError
+    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.format.validate import segment_pairs
 
     for planner in ("fcp", "ring"):
-        tiles = compile_own([5000, 300, 20000], 4, planner=planner).ir.tiles
-        assert cost_pass.count_segment_pairs(tiles.sharding) == tiles.pair_tile.size
+        plan = compile_own([5000, 300, 20000], 4, planner=planner)
+        tiles = plan.ir.tiles
+        # Every ordered pair of segments of one sequence, of which cost lists the visible ones.
+        assert cost_pass.count_segment_pairs(tiles.sharding) == segment_pairs(PlanReader(plan.to_bytes()))
+        assert tiles.pair_tile.size <= cost_pass.count_segment_pairs(tiles.sharding)
     monkeypatch.setattr(cost_pass, "MAX_SEGMENT_PAIRS", 20)
     with pytest.raises(InfeasibleError, match="segment pairs, over the 20 a plan may hold"):
+        compile_own([5000, 300, 20000], 4, planner="ring", validatable=False)
+    # Compiled for use (validatable, the default), the same limit is refused right after sharding, and for FCP
+    # from the lengths alone.
+    monkeypatch.setattr(pipeline, "MAX_SEGMENT_PAIRS", 20)
+    with pytest.raises(InfeasibleError, match="segment pairs, more than the 20 fcp validate checks"):
         compile_own([5000, 300, 20000], 4, planner="ring")
+    with pytest.raises(InfeasibleError, match="at least 30 segment pairs"):
+        compile_own([5000, 300, 20000], 4)
 
 
 def test_compare_reports_a_method_that_cannot_plan_and_goes_on(tmp_path, capsys, monkeypatch):

@@ -293,3 +293,21 @@ def test_diff_names_the_ranks_whose_programs_changed_when_nothing_else_did(tmp_p
     changed = _write(tmp_path / "changed.fcp", rebuild_plan(reader, arrays))
     code, out, _ = run(capsys, "diff", GOLDEN, changed, "--fail-on", "change")
     assert code == 1 and "rank programs" in out and "1 of 8 ranks" in out and "rank 2: tile_" in out
+
+
+def test_a_profile_number_given_as_a_string_is_refused(tmp_path, capsys):
+    profile = {"name": "x", "peak_tflops": 989, "network_gbps": 50, "nvlink_gbps": 450, "gpus_per_node": "8",
+               "efficiency_curve": [{"tokens": 128, "efficiency": 0.5}]}
+    path = _write(tmp_path / "profile.json", json.dumps(profile))
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "--profile", path, "-o", tmp_path / "p.fcp"],
+                    "gpus_per_node")
+    assert not (tmp_path / "p.fcp").exists()
+
+
+def test_a_batch_too_large_to_validate_is_refused_at_compile_time_from_its_lengths(tmp_path, capsys):
+    """One limit, counted as fcp validate counts it: a plan it would refuse is never written, and a batch that
+    shows it from its lengths alone is refused before anything is allocated per block."""
+    batch = _write(tmp_path / "b.json", json.dumps([2**31 - 1]))
+    expect_one_line(capsys, ["compile", batch, "--gpus", 1, "--block-size", 64, "-o", tmp_path / "p.fcp"],
+                    "segment pairs, more than the 64,000,000 fcp validate checks")
+    assert not (tmp_path / "p.fcp").exists()

@@ -92,3 +92,21 @@ def test_collate_records_the_inputs_digest_and_a_plan_for_other_windows_is_refus
         load_rank_plan(mutant, 0).check_batch(lengths)
     with pytest.raises(ValueError, match="the batch has 3 sequences"):
         batch["plan"].check_batch(lengths[:3])
+
+
+def test_dispatch_and_undispatch_refuse_a_tensor_of_another_rank_count():
+    lengths = [700, 3000, 90, 1200]
+    plan_bytes = compile_plan(lengths, 4, block_size=512).to_bytes()
+
+    def task(rank, world):
+        from fcp_runtime import dispatch, load_rank_plan, undispatch
+
+        plan = load_rank_plan(plan_bytes, rank)
+        refused = 0
+        for move, rows in ((dispatch, plan.user_tokens), (undispatch, plan.plan_tokens)):
+            for wrong in (sum(lengths), rows + 5, rows - 1):
+                with pytest.raises(ValueError, match=f"holds {rows} tokens"):
+                    move(torch.zeros(wrong, 3), plan)
+                refused += 1
+        return refused
+    assert run_ranks(4, task) == [6] * 4

@@ -170,7 +170,7 @@ MIN_RATE = 1e-3  # the least TFLOP/s or GB/s a profile may state
 class EfficiencyPoint(BaseModel):
     """One point of the tile-efficiency curve: fraction of peak reached by a square tile of `tokens`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     tokens: Annotated[int, Field(ge=1)]
     # A floor, not just > 0: the simulator divides by it, and a tile under 0.1% of peak is a broken measurement.
@@ -180,7 +180,8 @@ class EfficiencyPoint(BaseModel):
 class HardwareProfile(BaseModel):
     """What the cost model needs to know about one GPU and its network."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Strict: a number given as a string ("8") is refused, not converted.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     name: str = Field(..., min_length=1)
     # Floors rather than > 0: the simulator divides by each, and anything below is not hardware.
@@ -189,7 +190,7 @@ class HardwareProfile(BaseModel):
                                                                "direction (>= 0.001)")
     nvlink_gbps: float = Field(..., ge=MIN_RATE, description="per-GPU NVLink bandwidth inside a node, GB/s per "
                                                               "direction (>= 0.001)")
-    gpus_per_node: int = Field(8, ge=1)
+    gpus_per_node: int = Field(8, ge=1, description="GPUs a node holds (NVLink inside, a NIC each across)")
     latency_us: float = Field(10.0, ge=0, description="per-message latency, microseconds")
     launch_us: float = Field(5.0, ge=0, description="fixed cost of launching one stage's kernels, microseconds")
     comm_sm_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of SMs given to communication kernels")
