@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -151,6 +153,10 @@ def _profile_file(profile: str | None) -> Path | None:
     return Path(profile) if profile is not None and Path(profile).suffix == ".json" else None
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options) -> None:
     from fcp_compiler.tools.bulk import bulk_compile, read_jsonl
     from fcp_compiler.tools.report import bulk_summary, progress_bar
@@ -168,12 +174,18 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
             sys.stderr.write(progress_bar(done, total) + ("\n" if done == total else ""))
             sys.stderr.flush()
 
+    # SIGTERM (a scheduler stopping the job) ends the run as Ctrl-C does: with the line that says what is written.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         summary = bulk_compile(batches, out_dir, options, jobs=jobs, progress=progress)
     except (KeyboardInterrupt, typer.Abort):
         typer.echo(f"\nfcp compile: stopped with {counts[0]} of {counts[1]} plans in {out_dir} (the same command "
                    f"resumes)", err=True)
         raise
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if not quiet:
         typer.echo(bulk_summary(summary, out_dir))
 

@@ -154,3 +154,29 @@ def test_library_api_and_no_torch_on_import():
     code = ("import sys, fcp_compiler; from fcp_compiler import compile_plan; compile_plan([100, 200], 2); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_sigterm_stops_a_single_process_bulk_compile_saying_what_it_wrote_and_a_resume_clears_stale_files(
+        tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("\n".join(json.dumps(lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed))
+                               for seed in range(200)) + "\n")
+    command = [sys.executable, str(ROOT / "cli.py"), "compile", str(steps), "--gpus", "64", "-o",
+               str(tmp_path / "plans"), "--jobs", "1", "-q"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=STOP_BOUND_S)
+    assert process.returncode == 130
+    err = process.stderr.read()
+    assert "stopped with" in err and "the same command resumes" in err and "Traceback" not in err
+    # What a kill in the middle of a write leaves behind goes on the next run.
+    stale = tmp_path / "plans" / ".step-000199-0123456789abcdef.fcp.x1y2z3"
+    stale.write_bytes(b"half a plan")
+    resumed = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + STOP_BOUND_S
+    while stale.exists() and resumed.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    resumed.send_signal(signal.SIGTERM)
+    resumed.wait(timeout=STOP_BOUND_S)
+    assert not stale.exists()

@@ -50,6 +50,8 @@ def test_collate_refuses_documents_whose_fields_disagree():
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0]}, {"labels": DOCUMENTS[1]}])
     with pytest.raises(ValueError, match="document field 'rows' must be a per-token tensor and not one of"):
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "rows": DOCUMENTS[0]}])  # the output's own key
+    with pytest.raises(ValueError, match="document 0's field 'mask' is a tensor; 'mask' is reserved"):
+        PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "mask": torch.ones(700, dtype=torch.bool)}])
 
 
 def test_collate_in_plan_layout_gives_each_rank_its_plan_tokens_with_positions_and_no_communication():

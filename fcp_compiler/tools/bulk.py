@@ -105,6 +105,10 @@ def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, options: C
         if not _intact(out_dir / _plan_name(step, digest), digest):
             todo.append((step, origin, batch, options, str(out_dir)))
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A run stopped mid-write leaves its temporary file (write_atomic's ".step-....fcp.XXXX"); a resume clears them.
+    for stale in out_dir.glob(".step-*.fcp.*"):
+        if stale.is_file() and not stale.is_symlink():
+            stale.unlink()
     results = []
     done = len(batches) - len(todo)
     if progress:
