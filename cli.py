@@ -16,7 +16,7 @@ import typer
 from fcp_compiler.errors import FcpError, InvalidInputError
 from fcp_compiler.format.safe_io import check_outputs
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="fcp: compile batches of sequence lengths into per-rank flexible context parallel plans.")
 trace_app = typer.Typer(no_args_is_help=True, help="Generate batches filled to exactly gpus x tokens-per-gpu tokens.")
 app.add_typer(trace_app, name="trace")
@@ -63,7 +63,9 @@ def _write_json(path: Path, data: object) -> None:
 
 @app.command("compile")
 def compile_command(
-    batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": ..., \"sequences\": [...]} or a list of lengths"),
+    batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": MASK, \"sequences\": [...]}, {\"masks\": [MASK, "
+                                            "...], \"sequences\": [...]} or a list of lengths (causal); MASK is "
+                                            "\"causal\", \"full\" or {\"kind\": \"sliding_window\", \"window\": W}"),
     gpus: int = GPUS,
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per block, a positive multiple of 64 "
                                                                         "[4096; not for ring, bytescale, wlbllm]",
@@ -94,17 +96,18 @@ def compile_command(
     no_reshuffle_overlap: bool = typer.Option(False, "--no-reshuffle-overlap",
                                               help="ablation: no tiles during the reshuffle"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
-                                                            "sliding_window:W (the W most recent keys)"),
-    q_heads: int = typer.Option(64, "--q-heads", parser=_ascii_int),
-    kv_heads: int = typer.Option(8, "--kv-heads", parser=_ascii_int),
-    head_dim: int = typer.Option(128, "--head-dim", parser=_ascii_int),
+                                                            "sliding_window:W (the W most recent keys) [the batch's]"),
+    q_heads: int = typer.Option(64, "--q-heads", help="attention query heads", parser=_ascii_int),
+    kv_heads: int = typer.Option(8, "--kv-heads", help="key/value heads (grouped-query attention; divides --q-heads)",
+                                 parser=_ascii_int),
+    head_dim: int = typer.Option(128, "--head-dim", help="size of one head", parser=_ascii_int),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer whose per-rank time (linear layers on a "
                                                             "rank's tokens + attention) placement balances: "
                                                             "llama3-8b, llama3-70b or none (attention alone)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
-    stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON"),
+    stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON [not written]"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing on success"),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes for a .jsonl of batches [all cores]",
                                        parser=_ascii_int),
@@ -207,7 +210,8 @@ def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None
 @app.command("inspect")
 def inspect_command(
     plan: Path = typer.Argument(..., help="plan file"),
-    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage",
+    rank: Optional[int] = typer.Option(None, "--rank", help="show one rank's program stage by stage [every rank's "
+                                                                   "figures]",
                                        parser=_ascii_int),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
@@ -258,10 +262,12 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
 @app.command("simulate")
 def simulate_command(
     source: Path = typer.Argument(..., help="plan file, or batch JSON (then give --gpus)"),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks, when SOURCE is a batch", parser=_ascii_int),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks, when SOURCE is a batch [required then]",
+                                      parser=_ascii_int),
     profile: Optional[str] = typer.Option(None, "--profile", help="hardware to simulate on [the plan's]"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON [not written]"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome trace (open it in Perfetto) [not "
+                                                                                "written]"),
     model: Optional[str] = typer.Option(None, "--model",
                                         help="the layer around attention: llama3-8b, llama3-70b or none "
                                              "[the plan's]"),
@@ -294,8 +300,8 @@ def simulate_command(
 def ablate_command(
     batch: Path = typer.Argument(..., help="batch JSON"),
     gpus: int = GPUS,
-    profile: str = typer.Option("h100", "--profile"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON"),
+    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON [not written]"),
 ) -> None:
     """The seed's Table 2: each technique switched on in turn, normalized MFU beside the seed's."""
     from fcp_compiler.core.options import CompileOptions
@@ -330,14 +336,15 @@ def compare_command(
                                    "per scale"),
     tokens_per_gpu: int = typer.Option(32768, "--tokens-per-gpu", help="with --trace-spec (weak scaling)",
                                        parser=_ascii_int),
-    methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods"),
-    profile: str = typer.Option("h100", "--profile"),
+    methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods",
+                                help="comma-separated planners (fcp-user: FCP in the user layout)"),
+    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
                                                             "none"),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]", parser=_ascii_int),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON [not written]"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
-                                                             "needs matplotlib)"),
+                                                             "needs matplotlib) [not drawn]"),
 ) -> None:
     """FCP beside the baselines at each scale, ranked by layer makespan: gap to the bound, balance, traffic, MFU."""
     from fcp_compiler.core.baselines import Planner
@@ -380,11 +387,11 @@ def compare_command(
 def sweep_command(
     batch: Path = typer.Argument(..., help="batch JSON"),
     gpus: int = GPUS,
-    block_size: str = typer.Option("1024,2048,4096,8192", "--block-size"),
-    profile: str = typer.Option("h100", "--profile"),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    block_size: str = typer.Option("1024,2048,4096,8192", "--block-size", help="comma-separated block sizes"),
+    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON [not written]"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="normalized MFU vs block size (.png/.pdf/.svg; needs "
-                                                             "matplotlib)"),
+                                                             "matplotlib) [not drawn]"),
 ) -> None:
     """FCP at several block sizes: balance and simulated normalized MFU."""
     from fcp_compiler.core.options import CompileOptions
@@ -410,8 +417,9 @@ def sweep_command(
 def diff_command(
     plan_a: Path = typer.Argument(..., help="the plan before"),
     plan_b: Path = typer.Argument(..., help="the plan after"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON"),
-    fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON [not written]"),
+    fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds "
+                                                                      "[never: exit 0]"),
     tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression",
                                     parser=_finite_float),
 ) -> None:
@@ -487,19 +495,20 @@ def _write_batch(lengths: list[int], mask: str, output: Path, quiet: bool) -> No
         typer.echo(f"wrote {output}: {len(lengths)} sequences, {sum(lengths)} tokens, longest {max(lengths)}")
 
 
-TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu", parser=_ascii_int)
-SEED = typer.Option(0, "--seed", parser=_ascii_int)
+TOKENS_PER_GPU = typer.Option(32768, "--tokens-per-gpu", help="the batch holds exactly gpus x this many tokens",
+                              parser=_ascii_int)
+SEED = typer.Option(0, "--seed", help="random seed (the same seed gives the same batch)", parser=_ascii_int)
 OUTPUT = typer.Option(..., "-o", "--output", help="batch JSON to write")
 MASK = typer.Option("causal", "--mask", help="causal, full or sliding_window:W")
-QUIET = typer.Option(False, "--quiet", "-q")
+QUIET = typer.Option(False, "--quiet", "-q", help="print nothing on success")
 
 
 @trace_app.command("lognormal")
 def trace_lognormal(gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU,
-                    median: float = typer.Option(4096.0, "--median", parser=_finite_float),
-                    sigma: float = typer.Option(1.8, "--sigma", parser=_finite_float),
-                    min_len: int = typer.Option(64, "--min-len", parser=_ascii_int),
-                    max_len: int = typer.Option(524288, "--max-len", parser=_ascii_int),
+                    median: float = typer.Option(4096.0, "--median", help="median length", parser=_finite_float),
+                    sigma: float = typer.Option(1.8, "--sigma", help="sigma of log length", parser=_finite_float),
+                    min_len: int = typer.Option(64, "--min-len", help="shortest length", parser=_ascii_int),
+                    max_len: int = typer.Option(524288, "--max-len", help="longest length", parser=_ascii_int),
                     seed: int = SEED, mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lognormal lengths by median and sigma, clipped to [min-len, max-len]."""
     from fcp_compiler.tools.traces import lognormal_batch
@@ -523,7 +532,8 @@ def trace_histogram(histogram: Path = typer.Argument(..., help="CSV of bins: '[l
 @trace_app.command("file")
 def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one length a line"),
                gpus: int = GPUS, tokens_per_gpu: int = TOKENS_PER_GPU, seed: int = SEED,
-               max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this", parser=_ascii_int),
+               max_len: Optional[int] = typer.Option(None, "--max-len", help="clip lengths to this [no clip]",
+                                                     parser=_ascii_int),
                mask: str = MASK, output: Path = OUTPUT, quiet: bool = QUIET) -> None:
     """Lengths drawn with replacement from a file of observed lengths."""
     from fcp_compiler.tools.traces import empirical_batch, read_lengths_file
@@ -559,12 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo("fcp: aborted", err=True)
         return 130
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
-        context = getattr(error, "ctx", None)
-        command = f" {context.info_name}" if context is not None and context.info_name != "fcp" else ""
         message, got = error.format_message(), _offending_value(argv, error)
         if not message:  # a bare `fcp` (or a group without its command): the help above says what to give
             return 2
-        typer.echo(f"fcp{command}: error: {message}{'' if got[7:-1] in message else got}", err=True)
+        # One prefix for every error, usage or input: "fcp: error:" (the message names the option).
+        typer.echo(f"fcp: error: {message}{'' if got[7:-1] in message else got}", err=True)
         return 2
     except FcpError as error:
         from fcp_compiler.format.validate import PlanInvalidError

@@ -97,3 +97,48 @@ def test_console_script_runs_in_a_subprocess(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "cli.py"), "compile", str(SMALL), "--gpus", "0"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("fcp: error: --gpus 0")
+
+
+def _options(command, path=()):
+    """Every option of every command: (command path, click option)."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands:
+        for name, sub in subcommands.items():
+            yield from _options(sub, (*path, name))
+        return
+    for param in command.params:
+        if param.param_type_name == "option":
+            yield " ".join(path), command, param
+
+
+def test_every_option_says_what_it_does_and_its_default_and_flags_take_no_value(capsys):
+    import click
+    import typer
+
+    from cli import app
+
+    for path, command, option in _options(typer.main.get_command(app)):
+        if option.opts == ["--help"]:
+            continue
+        text = option.get_help_record(click.Context(command, info_name=path))[1]
+        assert option.help, f"fcp {path} {option.opts[0]} has no description"
+        if not option.is_flag and not option.required:
+            assert "[" in text, f"fcp {path} {option.opts[0]} shows no default: {text!r}"
+    from cli import main
+
+    for args in (["compile", "--help"], ["trace", "lognormal", "--help"], ["simulate", "--help"]):
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "<bool>" not in out and "--help" in out
+
+
+def test_usage_and_input_errors_share_one_prefix(capsys, tmp_path):
+    from cli import main
+
+    batch = tmp_path / "b.json"
+    batch.write_text('{"mask": "mixed", "sequences": [100]}')
+    assert main(["compile", str(batch), "--gpus", "x"]) == 2
+    assert capsys.readouterr().err.startswith("fcp: error: ")
+    assert main(["compile", str(batch), "--gpus", "2", "-o", str(tmp_path / "p.fcp")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fcp: error: ") and "must be one of causal, full, sliding_window" in err

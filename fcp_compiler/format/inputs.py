@@ -36,6 +36,9 @@ class MaskKind(str, enum.Enum):
     MIXED = "mixed"  # a plan's summary when its sequences have different masks (never an input)
 
 
+INPUT_MASK_KINDS = ("causal", "full", "sliding_window")
+
+
 class Mask(BaseModel):
     """One sequence's mask: ``"causal"``, ``"full"`` or ``{"kind": "sliding_window", "window": W}``."""
 
@@ -49,6 +52,14 @@ class Mask(BaseModel):
     @classmethod
     def _from_name(cls, value: object) -> object:
         return {"kind": value} if isinstance(value, (str, MaskKind)) else value
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _an_input_kind(cls, kind: object) -> object:
+        # "mixed" is a plan's summary of per-sequence masks, never a mask one gives.
+        if isinstance(kind, MaskKind) and kind is not MaskKind.MIXED or kind in INPUT_MASK_KINDS:
+            return kind
+        raise ValueError(f"mask kind {kind!r} must be one of {', '.join(INPUT_MASK_KINDS)}")
 
     @model_validator(mode="after")
     def _window_matches_kind(self) -> "Mask":
