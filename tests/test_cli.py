@@ -136,7 +136,7 @@ def test_usage_and_input_errors_share_one_prefix(capsys, tmp_path):
     from cli import main
 
     batch = tmp_path / "b.json"
-    batch.write_text('{"mask": "mixed", "sequences": [100]}')
+    batch.write_text('{"mask": "diagonal", "sequences": [100]}')
     assert main(["compile", str(batch), "--gpus", "x"]) == 2
     assert capsys.readouterr().err.startswith("fcp: error: ")
     assert main(["compile", str(batch), "--gpus", "2", "-o", str(tmp_path / "p.fcp")]) == 2

@@ -59,12 +59,12 @@ class Mask(BaseModel):
         # "mixed" is a plan's summary of per-sequence masks, never a mask one gives.
         if isinstance(kind, MaskKind) and kind is not MaskKind.MIXED or kind in INPUT_MASK_KINDS:
             return kind
+        if kind in (MaskKind.MIXED, MaskKind.MIXED.value):
+            raise ValueError("mask 'mixed' only describes a plan; give each sequence's mask in 'masks'")
         raise ValueError(f"mask kind {kind!r} must be one of {', '.join(INPUT_MASK_KINDS)}")
 
     @model_validator(mode="after")
     def _window_matches_kind(self) -> "Mask":
-        if self.kind is MaskKind.MIXED:
-            raise ValueError("mask 'mixed' only describes a plan; give each sequence's mask in 'masks'")
         if self.kind is MaskKind.SLIDING_WINDOW:
             window = self.window
             if window is None:
