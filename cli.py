@@ -570,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
         message, got = error.format_message(), _offending_value(argv, error)
+        if error.__class__.__name__ == "NoArgsIsHelpError":  # a bare `fcp` or group: its help, and exit 2
+            typer.echo(message)
+            return 2
         if not message:  # a bare `fcp` (or a group without its command): the help above says what to give
             return 2
         # One prefix for every error, usage or input: "fcp: error:" (the message names the option).
