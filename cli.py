@@ -195,7 +195,7 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
 
 @app.command("validate")
 def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
-    """Check every invariant of DESIGN section 4; exit 1 naming the first one broken."""
+    """Check every invariant of docs/DESIGN.md section 4; exit 1 naming the first one broken."""
     from fcp_compiler.format.validate import PlanInvalidError, validate_plan
     from fcp_compiler.tools.report import validation_summary
 

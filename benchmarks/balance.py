@@ -1,6 +1,6 @@
 """Balance of compiled plans on the paper-like trace and on the real length distributions.
 
-Usage: python benchmarks/balance.py [--gpus 64,128,256] [--seeds 3] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/balance.py [--gpus 64,128,256] [--seeds 3] [--eval-data DIR]
        [--zigzag auto|on|off]
 
 For each batch prints compute and communication imbalance, the makespan / lower-bound ratio, the token high-water
@@ -11,6 +11,7 @@ Real distributions are read from --eval-data when it exists (they are not part o
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="64,128,256")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     parser.add_argument("--zigzag", default="auto")
     args = parser.parse_args()
     rows, worst = [], {"compute": 0.0, "comm": 0.0, "lb": 0.0}

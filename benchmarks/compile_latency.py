@@ -3,7 +3,7 @@
 Usage: python benchmarks/compile_latency.py [--gpus 64,128,256,1024] [--repeats 5] [--seeds 3]
                                            [--scaling 256,4096]
 
-Batches are the paper-like trace (DESIGN section 8: lognormal, median 4096, sigma 1.8, clipped to [64, 512K],
+Batches are the paper-like trace (docs/DESIGN.md section 8: lognormal, median 4096, sigma 1.8, clipped to [64, 512K],
 32K tokens per GPU). Prints the median over seeds x repeats of the whole compile and of each pass. --scaling
 compiles seed 0 three times at each scale in a fresh process and prints the median, its ratio to the first scale
 and the process's peak RSS (--gpus '' skips the per-pass table).

@@ -1,7 +1,7 @@
 """The layer objective (issue 20): every plan's layer makespan against its certified lower bound, beside today's main
 and the strongest baseline of each batch.
 
-Usage: python benchmarks/layer_objective.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/layer_objective.py [--gpus 64,256] [--seeds 3] [--eval-data DIR]
        [--batches paper,magi] [--model llama3-70b] [--jobs 2] [--main-tree PATH] [--write rows.json]
 
 The matrix: the paper-like lognormal trace and each length file in --eval-data with and without a 20% long tail,

@@ -1,6 +1,6 @@
 """Node-aware plans (issue 21): NIC traffic, speed and compile time of every plan, beside today's main.
 
-Usage: python benchmarks/node_traffic.py --main-tree PATH [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/node_traffic.py --main-tree PATH [--gpus 64,256] [--seeds 3] [--eval-data DIR]
        [--batches paper,magi] [--jobs 2] [--write rows.json] [--timing-runs 3]
 
 The matrix: the paper-like lognormal trace and each length file in --eval-data with and without a 20% long tail,

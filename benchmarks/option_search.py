@@ -1,6 +1,6 @@
 """A slow search over fcp's own compile options for batches whose layer gap is large: is there a better plan?
 
-Usage: python benchmarks/option_search.py [--cases wlbllm+tail:256:1,prolong:256:0] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/option_search.py [--cases wlbllm+tail:256:1,prolong:256:0] [--eval-data DIR]
 
 For each case (batch:gpus:seed of benchmarks/layer_objective.py's matrix) it compiles every combination of coalesce
 (8, 16, 32), zig-zag (auto, off), token tolerance (0.005, 0.01, 0.02, the cap alone) and the placement objective
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def _score(lengths: list[int], gpus: int, options: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=WORST)
-    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     args = parser.parse_args()
     makers = batches(args.eval_data)
     rows = []

@@ -1,6 +1,6 @@
 """Placement quality on real length distributions: balance under every measure, exposure, MFU, NIC hot spots.
 
-Usage: python benchmarks/placement.py [--gpus 64,256] [--seeds 3] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/placement.py [--gpus 64,256] [--seeds 3] [--eval-data DIR]
        [--batches paper,magi] [--token-tolerance T] [--baselines [magi,bytescale]] [--user-layout]
        [--write figures.json]
        [--reference benchmarks/reference/placement_main.json]
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ def matrix_arguments(parser: argparse.ArgumentParser) -> None:
     batches."""
     parser.add_argument("--gpus", default="64,256")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     parser.add_argument("--batches", help="comma-separated batch names (default: all)")
 
 
@@ -88,7 +89,8 @@ def measure(name: str, lengths: list[int], gpus: int, seed: int, args) -> dict:
         "token_floor": token_floor(plan)}
     if args.baselines:
         row["best_baseline_mfu_fwd"] = max(
-            simulate_plan(compile_plan(lengths, gpus, planner=Planner(method), validatable=False)).figures()["normalized_mfu_fwd"]
+            simulate_plan(compile_plan(lengths, gpus, planner=Planner(method), validatable=False)).figures()[
+                "normalized_mfu_fwd"]
             for method in args.baselines.split(","))
     if args.user_layout:
         user = compile_plan(lengths, gpus, layout="user").stats

@@ -1,7 +1,7 @@
 """Write docs/RESULTS.md: FCP beside the baselines, in the shape of the seed's figures 9 to 12.
 
 Usage: python benchmarks/results.py [--gpus 16,32,64,128,256] [--seeds 0,1,2] [--out docs]
-                                    [--eval-data ../shared/eval-data]
+                                    [--eval-data DIR]
 
 Figure 9: compute and communication imbalance vs GPUs (paper-like trace, weak scaling at 32K tokens per GPU).
 Figure 10: normalized attention MFU with every sequence at the same length (no imbalance to hide).
@@ -18,6 +18,7 @@ without it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--gpus", default="16,32,64,128,256")
     parser.add_argument("--seeds", default="0,1,2", help="paper-like trace seeds (the first one is tabulated)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    parser.add_argument("--eval-data", type=Path, default=ROOT.parent / "shared" / "eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     args = parser.parse_args()
     scales = [int(g) for g in args.gpus.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -254,9 +255,9 @@ def main() -> None:
         text += [
             f"## ProLong lengths with a long tail ({TAIL_FRACTION:.0%} of tokens in 128K-512K sequences, seed 0)",
             "",
-            "Lengths drawn from DistCA's ProLong distribution (`../shared/eval-data/distca/dist_prolong.json`, "
+            "Lengths drawn from DistCA's ProLong distribution (`$EVAL_DATA/distca/dist_prolong.json`, "
             "median 1.9K), the tail drawn log-uniformly: `fcp compare --trace-spec "
-            f"file:../shared/eval-data/distca/dist_prolong.json:{TAIL_FRACTION}`.",
+            f"file:$EVAL_DATA/distca/dist_prolong.json:{TAIL_FRACTION}`.",
             "",
             _table(["method", "GPUs", "compute imbalance", "comm imbalance", "normalized MFU fwd",
                     "normalized MFU bwd", "FCP speedup fwd"],

@@ -1,6 +1,6 @@
 """The ring baseline on every real-distribution batch at scale: compile time, peak memory, plan size.
 
-Usage: python benchmarks/ring_scale.py [--gpus 256] [--seed 0] [--eval-data ../shared/eval-data]
+Usage: python benchmarks/ring_scale.py [--gpus 256] [--seed 0] [--eval-data DIR]
 
 Each batch of benchmarks/placement.py (each eval-data file, with and without a 20% long tail; 32K tokens per GPU)
 compiles with --planner ring in a fresh process, which reports its compile seconds, peak RSS and plan size, and the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-data", type=Path, default=ROOT / "../shared/eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     args = parser.parse_args()
     rows = []
     for name in batches(args.eval_data):

@@ -1,6 +1,6 @@
 """Data the runtime moves in HBM outside the attention kernels, and the device ops it launches (issue 22).
 
-Usage: python benchmarks/runtime_traffic.py [--main-tree PATH] [--eval-data ../shared/eval-data] [--dtype bf16]
+Usage: python benchmarks/runtime_traffic.py [--main-tree PATH] [--eval-data DIR] [--dtype bf16]
 
 One rank's forward and backward of one attention call are replayed on the meta device at the plan's attention
 shape (Llama-3-70B's by default: 64 query heads, 8 K,V heads, head_dim 128), bf16 with fp32 accumulators. The
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,7 +222,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--main-tree", type=Path, help="another checkout to measure beside this one")
-    parser.add_argument("--eval-data", type=Path, default=HERE / "../shared/eval-data")
+    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
     trees = {"this": HERE} | ({"main": args.main_tree.resolve()} if args.main_tree else {})

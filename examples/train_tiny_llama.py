@@ -380,7 +380,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Config.num_steps)
     parser.add_argument("--tokens-per-step", type=int, default=Config.tokens_per_step)
     parser.add_argument("--lengths-from", default=Config.lengths_from,
-                        help="a batch JSON or a length file, e.g. ../shared/eval-data/distca/dist_prolong.json")
+                        help="a batch JSON or a length file (a JSON list of lengths, or one a line), e.g. DistCA's "
+                             "dist_prolong.json")
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process run")
     args = parser.parse_args()
     config = dataclasses.replace(Config(), layout=args.layout, windows=args.windows, num_steps=args.steps,

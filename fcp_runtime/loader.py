@@ -41,8 +41,8 @@ def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor
         lengths.append(length)
         if isinstance(item.get("mask"), torch.Tensor):
             raise ValueError(f"document {doc_idx}'s field 'mask' is a tensor; 'mask' is reserved for the document's "
-                             f"attention mask (\"causal\", \"full\" or {{\"kind\": \"sliding_window\", \"window\": W}}): "
-                             f"rename the per-token tensor")
+                             f"attention mask (\"causal\", \"full\" or {{\"kind\": \"sliding_window\", "
+                             f"\"window\": W}}): rename the per-token tensor")
         masks.append(item.get("mask"))
     if not fields:
         raise ValueError("a batch needs at least one document with at least one per-token tensor")

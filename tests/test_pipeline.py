@@ -35,7 +35,7 @@ def test_random_batches_give_valid_delta_optimal_plans(lengths, gpus, block_size
     stats = plan.stats
     assert stats["max_tokens_per_rank"] <= stats["token_cap"] <= -(-sum(lengths) // gpus) + block_size
     # The coalescer keeps every rank's messages a stage, each way, pulls and pushes together, within the stage's
-    # rounds, per link class: c forward, 2c backward, NVLink lanes times that (DESIGN, Stages).
+    # rounds, per link class: c forward, 2c backward, NVLink lanes times that (docs/DESIGN.md, Stages).
     lanes = stats["nvlink_lanes"]
     for rank in range(gpus):
         a = plan.rank(rank).arrays

@@ -101,3 +101,19 @@ def test_the_training_loop_runs_as_written_and_trains_like_one_process():
     for state in run_ranks(2, task, timeout=300):
         for name, value in reference.items():
             np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_repo_stands_alone_no_file_or_help_points_outside_it():
+    """Users have the repository only: no doc, source file or help text names a path above it."""
+    import os
+
+    outside = re.compile("[.][.]/" + "shared")  # spelled so that this file does not match itself
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if name not in (".git", ".venv", "__pycache__", ".pytest_cache")
+                         and not name.endswith(".egg-info")]  # build output, not the repository
+        for name in files:
+            path = Path(folder, name)
+            if path.suffix in (".py", ".md", ".toml", ".json", ".txt", ".cfg", ".sh", ""):
+                assert not outside.search(path.read_text(errors="replace")), \
+                    f"{path.relative_to(ROOT)} points outside the repository"
+    assert (ROOT / "docs" / "DESIGN.md").is_file()

@@ -1,4 +1,4 @@
-"""Balance measures and lower bounds (DESIGN section 5)."""
+"""Balance measures and lower bounds (docs/DESIGN.md section 5)."""
 
 from __future__ import annotations
 

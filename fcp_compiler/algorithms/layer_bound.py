@@ -1,6 +1,6 @@
 """A certified lower bound on the layer makespan of one pass (forward or backward), from the batch alone.
 
-The model (DESIGN section 3, the simulator's): every rank runs the linear layers on the tokens it holds and the
+The model (docs/DESIGN.md section 3, the simulator's): every rank runs the linear layers on the tokens it holds and the
 attention tiles it is given on one compute stream; a tile computes the visible pairs between query rows and key rows
 present on its rank, either held there or received; a rank receives over NVLink (inside its node) and its NIC
 (across nodes) at their bandwidths. The bound holds for every placement within the token cap, every tile placement

@@ -1,7 +1,7 @@
 """Live message buffers per rank and stage: the one liveness rule of the plan, on plain arrays.
 
-The rule (DESIGN section 3, invariant 4), per pass and per rank: a received message's buffer is allocated when its
-stage posts it and freed at the end of its last stage of use. A pulled block is used up to its last tile and, when
+The rule (docs/DESIGN.md, section 3 and invariant 4), per pass and per rank: a received message's buffer is allocated
+when its stage posts it and freed at the end of its last stage of use. A pulled block is used up to its last tile and, when
 the pass pushes a result back along it (partial O and LSE, or dK, dV, dQ), up to that push; a pushed result that
 arrives is folded in at the end of its stage. Buffers are counted in tokens, one count per message whatever
 tensors it carries. The compiler, the validator and the runtime each apply this rule to their own view of a plan.

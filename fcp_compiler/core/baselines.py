@@ -1,4 +1,4 @@
-"""Baseline planners (DESIGN section 6), expressed in the same plan format as FCP.
+"""Baseline planners (docs/DESIGN.md section 6), expressed in the same plan format as FCP.
 
 Each takes the batch and returns a Sharding (blocks of segments, of any size) and the rank of each block; the
 common passes (cost, transfers, rounds, coalesce, reshuffle, encode) make the rest of the plan, so a baseline is

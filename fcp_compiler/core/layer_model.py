@@ -1,7 +1,7 @@
 """One transformer layer around attention: each rank's linear time from its tokens, and the layer's lower bound.
 
-A rank's layer (DESIGN section 5, layer time), forward: the Q, K, V projection of its tokens, its attention, then
-the O projection and the MLP. A remote tile needs the sender's projection first, so the attention of a rank starts
+A rank's layer (docs/DESIGN.md section 5, layer time), forward: the Q, K, V projection of its tokens, its attention,
+then the O projection and the MLP. A remote tile needs the sender's projection first, so the attention of a rank starts
 after its own projection and its pulls after their sender's. Backward runs the other way round: the MLP and O
 projection's gradients, the attention backward, then the Q, K, V projection's. A linear layer's backward is twice
 its forward (the input's and the weights' gradients); attention's is BACKWARD_WORK times.
@@ -18,7 +18,7 @@ from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import AttentionShape, Batch, HardwareProfile
 from fcp_compiler.format.models import ModelPreset
 
-BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (DESIGN section 3)
+BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (docs/DESIGN.md section 3)
 BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
 LSE_BYTES = 4  # one fp32 log-sum-exp per query token and head travels with a partial output or a backward pull
 # What a pass's placement weighs a rank's linear time against its forward attention seconds by: the forward and

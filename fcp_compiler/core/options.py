@@ -54,7 +54,7 @@ class CompileOptions:
     planner: Planner = Planner.FCP
     # GPUs a node holds (NVLink inside, a NIC each across); None: the profile's. Recorded in the plan's profile.
     gpus_per_node: int | None = None
-    # Ablations of the seed's techniques (DESIGN section 7); the defaults are the full system.
+    # Ablations of the seed's techniques (docs/DESIGN.md section 7); the defaults are the full system.
     pipelined: bool = True
     matching_rounds: bool = True
     reshuffle_overlap: bool = True

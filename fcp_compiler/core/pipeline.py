@@ -371,7 +371,7 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, p
            tiles: TileSet | None = None) -> Assignment:
     """shard, cost and assign: FCP's placement for each rank's layer time (or attention alone) on `tiles` (default:
     FCP's own, sharded and costed here), the equal-chunk greedy of the floor, or a baseline's own sharding and
-    placement (DESIGN section 6)."""
+    placement (docs/DESIGN.md section 6)."""
     planner, num_ranks, block_size = options.planner, options.num_ranks, options.resolved_block_size
     if planner is Planner.FCP and placement is not Placement.GREEDY:
         tiles = tiles if tiles is not None else _fcp_tiles(timer, batch, options)

@@ -35,7 +35,7 @@ def link_model(profile: HardwareProfile, num_ranks: int) -> LinkModel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Simulation:
-    """Figures of a simulated plan (DESIGN section 5) and, when recorded, its Chrome trace events.
+    """Figures of a simulated plan (docs/DESIGN.md section 5) and, when recorded, its Chrome trace events.
 
     forward and backward are attention alone, from time 0 on every rank. layer_forward and layer_backward are each
     rank's own layer (:mod:`fcp_compiler.core.layer_model`): its linear layers before attention, its attention

@@ -1,4 +1,4 @@
-"""The figures of a compiled plan (the --stats JSON), as DESIGN section 5 defines them."""
+"""The figures of a compiled plan (the --stats JSON), as docs/DESIGN.md section 5 defines them."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def forward_comm_bytes(final: Reshuffle) -> tuple[np.ndarray, np.ndarray]:
 
 def link_figures(final: Reshuffle) -> dict:
     """Forward traffic per link type (the NIC across nodes, NVLink inside one) and direction, and each rank's
-    busiest link time against its compute time (DESIGN section 5, exposure)."""
+    busiest link time against its compute time (docs/DESIGN.md section 5, exposure)."""
     assignment, num_ranks, profile = final.assignment, final.num_ranks, final.tiles.profile
     sender, receiver, nbytes = forward_messages(final)
     node = np.arange(num_ranks) // profile.gpus_per_node

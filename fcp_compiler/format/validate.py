@@ -1,4 +1,4 @@
-"""The plan validator: checks every invariant of DESIGN section 4 from the per-rank programs alone.
+"""The plan validator: checks every invariant of docs/DESIGN.md section 4 from the per-rank programs alone.
 
 It shares no code with the passes: it reads what each rank will execute (blocks, pulls, tiles, pushes, reshuffle
 runs) and rebuilds every global property from that. The first broken invariant raises PlanInvalidError naming the
@@ -35,7 +35,7 @@ INVARIANTS = {
 
 
 class PlanInvalidError(PlanFormatError):
-    """A plan breaks an invariant; `invariant` is its number in DESIGN section 4 (0: the blocks themselves)."""
+    """A plan breaks an invariant; `invariant` is its number in docs/DESIGN.md section 4 (0: the blocks themselves)."""
 
     def __init__(self, invariant: int, message: str):
         super().__init__(f"invariant {invariant} ({INVARIANTS[invariant]}) broken: {message}")
@@ -68,7 +68,7 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
     Every reader first checks the file's integrity (sha256 of the header and of each section) and its structure
     (:mod:`fcp_compiler.format.plan_structure`: sizes agree, every index, round and stage within the header's counts).
-    This function then checks what the plan means, one function per invariant of DESIGN section 4, in its order:
+    This function then checks what the plan means, one function per invariant of docs/DESIGN.md section 4, in its order:
 
     0. :func:`_check_blocks`: segments tile every sequence once, no block over the block size, one owner a block.
     1. :func:`_check_coverage`: every block pair with a visible (query, key) pair is one tile, run exactly once.

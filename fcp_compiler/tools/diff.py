@@ -19,7 +19,7 @@ PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zi
 
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
-    """Quality figures of a plan, from the plan file alone (DESIGN section 5)."""
+    """Quality figures of a plan, from the plan file alone (docs/DESIGN.md section 5)."""
     from fcp_compiler.core.simulate import simulate_plan
 
     header, tables = reader.header, reader.tables

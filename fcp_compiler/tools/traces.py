@@ -198,7 +198,7 @@ def parse_trace_spec(spec: str, tokens_per_gpu: int):
     """A batch for any GPU count from a trace spec (the --trace-spec of fcp compare and fcp sweep).
 
     Args:
-        spec: ``lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]`` (DESIGN section 8, shortest sequence 64 tokens) or
+        spec: ``lognormal:MEDIAN:SIGMA:MAXLEN[:SEED]`` (docs/DESIGN.md section 8, shortest sequence 64 tokens) or
             ``file:PATH:TAIL_FRACTION[:SEED]`` (lengths drawn from a file, up to MAX_TRACE_LENGTH, with that share of
             tokens in a 128K-512K tail).
         tokens_per_gpu: tokens a GPU holds (weak scaling).

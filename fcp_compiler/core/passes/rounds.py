@@ -23,7 +23,7 @@ def arbitrary_rounds(transfers: Transfers) -> Rounds:
 def schedule_rounds(transfers: Transfers) -> Rounds:
     """Colour the pulls each sender sends from its own block into congestion-free rounds, each link class apart.
 
-    Rounds are congestion-free per link class (DESIGN section 3): in a round no rank sends more than one NIC
+    Rounds are congestion-free per link class (docs/DESIGN.md section 3): in a round no rank sends more than one NIC
     message (to another node) or receives more than one, the two classes run at the same time, and NVLink, that
     many times faster, fits `nvlink_lanes` of its rounds (each a matching) in one. Each class's sender x receiver
     multigraph is coloured into exactly its Delta matchings (Konig: optimal). Colours are numbered by decreasing
