@@ -1,6 +1,7 @@
 """The fcp command: outputs, exit codes and one-line errors, no partial files."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,25 @@ def test_usage_and_input_errors_share_one_prefix(capsys, tmp_path):
     assert main(["compile", str(batch), "--gpus", "2", "-o", str(tmp_path / "p.fcp")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fcp: error: ") and "must be one of causal, full, sliding_window" in err
+
+
+def test_the_summary_inspect_and_the_header_agree_on_stages_and_rounds(capsys, tmp_path):
+    from cli import main
+
+    plan_path, stats_path = tmp_path / "p.fcp", tmp_path / "s.json"
+    assert main(["compile", str(Path(__file__).resolve().parents[1] / "traces" / "small_8gpu.json"), "--gpus", "8",
+                 "-o", str(plan_path), "--stats",
+                 str(stats_path)]) == 0
+    summary = capsys.readouterr().out
+    header, stats = PlanReader(plan_path).header, json.loads(stats_path.read_text())
+    assert main(["inspect", str(plan_path)]) == 0
+    inspected = capsys.readouterr().out.splitlines()[0]
+    stages = f"{header.num_fwd_stages}/{header.num_bwd_stages}"
+    for name in ("num_rounds", "num_fwd_rounds", "num_bwd_rounds", "num_fwd_stages", "num_bwd_stages", "coalesce",
+                 "bwd_coalesce"):
+        assert stats[name] == getattr(header, name), name
+    assert f"stages fwd/bwd {stages}" in inspected and f"{header.num_rounds} pull rounds" in inspected
+    table_header, table_row = summary.splitlines()[1:3]
+    columns = dict(zip(re.split(r"\s{2,}", table_header.strip()), table_row.split()))
+    assert columns["stages fwd/bwd"] == stages and columns["pull rounds"] == str(header.num_rounds)
+    assert f"fwd {header.num_fwd_rounds} (at least" in summary and f"bwd {header.num_bwd_rounds} (at least" in summary

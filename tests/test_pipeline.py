@@ -16,7 +16,7 @@ from fcp_compiler.format.plan_format import PlanReader
 
 ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
-              "num_stages", "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
+              "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
               "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.

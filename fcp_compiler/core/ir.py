@@ -364,11 +364,6 @@ class Schedule:
     tile_q_edge: np.ndarray  # int32, the Q pull, -1 where its queries are local
     tile_order: np.ndarray  # int32, tiles in forward pipeline order: by rank, stage, arrival round, index
 
-    @property
-    def num_comm_stages(self) -> int:
-        """Stages that carry forward pulls: ceil(num_rounds / coalesce)."""
-        return -(-self.rounds.num_rounds // self.coalesce)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reshuffle:

@@ -107,6 +107,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_ranks": assignment.num_ranks,
         "block_size": sharding.block_size,
         "coalesce": schedule.coalesce,
+        "bwd_coalesce": schedule.backward.coalesce,
         "zigzag": sharding.zigzag,
         "layout": layout,
         "mask": sharding.batch.mask.value,
@@ -130,7 +131,6 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         # pulls re-sent inside a node.
         "num_forwarding_transfers": int((~pulls_read(schedule)).sum()),
         "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_link == 0)).sum()),
-        "num_stages": schedule.num_comm_stages,
         "num_fwd_rounds": schedule.forward.num_rounds,
         "num_bwd_rounds": schedule.backward.num_rounds,
         "fwd_exchange_degree": exchange_degree(transfers, schedule.forward, rounds.nvlink_lanes),

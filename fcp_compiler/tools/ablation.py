@@ -42,5 +42,5 @@ def run_ablation(batch, options: CompileOptions) -> list[dict]:
                       "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
                       "exposed_comm_fwd_s": figures["exposed_comm_fwd_s"],
                       "seed_normalized_mfu_fwd": SEED_TABLE[name][0], "seed_normalized_mfu_bwd": SEED_TABLE[name][1],
-                      "num_rounds": plan.stats["num_rounds"], "num_stages": plan.stats["num_stages"]})
+                      "num_rounds": plan.stats["num_rounds"], "num_fwd_stages": plan.stats["num_fwd_stages"]})
     return steps

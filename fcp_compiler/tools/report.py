@@ -67,12 +67,13 @@ def compile_summary(stats: dict, path: str | None) -> str:
     blocks = "zigzag" if stats["zigzag"] else "plain"
     lines = [
         f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
-        f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}, "
+        f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}/{stats['bwd_coalesce']}, "
         f"{stats['layout']} layout",
-        table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "rounds", "stages", "compute imb",
-               "comm imb", "LB ratio", "tokens/rank", "cap"],
+        table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "pull rounds", "stages fwd/bwd",
+               "compute imb", "comm imb", "LB ratio", "tokens/rank", "cap"],
               [[stats["num_blocks"], stats["num_tiles"], stats["num_offloaded_tiles"], stats["num_transfers"],
-                stats["num_relayed_transfers"], stats["max_degree"], stats["num_rounds"], stats["num_stages"],
+                stats["num_relayed_transfers"], stats["max_degree"], stats["num_rounds"],
+                f"{stats['num_fwd_stages']}/{stats['num_bwd_stages']}",
                 percent(stats["compute_imbalance"]),
                 percent(stats["comm_imbalance"]), f"{stats['makespan_lower_bound_ratio']:.4f}",
                 stats["max_tokens_per_rank"], stats["token_cap"]]]),
@@ -82,9 +83,9 @@ def compile_summary(stats: dict, path: str | None) -> str:
         f" NVLink {human_bytes(stats['nvlink_bytes'])}, {stats['num_fanned_out_transfers']} pulls fanned out in "
         f"their node; Delta NIC {stats['nic_degree']}, NVLink {stats['nvlink_degree']} ({stats['nvlink_lanes']} a "
         f"round)",
-        f"  exchange rounds fwd {stats['num_fwd_rounds']} "
-        f"(degree {stats['fwd_exchange_degree']}), bwd {stats['num_bwd_rounds']} (degree "
-        f"{stats['bwd_exchange_degree']}); live buffers <= {stats['max_buffer_tokens']} tokens",
+        f"  rounds with pushes: fwd {stats['num_fwd_rounds']} (at least {stats['fwd_exchange_degree']}), bwd "
+        f"{stats['num_bwd_rounds']} (at least {stats['bwd_exchange_degree']}); live buffers <= "
+        f"{stats['max_buffer_tokens']} tokens",
         *_layer_line(stats),
         *_floor_line(stats),
         "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" (floor {stats['floor']['seconds']:.3f} s)"
@@ -202,8 +203,10 @@ def inspect_summary(path, header, rows: list[dict]) -> str:
     """What `fcp inspect PLAN` prints: the parameters, then per-rank figures (the first and last 16 of many)."""
     lines = [f"{path}: planner {header.planner}, format v{header.format_version}, {header.num_ranks} ranks, "
              f"{header.total_tokens} tokens in {header.num_sequences} sequences ({header.mask.value}), "
-             f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}, "
-             f"{header.num_rounds} rounds, {header.profile.gpus_per_node} GPUs a node (Delta NIC {header.nic_degree}, "
+             f"block {header.block_size}{' zigzag' if header.zigzag else ''}, coalesce {header.coalesce}/"
+             f"{header.bwd_coalesce}, {header.num_rounds} pull rounds, stages fwd/bwd {header.num_fwd_stages}/"
+             f"{header.num_bwd_stages}, rounds with pushes fwd/bwd {header.num_fwd_rounds}/{header.num_bwd_rounds}, "
+             f"{header.profile.gpus_per_node} GPUs a node (Delta NIC {header.nic_degree}, "
              f"NVLink {header.nvlink_degree}), digest {header.inputs_digest[:16]}"]
     keys = list(rows[0].keys())
     shown = rows if len(rows) <= 32 else rows[:16] + rows[-16:]
@@ -246,7 +249,7 @@ def ablation_table(steps: list[dict]) -> str:
     return table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
         [s["name"], f"{s['normalized_mfu_fwd']:.2f}", seed(s["seed_normalized_mfu_fwd"]),
          f"{s['normalized_mfu_bwd']:.2f}", seed(s["seed_normalized_mfu_bwd"]), f"{s['makespan_fwd_s'] * 1e3:.1f}",
-         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_stages"]] for s in steps])
+         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_fwd_stages"]] for s in steps])
 
 
 def sweep_table(rows: list[dict]) -> str:
