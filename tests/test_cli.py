@@ -149,8 +149,7 @@ def test_the_summary_inspect_and_the_header_agree_on_stages_and_rounds(capsys, t
     from cli import main
 
     plan_path, stats_path = tmp_path / "p.fcp", tmp_path / "s.json"
-    assert main(["compile", str(Path(__file__).resolve().parents[1] / "traces" / "small_8gpu.json"), "--gpus", "8",
-                 "-o", str(plan_path), "--stats",
+    assert main(["compile", str(SMALL), "--gpus", "8", "-o", str(plan_path), "--stats",
                  str(stats_path)]) == 0
     summary = capsys.readouterr().out
     header, stats = PlanReader(plan_path).header, json.loads(stats_path.read_text())
