@@ -34,6 +34,10 @@ def test_bulk_compile_resumes_without_recompiling_finished_plans(tmp_path, capsy
     assert " 6 " in summary and " 2 " in summary and " 4 " in summary  # plans, compiled, skipped
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.fcp") if p.name in kept} == kept
     assert len(list(out.glob("*.fcp"))) == 6 and not list(out.glob(".*"))
+    # A run with nothing left to do says so, with no figures of plans it did not compile.
+    assert main(["compile", str(steps), "--gpus", "8", "-o", str(out), "--jobs", "2"]) == 0
+    summary = capsys.readouterr().out
+    assert "all 6 plans were already in" in summary and "nothing compiled" in summary and "0.0000" not in summary
     # Each plan is the one a direct compile gives.
     first = json.loads(steps.read_text().splitlines()[0])
     assert sorted(out.glob("step-000000-*.fcp"))[0].read_bytes() == compile_plan(first, 8).to_bytes()

@@ -1,6 +1,7 @@
 """fcp diff: empty for a plan and itself, changes and regressions named, exit codes for CI."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,14 @@ def test_a_larger_layer_gap_is_a_regression(plans, tmp_path):
 def test_bad_input_exits_two(plans, tmp_path):
     assert main(["diff", str(plans["base"]), str(tmp_path / "none.fcp")]) == 2
     assert main(["diff", str(plans["base"]), str(plans["base"]), "--fail-on", "maybe"]) == 2
+
+
+def test_the_diff_ends_with_one_verdict_line(plans, capsys):
+    main(["diff", str(plans["base"]), str(plans["stages"])])
+    last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    # The worst regression by relative change, with its figures, and how many more regressed.
+    assert re.fullmatch(r"regression: \w+ \S+ -> \S+ \([+-]\d+\.\d%\)(, \d+ more)?", last), last
+    main(["diff", str(plans["base"]), str(plans["base"])])
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == "no change"
+    main(["diff", str(plans["magi"]), str(plans["base"]), "--tolerance", "100"])
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1].startswith("changed, no regression")

@@ -27,8 +27,8 @@ class BulkSummary:
     skipped: int
     wall_seconds: float
     compile_seconds: float  # summed over the plans compiled now
-    worst_compute_imbalance: float
-    worst_comm_imbalance: float
+    worst_compute_imbalance: float | None  # None: nothing was compiled (every plan was there already)
+    worst_comm_imbalance: float | None
 
 
 def read_jsonl(path: Path) -> list[BatchSpec]:
@@ -123,5 +123,5 @@ def bulk_compile(batches: list[tuple[str, BatchSpec]], out_dir: Path, options: C
     return BulkSummary(total=len(batches), compiled=len(results), skipped=len(batches) - len(todo),
                        wall_seconds=time.perf_counter() - start,
                        compile_seconds=sum(r[1] for r in results),
-                       worst_compute_imbalance=max((r[2] for r in results), default=0.0),
-                       worst_comm_imbalance=max((r[3] for r in results), default=0.0))
+                       worst_compute_imbalance=max((r[2] for r in results), default=None),
+                       worst_comm_imbalance=max((r[3] for r in results), default=None))

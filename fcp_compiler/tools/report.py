@@ -177,7 +177,9 @@ def rank_program_text(program: RankProgram) -> str:
 
 def bulk_summary(summary, out_dir) -> str:
     """The table a bulk `fcp compile steps.jsonl` prints."""
-    per_plan = summary.compile_seconds / summary.compiled if summary.compiled else 0.0
+    if not summary.compiled:  # no figure to show: a row of zeros would read like a measurement
+        return f"  all {summary.total} plans were already in {out_dir}/ and intact; nothing compiled"
+    per_plan = summary.compile_seconds / summary.compiled
     return table(["plans", "compiled", "skipped", "wall s", "s per plan", "worst compute imb", "worst comm imb"],
                  [[summary.total, summary.compiled, summary.skipped, f"{summary.wall_seconds:.2f}", f"{per_plan:.3f}",
                    f"{summary.worst_compute_imbalance:.4f}", f"{summary.worst_comm_imbalance:.4f}"]]) + \
@@ -262,7 +264,7 @@ def sweep_table(rows: list[dict]) -> str:
 def diff_summary(result: dict, path_a, path_b) -> str:
     """`fcp diff`: what changed between two plans, regressions marked."""
     if result["identical"]:
-        return f"{path_a} and {path_b}: no semantic difference"
+        return f"{path_a} and {path_b}: no semantic difference\n{diff_verdict(result)}"
     rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), ""] for name, v in result["parameters"].items()]
     if result["inputs"]:
         rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], ""])
@@ -281,7 +283,20 @@ def diff_summary(result: dict, path_a, path_b) -> str:
                      _short("; ".join(f"rank {p['rank']}: {', '.join(p['arrays'])}" for p in programs["sample"][:2]))])
     for name, v in result["figures"].items():
         rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
-    return table(["what", "a", "b", "note"], rows)
+    return table(["what", "a", "b", "note"], rows) + "\n" + diff_verdict(result)
+
+
+def diff_verdict(result: dict) -> str:
+    """The one line a CI log ends with: the worst regression and how many more, or that nothing regressed."""
+    if result["identical"]:
+        return "no change"
+    regressions = result["regressions"]
+    if not regressions:
+        return f"changed, no regression ({len(result['figures'])} figures differ)"
+    name, worst = max(regressions.items(), key=lambda item: abs(item[1]["relative_change"]))
+    more = f", {len(regressions) - 1} more" if len(regressions) > 1 else ""
+    return (f"regression: {name} {_short(worst['a'])} -> {_short(worst['b'])} "
+            f"({worst['relative_change']:+.1%}){more}")
 
 
 def _short(value) -> str:
