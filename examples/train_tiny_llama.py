@@ -364,12 +364,26 @@ def train_on_cpu_ranks(config: Config, world: int) -> list[dict]:
     return [results[rank] for rank in range(world)]
 
 
-def _print_table(fcp: list[dict], reference: dict | None) -> None:
+LOSS_RTOL = 1e-5  # fp32: the same losses as one process up to reduction order (tests/test_train_example.py)
+
+
+def _print_table(fcp: list[dict], reference: dict | None) -> bool:
+    """The per-step table and a verdict line; True when every step's loss matched the reference (or none ran)."""
     print(f"{'step':>4}  {'fcp loss':>12}  {'reference':>12}  {'rel diff':>9}  {'tokens/s/rank':>13}")
+    worst = 0.0
     for step, loss in enumerate(fcp[0]["losses"]):
         ref = reference["losses"][step] if reference else math.nan
+        if reference:
+            worst = max(worst, abs(loss - ref) / abs(ref))
         print(f"{step:>4}  {loss:>12.7f}  {ref:>12.7f}  {abs(loss - ref) / abs(ref):>9.1e}  "
               f"{np.mean([r['tokens_per_second'][step] for r in fcp]):>13.0f}")
+    if reference is None:
+        print("verdict: no reference run (--no-reference); losses not compared")
+        return True
+    matched = worst <= LOSS_RTOL
+    print(f"verdict: {'MATCH' if matched else 'MISMATCH'}: {len(fcp[0]['losses'])} steps, largest relative loss "
+          f"difference {worst:.1e} ({'within' if matched else 'over'} {LOSS_RTOL:.0e}) against one process")
+    return matched
 
 
 def main() -> None:
@@ -397,7 +411,8 @@ def main() -> None:
         return
     fcp = train_on_cpu_ranks(config, args.world)
     reference = None if args.no_reference else train_reference(config)
-    _print_table(fcp, reference)
+    if not _print_table(fcp, reference):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
   weights as the single-process reference.
 """
 
+import os
 import re
 import shlex
 import subprocess
@@ -82,20 +83,11 @@ def test_the_training_loop_runs_as_written_and_trains_like_one_process():
     config = dataclasses.replace(example.Config(), block_size=4096)
 
     def task(rank, world):
-        import torch.distributed as dist
-        import torch.nn.functional as F
-        from torch.utils.data import DataLoader
-
-        from fcp_runtime import fcp_attn_func
-        from fcp_runtime.loader import PlanningCollate
-
-        model, optimizer = example.build(config, torch.device("cpu"))
-        namespace = dict(dist=dist, F=F, DataLoader=DataLoader, PlanningCollate=PlanningCollate,
-                         fcp_attn_func=fcp_attn_func, cp_ranks=list(range(world)), cp_rank=rank, model=model,
-                         optimizer=optimizer, step_batches=example.StepBatches(config, 0),
-                         sum_gradients=lambda module: example.sum_gradients(module, None))
+        # The block as written, from the repository root, in a fresh namespace: every name it uses it defines.
+        os.chdir(ROOT)
+        namespace = {"__name__": "readme_block"}
         exec(compile(block, "README.md (train with fcp)", "exec"), namespace)
-        return {name: value.detach().numpy().copy() for name, value in model.state_dict().items()}
+        return {name: value.detach().numpy().copy() for name, value in namespace["model"].state_dict().items()}
 
     reference = example.train_reference(config)["state"]
     for state in run_ranks(2, task, timeout=300):

@@ -115,3 +115,11 @@ def test_each_mistake_a_training_loop_can_make_breaks_the_parity(monkeypatch, at
     # Not a rounding-level miss: the first step's loss or the weights it produces are off by far more.
     assert max(abs(r["losses"][0] / _reference("plan")["losses"][0] - 1) for r in ranks) > 1e-4 or \
         max(np.abs(ranks[0]["state"][n] - v).max() for n, v in _reference("plan")["state"].items()) > 1e-3
+
+
+def test_the_example_ends_with_a_verdict_line(capsys):
+    fcp = [{"losses": [5.0, 4.0], "tokens_per_second": [1.0, 1.0]}]
+    assert example._print_table(fcp, {"losses": [5.0, 4.0000001]})
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: MATCH: 2 steps")
+    assert not example._print_table(fcp, {"losses": [5.0, 4.1]})
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: MISMATCH")
