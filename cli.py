@@ -114,11 +114,7 @@ def compile_command(
 ) -> None:
     """Compile a batch into a plan file and print its summary; a .jsonl of batches compiles into a folder."""
     from fcp_compiler.core.options import CompileOptions
-    from fcp_compiler.core.pipeline import compile_plan
-    from fcp_compiler.format.inputs import load_batch, make_shape
-    from fcp_compiler.format.safe_io import write_files_atomic
-    from fcp_compiler.tools.report import compile_summary
-    from fcp_compiler.core.simulate import layer_stats
+    from fcp_compiler.format.inputs import make_shape
 
     options = CompileOptions.of(gpus, block_size=block_size, coalesce=coalesce, token_cap=token_cap,
                                 token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
@@ -135,7 +131,17 @@ def compile_command(
         return
     if jobs is not None:
         raise InvalidInputError(f"--jobs {jobs} takes a .jsonl of batches; {str(batch)!r} is one batch")
-    output = output or Path(batch.with_suffix(".fcp").name)
+    _compile_one(batch, output or Path(batch.with_suffix(".fcp").name), stats, quiet, options, profile)
+
+
+def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, options, profile: str) -> None:
+    """Compile one batch file; the plan (and --stats) written together, then the summary."""
+    from fcp_compiler.core.pipeline import compile_plan
+    from fcp_compiler.core.simulate import layer_stats
+    from fcp_compiler.format.inputs import load_batch
+    from fcp_compiler.format.safe_io import write_files_atomic
+    from fcp_compiler.tools.report import compile_summary
+
     # Before compiling: a bad target costs nothing, and no output may overwrite an input or another output.
     check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     plan = compile_plan(load_batch(batch), options=options)

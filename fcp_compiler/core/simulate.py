@@ -247,6 +247,34 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
         InvalidInputError: an unknown model name.
     """
     header, tables, programs, profile, tiles = _read_with_costs(source, profile)
+    n = header.num_ranks
+    fwd_input, bwd_input, tile_idx = _pass_inputs(header, tables, programs, tiles, profile, record)
+    tile_rank = fwd_input.tile_rank
+    links = link_model(profile, n)
+    layer_model = load_model(header.model if model is None else model)
+    # Attention alone is recorded only when there is no layer around it to record.
+    attention_record = record and layer_model is None
+    forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
+    backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan, "bwd")
+    rank_tokens = _layer_tokens(header, tables, programs)
+    phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
+    layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
+        fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
+    batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
+    return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
+                      layer_backward=layer_backward, phases=phases, model=layer_model,
+                      bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
+                      flops_fwd=float(tiles.tile_flops.sum()),
+                      single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
+                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
+                      planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
+                      layout=header.layout.value, rank_tokens=rank_tokens)
+
+
+def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):
+    """Both passes' timing-model inputs from a plan's programs: messages (pulls and the pass's pushes, in bytes and
+    stages), tiles (seconds, stages, kernel calls) and, in the user layout, the reshuffles. Returns (forward,
+    backward, each stacked tile's index in `tiles`)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(programs, tiles, record)
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
@@ -294,31 +322,13 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
 
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
-    links = link_model(profile, n)
     fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
                            tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes)
     bwd_input = pass_input("bwd", bwd_pull_bytes, r_bwd_round,
                            lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV, kv_bytes, q_bytes),
                            tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
                            q_bytes + kv_bytes)
-    layer_model = load_model(header.model if model is None else model)
-    # Attention alone is recorded only when there is no layer around it to record.
-    attention_record = record and layer_model is None
-    forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
-    backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan, "bwd")
-    rank_tokens = _layer_tokens(header, tables, programs)
-    phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
-    layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
-        fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
-    batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
-    return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
-                      layer_backward=layer_backward, phases=phases, model=layer_model,
-                      bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
-                      flops_fwd=float(tiles.tile_flops.sum()),
-                      single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
-                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
-                      planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
-                      layout=header.layout.value, rank_tokens=rank_tokens)
+    return fwd_input, bwd_input, tile_idx
 
 
 def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,

@@ -118,25 +118,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_offloaded_tiles": assignment.num_offloaded_tiles,
         "num_relayed_transfers": rounds.transfers.num_relayed,  # re-sent by a rank that received them (fan-out too)
         "num_transfers": transfers.num_edges,
-        # Delta of each link class's forward pulls as sent (fan-out and relays included), and how many NVLink
-        # rounds share one; the rounds the pulls from owners were coloured into (Konig per class) and the rounds
-        # the forward pulls take once fan-out waits for its entries.
-        "max_degree": max(transfers.class_degrees),
-        "nvlink_degree": transfers.class_degrees[0],
-        "nic_degree": transfers.class_degrees[1],
-        "nvlink_lanes": rounds.nvlink_lanes,
-        "owner_rounds": rounds.num_rounds,
-        "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
-        # Pulls to a GPU that reads the block in no tile, only to re-send it inside its node (node fan-out), and the
-        # pulls re-sent inside a node.
-        "num_forwarding_transfers": int((~pulls_read(schedule)).sum()),
-        "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_link == 0)).sum()),
-        "num_fwd_rounds": schedule.forward.num_rounds,
-        "num_bwd_rounds": schedule.backward.num_rounds,
-        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward, rounds.nvlink_lanes),
-        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward, rounds.nvlink_lanes),
-        "num_fwd_stages": schedule.forward.num_stages,
-        "num_bwd_stages": schedule.backward.num_stages,
+        **_exchange_figures(schedule),
         "max_buffer_tokens": max_buffer_tokens(schedule) if max_buffer is None else max_buffer,
         "compute_imbalance": imbalance_ratio(compute),
         # The placement's objective: each rank's forward linear layers on its plan-layout tokens (the user layout's
@@ -166,4 +148,31 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "compile_seconds": compile_seconds,
         "pass_seconds": dict(pass_seconds),
         "plan_sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def _exchange_figures(schedule) -> dict:
+    """The figures of a schedule's rounds and stages (the header's counts among them)."""
+    rounds = schedule.rounds
+    transfers = rounds.transfers
+    return {
+        # Delta of each link class's forward pulls as sent (fan-out and relays included), and how many NVLink
+        # rounds share one; the rounds the pulls from owners were coloured into (Konig per class) and the rounds
+        # the forward pulls take once fan-out waits for its entries.
+        "max_degree": max(transfers.class_degrees),
+        "nvlink_degree": transfers.class_degrees[0],
+        "nic_degree": transfers.class_degrees[1],
+        "nvlink_lanes": rounds.nvlink_lanes,
+        "owner_rounds": rounds.num_rounds,
+        "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
+        # Pulls to a GPU that reads the block in no tile, only to re-send it inside its node (node fan-out), and the
+        # pulls re-sent inside a node.
+        "num_forwarding_transfers": int((~pulls_read(schedule)).sum()),
+        "num_fanned_out_transfers": int(((transfers.edge_parent >= 0) & (transfers.edge_link == 0)).sum()),
+        "num_fwd_rounds": schedule.forward.num_rounds,
+        "num_bwd_rounds": schedule.backward.num_rounds,
+        "fwd_exchange_degree": exchange_degree(transfers, schedule.forward, rounds.nvlink_lanes),
+        "bwd_exchange_degree": exchange_degree(transfers, schedule.backward, rounds.nvlink_lanes),
+        "num_fwd_stages": schedule.forward.num_stages,
+        "num_bwd_stages": schedule.backward.num_stages,
     }
