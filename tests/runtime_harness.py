@@ -24,19 +24,35 @@ def sequence_windows(lengths, masks) -> list[int]:
     return [int(w) for w in masks]
 
 
+REFERENCE_QUERY_CHUNK = 1024  # queries a step of the reference holds scores for (its backward recomputes them)
+
+
+def _dense_rows(qs, ks, vs, first: int, window: int, scale: float):
+    """Dense attention of the queries at positions first.. of one sequence against all its keys."""
+    scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+    if window:
+        back = torch.arange(first, first + qs.shape[0])[:, None] - torch.arange(ks.shape[0])[None, :]
+        scores = scores.masked_fill(~((back >= 0) & (back < window)), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs)
+
+
 def reference_attention(lengths, q, k, v, masks, scale: float):
     """Plain dense attention, sequence by sequence, written apart from the runtime: query t of a sequence with
-    window w sees keys t - w < s <= t (w 0: every key)."""
+    window w sees keys t - w < s <= t (w 0: every key). Long sequences go in chunks of queries, each recomputed in
+    the backward (torch.utils.checkpoint), so memory stays at one chunk's scores, not a sequence's square."""
+    from torch.utils.checkpoint import checkpoint
+
     outs, start = [], 0
     group = q.shape[1] // k.shape[1]
     for length, window in zip(lengths, sequence_windows(lengths, masks)):
         qs, ks, vs = (x[start:start + length] for x in (q, k, v))
         ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if window:
-            back = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # query position - key position
-            scores = scores.masked_fill(~((back >= 0) & (back < window)), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs))
+        for first in range(0, length, REFERENCE_QUERY_CHUNK):
+            rows = qs[first:first + REFERENCE_QUERY_CHUNK]
+            if length <= REFERENCE_QUERY_CHUNK:
+                outs.append(_dense_rows(rows, ks, vs, first, window, scale))
+            else:
+                outs.append(checkpoint(_dense_rows, rows, ks, vs, first, window, scale, use_reentrant=False))
         start += length
     return torch.cat(outs)
 

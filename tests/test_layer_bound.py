@@ -163,10 +163,11 @@ def _bound(case) -> dict:
     return layer_lower_bound(case["lengths"], case["windows"], visible, costs, machine)
 
 
-def test_the_bound_is_never_above_the_exact_optimum_of_200_small_instances():
+@pytest.mark.parametrize("count", [40, pytest.param(200, marks=pytest.mark.long)])
+def test_the_bound_is_never_above_the_exact_optimum_of_small_instances(count):
     rng = np.random.default_rng(20)
     solved, binding = 0, {"compute": 0, "communication": 0, "largest_unit": 0}
-    for _ in range(200):
+    for _ in range(count):
         case = _instance(rng)
         bound = _bound(case)
         optimum, proven = _optimum(**case)
@@ -174,8 +175,8 @@ def test_the_bound_is_never_above_the_exact_optimum_of_200_small_instances():
         assert bound["bound_s"] <= optimum + 1e-9, (case, bound, optimum)
         solved += proven
         binding[bound["binding"]] += 1
-    assert solved >= 180  # the comparison is with the optimum itself, not a weaker bound on it
-    assert binding["communication"] >= 10  # the communication term is exercised, not only the mean
+    assert solved >= 0.9 * count  # the comparison is with the optimum itself, not a weaker bound on it
+    assert binding["communication"] >= count // 20  # the communication term is exercised, not only the mean
 
 
 def test_the_bound_is_never_above_any_planners_simulated_layer_makespan():
