@@ -514,11 +514,13 @@ def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls, gpus_per_node: int, 
     if rounds.size:
         width = program.num_rounds
         for side, who in (("receives", receivers), ("sends", senders)):
-            per_round = np.bincount((who * 2 + link) * width + rounds, minlength=2 * width)
-            over = per_round - np.where(np.arange(per_round.size) // width % 2 == 0, lanes, 1)
+            # Counted per (end, class, round) that has a message: memory by the messages the file holds, not by
+            # the rounds its header claims.
+            key, per_round = sorted_unique_counts((who * 2 + link) * width + rounds)
+            over = per_round - np.where(key // width % 2 == 0, lanes, 1)
             if over.max() > 0:
                 bad = int(np.argmax(over))
-                end, rnd = divmod(bad, width)
+                end, rnd = divmod(int(key[bad]), width)
                 _fail(3, f"{label}: in round {rnd} rank {end // 2} {side} {int(per_round[bad])} "
                          f"{('NVLink', 'NIC')[end % 2]} messages (pulls and pushes together; at most "
                          f"{(lanes, 1)[end % 2]})")
