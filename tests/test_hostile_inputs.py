@@ -311,3 +311,25 @@ def test_a_batch_too_large_to_validate_is_refused_at_compile_time_from_its_lengt
     expect_one_line(capsys, ["compile", batch, "--gpus", 1, "--block-size", 64, "-o", tmp_path / "p.fcp"],
                     "segment pairs, more than the 64,000,000 fcp validate checks")
     assert not (tmp_path / "p.fcp").exists()
+
+
+def test_more_sequences_than_a_plan_may_hold_are_refused_before_a_list_of_them_is_built(monkeypatch):
+    """A batch of N sequences is at least N segment pairs to validate: past the limit it is refused from its size,
+    in the library (a numpy array is not turned into a list first) and in a batch file alike."""
+    import numpy as np
+
+    from fcp_compiler import compile_plan
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.errors import InvalidInputError
+    from fcp_compiler.format import inputs
+
+    monkeypatch.setattr(pipeline, "MAX_SEQUENCES", 100)
+    monkeypatch.setattr(inputs, "MAX_SEQUENCES", 100)
+
+    class NoList(np.ndarray):
+        def tolist(self):
+            raise AssertionError("the lengths were listed before the refusal")
+    with pytest.raises(InvalidInputError, match="the batch holds 101 sequences, more than the 100"):
+        compile_plan(np.ones(101, dtype=np.int64).view(NoList), 8)
+    with pytest.raises(InvalidInputError, match="the batch holds 101 sequences"):
+        inputs.parse_batch([1] * 101)
