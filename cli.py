@@ -348,6 +348,9 @@ def compare_command(
     model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
                                                             "none"),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]", parser=_ascii_int),
+    fit_memory: bool = typer.Option(False, "--fit-memory", help="hold every planner to FCP's live-buffer budget (4 x "
+                                    "coalesce x block size tokens; smaller stages where needed), so that all "
+                                    "compare at equal memory"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON [not written]"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
                                                              "needs matplotlib) [not drawn]"),
@@ -381,7 +384,7 @@ def compare_command(
     if jobs is not None and jobs < 1:
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
     rows = compare(batch_for, scales, chosen, progress=lambda line: typer.echo(line, err=True), jobs=jobs,
-                   options=CompileOptions.of(1, profile=profile, model=model))
+                   options=CompileOptions.of(1, profile=profile, model=model, fit_memory=fit_memory))
     if json_out:
         _write_json(json_out, {"results": rows})
     if plot:

@@ -54,8 +54,8 @@ def _score(lengths: list[int], gpus: int, method: str, model: str) -> dict:
     elif method == "fcp":
         variants = [{"model": model, **_CONTEXT.get("fcp_options", {})}]  # --fcp-options may place for another model
     else:
-        variants = [dict(planner=Planner(method), model=model, node_fan_out=switch, validatable=False)
-                    for switch in (True, False)]
+        variants = [dict(planner=Planner(method), model=model, node_fan_out=switch, validatable=False,
+                         fit_memory=_CONTEXT.get("fit_memory", False)) for switch in (True, False)]
     best = None
     for options in variants:
         row = _score_one(lengths, gpus, method, model, options)
@@ -249,12 +249,14 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="write every row as JSON")
     parser.add_argument("--mask", help="override every batch's mask, e.g. sliding_window:4096")
     parser.add_argument("--validate", help="comma-separated methods whose plans are validated [all]")
+    parser.add_argument("--baselines-fit-memory", action="store_true",
+                        help="hold the baselines to FCP's live-buffer budget (4cB, smaller stages where needed)")
     parser.add_argument("--timing-only", action="store_true",
                         help="only the --main-tree checks, timing each of --batches at 256 GPUs")
     args = parser.parse_args()
     makers = batches(args.eval_data)
     chosen = args.batches.split(",") if args.batches else list(makers)
-    _CONTEXT.update(makers=makers, model=args.model, mask=args.mask)
+    _CONTEXT.update(makers=makers, model=args.model, mask=args.mask, fit_memory=args.baselines_fit_memory)
     if args.validate:
         _CONTEXT["validate"] = tuple(args.validate.split(","))
     _CONTEXT["fcp_options"] = {key: _number(value) for key, value in

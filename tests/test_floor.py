@@ -129,3 +129,15 @@ def test_the_floors_work_is_bounded_by_tiles_and_always_schedules_fcps_own_place
     bounded = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4).stats["floor"]
     assert bounded["most_scheduled"] == 2
     assert [row["name"].split(" c")[0] for row in bounded["candidates"]] == ["layer direct", "layer+fan-out"]
+
+
+def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backward_stages():
+    """fit_memory schedules one placement as the floor fits its candidates, so that planners compare at equal
+    memory; without it the baseline keeps its system's stages and may hold more."""
+    lengths = lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0)
+    budget = 4 * 16 * 4096
+    free = compile_valid(lengths, 64, planner="magi", node_fan_out=False)
+    held = compile_valid(lengths, 64, planner="magi", node_fan_out=False, fit_memory=True)
+    assert free.header.max_buffer_tokens > budget >= held.header.max_buffer_tokens
+    assert held.header.coalesce == free.header.coalesce and held.header.bwd_coalesce < free.header.bwd_coalesce
+    assert held.header.inputs_digest != free.header.inputs_digest  # a different plan, said so in its digest

@@ -66,6 +66,9 @@ class CompileOptions:
     # Refuse a plan with more segment pairs than the validator enumerates (algorithms/limits.py), before sharding
     # where the lengths alone show it; False lets a tool score a ring baseline over hundreds of GPUs unvalidated.
     validatable: bool = True
+    # Schedule one placement (a baseline's, or FCP's own with the floor off) within the floor's live-buffer budget
+    # (4 x coalesce x block size tokens, smaller stages where needed), so that planners compare at equal memory.
+    fit_memory: bool = False
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:

@@ -89,6 +89,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
     }
     if options.planner is Planner.FCP and not _floor_applies(options):  # absent where it runs, as before it existed
         canonical["floor"] = False
+    if options.fit_memory and not _floor_applies(options):  # absent unless asked (the floor always fits)
+        canonical["fit_memory"] = True
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
     if batch.mask not in (MaskKind.CAUSAL, MaskKind.FULL):  # the lengths say every window of the others
@@ -185,13 +187,15 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             tokens dispatched once into the plan's layout; "user": attention reshuffles), shape, profile (a preset
             name or a HardwareProfile), mask, planner (fcp, or a baseline: ring, bytescale, wlbllm, magi),
             node_fan_out (None: FCP's floor tries both, each baseline as its system ships), floor (False: FCP's own
-            placement only), and the ablation switches pipelined, matching_rounds (False fails validation),
-            reshuffle_overlap.
+            placement only), fit_memory (one placement scheduled within the floor's live-buffer budget, for
+            comparisons at equal memory), validatable (False: a plan past the validator's segment pairs is
+            allowed, for scoring ring baselines), and the ablation switches pipelined, matching_rounds (False fails
+            validation), reshuffle_overlap.
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
         InvalidInputError: a bad length or parameter (named).
-        InfeasibleError: a token cap no placement can meet.
+        InfeasibleError: a token cap no placement can meet, or a plan larger than fcp validate checks.
     """
     total_start = time.perf_counter()
     timer = _PassTimer()
@@ -202,7 +206,12 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
-        schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
+        schedule = None
+        if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
+            budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
+            schedule, _ = _fit_memory(timer, rounds, options, budget)
+        if schedule is None:
+            schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         final, header_fields, data = _finish(timer, schedule, options, digest)
         floor_stats = None
     compile_seconds = time.perf_counter() - total_start
