@@ -315,7 +315,8 @@ def run_chunk(job) -> Outcome:
         case += 1
         name = names[int(rng.integers(len(names)))]
         data, label = mutate(sources[name], rng)
-        outcome.kinds[label.split()[0]] = outcome.kinds.get(label.split()[0], 0) + 1
+        kind = " ".join(label.split()[:2]) if label.startswith("paired") else label.split()[0]
+        outcome.kinds[kind] = outcome.kinds.get(kind, 0) + 1
         if data is None:
             outcome.skipped += 1
             continue
@@ -402,8 +403,12 @@ def fuzz(num_mutants: int, jobs: int, seed: int, timeout: int, replay: int, fold
     for o in outcomes:
         for key, value in o.kinds.items():
             kinds[key] = kinds.get(key, 0) + value
+    accepted_paired: dict = {}
+    for _, _, label in accepted:
+        if label.startswith("paired"):
+            accepted_paired[label] = accepted_paired.get(label, 0) + 1
     return {"mutants": sum(o.cases for o in outcomes), "not_built": sum(o.skipped for o in outcomes),
-            "kinds": kinds, "accepted": len(accepted), "accepted_identical": len(accepted) - len(changed),
+            "kinds": kinds, "accepted_paired": accepted_paired, "accepted": len(accepted), "accepted_identical": len(accepted) - len(changed),
             "accepted_changed": len(changed), "replayed_exactly": replayed, "replay_mismatches": mismatched,
             "bugs": [b for o in outcomes for b in o.bugs], "hangs": [h for o in outcomes for h in o.hangs],
             "peak_rss_mb": max(o.peak_rss_mb for o in outcomes),
@@ -426,6 +431,7 @@ def main() -> None:
     print(f"accepted by validate: {figures['accepted']} ({figures['accepted_identical']} identical in meaning to "
           f"their source, {figures['accepted_changed']} changed; {figures['replayed_exactly']} of those replayed "
           f"exactly on gloo, {len(figures['replay_mismatches'])} mismatches)")
+    print(f"paired mutants accepted, by kind: {figures['accepted_paired']}")
     print(f"internal errors or tracebacks: {len(figures['bugs'])}; hangs: {len(figures['hangs'])}; "
           f"peak RSS of a worker: {figures['peak_rss_mb']:.0f} MB ({figures['rss_growth_mb']:.0f} MB above its start)")
     for bug in figures["bugs"][:20] + figures["replay_mismatches"][:10]:
