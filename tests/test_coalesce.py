@@ -184,3 +184,20 @@ def test_smaller_backward_stages_keep_the_forward_and_are_the_default_at_twice_t
     push_stage = np.full(small_plan.ir.transfers.num_edges, -1)
     push_stage[smaller.backward.push_edge] = smaller.backward.push_round // 2
     assert (push_stage[tile_edge[reads]] > smaller.backward.tile_stage[reads]).all()
+
+
+def test_smaller_backward_stages_keep_every_later_forward_stage_later():
+    """A pull re-sent inside a node (or relayed) lands in a later forward stage than its entry; with backward stages
+    of r rounds (pull in round 2 x its forward round) it must land in a later backward stage too, which holds for
+    every pair of rounds exactly when r divides 2c. smaller_backward_rounds picks the largest such even r <= c."""
+    from fcp_compiler.core.passes.coalesce import smaller_backward_rounds
+
+    def keeps_order(c, r):
+        return all(2 * a // r < 2 * b // r for a in range(4 * c) for b in range(a + 1, 4 * c) if a // c < b // c)
+
+    assert smaller_backward_rounds(1) is None
+    for c in range(2, 40):
+        r = smaller_backward_rounds(c)
+        assert r % 2 == 0 and 2 <= r <= c and keeps_order(c, r)
+        assert not any(keeps_order(c, bigger) for bigger in range(r + 2, c + 1, 2))
+    assert not keeps_order(11, 10) and not keeps_order(9, 8)  # what rounding c down to even gave

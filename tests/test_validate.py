@@ -379,3 +379,12 @@ def test_a_coalesce_beyond_what_the_compiler_writes_is_refused(plan_bytes):
                        plan_bytes[start + header_length:]])
     with pytest.raises(PlanFormatError, match="coalesce"):
         validate_plan(forged)
+
+
+def test_a_refusal_crosses_a_process_boundary_intact():
+    """Workers (benchmarks, bulk compile) send a PlanInvalidError to their parent by pickling it."""
+    import pickle
+
+    error = PlanInvalidError(3, "in round 7 rank 2 receives 2 NIC messages")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.invariant == 3 and str(copy) == str(error)

@@ -21,7 +21,8 @@ from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import (coalesce, coalesce_forward, complete_backward, forward_peak,
-                                               max_buffer_tokens, pass_peaks, with_backward_rounds)
+                                               max_buffer_tokens, pass_peaks, smaller_backward_rounds,
+                                               with_backward_rounds)
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.fan_out import fan_out
@@ -335,16 +336,16 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if not options.pipelined or peak <= budget:
         return schedule, peak
-    if forward <= budget and rounds_per_stage > 1:
-        schedule = timer.run("coalesce", with_backward_rounds, schedule, rounds_per_stage // 2 * 2)
+    if forward <= budget and smaller_backward_rounds(rounds_per_stage):
+        schedule = timer.run("coalesce", with_backward_rounds, schedule, smaller_backward_rounds(rounds_per_stage))
         peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
         schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined)
-        if max(timer.run("floor", pass_peaks, schedule)) > budget and fewer > 1:
-            schedule = timer.run("coalesce", with_backward_rounds, schedule, fewer // 2 * 2)
+        if max(timer.run("floor", pass_peaks, schedule)) > budget and smaller_backward_rounds(fewer):
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, smaller_backward_rounds(fewer))
         peak = max(timer.run("floor", pass_peaks, schedule))
     return schedule, peak
 

@@ -39,7 +39,10 @@ class PlanInvalidError(PlanFormatError):
 
     def __init__(self, invariant: int, message: str):
         super().__init__(f"invariant {invariant} ({INVARIANTS[invariant]}) broken: {message}")
-        self.invariant = invariant
+        self.invariant, self.message = invariant, message
+
+    def __reduce__(self):  # a worker process's refusal reaches its parent intact (pickled by its arguments)
+        return PlanInvalidError, (self.invariant, self.message)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

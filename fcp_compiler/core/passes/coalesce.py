@@ -328,8 +328,17 @@ def complete_backward(part: ForwardSchedule) -> Schedule:
                     tile_q_edge=q_edge, tile_order=tile_order)
 
 
+def smaller_backward_rounds(coalesce_degree: int) -> int | None:
+    """The most rounds a backward stage may hold that is at most the forward's c (half the usual 2c), even, and
+    divides 2c; None for c = 1. Dividing 2c keeps every boundary of the usual backward stages a boundary: a pull
+    re-sent inside a node, or relayed, arrives in a later forward stage than its entry, and so in a later
+    backward stage too (its backward round is twice its forward round)."""
+    return next((rounds for rounds in range(coalesce_degree // 2 * 2, 1, -2) if 2 * coalesce_degree % rounds == 0),
+                None)
+
+
 def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
-    """The same schedule with the backward pass in stages of `backward_rounds` rounds (even, at most twice the
+    """The same schedule with the backward pass in stages of `backward_rounds` rounds (even, dividing twice the
     forward's): the forward, the pulls' rounds and the tiles' order are kept.
 
     A backward pull stays live from its stage until its gradient leaves two stages later, so fewer rounds a stage
@@ -337,7 +346,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
     """
     rounds = schedule.rounds
     transfers, coalesce_degree = rounds.transfers, schedule.coalesce
-    assert backward_rounds % 2 == 0 and 2 <= backward_rounds <= 2 * coalesce_degree
+    assert backward_rounds % 2 == 0 and 2 <= backward_rounds and 2 * coalesce_degree % backward_rounds == 0
     forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
     earliest = _Earliest.of(np.where(arrival_round >= 0, 2 * arrival_round, -1), 2 * forward_round, backward_rounds,
