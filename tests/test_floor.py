@@ -141,3 +141,29 @@ def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backwa
     assert free.header.max_buffer_tokens > budget >= held.header.max_buffer_tokens
     assert held.header.coalesce == free.header.coalesce and held.header.bwd_coalesce < free.header.bwd_coalesce
     assert held.header.inputs_digest != free.header.inputs_digest  # a different plan, said so in its digest
+
+
+def test_a_schedule_whose_relays_would_break_the_budget_is_finished_without_them(monkeypatch):
+    """A relay holds its block until it has re-sent it: where that lifts a fitting schedule over the budget, the
+    floor keeps the schedule's own senders (and says so) rather than dropping the candidate."""
+    import dataclasses
+
+    from fcp_compiler.core import pipeline
+
+    relayed = []
+    real_relay, real_peak = pipeline.relay, pipeline.max_buffer_tokens
+
+    def relay_over_budget(schedule):
+        relayed.append(dataclasses.replace(real_relay(schedule)))  # a new object: its peak is reported over
+        return relayed[-1]
+
+    monkeypatch.setattr(pipeline, "relay", relay_over_budget)
+    monkeypatch.setattr(pipeline, "max_buffer_tokens",
+                        lambda schedule: 10**9 if any(schedule is r for r in relayed) else real_peak(schedule))
+    lengths = lognormal_batch(8 * 8192, 1024, 1.8, 64, 32768, seed=2)
+    plan = compile_valid(lengths, 8, block_size=1024, coalesce=2, gpus_per_node=4)
+    floor_stats = plan.stats["floor"]
+    assert relayed and floor_stats["winner"].endswith("no relays")
+    scored = [c for c in floor_stats["candidates"] if math.isfinite(c["layer_makespan_fwd_s"])]
+    assert scored and all(c["name"].endswith("no relays") for c in scored)
+    assert plan.stats["num_relayed_transfers"] == plan.stats["num_fanned_out_transfers"]  # fan-out only

@@ -78,11 +78,12 @@ class Score:
     layer_makespan_fwd_s: float
     layer_makespan_bwd_s: float
     max_buffer_tokens: int
+    relays: bool = True  # False: relays would have held blocks past the budget the schedule met, so none were made
 
     @property
     def name(self) -> str:
         """The candidate's name with its stage sizes: rounds a forward stage / a backward stage."""
-        return f"{self.candidate.name} c{self.coalesce}/{self.backward_rounds}"
+        return f"{self.candidate.name} c{self.coalesce}/{self.backward_rounds}{'' if self.relays else ' no relays'}"
 
     @property
     def layer_seconds(self) -> float:

@@ -260,16 +260,19 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             routed[candidate.placement] = _route(timer, assignment, options)
         transfers = routed[candidate.placement]
         schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
-        figures = None
+        figures, relays = None, True
         if schedule is not None and peak <= budget:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, digest)
+            if plan[1]["max_buffer_tokens"] > budget:  # a relay holds its block longer: keep the schedule's senders
+                plan, relays = _finish(timer, schedule, options, digest, relays=False), False
             peak = plan[1]["max_buffer_tokens"]
             figures = timer.run("floor", _layer_figures, plan) if peak <= budget else None
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
             layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
-            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak)
+            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak,
+            relays=relays)
         # Only the best plan so far, and the least memory among those over the budget, are kept (each candidate's
         # IR is hundreds of MB at thousands of ranks); floor.choose makes the same choice from the scores alone.
         if figures is not None and (best is None or score.layer_seconds < best[0].layer_seconds):
@@ -368,9 +371,10 @@ def _rounds(timer: _PassTimer, transfers: Transfers, options: CompileOptions, wi
     return timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds, transfers)
 
 
-def _finish(timer: _PassTimer, schedule: Schedule, options: CompileOptions, digest: str) -> tuple:
-    """relay (FCP), reshuffle and encode: (final IR, header fields, plan bytes)."""
-    if options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their systems' star senders
+def _finish(timer: _PassTimer, schedule: Schedule, options: CompileOptions, digest: str,
+            relays: bool = True) -> tuple:
+    """relay (FCP, unless `relays` is off), reshuffle and encode: (final IR, header fields, plan bytes)."""
+    if relays and options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their star senders
         schedule = timer.run("relay", relay, schedule)
     final = timer.run("reshuffle", reshuffle, schedule)
     header_fields = _header_fields(final, options, schedule.rounds.transfers.assignment.token_cap, digest)
