@@ -32,10 +32,10 @@ def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
     names = [candidate.name for candidate in candidates(False, None)]
     assert names == ["layer direct", "layer+fan-out", "layer-tokens-5% direct", "layer-tokens-5%+fan-out",
                      "layer-tokens-10% direct", "layer-tokens-10%+fan-out", "attention direct", "attention+fan-out",
-                     "greedy direct", "greedy+fan-out"]
+                     "greedy direct", "greedy+fan-out", "magi direct"]
     assert [c.name for c in candidates(False, True, tolerances=False)] == ["layer+fan-out", "attention+fan-out",
                                                                           "greedy+fan-out"]
-    assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct"]
+    assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct", "magi direct"]
 
 
 @pytest.mark.parametrize("seed, gpus", [(1, 16), (4, 32)])
@@ -46,7 +46,8 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     floor = plan.stats["floor"]
     rows = floor["candidates"]
     # Every candidate is scheduled, or skipped as the same placement as an earlier one or by its busy bound.
-    assert len(rows) + 2 * len(floor["pruned"]) == 10 and floor["memory_budget_tokens"] == 4 * 4 * 512
+    skipped_candidates = sum(1 if skipped["placement"] == "magi" else 2 for skipped in floor["pruned"])  # direct only
+    assert len(rows) + skipped_candidates == 11 and floor["memory_budget_tokens"] == 4 * 4 * 512
     best = min(row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] for row in rows)
     for skipped in floor["pruned"]:
         assert skipped["same_as"] is not None or skipped["busy_lower_bound_s"] >= best

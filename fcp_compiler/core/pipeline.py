@@ -245,19 +245,21 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         if fcp_tiles is not None and len(scores) >= floor.most_scheduled(fcp_tiles.num_tiles):
             break  # the floor's work is bounded (floor.TILE_BUDGET)
         if candidate.placement not in routed:
-            if candidate.placement is not Placement.GREEDY and fcp_tiles is None:
+            if candidate.placement not in floor.EQUAL_CHUNKS and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
             assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
             # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
             # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
             fastest = best[0].layer_seconds if best is not None else math.inf
             bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
-            same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)]
+            same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)
+                    and (earlier is Placement.MAGI) == (candidate.placement is Placement.MAGI)]  # routed alike
             if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
                 pruned[candidate.placement] = (bound, same[0] if same else None)
                 continue
             placed_by[candidate.placement] = assignment
-            routed[candidate.placement] = _route(timer, assignment, options)
+            routed[candidate.placement] = _route(timer, assignment, options,
+                                                 as_its_system=candidate.placement is Placement.MAGI)
         transfers = routed[candidate.placement]
         schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
         figures, relays = None, True
@@ -353,11 +355,11 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     return schedule, peak
 
 
-def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions) -> Transfers:
+def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions, as_its_system: bool = False) -> Transfers:
     """plan_transfers and localize: FCP in the plan layout groups heavy-talking ranks into nodes after listing the
-    pulls (renumbering them is cheaper than listing them again); otherwise a block's owner goes where its tokens
-    live, before the pulls are listed."""
-    if options.planner is Planner.FCP and options.layout is Layout.PLAN:
+    pulls (renumbering them is cheaper than listing them again); otherwise (and for a baseline's placement routed as
+    its system routes it) a block's owner goes where its tokens live, before the pulls are listed."""
+    if options.planner is Planner.FCP and options.layout is Layout.PLAN and not as_its_system:
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
         return timer.run("localize", group_nodes, transfers)
     assignment = timer.run("localize", localize, assignment)
@@ -387,7 +389,7 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, p
     FCP's own, sharded and costed here), the equal-chunk greedy of the floor, or a baseline's own sharding and
     placement (docs/DESIGN.md section 6)."""
     planner, num_ranks, block_size = options.planner, options.num_ranks, options.resolved_block_size
-    if planner is Planner.FCP and placement is not Placement.GREEDY:
+    if planner is Planner.FCP and placement not in floor.EQUAL_CHUNKS:
         tiles = tiles if tiles is not None else _fcp_tiles(timer, batch, options)
         # The linear layers run on a rank's blocks only in the plan layout; in the user layout they run on the even
         # user chunks whatever the placement, which then weighs attention (and its reshuffle, by home ranks) alone.
@@ -399,7 +401,7 @@ def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, p
         if placement in floor.LAYER_TOLERANCES:
             tolerance = floor.LAYER_TOLERANCES[placement] or options.resolved_token_tolerance
         return timer.run("assign", assign, tiles, num_ranks, cap, BALANCE_TOLERANCE, tolerance, linear)
-    baseline = Planner.MAGI if placement is Placement.GREEDY else planner
+    baseline = Planner.MAGI if placement in floor.EQUAL_CHUNKS else planner
     sharding, block_rank = timer.run("shard", BASELINES[baseline], batch, num_ranks, block_size, cap)
     _check_validatable(sharding, options)
     if baseline is Planner.RING and ring_in_closed_form(sharding):
