@@ -225,3 +225,5 @@ def test_one_compile_options_object_gives_the_same_plan_as_keywords():
         CompileOptions.of(4, coalesce_degree=4)
     with pytest.raises(InvalidInputError, match="layout 'users' must be one of plan, user"):
         CompileOptions.of(4, layout="users")
+    with pytest.raises(InvalidInputError, match="fit_memory 'yes' must be True or False"):
+        CompileOptions.of(4, fit_memory="yes")  # a truthy string would silently switch it on

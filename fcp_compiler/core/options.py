@@ -157,6 +157,9 @@ class CompileOptions:
                                     f"(8 on an HGX node)")
         if self.node_fan_out is not None and not isinstance(self.node_fan_out, bool):
             raise InvalidInputError(f"--node-fan-out {self.node_fan_out!r} must be on or off")
+        for name in ("pipelined", "matching_rounds", "reshuffle_overlap", "floor", "validatable", "fit_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} {getattr(self, name)!r} must be True or False")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):
