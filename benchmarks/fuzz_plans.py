@@ -65,7 +65,8 @@ REPLAYED_WHEN_IDENTICAL = ("paired pull_recv order",)
 HEADER_FIELDS = ("num_ranks", "block_size", "coalesce", "bwd_coalesce", "token_cap", "zigzag", "mask",
                  "num_sequences", "total_tokens", "num_blocks", "layout", "num_rounds", "num_fwd_rounds",
                  "num_bwd_rounds", "num_fwd_stages", "num_bwd_stages", "recv_buffer_tokens", "max_buffer_tokens",
-                 "pipelined", "rounds_kind", "reshuffle_overlap")
+                 "pipelined", "rounds_kind", "reshuffle_overlap", "nvlink_lanes", "nvlink_degree", "nic_degree",
+                 "profile.gpus_per_node")
 
 
 class Hang(Exception):
@@ -113,6 +114,12 @@ def _mutate_array(values: np.ndarray, rng) -> np.ndarray:
 
 def _mutate_header(fields: dict, rng) -> str:
     name = HEADER_FIELDS[int(rng.integers(len(HEADER_FIELDS)))]
+    if name == "profile.gpus_per_node":  # the node size: which messages are NVLink and which NIC
+        profile = dict(fields["profile"])
+        size = int(profile["gpus_per_node"])
+        profile["gpus_per_node"] = size + int(rng.choice([-1, 1, 2 - size]))
+        fields["profile"] = profile
+        return f"header {name}"
     value = fields[name]
     if isinstance(value, bool):
         fields[name] = not value
