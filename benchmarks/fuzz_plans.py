@@ -415,7 +415,8 @@ def fuzz(num_mutants: int, jobs: int, seed: int, timeout: int, replay: int, fold
         if label.startswith("paired"):
             accepted_paired[label] = accepted_paired.get(label, 0) + 1
     return {"mutants": sum(o.cases for o in outcomes), "not_built": sum(o.skipped for o in outcomes),
-            "kinds": kinds, "accepted_paired": accepted_paired, "accepted": len(accepted), "accepted_identical": len(accepted) - len(changed),
+            "kinds": kinds, "accepted_paired": accepted_paired, "accepted": len(accepted),
+            "accepted_identical": len(accepted) - len(changed),
             "accepted_changed": len(changed), "replayed_exactly": replayed, "replay_mismatches": mismatched,
             "bugs": [b for o in outcomes for b in o.bugs], "hangs": [h for o in outcomes for h in o.hangs],
             "peak_rss_mb": max(o.peak_rss_mb for o in outcomes),
