@@ -168,3 +168,19 @@ def test_a_schedule_whose_relays_would_break_the_budget_is_finished_without_them
     scored = [c for c in floor_stats["candidates"] if math.isfinite(c["layer_makespan_fwd_s"])]
     assert scored and all(c["name"].endswith("no relays") for c in scored)
     assert plan.stats["num_relayed_transfers"] == plan.stats["num_fanned_out_transfers"]  # fan-out only
+
+
+def test_an_equal_chunk_placement_past_a_limit_is_skipped_with_its_reason_not_the_compile(monkeypatch):
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.core.baselines import Planner
+    from fcp_compiler.errors import InfeasibleError
+
+    def refused(*args):
+        raise InfeasibleError("the plan would cut its sequences into 70,000,000 segment pairs")
+    monkeypatch.setitem(pipeline.BASELINES, Planner.MAGI, refused)
+    plan = compile_valid(lognormal_batch(8 * 8192, 1024, 1.8, 64, 32768, seed=2), 8, block_size=1024, coalesce=2)
+    skipped = {row["placement"]: row for row in plan.stats["floor"]["pruned"]}
+    assert {"greedy", "magi"} <= set(skipped) and "segment pairs" in skipped["magi"]["refused"]
+    assert not plan.stats["floor"]["winner"].startswith(("greedy", "magi"))
+    with pytest.raises(InfeasibleError, match="segment pairs"):  # a baseline compiled for itself is still refused
+        compile_plan([5000, 300], 8, planner="magi")

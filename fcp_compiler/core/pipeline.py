@@ -247,7 +247,13 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         if candidate.placement not in routed:
             if candidate.placement not in floor.EQUAL_CHUNKS and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
-            assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
+            try:
+                assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
+            except InfeasibleError as refusal:  # MagiAttention's chunks past a limit FCP's own blocks meet
+                if candidate.placement not in floor.EQUAL_CHUNKS:
+                    raise
+                pruned[candidate.placement] = (math.inf, None, str(refusal))
+                continue
             # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
             # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
             fastest = best[0].layer_seconds if best is not None else math.inf
@@ -255,7 +261,7 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)
                     and (earlier is Placement.MAGI) == (candidate.placement is Placement.MAGI)]  # routed alike
             if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
-                pruned[candidate.placement] = (bound, same[0] if same else None)
+                pruned[candidate.placement] = (bound, same[0] if same else None, None)
                 continue
             placed_by[candidate.placement] = assignment
             routed[candidate.placement] = _route(timer, assignment, options,
@@ -302,8 +308,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
                         "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
-                    "same_as": same.value if same is not None else None}
-                   for placement, (bound, same) in pruned.items()]}
+                    "same_as": same.value if same is not None else None, "refused": refused}
+                   for placement, (bound, same, refused) in pruned.items()]}
     return (*plan, floor_stats)
 
 
@@ -355,7 +361,8 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     return schedule, peak
 
 
-def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions, as_its_system: bool = False) -> Transfers:
+def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions,
+           as_its_system: bool = False) -> Transfers:
     """plan_transfers and localize: FCP in the plan layout groups heavy-talking ranks into nodes after listing the
     pulls (renumbering them is cheaper than listing them again); otherwise (and for a baseline's placement routed as
     its system routes it) a block's owner goes where its tokens live, before the pulls are listed."""

@@ -54,12 +54,18 @@ def _floor_line(stats: dict) -> list[str]:
                                    if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]
                                    else f"over memory ({row['max_buffer_tokens']} tokens)")
               for row in floor["candidates"]]
-    scored += [f"{row['placement']} placement skipped (" + (f"the same as {row['same_as']}" if row.get("same_as")
-                                                          else f"its busiest rank alone takes "
-                                                                f"{row['busy_lower_bound_s'] * 1e3:.1f} ms") + ")"
-               for row in floor.get("pruned", [])]
+    scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
     return [f"  floor: kept {floor['winner']} of {len(floor['candidates'])} candidates scheduled (layer fwd + bwd, "
             f"live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+
+
+def _skipped_because(row: dict) -> str:
+    """Why the floor did not schedule a placement."""
+    if row.get("refused"):
+        return f"refused: {row['refused']}"
+    if row.get("same_as"):
+        return f"the same as {row['same_as']}"
+    return f"its busiest rank alone takes {row['busy_lower_bound_s'] * 1e3:.1f} ms"
 
 
 def compile_summary(stats: dict, path: str | None) -> str:
@@ -67,7 +73,8 @@ def compile_summary(stats: dict, path: str | None) -> str:
     blocks = "zigzag" if stats["zigzag"] else "plain"
     lines = [
         f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
-        f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), coalesce {stats['coalesce']}/{stats['bwd_coalesce']}, "
+        f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), "
+        f"coalesce {stats['coalesce']}/{stats['bwd_coalesce']}, "
         f"{stats['layout']} layout",
         table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "pull rounds", "stages fwd/bwd",
                "compute imb", "comm imb", "LB ratio", "tokens/rank", "cap"],
