@@ -301,16 +301,23 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         plan = _finish(timer, schedule, options, digest)
         figures = _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS}
-    floor_stats["floor"] = {
-        "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": time.perf_counter() - started,
-        "most_scheduled": floor.most_scheduled(fcp_tiles.num_tiles) if fcp_tiles is not None else None,
+    floor_stats["floor"] = _floor_record(scores, winner, pruned, budget, time.perf_counter() - started,
+                                         floor.most_scheduled(fcp_tiles.num_tiles) if fcp_tiles is not None else None)
+    return (*plan, floor_stats)
+
+
+def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds: float,
+                  most_scheduled: int | None) -> dict:
+    """stats["floor"]: the winner, every scheduled candidate's score, and the placements skipped and why."""
+    return {
+        "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": seconds,
+        "most_scheduled": most_scheduled,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
                         "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
                     "same_as": same.value if same is not None else None, "refused": refused}
                    for placement, (bound, same, refused) in pruned.items()]}
-    return (*plan, floor_stats)
 
 
 def _same_placement(first: Assignment, second: Assignment) -> bool:
