@@ -209,8 +209,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
         schedule = None
         if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
-            budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
-            schedule, _ = _fit_memory(timer, rounds, options, budget)
+            schedule, _ = _fit_memory(timer, rounds, options, _memory_budget(options))
         if schedule is None:
             schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         final, header_fields, data = _finish(timer, schedule, options, digest)
@@ -223,6 +222,11 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
+def _memory_budget(options: CompileOptions) -> int:
+    """The live buffer tokens a plan may hold: MEMORY_BUDGET_STAGES stages' worth of pulls (4cB)."""
+    return floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
+
+
 def _floor_applies(options: CompileOptions) -> bool:
     """The floor compares FCP's candidates; a baseline is its system's placement, and an ablation shows one
     technique alone."""
@@ -233,13 +237,15 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
     started = time.perf_counter()
-    budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
+    budget = _memory_budget(options)
     routed: dict[Placement, Transfers] = {}
     fcp_tiles = None  # shared by FCP's own placements
     scores, pruned, placed_by = [], {}, {}
     best = least = None
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
+        if candidate.placement is Placement.MAGI and Placement.GREEDY in pruned:  # one placement: its bound holds
+            pruned[candidate.placement] = pruned[Placement.GREEDY]
         if candidate.placement in pruned:
             continue
         if fcp_tiles is not None and len(scores) >= floor.most_scheduled(fcp_tiles.num_tiles):
@@ -248,7 +254,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             if candidate.placement not in floor.EQUAL_CHUNKS and fcp_tiles is None:
                 fcp_tiles = _fcp_tiles(timer, batch, options)
             try:
-                assignment = _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
+                assignment = placed_by.get(Placement.GREEDY) if candidate.placement is Placement.MAGI else None
+                assignment = assignment or _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
             except InfeasibleError as refusal:  # MagiAttention's chunks past a limit FCP's own blocks meet
                 if candidate.placement not in floor.EQUAL_CHUNKS:
                     raise
@@ -354,16 +361,17 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if not options.pipelined or peak <= budget:
         return schedule, peak
-    if forward <= budget and smaller_backward_rounds(rounds_per_stage):
-        schedule = timer.run("coalesce", with_backward_rounds, schedule, smaller_backward_rounds(rounds_per_stage))
+    if forward <= budget and (backward_rounds := smaller_backward_rounds(rounds_per_stage)):
+        schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds)
         peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
         schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined)
-        if max(timer.run("floor", pass_peaks, schedule)) > budget and smaller_backward_rounds(fewer):
-            schedule = timer.run("coalesce", with_backward_rounds, schedule, smaller_backward_rounds(fewer))
+        backward_rounds = smaller_backward_rounds(fewer)
+        if max(timer.run("floor", pass_peaks, schedule)) > budget and backward_rounds:
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds)
         peak = max(timer.run("floor", pass_peaks, schedule))
     return schedule, peak
 
