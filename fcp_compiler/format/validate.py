@@ -435,9 +435,9 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
     # A segment listed twice would be sent twice and land twice: the message's rows would not be the block's.
     row_seg = np.repeat(np.arange(pulls.count.size, dtype=np.int64), pulls.count) * plan.tables.seg_block.size \
         + pulls.segs
-    if sorted_unique(row_seg).size != row_seg.size:
-        row = int(np.flatnonzero(np.diff(np.sort(row_seg)) == 0)[0])
-        row = int(np.sort(row_seg)[row]) // plan.tables.seg_block.size
+    keys, listed = sorted_unique_counts(row_seg)
+    if (listed > 1).any():
+        row = int(keys[np.argmax(listed > 1)]) // plan.tables.seg_block.size
         _fail(2, f"rank {int(pulls.me[row])}'s pull of block {int(pulls.block[row])} from rank "
                  f"{int(pulls.peer[row])} lists a segment twice")
     if (pulls.peer == pulls.me).any():
