@@ -53,6 +53,7 @@ def _finite_float(value: object) -> float:
 
 
 GPUS = typer.Option(..., "--gpus", help="number of ranks (GPUs), >= 1", parser=_ascii_int)
+PROFILE = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON")
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -71,7 +72,7 @@ def compile_command(
                                                                         "[4096; not for ring, bytescale, wlbllm]",
                                             parser=_ascii_int),
     coalesce: int = typer.Option(16, "--coalesce", help="rounds merged into one stage", parser=_ascii_int),
-    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    profile: str = PROFILE,
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node",
                                                 help="GPUs sharing NVLink in a node, each with its own NIC [the "
                                                      "profile's: 8]", parser=_ascii_int),
@@ -306,7 +307,7 @@ def simulate_command(
 def ablate_command(
     batch: Path = typer.Argument(..., help="batch JSON"),
     gpus: int = GPUS,
-    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    profile: str = PROFILE,
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the steps as JSON [not written]"),
 ) -> None:
     """The seed's Table 2: each technique switched on in turn, normalized MFU beside the seed's."""
@@ -344,7 +345,7 @@ def compare_command(
                                        parser=_ascii_int),
     methods: str = typer.Option("fcp,ring,bytescale,wlbllm,magi", "--methods",
                                 help="comma-separated planners (fcp-user: FCP in the user layout)"),
-    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    profile: str = PROFILE,
     model: str = typer.Option("llama3-70b", "--model", help="the layer around attention: llama3-8b, llama3-70b or "
                                                             "none"),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]", parser=_ascii_int),
@@ -397,7 +398,7 @@ def sweep_command(
     batch: Path = typer.Argument(..., help="batch JSON"),
     gpus: int = GPUS,
     block_size: str = typer.Option("1024,2048,4096,8192", "--block-size", help="comma-separated block sizes"),
-    profile: str = typer.Option("h100", "--profile", help="preset (h100, h200, a100, b200) or a profile JSON"),
+    profile: str = PROFILE,
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON [not written]"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="normalized MFU vs block size (.png/.pdf/.svg; needs "
                                                              "matplotlib) [not drawn]"),
@@ -579,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
         message, got = error.format_message(), _offending_value(argv, error)
-        if error.__class__.__name__ == "NoArgsIsHelpError":  # a bare `fcp` or group: its help, and exit 2
+        # A bare `fcp` or group: its help, and exit 2. Typer raises its vendored click's NoArgsIsHelpError (a private
+        # module, typer._click), so the class is known by name.
+        if type(error).__name__ == "NoArgsIsHelpError":
             typer.echo(message)
             return 2
         if not message:  # a bare `fcp` (or a group without its command): the help above says what to give
