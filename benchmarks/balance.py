@@ -11,11 +11,11 @@ Real distributions are read from --eval-data when it exists (they are not part o
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
 
+from placement import EVAL_DATA
 from fcp_compiler import compile_plan
 from fcp_compiler.tools.report import table
 from fcp_compiler.tools.traces import (empirical_batch, histogram_batch, lognormal_batch, read_histogram_csv,
@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="64,128,256")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
+    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
     parser.add_argument("--zigzag", default="auto")
     args = parser.parse_args()
     rows, worst = [], {"compute": 0.0, "comm": 0.0, "lb": 0.0}

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from placement import TOKENS_PER_GPU, batches  # noqa: E402
+from placement import EVAL_DATA, TOKENS_PER_GPU, batches  # noqa: E402
 
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.format.validate import validate_plan  # noqa: E402
@@ -40,7 +39,7 @@ def _score(lengths: list[int], gpus: int, options: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=WORST)
-    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
+    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
     args = parser.parse_args()
     makers = batches(args.eval_data)
     rows = []

@@ -30,6 +30,8 @@ from fcp_compiler.core.simulate import simulate_plan
 from fcp_compiler.tools.traces import empirical_batch, histogram_batch, read_histogram_csv, read_lengths_file
 
 TOKENS_PER_GPU = 32768
+# Where the public length files are (traces/README.md lists them): --eval-data, else $FCP_EVAL_DATA, else ./eval-data.
+EVAL_DATA = Path(os.environ.get("FCP_EVAL_DATA", "eval-data"))
 TAIL_FRACTION = 0.2
 BASELINES = (Planner.RING, Planner.BYTESCALE, Planner.WLBLLM, Planner.MAGI)
 
@@ -62,7 +64,7 @@ def matrix_arguments(parser: argparse.ArgumentParser) -> None:
     batches."""
     parser.add_argument("--gpus", default="64,256")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
+    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
     parser.add_argument("--batches", help="comma-separated batch names (default: all)")
 
 

@@ -18,10 +18,10 @@ without it.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
+from placement import EVAL_DATA
 from fcp_compiler import CompileOptions
 from fcp_compiler.core.baselines import Planner
 from fcp_compiler.tools.compare import compare, sweep_block_sizes
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--gpus", default="16,32,64,128,256")
     parser.add_argument("--seeds", default="0,1,2", help="paper-like trace seeds (the first one is tabulated)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
-    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
+    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
     args = parser.parse_args()
     scales = [int(g) for g in args.gpus.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]

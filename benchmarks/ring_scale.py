@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from placement import EVAL_DATA  # noqa: E402
 
 CHILD = """
 import json, resource, sys, time
@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-data", type=Path, default=Path(os.environ.get("FCP_EVAL_DATA", "eval-data")))
+    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
     args = parser.parse_args()
     rows = []
     for name in batches(args.eval_data):
