@@ -30,12 +30,24 @@ def test_choose_takes_the_fastest_within_the_budget_else_the_least_memory():
 
 def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
     names = [candidate.name for candidate in candidates(False, None)]
-    assert names == ["layer direct", "layer+fan-out", "layer-tokens-5% direct", "layer-tokens-5%+fan-out",
-                     "layer-tokens-10% direct", "layer-tokens-10%+fan-out", "attention direct", "attention+fan-out",
-                     "greedy direct", "greedy+fan-out", "magi direct"]
+    assert names == ["layer direct", "layer+fan-out", "layer-tokens-5% direct", "layer-tokens-10% direct",
+                     "attention direct", "greedy direct", "magi direct"]
     assert [c.name for c in candidates(False, True, tolerances=False)] == ["layer+fan-out", "attention+fan-out",
                                                                           "greedy+fan-out"]
     assert [c.name for c in candidates(True, False)] == ["layer direct", "greedy direct", "magi direct"]
+
+
+def test_the_fastest_direct_placement_follows_with_fan_out_only_when_fcps_own_fits_with_it():
+    from fcp_compiler.core.floor import fan_out_follower
+
+    own_direct, own_fan_out = _score("layer", 3.0, 100, fan_out=False), _score("layer", 2.9, 150)
+    greedy, magi = _score("greedy", 2.0, 120, fan_out=False), _score("magi", 1.9, 120, fan_out=False)
+    assert fan_out_follower([own_direct, own_fan_out, greedy], 200) == Candidate(placement=Placement.GREEDY,
+                                                                                 fan_out=True)
+    assert fan_out_follower([own_direct, own_fan_out, greedy, magi], 200).placement is Placement.GREEDY  # its placement
+    assert fan_out_follower([own_direct, own_fan_out, greedy], 140) is None  # FCP's own was over with fan-out
+    assert fan_out_follower([own_direct, own_fan_out, _score("greedy", 2.0, 300, fan_out=False)], 200) is None
+    assert fan_out_follower([_score("layer", 1.0, 100, fan_out=False), own_fan_out, greedy], 200) is None
 
 
 @pytest.mark.parametrize("seed, gpus", [(1, 16), (4, 32)])
@@ -45,9 +57,12 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     plan = compile_valid(lengths, gpus, **options)
     floor = plan.stats["floor"]
     rows = floor["candidates"]
-    # Every candidate is scheduled, or skipped as the same placement as an earlier one or by its busy bound.
-    skipped_candidates = sum(1 if skipped["placement"] == "magi" else 2 for skipped in floor["pruned"])  # direct only
-    assert len(rows) + skipped_candidates == 11 and floor["memory_budget_tokens"] == 4 * 4 * 512
+    # Every candidate is scheduled, or skipped as the same placement as an earlier one or by its busy bound; the
+    # fastest direct placement follows with fan-out when FCP's own fit with it.
+    followers = [row for row in rows if "+fan-out" in row["name"] and not row["name"].startswith("layer+")]
+    assert len(rows) + len(floor["pruned"]) == 7 + len(followers) and floor["memory_budget_tokens"] == 4 * 4 * 512
+    own_fan_out = next(row for row in rows if row["name"].startswith("layer+fan-out"))
+    assert not followers or own_fan_out["max_buffer_tokens"] <= floor["memory_budget_tokens"]
     best = min(row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] for row in rows)
     for skipped in floor["pruned"]:
         assert skipped["same_as"] is not None or skipped["busy_lower_bound_s"] >= best

@@ -78,7 +78,7 @@ def _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit):
     """The greedy written plainly: per rank a list of unmoved tiles by earliest stage, a moved tile deleted."""
     import bisect
 
-    from fcp_compiler.algorithms.leveling import MAX_SKIPS, _LiveBuffers
+    from fcp_compiler.algorithms.leveling import MAX_SKIPS
 
     stage = earliest.astype(np.int64).copy()
     num_stages = int(stage.max()) + 1
@@ -88,7 +88,7 @@ def _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit):
         for tile, buffer in enumerate(limit.tile_buffer.tolist()):
             if buffer >= 0:
                 last[buffer] = max(last[buffer], stage[tile])
-        buffers = _LiveBuffers(limit, last, num_ranks, num_stages)
+        buffers = _ReferenceBuffers(limit, last, num_ranks, num_stages)
     pending = [[t for t in np.lexsort((np.arange(stage.size), earliest, rank)).tolist() if movable[t] and rank[t] == r]
                for r in range(num_ranks)]
     firsts = [[int(earliest[t]) for t in tiles] for tiles in pending]
@@ -114,6 +114,32 @@ def _reference_level_stages(earliest, rank, seconds, num_ranks, movable, limit):
     return stage
 
 
+class _ReferenceBuffers:
+    """Live tokens per rank and stage as lists, a tile's buffer checked and extended one at a time."""
+
+    def __init__(self, limit, last, num_ranks, num_stages):
+        from fcp_compiler.algorithms.liveness import live_tokens
+
+        end = last + limit.buffer_hold
+        self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
+                                int(max(end.max(initial=0), num_stages)) + 2).tolist()
+        self.last, self.limit = last.tolist(), limit
+
+    def extend(self, tile, target):
+        buffer = int(self.limit.tile_buffer[tile])
+        if buffer < 0 or self.last[buffer] >= target:
+            return True
+        row = self.live[int(self.limit.buffer_rank[buffer])]
+        hold, tokens = int(self.limit.buffer_hold[buffer]), int(self.limit.buffer_tokens[buffer])
+        begin, end = self.last[buffer] + hold + 1, target + hold + 1
+        if max(row[begin:end], default=0) + tokens > self.limit.budget:
+            return False
+        for stage in range(begin, end):
+            row[stage] += tokens
+        self.last[buffer] = target
+        return True
+
+
 @given(st.integers(1, 4), st.integers(1, 60), st.integers(0, 2**16), st.booleans())
 def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget):
     from fcp_compiler.algorithms.leveling import BufferLimit
@@ -125,9 +151,12 @@ def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tile
     movable = rng.random(num_tiles) < 0.8
     limit = None
     if with_budget:
+        # Buffers live on the rank of the tiles that read them (the pulls a rank receives).
         num_buffers = max(1, num_tiles // 3)
-        limit = BufferLimit(tile_buffer=rng.integers(-1, num_buffers, size=num_tiles),
-                            buffer_rank=rng.integers(0, num_ranks, size=num_buffers),
+        buffer_rank = rng.integers(0, num_ranks, size=num_buffers)
+        tile_buffer = rng.integers(-1, num_buffers, size=num_tiles)
+        tile_buffer[(tile_buffer >= 0) & (buffer_rank[np.maximum(tile_buffer, 0)] != rank)] = -1
+        limit = BufferLimit(tile_buffer=tile_buffer, buffer_rank=buffer_rank,
                             buffer_first=rng.integers(0, 3, size=num_buffers),
                             buffer_tokens=rng.integers(1, 5, size=num_buffers),
                             buffer_hold=rng.integers(0, 2, size=num_buffers), budget=int(rng.integers(4, 12)))

@@ -45,7 +45,7 @@ class Prepared:
     s]] for S stages), the work per (stage, rank), and, under a BufferLimit, each buffer's last reader's stage."""
 
     order: np.ndarray
-    before: list[int]
+    before: np.ndarray
     load: np.ndarray
     buffer_first: np.ndarray | None = None
     buffer_last: np.ndarray | None = None
@@ -70,8 +70,7 @@ def prepare_levelling(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarra
         values = earliest[reads].astype(np.int64)  # ufunc.at is many times slower on mixed types
         last = buffer_first.astype(np.int64)  # a copy
         np.maximum.at(last, tile_buffer[reads], values)
-    return Prepared(order=order, before=before.tolist(), load=stage_loads(earliest, rank, seconds, num_stages,
-                                                                          num_ranks),
+    return Prepared(order=order, before=before, load=stage_loads(earliest, rank, seconds, num_stages, num_ranks),
                     buffer_first=buffer_first, buffer_last=last)
 
 
@@ -81,16 +80,20 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     """Stages for tiles, each at or after its earliest stage, that lower the sum over stages of the busiest rank.
 
     Ranks exchange data every stage, so a stage lasts about as long as its busiest rank computes; a rank whose data
-    arrives early would otherwise front-load its work while another waits for late data, and the pipeline pays
+    arrives early would otherwise front-load their work while another waits for late data, and the pipeline pays
     both. Going from the last stage back, the stage's level is its busiest rank's work; every other rank fills up
     to that level with tiles from its latest earlier stages (a tile may always run later than its data arrives),
     passing over (up to MAX_SKIPS times) those that do not fit the remaining gap or, under `limit`, would keep a
     buffer live past the budget. No tile goes past the last stage that already holds one, so the number of stages
     is unchanged.
 
+    Within a target stage the ranks fill independently (a rank's tiles read only buffers on that rank), so every
+    rank takes its next candidate in one numpy step: the steps a stage takes are the longest rank's scan, not the
+    sum over ranks.
+
     Objective: sum over stages of max over ranks of work (greedy, not optimal with indivisible tiles; never worse
-    than the earliest placement), subject to the buffer budget. O(T log T + S * N + T * S) for T tiles, S stages,
-    N ranks (the last term only for buffer checks).
+    than the earliest placement), subject to the buffer budget. O(T log T + S * (T + N * K * S)) for T tiles, S
+    stages, N ranks and K tiles scanned a rank and stage (a handful), in O(S * K) numpy steps.
 
     Args:
         earliest: int64 [T], the first stage each tile may run in.
@@ -98,7 +101,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         seconds: float64 [T], its work.
         num_ranks: N.
         movable: bool [T], tiles that may be delayed (default all; with `prepared`, the ones it was prepared for).
-        limit: the buffers tiles read and the budget on live tokens (default: no limit).
+        limit: the buffers tiles read and the budget on live tokens (default: no limit); a tile's buffer is on
+            the tile's rank.
         prepared: prepare_levelling(earliest, rank, seconds, num_ranks, movable, limit.tile_buffer,
             limit.buffer_first), when the caller has it already.
     Returns:
@@ -113,77 +117,102 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         prepared = prepare_levelling(earliest, rank, seconds, num_ranks, movable,
                                      *((limit.tile_buffer, limit.buffer_first) if limit is not None else ()))
     assert limit is None or np.array_equal(prepared.buffer_first, limit.buffer_first)
+    if limit is not None:  # the ranks fill independently only because no two ranks share a buffer
+        reads = limit.tile_buffer >= 0
+        assert np.array_equal(limit.buffer_rank[limit.tile_buffer[reads]], rank[reads])
     buffers = None if limit is None else _LiveBuffers(limit, prepared.buffer_last, num_ranks, num_stages)
-    order, before = prepared.order, prepared.before
-    load = prepared.load.tolist()
-    # Few tiles move (a handful a rank and stage, next to where its arrivals end), so the loop reads the arrays
-    # where it scans instead of copying millions of tiles into lists. A moved tile is marked by pointing left;
-    # scans jump over moved tiles (path compression keeps that O(1) amortised).
-    moved: dict[int, int] = {}
+    order = prepared.order
+    if order.size == 0:  # nothing may move
+        return stage
+    scan = _Scan(order=order, work=seconds[order], first=stage[order], before=prepared.before,
+                 num_stages=num_stages, num_ranks=num_ranks)
+    load = prepared.load.copy()
     for target in range(num_stages - 1, 0, -1):
-        row = load[target]
-        level = max(row)
-        for r in range(num_ranks):
-            gap = level - row[r]
-            if gap <= 0:
-                continue
-            low = before[r * (num_stages + 1)]
-            idx = _unmoved(moved, before[r * (num_stages + 1) + target] - 1, low)
-            skips = 0  # tiles that do not fit are passed over, a few per rank and stage (bounded scan)
-            while idx >= low and skips < MAX_SKIPS:
-                tile = int(order[idx])
-                work = float(seconds[tile])
-                if work > gap or (buffers is not None and not buffers.extend(tile, target)):
-                    skips += 1
-                    idx = _unmoved(moved, idx - 1, low)
-                    continue
-                gap -= work
-                load[int(stage[tile])][r] -= work
-                row[r] += work
-                stage[tile] = target
-                moved[idx] = idx - 1
-                idx = _unmoved(moved, idx - 1, low)
+        row = load[target]  # a view: filling a rank raises its row in place
+        gap = row.max() - row
+        ranks = np.flatnonzero(gap > 0)
+        ranks, position, gap = scan.start(ranks, target, gap[ranks])
+        skips = np.zeros(ranks.size, dtype=np.int64)
+        while ranks.size:
+            work = scan.work[position]
+            fits = work <= gap
+            if buffers is not None:
+                fits[fits] = buffers.extend(order[position[fits]], target)
+            moved, moved_ranks, moved_work = position[fits], ranks[fits], work[fits]
+            gap[fits] -= moved_work
+            load[scan.first[moved], moved_ranks] -= moved_work
+            row[moved_ranks] += moved_work
+            stage[order[moved]] = target
+            scan.moved[moved] = True
+            skips += ~fits
+            ranks, position, gap, skips = scan.step(ranks, position, gap, skips)
     return stage
 
 
-def _unmoved(moved: dict[int, int], idx: int, low: int) -> int:
-    """The last position at or before idx (and at or after low) whose tile has not moved, low - 1 if none; the
-    path there is compressed."""
-    root = idx
-    while root >= low and root in moved:
-        root = moved[root]
-    while idx > root:
-        following = moved[idx]
-        moved[idx] = root
-        idx = following
-    return max(root, low - 1)
+class _Scan:
+    """Each rank's movable tiles, by earliest stage, scanned from the latest back: where a rank's candidates for a
+    target stage begin, and the next unmoved one before a position."""
+
+    def __init__(self, order: np.ndarray, work: np.ndarray, first: np.ndarray, before: np.ndarray, num_stages: int,
+                 num_ranks: int):
+        self.work, self.first, self.before, self.width = work, first, before, num_stages + 1
+        self.low = before[np.arange(num_ranks) * self.width]  # each rank's first position
+        self.moved = np.zeros(order.size, dtype=bool)
+        self.previous = np.arange(order.size)  # the last unmoved position at or before each, -1 for none
+
+    def start(self, ranks: np.ndarray, target: int, gap: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The ranks with candidates for `target` (tiles whose earliest stage is before it): ranks, each one's last
+        unmoved candidate's position, and its gap."""
+        # Tiles moved to later stages are passed over; those this stage moves lie above every position still to
+        # scan, so the positions are recomputed once a stage.
+        self.previous = np.maximum.accumulate(np.where(self.moved, -1, np.arange(self.moved.size)))
+        position = self._unmoved(self.before[ranks * self.width + target] - 1)
+        keep = position >= self.low[ranks]
+        return ranks[keep], position[keep], gap[keep]
+
+    def step(self, ranks, position, gap, skips) -> tuple[np.ndarray, ...]:
+        """Every rank on to its previous unmoved candidate; those out of candidates or skips drop out."""
+        position = self._unmoved(position - 1)
+        keep = (position >= self.low[ranks]) & (skips < MAX_SKIPS)
+        return ranks[keep], position[keep], gap[keep], skips[keep]
+
+    def _unmoved(self, position: np.ndarray) -> np.ndarray:
+        return np.where(position >= 0, self.previous[np.maximum(position, 0)], -1)
 
 
 class _LiveBuffers:
-    """Live tokens per rank and stage, and each buffer's last stage of use, as Python lists: each check touches a
-    few stages of one rank, where list slices beat numpy calls."""
+    """Live tokens per rank and stage, and each buffer's last stage of use; checked and extended for one tile of
+    each of many ranks at once (distinct ranks hold distinct buffers)."""
 
     def __init__(self, limit: BufferLimit, last: np.ndarray, num_ranks: int, num_stages: int):
         """`last`: each buffer's last reader's stage before any delay (Prepared.buffer_last)."""
         end = last + limit.buffer_hold
         self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
-                                int(max(end.max(initial=0), num_stages)) + 2).tolist()
-        self.last = last.tolist()
-        self.tile_buffer = limit.tile_buffer  # one entry a tile (millions at small blocks): read in place
-        self.rank, self.tokens = limit.buffer_rank.tolist(), limit.buffer_tokens.tolist()
-        self.hold, self.budget = limit.buffer_hold.tolist(), limit.budget
+                                int(max(end.max(initial=0), num_stages)) + 2)
+        self.columns = np.arange(self.live.shape[1])
+        self.last = last.astype(np.int64)  # a copy
+        self.limit = limit
 
-    def extend(self, tile: int, target: int) -> bool:
-        """Keep the tile's buffer live until `target` if the budget allows; False (and no change) if not."""
-        buffer = int(self.tile_buffer[tile])
-        if buffer < 0 or self.last[buffer] >= target:
-            return True
-        row = self.live[self.rank[buffer]]
-        hold, tokens = self.hold[buffer], self.tokens[buffer]
-        begin, end = self.last[buffer] + hold + 1, target + hold + 1
-        if max(row[begin:end], default=0) + tokens > self.budget:
-            return False
-        for stage in range(begin, end):
-            row[stage] += tokens
-        self.last[buffer] = target
-        return True
+    def extend(self, tiles: np.ndarray, target: int) -> np.ndarray:
+        """Keep each tile's buffer live until `target` where the budget allows (tiles of distinct ranks); bool per
+        tile, True where it may run there (its buffer extended, or none needed)."""
+        limit = self.limit
+        buffer = limit.tile_buffer[tiles]
+        ok = np.ones(tiles.size, dtype=bool)
+        need = np.flatnonzero(buffer >= 0)
+        need = need[self.last[buffer[need]] < target]
+        if need.size == 0:
+            return ok
+        buffer = buffer[need]
+        hold, rank = limit.buffer_hold[buffer], limit.buffer_rank[buffer]
+        tokens = limit.buffer_tokens[buffer].astype(np.int64)  # token counts, whatever array they came in
+        # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold).
+        window = (self.columns >= (self.last[buffer] + hold + 1)[:, None]) & \
+            (self.columns < (target + hold + 1)[:, None])
+        rows = self.live[rank]
+        fits = np.where(window, rows, 0).max(axis=1) + tokens <= limit.budget  # live tokens are never negative
+        rows += window * np.where(fits, tokens, 0)[:, None]
+        self.live[rank] = rows
+        self.last[buffer[fits]] = target
+        ok[need] = fits
+        return ok

@@ -21,6 +21,7 @@ placements FCP would otherwise lose to.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 # The floor's work is bounded: it schedules at most this many tiles in all (candidates x the batch's tiles), and
@@ -85,6 +86,7 @@ class Score:
     layer_makespan_bwd_s: float
     max_buffer_tokens: int
     relays: bool = True  # False: relays would have held blocks past the budget the schedule met, so none were made
+    seconds: float = 0.0  # what placing (where it was the first candidate of its placement) and scheduling it took
 
     @property
     def name(self) -> str:
@@ -100,20 +102,53 @@ class Score:
 def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = True) -> list[Candidate]:
     """The candidates in the order they are tried (ties go to the earlier).
 
+    When both switches are tried (`fan_out` None), only FCP's own placement is tried with node fan-out here; the
+    fastest of the others follows with it (:func:`fan_out_follower`). Fan-out holds each entry's block across
+    stages, so it is over the memory budget on most batches, and scheduling a plan only to find it over is the
+    floor's most expensive outcome. On the 55 batches of benchmarks/layer_objective.py's matrix (before this rule),
+    a fan-out candidate won 9; each was FCP's own placement or the fastest direct one, and when FCP's own was over
+    the budget with fan-out the others' fan-out won none (it fit on 3 of 29).
+
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).
         fan_out: the user's node fan-out switch; None tries both.
         tolerances: also the layer placement at the looser token tolerances of LAYER_TOLERANCES (not when the user
             gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load).
     Returns:
-        the candidates, FCP's own placement first, each placement direct first (its fan-out holds more memory), the
-        magi route last and direct only.
+        the candidates, FCP's own placement first (direct first: its fan-out holds more memory), the magi route
+        last and direct only.
     """
     looser = [Placement.LAYER_TOKENS_5, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
     placements = [Placement.LAYER] + looser + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
-    switches = [False, True] if fan_out is None else [fan_out]
-    return [Candidate(placement=placement, fan_out=switch) for placement in placements for switch in switches] + \
-        ([Candidate(placement=Placement.MAGI, fan_out=False)] if not fan_out else [])
+    if fan_out is None:
+        own = [Candidate(placement=Placement.LAYER, fan_out=False), Candidate(placement=Placement.LAYER, fan_out=True)]
+        others = [Candidate(placement=placement, fan_out=False) for placement in placements[1:]]
+    else:
+        own, others = [], [Candidate(placement=placement, fan_out=fan_out) for placement in placements]
+    return own + others + ([Candidate(placement=Placement.MAGI, fan_out=False)] if not fan_out else [])
+
+
+def fan_out_follower(scores: list[Score], memory_budget_tokens: int) -> Candidate | None:
+    """The candidate tried after :func:`candidates` when both switches are: the fastest direct placement with node
+    fan-out, when it is not FCP's own and FCP's own fit the memory budget with fan-out (the magi route's placement
+    is the greedy one).
+
+    Args:
+        scores: the candidates scheduled so far.
+        memory_budget_tokens: the most live buffer tokens a rank may hold.
+    Returns:
+        the candidate, or None.
+    """
+    own = [score for score in scores if score.candidate == Candidate(placement=Placement.LAYER, fan_out=True)]
+    if not own or own[0].max_buffer_tokens > memory_budget_tokens or not math.isfinite(own[0].layer_seconds):
+        return None
+    direct = [score for score in scores if not score.candidate.fan_out and math.isfinite(score.layer_seconds)
+              and score.max_buffer_tokens <= memory_budget_tokens]
+    if not direct:
+        return None
+    fastest = min(direct, key=lambda score: score.layer_seconds).candidate.placement  # the first on a tie
+    fastest = Placement.GREEDY if fastest is Placement.MAGI else fastest
+    return None if fastest is Placement.LAYER else Candidate(placement=fastest, fan_out=True)
 
 
 def choose(scores: list[Score], memory_budget_tokens: int) -> int:

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -237,49 +237,72 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
     started = time.perf_counter()
-    budget = _memory_budget(options)
-    routed: dict[Placement, Transfers] = {}
-    fcp_tiles = None  # shared by FCP's own placements
-    scores, pruned, placed_by = [], {}, {}
-    best = least = None
+    run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options))
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
-        if candidate.placement is Placement.MAGI and Placement.GREEDY in pruned:  # one placement: its bound holds
-            pruned[candidate.placement] = pruned[Placement.GREEDY]
-        if candidate.placement in pruned:
-            continue
-        if fcp_tiles is not None and len(scores) >= floor.most_scheduled(fcp_tiles.num_tiles):
-            break  # the floor's work is bounded (floor.TILE_BUDGET)
-        if candidate.placement not in routed:
-            if candidate.placement not in floor.EQUAL_CHUNKS and fcp_tiles is None:
-                fcp_tiles = _fcp_tiles(timer, batch, options)
-            try:
-                assignment = placed_by.get(Placement.GREEDY) if candidate.placement is Placement.MAGI else None
-                assignment = assignment or _place(timer, batch, options, cap, candidate.placement, fcp_tiles)
-            except InfeasibleError as refusal:  # MagiAttention's chunks past a limit FCP's own blocks meet
-                if candidate.placement not in floor.EQUAL_CHUNKS:
-                    raise
-                pruned[candidate.placement] = (math.inf, None, str(refusal))
-                continue
-            # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
-            # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
-            fastest = best[0].layer_seconds if best is not None else math.inf
-            bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
-            same = [earlier for earlier, placed in placed_by.items() if _same_placement(placed, assignment)
-                    and (earlier is Placement.MAGI) == (candidate.placement is Placement.MAGI)]  # routed alike
-            if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
-                pruned[candidate.placement] = (bound, same[0] if same else None, None)
-                continue
-            placed_by[candidate.placement] = assignment
-            routed[candidate.placement] = _route(timer, assignment, options,
-                                                 as_its_system=candidate.placement is Placement.MAGI)
-        transfers = routed[candidate.placement]
+        if not run.schedule(candidate):
+            break
+    if options.node_fan_out is None and (follower := floor.fan_out_follower(run.scores, run.budget)) is not None:
+        run.schedule(follower)
+    scores, budget = run.scores, run.budget
+    winner = floor.choose(scores, budget)
+    if run.best is not None:
+        assert run.best[0] is scores[winner]
+        plan, figures = run.best[1], run.best[2]
+    else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
+        assert run.least[0] is scores[winner]
+        _, transfers, with_fan_out, schedule = run.least
+        schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
+                                         options.coalesce, options.pipelined)
+        plan = _finish(timer, schedule, options, digest)
+        figures = _layer_figures(plan)
+    floor_stats = {name: figures[name] for name in LAYER_STATS}
+    most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
+    floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
+    return (*plan, floor_stats)
+
+
+@dataclass(slots=True, kw_only=True)
+class _FloorRun:
+    """The floor's candidates as they are scheduled: the placements made (each placed and routed once, whichever
+    switches schedule it), the scores, and the plans kept. Only the best plan so far, and the least memory among
+    those over the budget, are kept (each candidate's IR is hundreds of MB at thousands of ranks); floor.choose
+    makes the same choice from the scores alone."""
+
+    timer: _PassTimer
+    batch: Batch
+    options: CompileOptions
+    cap: int
+    digest: str
+    budget: int
+    fcp_tiles: TileSet | None = None  # shared by FCP's own placements
+    routed: dict = field(default_factory=dict)
+    placed_by: dict = field(default_factory=dict)
+    pruned: dict = field(default_factory=dict)
+    scores: list = field(default_factory=list)
+    best: tuple | None = None
+    least: tuple | None = None
+
+    def schedule(self, candidate: floor.Candidate) -> bool:
+        """Place (once a placement), schedule and score one candidate, unless its placement is pruned; False once
+        the floor's work is spent (floor.TILE_BUDGET)."""
+        started = time.perf_counter()
+        if candidate.placement is Placement.MAGI and Placement.GREEDY in self.pruned:  # one placement: its bound
+            self.pruned[candidate.placement] = self.pruned[Placement.GREEDY]
+        if candidate.placement in self.pruned:
+            return True
+        if self.fcp_tiles is not None and len(self.scores) >= floor.most_scheduled(self.fcp_tiles.num_tiles):
+            return False
+        if candidate.placement not in self.routed and not self._place(candidate.placement):
+            return True
+        timer, options, budget = self.timer, self.options, self.budget
+        transfers = self.routed[candidate.placement]
         schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
         figures, relays = None, True
         if schedule is not None and peak <= budget:  # only a plan that may fit is finished and scored
-            plan = _finish(timer, schedule, options, digest)
+            plan = _finish(timer, schedule, options, self.digest)
             if plan[1]["max_buffer_tokens"] > budget:  # a relay holds its block longer: keep the schedule's senders
-                plan, relays = _finish(timer, schedule, options, digest, relays=False), False
+                plan, relays = _finish(timer, schedule, options, self.digest, relays=False), False
             peak = plan[1]["max_buffer_tokens"]
             figures = timer.run("floor", _layer_figures, plan) if peak <= budget else None
         score = floor.Score(
@@ -287,30 +310,40 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
             layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
             layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak,
-            relays=relays)
-        # Only the best plan so far, and the least memory among those over the budget, are kept (each candidate's
-        # IR is hundreds of MB at thousands of ranks); floor.choose makes the same choice from the scores alone.
-        if figures is not None and (best is None or score.layer_seconds < best[0].layer_seconds):
-            best = (score, plan, figures)
-        if figures is None and (least is None or peak < least[0].max_buffer_tokens):
-            least = (score, transfers, candidate.fan_out, schedule)
-        scores.append(score)
-        del schedule
-    winner = floor.choose(scores, budget)
-    if best is not None:
-        assert best[0] is scores[winner]
-        plan, figures = best[1], best[2]
-    else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
-        assert least[0] is scores[winner]
-        _, transfers, with_fan_out, schedule = least
-        schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
-                                         options.coalesce, options.pipelined)
-        plan = _finish(timer, schedule, options, digest)
-        figures = _layer_figures(plan)
-    floor_stats = {name: figures[name] for name in LAYER_STATS}
-    floor_stats["floor"] = _floor_record(scores, winner, pruned, budget, time.perf_counter() - started,
-                                         floor.most_scheduled(fcp_tiles.num_tiles) if fcp_tiles is not None else None)
-    return (*plan, floor_stats)
+            relays=relays, seconds=time.perf_counter() - started)
+        if figures is not None and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
+            self.best = (score, plan, figures)
+        if figures is None and (self.least is None or peak < self.least[0].max_buffer_tokens):
+            self.least = (score, transfers, candidate.fan_out, schedule)
+        self.scores.append(score)
+        return True
+
+    def _place(self, placement: Placement) -> bool:
+        """Place and route `placement`; False (and the reason in `pruned`) where it is refused, cannot win, or
+        places exactly as an earlier one."""
+        timer, options = self.timer, self.options
+        if placement not in floor.EQUAL_CHUNKS and self.fcp_tiles is None:
+            self.fcp_tiles = _fcp_tiles(timer, self.batch, options)
+        try:
+            assignment = self.placed_by.get(Placement.GREEDY) if placement is Placement.MAGI else None
+            assignment = assignment or _place(timer, self.batch, options, self.cap, placement, self.fcp_tiles)
+        except InfeasibleError as refusal:  # MagiAttention's chunks past a limit FCP's own blocks meet
+            if placement not in floor.EQUAL_CHUNKS:
+                raise
+            self.pruned[placement] = (math.inf, None, str(refusal))
+            return False
+        # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
+        # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
+        fastest = self.best[0].layer_seconds if self.best is not None else math.inf
+        bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
+        same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
+                and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike
+        if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
+            self.pruned[placement] = (bound, same[0] if same else None, None)
+            return False
+        self.placed_by[placement] = assignment
+        self.routed[placement] = _route(timer, assignment, options, as_its_system=placement is Placement.MAGI)
+        return True
 
 
 def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds: float,
@@ -321,7 +354,7 @@ def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds:
         "most_scheduled": most_scheduled,
         "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
                         "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
-                        "max_buffer_tokens": score.max_buffer_tokens} for score in scores],
+                        "max_buffer_tokens": score.max_buffer_tokens, "seconds": score.seconds} for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
                     "same_as": same.value if same is not None else None, "refused": refused}
                    for placement, (bound, same, refused) in pruned.items()]}

@@ -374,7 +374,7 @@ def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     compiled_tiles = None
     if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
         compiled_tiles = source.ir.tiles
-        source = source.to_bytes()
+        source = PlanReader(source.to_bytes(), encoded_here=True)  # the compiler's own bytes, checked as written
     reader = source if isinstance(source, PlanReader) else PlanReader(source)
     header, tables = reader.header, reader.tables
     profile = profile or header.profile

@@ -305,9 +305,14 @@ class _Source:
 
 class PlanReader:
     """Random access to a plan: the header on open (checked against its sha256), any rank's section on demand (read
-    by offset, checked against its sha256 and for structure: sizes agree, every index in range)."""
+    by offset, checked against its sha256 and for structure: sizes agree, every index in range).
 
-    def __init__(self, source: str | Path | bytes):
+    `encoded_here`: the bytes are a plan this process has just encoded (a CompiledPlan's, as the floor scores its
+    candidates), so the structural checks of each rank, which guard against plans from elsewhere, are skipped.
+    """
+
+    def __init__(self, source: str | Path | bytes, *, encoded_here: bool = False):
+        self._encoded_here = encoded_here
         self._source = _Source(source)
         self.origin = self._source.origin
         prefix = self._source.read(0, min(_PREFIX, self._source.size), "the header")
@@ -371,8 +376,9 @@ class PlanReader:
         arrays = _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
                                                f"rank {rank}'s section"), RANK_ARRAYS, what)
         tables = self.tables
-        check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
-                          self._block_num_segments, rank)
+        if not self._encoded_here:
+            check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
+                              self._block_num_segments, rank)
         for side in ("send", "recv") if expand else ():
             _expand_whole_blocks(arrays, side, self._block_seg_offsets, self._block_num_segments)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
