@@ -147,7 +147,7 @@ def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, opt
     check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     plan = compile_plan(load_batch(batch), options=options)
     # The simulated layer makespans and their gap to the bound, for whoever reads them (a quiet compile skips them).
-    figures = {**plan.stats, **layer_stats(plan)} if (stats or not quiet) and "floor" not in plan.stats \
+    figures = {**plan.stats, **layer_stats(plan)} if (stats or not quiet) and "layer_makespan_fwd_s" not in plan.stats \
         else plan.stats
     # The plan and its figures land together or not at all.
     files = [(output, plan.to_bytes())]

@@ -145,6 +145,19 @@ def test_the_floors_work_is_bounded_by_tiles_and_always_schedules_fcps_own_place
     bounded = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4).stats["floor"]
     assert bounded["most_scheduled"] == 2
     assert [row["name"].split(" c")[0] for row in bounded["candidates"]] == ["layer direct", "layer+fan-out"]
+    # With one candidate there is nothing to compare: it is not simulated, and `fcp compile` simulates what it
+    # prints instead.
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=2)  # FCP's own plan fits the budget
+    monkeypatch.setattr(floor, "TILE_BUDGET", 10**9)
+    num_tiles = compile_plan(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4).stats["num_tiles"]
+    monkeypatch.setattr(floor, "TILE_BUDGET", num_tiles)
+    alone = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
+    (row,) = alone.stats["floor"]["candidates"]
+    assert row["name"].startswith("layer direct") and row["layer_makespan_fwd_s"] is None
+    assert "layer_makespan_fwd_s" not in alone.stats
+    from fcp_compiler.tools.report import compile_summary
+
+    assert "not simulated (the only candidate)" in compile_summary(alone.stats, "plan.fcp")
 
 
 def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backward_stages():

@@ -32,23 +32,28 @@ class _Slots:
 
     def place(self, a: int, b: int, ready: int) -> int:
         """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
-        both have one; return that round."""
-        taken = (self.send_full[a] | self.recv_full[b]) >> ready
+        both have one; return that round. (Called once a message, hundreds of thousands of times a plan: the slot
+        updates are written out here rather than called.)"""
+        send_full, recv_full = self.send_full, self.recv_full
+        taken = (send_full[a] | recv_full[b]) >> ready
         rnd = ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
         bit = 1 << rnd
-        _take(self.send[a], self.send_full, a, bit)
-        _take(self.recv[b], self.recv_full, b, bit)
+        # Slots fill in order, so a round's slot j is taken only if slot j - 1 is; taking the last marks it full.
+        masks = self.send[a]
+        for slot, mask in enumerate(masks):
+            if not mask & bit:
+                masks[slot] = mask | bit
+                break
+        else:
+            send_full[a] |= bit
+        masks = self.recv[b]
+        for slot, mask in enumerate(masks):
+            if not mask & bit:
+                masks[slot] = mask | bit
+                break
+        else:
+            recv_full[b] |= bit
         return rnd
-
-
-def _take(masks: list[int], full: list[int], end: int, bit: int) -> None:
-    """Take the end's first free slot in the round of `bit`, which is not full (slots fill in order, so a round's
-    slot j is taken only if slot j - 1 is; taking the last marks the round full)."""
-    for slot, mask in enumerate(masks):
-        if not mask & bit:
-            masks[slot] = mask | bit
-            return
-    full[end] |= bit
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,

@@ -255,8 +255,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
                                          options.coalesce, options.pipelined)
         plan = _finish(timer, schedule, options, digest)
-        figures = _layer_figures(plan)
-    floor_stats = {name: figures[name] for name in LAYER_STATS}
+        figures = None if run.alone else _layer_figures(plan)
+    floor_stats = {name: figures[name] for name in LAYER_STATS} if figures is not None else {}
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     return (*plan, floor_stats)
@@ -279,9 +279,15 @@ class _FloorRun:
     routed: dict = field(default_factory=dict)
     placed_by: dict = field(default_factory=dict)
     pruned: dict = field(default_factory=dict)
+    bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
     best: tuple | None = None
     least: tuple | None = None
+
+    @property
+    def alone(self) -> bool:
+        """Whether the floor's work allows one candidate only (floor.TILE_BUDGET)."""
+        return self.fcp_tiles is not None and floor.most_scheduled(self.fcp_tiles.num_tiles) == 1
 
     def schedule(self, candidate: floor.Candidate) -> bool:
         """Place (once a placement), schedule and score one candidate, unless its placement is pruned; False once
@@ -298,22 +304,27 @@ class _FloorRun:
         timer, options, budget = self.timer, self.options, self.budget
         transfers = self.routed[candidate.placement]
         schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
-        figures, relays = None, True
-        if schedule is not None and peak <= budget:  # only a plan that may fit is finished and scored
+        fits, relays = schedule is not None and peak <= budget, True
+        if fits:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, self.digest)
             if plan[1]["max_buffer_tokens"] > budget:  # a relay holds its block longer: keep the schedule's senders
                 plan, relays = _finish(timer, schedule, options, self.digest, relays=False), False
             peak = plan[1]["max_buffer_tokens"]
-            figures = timer.run("floor", _layer_figures, plan) if peak <= budget else None
+            fits = peak <= budget
+        # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
+        # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
+        figures = timer.run("floor", _layer_figures, plan) if fits and not self.alone else None
+        unscored = math.nan if fits else math.inf
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
-            layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else math.inf,
-            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else math.inf, max_buffer_tokens=peak,
-            relays=relays, seconds=time.perf_counter() - started)
-        if figures is not None and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
+            layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else unscored,
+            layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else unscored, max_buffer_tokens=peak,
+            relays=relays, seconds=time.perf_counter() - started,
+            busy_lower_bound_s=self.bounds[candidate.placement])
+        if fits and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
             self.best = (score, plan, figures)
-        if figures is None and (self.least is None or peak < self.least[0].max_buffer_tokens):
+        if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
             self.least = (score, transfers, candidate.fan_out, schedule)
         self.scores.append(score)
         return True
@@ -336,6 +347,7 @@ class _FloorRun:
         # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
         fastest = self.best[0].layer_seconds if self.best is not None else math.inf
         bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
+        self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
                 and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike
         if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
@@ -352,12 +364,18 @@ def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds:
     return {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": seconds,
         "most_scheduled": most_scheduled,
-        "candidates": [{"name": score.name, "layer_makespan_fwd_s": score.layer_makespan_fwd_s,
-                        "layer_makespan_bwd_s": score.layer_makespan_bwd_s,
-                        "max_buffer_tokens": score.max_buffer_tokens, "seconds": score.seconds} for score in scores],
+        "candidates": [{"name": score.name, "layer_makespan_fwd_s": _simulated(score.layer_makespan_fwd_s),
+                        "layer_makespan_bwd_s": _simulated(score.layer_makespan_bwd_s),
+                        "max_buffer_tokens": score.max_buffer_tokens, "busy_lower_bound_s": score.busy_lower_bound_s,
+                        "seconds": score.seconds} for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
                     "same_as": same.value if same is not None else None, "refused": refused}
                    for placement, (bound, same, refused) in pruned.items()]}
+
+
+def _simulated(seconds: float) -> float | None:
+    """A score's makespan for the record: None where it was not simulated (the only candidate)."""
+    return None if math.isnan(seconds) else seconds
 
 
 def _same_placement(first: Assignment, second: Assignment) -> bool:

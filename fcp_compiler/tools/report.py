@@ -50,13 +50,19 @@ def _floor_line(stats: dict) -> list[str]:
     floor = stats.get("floor")
     if not floor:
         return []
-    scored = [f"{row['name']} " + (f"{(row['layer_makespan_fwd_s'] + row['layer_makespan_bwd_s']) * 1e3:.1f} ms"
-                                   if row["max_buffer_tokens"] <= floor["memory_budget_tokens"]
-                                   else f"over memory ({row['max_buffer_tokens']} tokens)")
-              for row in floor["candidates"]]
+    scored = [f"{row['name']} " + _candidate_figure(row, floor["memory_budget_tokens"]) for row in floor["candidates"]]
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
     return [f"  floor: kept {floor['winner']} of {len(floor['candidates'])} candidates scheduled (layer fwd + bwd, "
             f"live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+
+
+def _candidate_figure(row: dict, budget: int) -> str:
+    """One floor candidate's layer time (fwd + bwd), or why it has none."""
+    if row["max_buffer_tokens"] > budget:
+        return f"over memory ({row['max_buffer_tokens']} tokens)"
+    if row["layer_makespan_fwd_s"] is None:
+        return "not simulated (the only candidate)"
+    return f"{(row['layer_makespan_fwd_s'] + row['layer_makespan_bwd_s']) * 1e3:.1f} ms"
 
 
 def _skipped_because(row: dict) -> str:
