@@ -135,7 +135,7 @@ class Simulation:
 
 
 def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch_group: np.ndarray,
-                      profile: HardwareProfile) -> np.ndarray:
+                      profile: HardwareProfile, pairs: tuple | None = None) -> np.ndarray:
     """Modelled time of each plan tile when a stage runs as one launch.
 
     Scheduling is at block size, execution at the stage: the tiles a rank runs in one launch for the same query
@@ -147,6 +147,7 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
         tile_idx: for each plan tile, its index in `tiles`.
         tile_rank, launch_group: rank and launch (stage, or -1 for tiles run during the reshuffle) of each plan tile.
         profile: peak and efficiency curve.
+        pairs: tiles.segment_pairs(), when the caller has them (they are built on each call).
     Returns:
         seconds per plan tile.
     """
@@ -155,7 +156,7 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
     sharding = tiles.sharding
     plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_tile, q_seg, kv_seg, flops = tiles.segment_pairs()
+    pair_tile, q_seg, kv_seg, flops = pairs if pairs is not None else tiles.segment_pairs()
     pair_plan_tile = plan_tile_of[pair_tile]
     seg_tokens = sharding.seg_tokens
     num_segments = sharding.num_segments
@@ -172,12 +173,12 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
 
 
 def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 num_ranks: int) -> np.ndarray:
+                 num_ranks: int, pairs: tuple | None = None) -> np.ndarray:
     """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
     query segment with its wholly visible keys, those holding their diagonal segment in one causal call, the rest
     in one unmasked call; under a sliding window each cut key segment (or a diagonal longer than the window) is an
     entry of its own, one call per distinct window, and as many calls as a query segment has entries in it
-    (:mod:`fcp_compiler.algorithms.kernel_entries`).
+    (:mod:`fcp_compiler.algorithms.kernel_entries`). `pairs`: tiles.segment_pairs(), when the caller has them.
 
     Returns:
         int64 [num_stages, num_ranks].
@@ -190,7 +191,7 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
         return (runs * per_run).astype(np.int64).reshape(num_stages, num_ranks)
     plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
     plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_tile, q_seg, k_seg, _ = tiles.segment_pairs()
+    pair_tile, q_seg, k_seg, _ = pairs if pairs is not None else tiles.segment_pairs()
     pair_plan_tile = plan_tile_of[pair_tile]
     slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
     start, end = sharding.seg_start, sharding.seg_end
@@ -277,8 +278,11 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
     backward, each stacked tile's index in `tiles`)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(programs, tiles, record)
-    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile)
-    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile)
+    # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
+    # blocks).
+    pairs = tiles.segment_pairs() if tiles.has_pairs else None
+    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile, pairs)
+    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs)
     r_round, r_me = stack_ranks(programs, "pull_recv_round")
     r_bwd_round, r_kind, r_block, r_peer = (stack_ranks(programs, f"pull_recv_{name}")[0]
                                             for name in ("bwd_round", "kind", "block", "peer"))
@@ -303,7 +307,7 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
                    shuffle_out):
         # Tiles that run during the input reshuffle are not a stage's calls.
         in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
-        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n)[:num_stages]
+        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs)[:num_stages]
         push_stage, push_row = pushes(prefix)
         names = None
         if record:
