@@ -1,18 +1,24 @@
 """Compile latency of `compile_plan` (lengths to serialised plan) per pass, and rank-slice read time.
 
 Usage: python benchmarks/compile_latency.py [--gpus 64,128,256,1024] [--repeats 5] [--seeds 3]
-                                           [--scaling 256,4096]
+                                           [--scaling 256,4096] [--against TREE [--turns 5] [--eval-data DIR]]
 
 Batches are the paper-like trace (docs/DESIGN.md section 8: lognormal, median 4096, sigma 1.8, clipped to [64, 512K],
 32K tokens per GPU). Prints the median over seeds x repeats of the whole compile and of each pass. --scaling
 compiles seed 0 three times at each scale in a fresh process and prints the median, its ratio to the first scale
 and the process's peak RSS (--gpus '' skips the per-pass table).
+
+--against TREE compares this checkout with another (a worktree of an earlier commit): fresh processes, the two trees
+taking turns, each compiling one batch once (compile_plan in process, imports excluded); it prints each tree's median
+over --turns and their ratio, for the shipped paper trace at 256 GPUs and, with --eval-data, every batch kind of
+benchmarks/layer_objective.py's matrix at 64 and 256 GPUs (seed 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +38,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--scaling", default="", help="scales for the fresh-process median and peak RSS table")
+    parser.add_argument("--against", type=Path, help="another checkout to compare with, taking turns")
+    parser.add_argument("--turns", type=int, default=5, help="fresh processes per tree and batch (--against)")
+    parser.add_argument("--eval-data", type=Path, help="length files for the matrix's batch kinds (--against)")
     args = parser.parse_args()
+    if args.against:
+        _against(args.against, args.turns, args.eval_data)
+        return
     if args.scaling:
         _scaling([int(value) for value in args.scaling.split(",")])
     if not args.gpus:
@@ -104,6 +116,47 @@ def _scaling(scales: list[int]) -> None:
         first = first or result["median"]
         print(f"{gpus:>5} {result['median']:>9.3f} {result['median'] / first:>8.1f} {result['rss_kb'] / 1e6:>12.2f}",
               flush=True)
+
+
+_TURN_RUN = """
+import json, sys, time
+from pathlib import Path
+import fcp_compiler
+assert Path(fcp_compiler.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), fcp_compiler.__file__
+from fcp_compiler import compile_plan
+lengths = json.loads(Path(sys.argv[2]).read_text())
+start = time.perf_counter()
+compile_plan(lengths, int(sys.argv[3]))
+print(time.perf_counter() - start)
+"""
+
+
+def _against(other: Path, turns: int, eval_data: Path | None) -> None:
+    """Each batch compiled in fresh processes by this tree and `other` in turn; medians and their ratio."""
+    here = Path(__file__).resolve().parents[1]
+    cases = [("paper trace", json.loads((here / "traces/paper_lognormal_256gpu.json").read_text())["sequences"],
+              256)]
+    if eval_data is not None:
+        sys.path.insert(0, str(here / "benchmarks"))
+        from placement import TOKENS_PER_GPU, batches
+
+        for name, make in batches(eval_data).items():
+            cases += [(name, [int(v) for v in make(gpus * TOKENS_PER_GPU, 0)], gpus) for gpus in (256, 64)]
+    print(f"{'batch':>16} {'gpus':>5} {'this s':>8} {'other s':>8} {'ratio':>6}   (median of {turns} fresh processes "
+          f"each, taking turns; other = {other})")
+    with tempfile.TemporaryDirectory() as folder:
+        for name, lengths, gpus in cases:
+            path = Path(folder) / "lengths.json"
+            path.write_text(json.dumps(lengths))
+            seconds: dict[Path, list[float]] = {here: [], other.resolve(): []}
+            for _ in range(turns):
+                for tree, times in seconds.items():
+                    run = subprocess.run([sys.executable, "-c", _TURN_RUN, str(tree), str(path), str(gpus)],
+                                         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
+                                         capture_output=True, text=True)
+                    times.append(float(run.stdout.split()[-1]))
+            mine, theirs = (statistics.median(times) for times in seconds.values())
+            print(f"{name:>16} {gpus:>5} {mine:>8.3f} {theirs:>8.3f} {mine / theirs:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":
