@@ -120,10 +120,10 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     if limit is not None:  # the ranks fill independently only because no two ranks share a buffer
         reads = limit.tile_buffer >= 0
         assert np.array_equal(limit.buffer_rank[limit.tile_buffer[reads]], rank[reads])
-    buffers = None if limit is None else _LiveBuffers(limit, prepared.buffer_last, num_ranks, num_stages)
     order = prepared.order
     if order.size == 0:  # nothing may move
         return stage
+    buffers = None if limit is None else _LiveBuffers(limit, prepared.buffer_last, order, num_ranks, num_stages)
     scan = _Scan(order=order, work=seconds[order], first=stage[order], before=prepared.before,
                  num_stages=num_stages, num_ranks=num_ranks)
     load = prepared.load.copy()
@@ -136,8 +136,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         while ranks.size:
             work = scan.work[position]
             fits = work <= gap
-            if buffers is not None:
-                fits[fits] = buffers.extend(order[position[fits]], target)
+            if buffers is not None and fits.any():
+                fits[fits] = buffers.extend(position[fits], ranks[fits], target)
             moved, moved_ranks, moved_work = position[fits], ranks[fits], work[fits]
             gap[fits] -= moved_work
             load[scan.first[moved], moved_ranks] -= moved_work
@@ -184,33 +184,39 @@ class _LiveBuffers:
     """Live tokens per rank and stage, and each buffer's last stage of use; checked and extended for one tile of
     each of many ranks at once (distinct ranks hold distinct buffers)."""
 
-    def __init__(self, limit: BufferLimit, last: np.ndarray, num_ranks: int, num_stages: int):
-        """`last`: each buffer's last reader's stage before any delay (Prepared.buffer_last)."""
+    def __init__(self, limit: BufferLimit, last: np.ndarray, order: np.ndarray, num_ranks: int, num_stages: int):
+        """`last`: each buffer's last reader's stage before any delay (Prepared.buffer_last); `order`: the tile at
+        each scan position (Prepared.order), whose buffers are looked up once."""
         end = last + limit.buffer_hold
         self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
                                 int(max(end.max(initial=0), num_stages)) + 2)
         self.columns = np.arange(self.live.shape[1])
         self.last = last.astype(np.int64)  # a copy
-        self.limit = limit
+        self.budget = limit.budget
+        self.buffer = limit.tile_buffer[order]  # per scan position
+        read = np.maximum(self.buffer, 0)
+        self.hold = limit.buffer_hold[read].astype(np.int64)
+        self.tokens = limit.buffer_tokens[read].astype(np.int64)  # token counts, whatever array they came in
 
-    def extend(self, tiles: np.ndarray, target: int) -> np.ndarray:
-        """Keep each tile's buffer live until `target` where the budget allows (tiles of distinct ranks); bool per
-        tile, True where it may run there (its buffer extended, or none needed)."""
-        limit = self.limit
-        buffer = limit.tile_buffer[tiles]
-        ok = np.ones(tiles.size, dtype=bool)
-        need = np.flatnonzero(buffer >= 0)
-        need = need[self.last[buffer[need]] < target]
-        if need.size == 0:
-            return ok
-        buffer = buffer[need]
-        hold, rank = limit.buffer_hold[buffer], limit.buffer_rank[buffer]
-        tokens = limit.buffer_tokens[buffer].astype(np.int64)  # token counts, whatever array they came in
+    def extend(self, positions: np.ndarray, ranks: np.ndarray, target: int) -> np.ndarray:
+        """Keep the buffer of the tile at each scan position, on its rank (distinct ranks), live until `target`
+        where the budget allows; bool per position, True where the tile may run there (its buffer extended, or
+        none needed)."""
+        buffer = self.buffer[positions]
+        need = buffer >= 0
+        if need.any():
+            need[need] = self.last[buffer[need]] < target
+        if not need.any():
+            return np.ones(positions.size, dtype=bool)
+        ok = ~need
+        need = np.flatnonzero(need)
+        positions, buffer, rank = positions[need], buffer[need], ranks[need]
+        hold, tokens = self.hold[positions], self.tokens[positions]
         # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold).
         window = (self.columns >= (self.last[buffer] + hold + 1)[:, None]) & \
             (self.columns < (target + hold + 1)[:, None])
         rows = self.live[rank]
-        fits = np.where(window, rows, 0).max(axis=1) + tokens <= limit.budget  # live tokens are never negative
+        fits = np.where(window, rows, 0).max(axis=1) + tokens <= self.budget  # live tokens are never negative
         rows += window * np.where(fits, tokens, 0)[:, None]
         self.live[rank] = rows
         self.last[buffer[fits]] = target
