@@ -1,10 +1,10 @@
 """The floor: FCP never emits a plan slower than one of its own simpler candidates.
 
 FCP's placement balances each rank's layer time; whether its traffic hides is known only once the plan is scheduled.
-So `compile_plan` schedules a few placements, each with and without node fan-out, scores every resulting plan by the
-timing model (:mod:`fcp_compiler.core.simulate`: the forward plus backward layer makespan, exactly what `fcp
-simulate` reports) and keeps the fastest whose live buffers fit the memory budget (MEMORY_BUDGET_STAGES x coalesce x
-block size tokens). A candidate over the budget is scheduled again with smaller backward stages and then, if it is
+So `compile_plan` schedules a few placements, direct and, where it may pay, with node fan-out, scores every resulting
+plan by the timing model (:mod:`fcp_compiler.core.simulate`: the forward plus backward layer makespan, exactly what
+`fcp simulate` reports) and keeps the fastest whose live buffers fit the memory budget (MEMORY_BUDGET_STAGES x
+coalesce x block size tokens). A candidate over the budget is scheduled again with smaller backward stages and then, if it is
 near, smaller stages in both passes; one still over it is out. It is a floor, not the method: the candidates are the
 placements FCP would otherwise lose to.
 

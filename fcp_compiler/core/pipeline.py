@@ -175,8 +175,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
     timing each (stats["pass_seconds"]). For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
-    candidate placements, each direct and with node fan-out, and keeps the plan with the least simulated layer time
-    whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which, and what each scored).
+    candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
+    least simulated layer time whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which,
+    and what each scored).
 
     Args:
         batch: a BatchSpec, or a list/array of lengths (causal unless the options' `mask` says otherwise).
