@@ -4,9 +4,9 @@ FCP's placement balances each rank's layer time; whether its traffic hides is kn
 So `compile_plan` schedules a few placements, direct and, where it may pay, with node fan-out, scores every resulting
 plan by the timing model (:mod:`fcp_compiler.core.simulate`: the forward plus backward layer makespan, exactly what
 `fcp simulate` reports) and keeps the fastest whose live buffers fit the memory budget (MEMORY_BUDGET_STAGES x
-coalesce x block size tokens). A candidate over the budget is scheduled again with smaller backward stages and then, if it is
-near, smaller stages in both passes; one still over it is out. It is a floor, not the method: the candidates are the
-placements FCP would otherwise lose to.
+coalesce x block size tokens). A candidate over the budget is scheduled again with smaller backward stages and then,
+if it is near, smaller stages in both passes; one still over it is out. It is a floor, not the method: the
+candidates are the placements FCP would otherwise lose to.
 
 - ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance), and the same at
   the looser tolerances of LAYER_TOLERANCES (``layer-tokens-5%``, ``layer-tokens-10%``);
