@@ -141,11 +141,14 @@ def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, opt
     from fcp_compiler.core.simulate import layer_stats
     from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.format.safe_io import write_files_atomic
-    from fcp_compiler.tools.report import compile_summary
+    from fcp_compiler.tools.report import compile_summary, floor_progress_line
 
     # Before compiling: a bad target costs nothing, and no output may overwrite an input or another output.
     check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
-    plan = compile_plan(load_batch(batch), options=options)
+    # On a terminal, each floor candidate as it is scheduled (seconds each at hundreds of ranks).
+    progress = (lambda row: typer.echo(floor_progress_line(row), err=True)) if not quiet and sys.stderr.isatty() \
+        else None
+    plan = compile_plan(load_batch(batch), options=options, progress=progress)
     # The simulated layer makespans and their gap to the bound, for whoever reads them (a quiet compile skips them).
     figures = {**plan.stats, **layer_stats(plan)} if (stats or not quiet) and "layer_makespan_fwd_s" not in plan.stats \
         else plan.stats

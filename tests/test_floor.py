@@ -95,6 +95,22 @@ def test_the_winner_is_deterministic_and_the_stats_name_it():
     assert stages == f"{first.header.coalesce}/{first.header.bwd_coalesce}"
 
 
+def test_progress_reports_every_scheduled_candidate_as_the_stats_record_it():
+    from fcp_compiler.tools.report import floor_progress_line
+
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=2)
+    seen = []
+    plan = compile_plan(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4, progress=seen.append)
+    assert seen == plan.stats["floor"]["candidates"]
+    budget = plan.stats["floor"]["memory_budget_tokens"]
+    for row in seen:
+        line = floor_progress_line(row)
+        assert line.startswith(f"  floor: {row['name']} ") and line.endswith(f"({row['seconds']:.1f} s)")
+        assert ("over memory" in line) == (row["max_buffer_tokens"] > budget)
+    assert "not simulated" in floor_progress_line({**seen[0], "layer_makespan_fwd_s": None,
+                                                   "layer_makespan_bwd_s": None})
+
+
 def test_no_floor_and_ablations_compile_one_candidate():
     lengths = np.array([8192, 4096, 300, 2000] * 4)
     assert "floor" not in compile_plan(lengths, 8, block_size=1024, floor=False).stats

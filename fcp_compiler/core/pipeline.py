@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,7 +170,8 @@ def plan_digest(batch, num_ranks: int | None = None, *, options: CompileOptions 
 
 
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int | None = None, *,
-                 options: CompileOptions | None = None, **fields) -> CompiledPlan:
+                 options: CompileOptions | None = None, progress: Callable[[dict], None] | None = None,
+                 **fields) -> CompiledPlan:
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
@@ -193,6 +194,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             comparisons at equal memory), validatable (False: a plan past the validator's segment pairs is
             allowed, for scoring ring baselines), and the ablation switches pipelined, matching_rounds (False fails
             validation), reshuffle_overlap.
+        progress: called with each floor candidate's record (as stats["floor"]["candidates"] lists it) once it is
+            scheduled: a compile at hundreds of ranks schedules several, for seconds.
     Returns:
         the CompiledPlan (bytes, per-rank access, stats).
     Raises:
@@ -204,7 +207,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats = _compile_with_floor(timer, the_batch, options, cap, digest)
+        final, header_fields, data, floor_stats = _compile_with_floor(timer, the_batch, options, cap, digest,
+                                                                      progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
@@ -234,11 +238,13 @@ def _floor_applies(options: CompileOptions) -> bool:
     return options.planner is Planner.FCP and options.floor and options.pipelined and options.matching_rounds
 
 
-def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str) -> tuple:
+def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str,
+                        progress: Callable[[dict], None] | None = None) -> tuple:
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
     started = time.perf_counter()
-    run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options))
+    run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
+                    progress=progress)
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if not run.schedule(candidate):
@@ -284,6 +290,7 @@ class _FloorRun:
     scores: list = field(default_factory=list)
     best: tuple | None = None
     least: tuple | None = None
+    progress: Callable[[dict], None] | None = None
 
     @property
     def alone(self) -> bool:
@@ -328,6 +335,8 @@ class _FloorRun:
         if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
             self.least = (score, transfers, candidate.fan_out, schedule)
         self.scores.append(score)
+        if self.progress is not None:
+            self.progress(_candidate_record(score))
         return True
 
     def _place(self, placement: Placement) -> bool:
@@ -365,13 +374,18 @@ def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds:
     return {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": seconds,
         "most_scheduled": most_scheduled,
-        "candidates": [{"name": score.name, "layer_makespan_fwd_s": _simulated(score.layer_makespan_fwd_s),
-                        "layer_makespan_bwd_s": _simulated(score.layer_makespan_bwd_s),
-                        "max_buffer_tokens": score.max_buffer_tokens, "busy_lower_bound_s": score.busy_lower_bound_s,
-                        "seconds": score.seconds} for score in scores],
+        "candidates": [_candidate_record(score) for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
                     "same_as": same.value if same is not None else None, "refused": refused}
                    for placement, (bound, same, refused) in pruned.items()]}
+
+
+def _candidate_record(score: floor.Score) -> dict:
+    """One scheduled candidate in stats["floor"]["candidates"]."""
+    return {"name": score.name, "layer_makespan_fwd_s": _simulated(score.layer_makespan_fwd_s),
+            "layer_makespan_bwd_s": _simulated(score.layer_makespan_bwd_s),
+            "max_buffer_tokens": score.max_buffer_tokens, "busy_lower_bound_s": score.busy_lower_bound_s,
+            "seconds": score.seconds}
 
 
 def _simulated(seconds: float) -> float | None:

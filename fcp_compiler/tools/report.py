@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,6 +56,14 @@ def _floor_line(stats: dict) -> list[str]:
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
     return [f"  floor: kept {floor['winner']} of {len(floor['candidates'])} candidates scheduled (layer fwd + bwd, "
             f"live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+
+
+def floor_progress_line(row: dict) -> str:
+    """What `fcp compile` shows on a terminal as each floor candidate is scheduled (a candidate over the memory
+    budget is recorded with infinite times)."""
+    over = row["layer_makespan_fwd_s"] is not None and math.isinf(row["layer_makespan_fwd_s"])
+    budget = row["max_buffer_tokens"] - 1 if over else row["max_buffer_tokens"]
+    return f"  floor: {row['name']} {_candidate_figure(row, budget)} ({row['seconds']:.1f} s)"
 
 
 def _candidate_figure(row: dict, budget: int) -> str:
