@@ -113,11 +113,10 @@ class _Busy:
         rounds = (edges.colour, edges.bwd_round)
         width = [int(r.max(initial=-1)) + 1 for r in rounds]
         cls = (links.node[src] != links.node[edges.dst]).astype(np.int64)
-        self.send = [np.zeros((2 * num_ranks, w), dtype=np.int32) for w in width]
-        self.recv = [np.zeros((2 * num_ranks, w), dtype=np.int32) for w in width]
-        for p in (0, 1):
-            np.add.at(self.send[p], (src * 2 + cls, rounds[p]), 1)
-            np.add.at(self.recv[p], (edges.dst * 2 + cls, rounds[p]), 1)
+        # Counts per (link end, round), by bincount over the flat cell (ufunc.at is many times slower).
+        self.send, self.recv = ([np.bincount((ends * 2 + cls) * w + r, minlength=2 * num_ranks * w).astype(np.int32)
+                                 .reshape(2 * num_ranks, w) for r, w in zip(rounds, width)]
+                                for ends in (src, edges.dst))
         self.rounds = rounds
         self.slots = np.array([links.nvlink_lanes, 1])
 
