@@ -173,7 +173,8 @@ def test_the_floors_work_is_bounded_by_tiles_and_always_schedules_fcps_own_place
     assert "layer_makespan_fwd_s" not in alone.stats
     from fcp_compiler.tools.report import compile_summary
 
-    assert "not simulated (the only candidate)" in compile_summary(alone.stats, "plan.fcp")
+    summary = compile_summary(alone.stats, "plan.fcp")
+    assert "not simulated (the only candidate)" in summary and "of 1 candidate scheduled" in summary
 
 
 def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backward_stages():

@@ -54,8 +54,9 @@ def _floor_line(stats: dict) -> list[str]:
         return []
     scored = [f"{row['name']} " + _candidate_figure(row, floor["memory_budget_tokens"]) for row in floor["candidates"]]
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
-    return [f"  floor: kept {floor['winner']} of {len(floor['candidates'])} candidates scheduled (layer fwd + bwd, "
-            f"live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+    count = len(floor["candidates"])
+    return [f"  floor: kept {floor['winner']} of {count} candidate{'s' if count != 1 else ''} scheduled (layer fwd + "
+            f"bwd, live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
 
 
 def floor_progress_line(row: dict) -> str:
