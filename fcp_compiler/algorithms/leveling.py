@@ -80,7 +80,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     """Stages for tiles, each at or after its earliest stage, that lower the sum over stages of the busiest rank.
 
     Ranks exchange data every stage, so a stage lasts about as long as its busiest rank computes; a rank whose data
-    arrives early would otherwise front-load their work while another waits for late data, and the pipeline pays
+    arrives early would otherwise front-load its work while another waits for late data, and the pipeline pays
     both. Going from the last stage back, the stage's level is its busiest rank's work; every other rank fills up
     to that level with tiles from its latest earlier stages (a tile may always run later than its data arrives),
     passing over (up to MAX_SKIPS times) those that do not fit the remaining gap or, under `limit`, would keep a

@@ -52,24 +52,25 @@ def _floor_line(stats: dict) -> list[str]:
     floor = stats.get("floor")
     if not floor:
         return []
-    scored = [f"{row['name']} " + _candidate_figure(row, floor["memory_budget_tokens"]) for row in floor["candidates"]]
+    budget = floor["memory_budget_tokens"]
+    scored = [f"{row['name']} " + _candidate_figure(row, row["max_buffer_tokens"] > budget)
+              for row in floor["candidates"]]
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
     count = len(floor["candidates"])
     return [f"  floor: kept {floor['winner']} of {count} candidate{'s' if count != 1 else ''} scheduled (layer fwd + "
-            f"bwd, live buffers <= {floor['memory_budget_tokens']} tokens): " + "; ".join(scored)]
+            f"bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
 
 
 def floor_progress_line(row: dict) -> str:
     """What `fcp compile` shows on a terminal as each floor candidate is scheduled (a candidate over the memory
     budget is recorded with infinite times)."""
     over = row["layer_makespan_fwd_s"] is not None and math.isinf(row["layer_makespan_fwd_s"])
-    budget = row["max_buffer_tokens"] - 1 if over else row["max_buffer_tokens"]
-    return f"  floor: {row['name']} {_candidate_figure(row, budget)} ({row['seconds']:.1f} s)"
+    return f"  floor: {row['name']} {_candidate_figure(row, over)} ({row['seconds']:.1f} s)"
 
 
-def _candidate_figure(row: dict, budget: int) -> str:
+def _candidate_figure(row: dict, over_memory: bool) -> str:
     """One floor candidate's layer time (fwd + bwd), or why it has none."""
-    if row["max_buffer_tokens"] > budget:
+    if over_memory:
         return f"over memory ({row['max_buffer_tokens']} tokens)"
     if row["layer_makespan_fwd_s"] is None:
         return "not simulated (the only candidate)"
