@@ -189,6 +189,32 @@ def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backwa
     assert held.header.inputs_digest != free.header.inputs_digest  # a different plan, said so in its digest
 
 
+def test_a_plan_that_deeper_levelling_lifts_over_the_budget_keeps_its_stages_with_the_backward_levelled_less():
+    """Levelling holds a delayed tile's pulled block live: where the default depth (3 stages' worth) lifts the
+    backward over the memory budget, _fit_memory levels the backward again within 2 before it shrinks any stage,
+    and keeps the forward as it was."""
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.passes.coalesce import LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, pass_peaks
+
+    options = CompileOptions.of(64, model="llama3-70b")
+    batch = pipeline._to_batch(lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0), None)
+    timer = pipeline._PassTimer()
+    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 64, 4096),
+                                 Placement.LAYER)
+    rounds = pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
+    budget = pipeline._memory_budget(options)
+    deep, shallow = (coalesce(rounds, 16, levelling_stages=depth) for depth in (LEVELLING_STAGES,
+                                                                                  TIGHT_LEVELLING_STAGES))
+    assert pass_peaks(deep)[1] > budget >= pass_peaks(deep)[0]  # the backward is the one over
+    fitted, peak = pipeline._fit_memory(timer, rounds, options, budget)
+    assert peak == max(pass_peaks(fitted)) <= budget
+    assert fitted.backward.coalesce == 2 * fitted.coalesce == 32  # no stage shrunk
+    assert np.array_equal(fitted.forward.tile_stage, deep.forward.tile_stage)
+    assert np.array_equal(fitted.backward.tile_stage, shallow.backward.tile_stage)
+    assert not np.array_equal(fitted.backward.tile_stage, deep.backward.tile_stage)
+
+
 def test_a_schedule_whose_relays_would_break_the_budget_is_finished_without_them(monkeypatch):
     """A relay holds its block until it has re-sent it: where that lifts a fitting schedule over the budget, the
     floor keeps the schedule's own senders (and says so) rather than dropping the candidate."""

@@ -20,9 +20,9 @@ from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule,
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
-from fcp_compiler.core.passes.coalesce import (coalesce, coalesce_forward, complete_backward, forward_peak,
-                                               max_buffer_tokens, pass_peaks, smaller_backward_rounds,
-                                               with_backward_rounds)
+from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward, complete_backward,
+                                               forward_peak, max_buffer_tokens, pass_peaks,
+                                               smaller_backward_rounds, with_backward_rounds)
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.fan_out import fan_out
@@ -406,12 +406,14 @@ def _layer_figures(plan: tuple) -> dict:
 
 
 def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:
-    """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with smaller
-    stages: first the backward's alone, when its peak is the one over (its pulls stay live until their gradients
-    leave two stages later); then, when that leaves it over by at most half, both passes' (a rank receives at most a
-    stage's rounds of messages at a time, so the peak falls about in proportion). Smaller still costs more time
-    than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward
-    half over the budget by more than half is not completed at all.
+    """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with less
+    held: when the backward's peak is the one over, its levelling shallower first (TIGHT_LEVELLING_STAGES: a tile
+    levelling delays keeps its pulled block live, and its gradient's push may then find a free round later still),
+    then its stages smaller (its pulls stay live until their gradients leave two stages later); then, when that
+    leaves it over by at most half, both passes' stages (a rank receives at most a stage's rounds of messages at a
+    time, so the peak falls about in proportion). Smaller still costs more time than it saves memory (launches,
+    smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward half over the budget by more than
+    half is not completed at all.
 
     Returns:
         (the last schedule tried, or None when its forward half alone was over by more than half; its peak live
@@ -427,17 +429,23 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
     if not options.pipelined or peak <= budget:
         return schedule, peak
-    if forward <= budget and (backward_rounds := smaller_backward_rounds(rounds_per_stage)):
-        schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds)
-        peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
+    tight = TIGHT_LEVELLING_STAGES
+    if forward <= budget:
+        for backward_rounds in (2 * rounds_per_stage, smaller_backward_rounds(rounds_per_stage)):
+            if backward_rounds is None:
+                break
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
+            peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
+            if peak <= budget:
+                return schedule, peak
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
-        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined)
+        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight)
         backward_rounds = smaller_backward_rounds(fewer)
         if max(timer.run("floor", pass_peaks, schedule)) > budget and backward_rounds:
-            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds)
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
         peak = max(timer.run("floor", pass_peaks, schedule))
     return schedule, peak
 

@@ -16,13 +16,15 @@ from fcp_compiler.algorithms.round_order import order_rounds
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
 
-# Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size). The backward
-# is levelled too since node fan-out: its pulls land a stage after their entry's, and without levelling their tiles
-# bunched up (the MagiAttention-histogram batch at 256 GPUs: backward normalized MFU 0.69 unlevelled, 0.86 with 2
-# stages). The peak live buffers do not depend on these budgets on the benchmark batches (they come from the
-# backward's arrivals); 4 forward stages against 2 made the mean forward layer gap of 16 plans 0.5% worse.
-FORWARD_BUDGET_STAGES = 2
-BACKWARD_BUDGET_STAGES = 2
+# Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size), in either
+# pass. The backward is levelled too since node fan-out: its pulls land a stage after their entry's, and without
+# levelling their tiles bunched up (the MagiAttention-histogram batch at 256 GPUs: backward normalized MFU 0.69
+# unlevelled, 0.86 with 2 stages). Under the floor's 4cB memory budget (issue 31), 3 stages against 2 made the
+# matrix's layer time 0.5% faster (geometric mean of 54 batches; 25 faster by up to 3.3%, 2 slower by 0.3% and
+# 0.05%). Where 3 lift a plan over the budget (a delayed tile's gradient may also find its push round later), its
+# backward is levelled again with TIGHT_LEVELLING_STAGES before its stages shrink (pipeline._fit_memory).
+LEVELLING_STAGES = 3
+TIGHT_LEVELLING_STAGES = 2
 
 
 def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -139,6 +141,7 @@ class ForwardSchedule:
     tile_q_edge: np.ndarray
     arrival_round: np.ndarray
     earliest: _Earliest | None
+    levelling_stages: int  # the backward's levelling budget, in stages' worth of pulls
 
 
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
@@ -240,7 +243,8 @@ def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per
     return placed
 
 
-def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None) -> Schedule:
+def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None,
+             levelling_stages: int = LEVELLING_STAGES) -> Schedule:
     """Merge `coalesce` consecutive rounds into a stage and place every tile and push of both passes.
 
     Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
@@ -258,15 +262,17 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
         coalesce: c, rounds per stage (>= 1; the backward pass takes 2c).
         pipelined: False (an ablation) runs every tile after the last pull, as a pull-all, compute, push-all design.
         buffer_budget: most live buffer tokens the forward's levelling may make a rank hold (default
-            FORWARD_BUDGET_STAGES x coalesce x block size; the backward's: BACKWARD_BUDGET_STAGES x ...).
+            levelling_stages x coalesce x block size).
+        levelling_stages: the backward's levelling budget (and the forward's, unless buffer_budget is given), in
+            stages' worth of pulls (LEVELLING_STAGES).
     Returns:
         the Schedule.
     """
-    return complete_backward(coalesce_forward(rounds, coalesce, pipelined, buffer_budget))
+    return complete_backward(coalesce_forward(rounds, coalesce, pipelined, buffer_budget, levelling_stages))
 
 
-def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True,
-                     buffer_budget: int | None = None) -> ForwardSchedule:
+def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None,
+                     levelling_stages: int = LEVELLING_STAGES) -> ForwardSchedule:
     """The forward half of :func:`coalesce` (its arguments): the pulls' rounds, the tiles' stages and the partial
     outputs' pushes. Its live buffers are known before the backward is built (:func:`complete_backward`)."""
     transfers = rounds.transfers
@@ -280,7 +286,7 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True,
     assert ((kv_edge[sample] >= 0) == (assignment.block_rank[tiles.tile_kv_block[sample]] != tile_rank[sample])).all()
     assert ((q_edge[sample] >= 0) == (assignment.block_rank[tiles.tile_q_block[sample]] != tile_rank[sample])).all()
     block_size = tiles.sharding.block_size
-    budget = buffer_budget if buffer_budget is not None else FORWARD_BUDGET_STAGES * coalesce * block_size
+    budget = buffer_budget if buffer_budget is not None else levelling_stages * coalesce * block_size
     fanned = transfers.edge_parent >= 0
     # Each class's colours are rounds of their own (item cls * R + colour); a pull its entry re-sends counts, for
     # ordering the rounds, in its entry's.
@@ -305,7 +311,8 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True,
     earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, q_edge, assignment) if pipelined else None
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     return ForwardSchedule(rounds=rounds, coalesce=coalesce, pipelined=pipelined, forward=forward,
-                           tile_kv_edge=kv_edge, tile_q_edge=q_edge, arrival_round=arrival_round, earliest=earliest)
+                           tile_kv_edge=kv_edge, tile_q_edge=q_edge, arrival_round=arrival_round, earliest=earliest,
+                           levelling_stages=levelling_stages)
 
 
 def complete_backward(part: ForwardSchedule) -> Schedule:
@@ -319,7 +326,7 @@ def complete_backward(part: ForwardSchedule) -> Schedule:
     # Backward pulls take every other round (their pushes the rest), so a backward stage of 2c rounds holds as many
     # pulls as a forward stage: half as many stages, each long enough to hide its messages under its tiles.
     backward = _backward(transfers, forward_round, 2 * coalesce, earliest, kv_edge, q_edge,
-                         BACKWARD_BUDGET_STAGES * coalesce * block_size, lanes)
+                         part.levelling_stages * coalesce * block_size, lanes)
     delayed = np.zeros(tile_rank.size, dtype=bool) if earliest is None else forward.tile_stage != earliest.stage
     part.earliest = None
     del earliest  # millions of entries at small blocks: gone before the order is sorted
@@ -337,9 +344,11 @@ def smaller_backward_rounds(coalesce_degree: int) -> int | None:
                 None)
 
 
-def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
+def with_backward_rounds(schedule: Schedule, backward_rounds: int,
+                         levelling_stages: int = LEVELLING_STAGES) -> Schedule:
     """The same schedule with the backward pass in stages of `backward_rounds` rounds (even, dividing twice the
-    forward's): the forward, the pulls' rounds and the tiles' order are kept.
+    forward's), levelled within `levelling_stages` stages' worth of pulls: the forward, the pulls' rounds and the
+    tiles' order are kept.
 
     A backward pull stays live from its stage until its gradient leaves two stages later, so fewer rounds a stage
     hold fewer pulled blocks at a time.
@@ -353,7 +362,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int) -> Schedule:
                             kv_edge, q_edge, transfers.assignment)
     block_size = transfers.assignment.tiles.sharding.block_size
     backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
-                         BACKWARD_BUDGET_STAGES * coalesce_degree * block_size, rounds.nvlink_lanes)
+                         levelling_stages * coalesce_degree * block_size, rounds.nvlink_lanes)
     return dataclasses.replace(schedule, backward=backward)
 
 
