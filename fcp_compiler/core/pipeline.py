@@ -408,7 +408,7 @@ def _layer_figures(plan: tuple) -> dict:
 def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:
     """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with less
     held: when the backward's peak is the one over, its levelling shallower first (TIGHT_LEVELLING_STAGES: a tile
-    levelling delays keeps its pulled block live, and its gradient's push may then find a free round later still),
+    levelling delays keeps its pulled block live, and its gradient lands on the block's owner later too),
     then its stages smaller (its pulls stay live until their gradients leave two stages later); then, when that
     leaves it over by at most half, both passes' stages (a rank receives at most a stage's rounds of messages at a
     time, so the peak falls about in proportion). Smaller still costs more time than it saves memory (launches,
