@@ -40,6 +40,39 @@ def test_placed_messages_keep_every_round_a_matching_and_never_leave_early(num_r
             assert (r, int(src[m])) in taken_send or (r, int(dst[m])) in taken_recv
 
 
+def _placed_one_at_a_time(ready, src, dst, capacity, fixed_round, fixed_src, fixed_dst):
+    """The greedy as it reads: messages by ready round (ties by index), each in the first round from its ready one
+    where its sender and its receiver both have a slot left."""
+    send, recv = {}, {}
+    for r, a, b in zip(fixed_round.tolist(), fixed_src.tolist(), fixed_dst.tolist()):
+        send[a, r] = send.get((a, r), 0) + 1
+        recv[b, r] = recv.get((b, r), 0) + 1
+    placed = np.zeros(ready.size, dtype=np.int64)
+    for m in sorted(range(ready.size), key=lambda m: (int(ready[m]), m)):
+        a, b, r = int(src[m]), int(dst[m]), int(ready[m])
+        while send.get((a, r), 0) >= capacity[a] or recv.get((b, r), 0) >= capacity[b]:
+            r += 1
+        send[a, r] = send.get((a, r), 0) + 1
+        recv[b, r] = recv.get((b, r), 0) + 1
+        placed[m] = r
+    return placed
+
+
+@given(st.integers(1, 6), st.integers(0, 80), st.integers(0, 200), st.sampled_from([1, 2, 3]), st.integers(0, 10_000))
+def test_placed_messages_take_the_plain_greedys_rounds(num_ends, num_fixed, num_new, most_slots, seed):
+    """place_messages finds free rounds with bit masks, one per end and slot: the rounds must be the plain greedy's,
+    with several slots an end, fixed messages beyond an end's slots, and messages that wait many rounds."""
+    rng = np.random.default_rng(seed)
+    capacity = rng.integers(1, most_slots + 1, size=num_ends)
+    fixed_round = rng.integers(0, 12, size=num_fixed)
+    fixed_src, fixed_dst = rng.integers(0, num_ends, size=num_fixed), rng.integers(0, num_ends, size=num_fixed)
+    ready = rng.integers(0, 6, size=num_new)
+    src, dst = rng.integers(0, num_ends, size=num_new), rng.integers(0, num_ends, size=num_new)
+    placed = place_messages(ready, src, dst, num_ends, fixed_round, fixed_src, fixed_dst, capacity)
+    want = _placed_one_at_a_time(ready, src, dst, capacity, fixed_round, fixed_src, fixed_dst)
+    assert np.array_equal(placed, want)
+
+
 @given(st.integers(1, 4), st.integers(0, 30), st.integers(0, 10_000))
 def test_live_tokens_equal_a_brute_force_count(num_ranks, num_buffers, seed):
     rng = np.random.default_rng(seed)
