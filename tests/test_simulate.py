@@ -67,6 +67,43 @@ def test_nvlink_inside_a_node_and_the_nic_across():
     assert simulate_pass(data, links(4, gpus_per_node=2), True).end[2] == pytest.approx(LAT + 1e6 / BW)
 
 
+def test_the_critical_path_goes_on_from_a_late_partner_and_adds_up_to_the_pass():
+    """Rank 1 finishes its stage 0 early, then waits in stage 1 for rank 0 (0.5 s of tiles) to send it a block, then
+    computes: the path is rank 0's tiles, the message, rank 1's tiles; rank 1's wait is not on it."""
+    from fcp_compiler.algorithms.timeline import critical_path
+
+    data = make_pass(2, 3, flows=[(0, 1, 1e6, 1)], tiles=[(0, 0, 0.5), (1, 0, 0.1), (1, 2, 0.2)])
+    result = simulate_pass(data, links(2), True)
+    path = critical_path(result.stages)
+    assert path["ranks"] == [1, 0]  # last first: rank 1 ends, the path goes back through rank 0's stage 0
+    assert path["computing_s"] == pytest.approx(0.5 + LAUNCH + 0.2 + LAUNCH)
+    assert path["messages_s"] == pytest.approx(LAT + 1e6 / BW)
+    assert path["computing_s"] + path["messages_s"] == pytest.approx(result.makespan)
+    # The other way round: rank 0 has nothing to compute, and both ranks end with the message; the path ends on
+    # rank 0 (the first of equals), whose message waited for rank 1's tiles.
+    late_receiver = simulate_pass(make_pass(2, 2, flows=[(0, 1, 1e6, 1)], tiles=[(1, 0, 0.1)]), links(2), True)
+    path = critical_path(late_receiver.stages)
+    assert path["ranks"] == [0, 1] and path["computing_s"] == pytest.approx(0.1 + LAUNCH)
+
+
+@pytest.mark.parametrize("batch", ["small_8gpu.json", "paper_lognormal_64gpu.json"])
+def test_the_critical_path_of_a_plan_spans_its_attention(batch):
+    """On real plans the path's computing and messages add up to the span from its first rank's start of stage 0
+    to the end of the pass, and it names the rank that ends last."""
+    from fcp_compiler.algorithms.timeline import critical_path
+
+    plan = compile_valid(load_batch(ROOT / "traces" / batch), 8 if batch.startswith("small") else 64)
+    simulation = simulate_plan(plan)
+    for result in (simulation.layer_forward, simulation.layer_backward):
+        path = critical_path(result.stages)
+        first = path["ranks"][-1]
+        span = float(np.maximum(result.stages.compute_end, result.stages.comm_end)[-1].max()
+                     - result.stages.start[0, first])
+        assert path["computing_s"] + path["messages_s"] == pytest.approx(span)
+        assert path["ranks"][0] == int(np.argmax(np.maximum(result.stages.compute_end, result.stages.comm_end)[-1]))
+        assert path["computing_s"] > 0
+
+
 def test_communication_takes_its_sm_share_from_compute():
     # 10 ms of messages beside 20 ms of tiles at 25% SMs for communication: 10 ms at 0.75 speed, then the rest.
     data = make_pass(2, 1, flows=[(0, 1, 1e7 - LAT * BW, 0)], tiles=[(0, 0, 0.02)])

@@ -63,6 +63,19 @@ class LinkModel:
     sm_fraction: float
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTimes:
+    """When each rank's stages ran, float64 [S, N] (seconds from the pass's start): when the rank began the stage,
+    when its tiles ended and when its messages ended (its start where it has none); and, per stage and rank, the
+    rank at the other end of its last message to end (-1: none) and when that message started (both ends ready)."""
+
+    start: np.ndarray
+    compute_end: np.ndarray
+    comm_end: np.ndarray
+    last_peer: np.ndarray  # int64 [S, N]
+    last_message_start: np.ndarray
+
+
 @dataclass(slots=True, kw_only=True)
 class PassResult:
     """Timeline of one pass: when each rank ends, how long its compute stream was busy, and trace events."""
@@ -73,6 +86,7 @@ class PassResult:
     calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
     reshuffle: float = 0.0  # seconds the input and output reshuffles take (their slowest rank each; user layout)
     events: list[dict] = field(default_factory=list)
+    stages: StageTimes | None = None
 
     @property
     def makespan(self) -> float:
@@ -185,6 +199,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
 
     order = np.argsort(data.flow_stage, kind="stable")
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
+    times = _StageRecorder(data.num_stages, n)
     for stage in range(data.num_stages):
         idx = order[bounds[stage]:bounds[stage + 1]]
         src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
@@ -192,6 +207,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
         work = work_by[stage] + launches * links.launch_s
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
+        times.add(stage, start, compute_end, comm_end, src, dst, t0, ends)
         busy += compute_end - start
         if record:
             names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
@@ -206,6 +222,56 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
     reshuffle_out = float((ends - t0).max()) if src.size else 0.0
     return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
-                      reshuffle=reshuffle_in + reshuffle_out, events=events)
+                      reshuffle=reshuffle_in + reshuffle_out, events=events, stages=times.result())
 
 
+class _StageRecorder:
+    """Fills a StageTimes stage by stage."""
+
+    def __init__(self, num_stages: int, num_ranks: int):
+        self.start, self.compute_end, self.comm_end, self.last_message_start = (
+            np.zeros((num_stages, num_ranks)) for _ in range(4))
+        self.last_peer = np.full((num_stages, num_ranks), -1, dtype=np.int64)
+
+    def add(self, stage, start, compute_end, comm_end, src, dst, t0, ends) -> None:
+        self.start[stage], self.compute_end[stage], self.comm_end[stage] = start, compute_end, comm_end
+        # Each rank's last message to end: written in order of ends, so the last write is the latest.
+        ranks, peers = np.concatenate((src, dst)), np.concatenate((dst, src))
+        by_end = np.argsort(np.concatenate((ends, ends)), kind="stable")
+        self.last_peer[stage, ranks[by_end]] = peers[by_end]
+        self.last_message_start[stage, ranks[by_end]] = np.concatenate((t0, t0))[by_end]
+
+    def result(self) -> StageTimes:
+        return StageTimes(start=self.start, compute_end=self.compute_end, comm_end=self.comm_end,
+                          last_peer=self.last_peer, last_message_start=self.last_message_start)
+
+
+def critical_path(stages: StageTimes) -> dict:
+    """Why a pass's stages end when they do: walking back from the rank that ends its last stage latest, each stage
+    of the rank on the path ended on its tiles (computing) or on its last message (messages). A message that
+    started after the rank had begun the stage waited for its partner to begin it, so the path goes on from that
+    partner, which began the stage then (the rank's wait is off the path: its partner was busy). O(S) steps.
+
+    Returns:
+        {"computing_s", "messages_s": the path's seconds in each, adding up to its span, from its first rank's start
+        of stage 0 to the pass's last stage end; "ranks": the path's ranks, last first (a new one where the path
+        went on from a late partner)}.
+    """
+    computing = messages = 0.0
+    if stages.start.size == 0:
+        return {"computing_s": computing, "messages_s": messages, "ranks": []}
+    stage_end = np.maximum(stages.compute_end, stages.comm_end)
+    rank = int(np.argmax(stage_end[-1]))
+    ranks = [rank]
+    for stage in range(stages.start.shape[0] - 1, -1, -1):
+        began, ended = float(stages.start[stage, rank]), float(stage_end[stage, rank])
+        if stages.compute_end[stage, rank] >= stages.comm_end[stage, rank]:
+            computing += ended - began
+            continue
+        message_start = float(stages.last_message_start[stage, rank])
+        if message_start > began:  # its partner began the stage later: the path goes on from there
+            rank = int(stages.last_peer[stage, rank])
+            ranks.append(rank)
+            began = message_start
+        messages += ended - began
+    return {"computing_s": computing, "messages_s": messages, "ranks": ranks}

@@ -17,7 +17,7 @@ from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
 from fcp_compiler.core.ir import Batch, Sharding
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
-from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, simulate_pass
+from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, stack_ranks, stacked_pull_tokens,
@@ -119,6 +119,9 @@ class Simulation:
             "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
             "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
             **self.layer_figures(),
+            # Why the layer's attention ends when it does: the path through the stages (timeline.critical_path).
+            "critical_path_fwd": critical_path(self.layer_forward.stages),
+            "critical_path_bwd": critical_path(self.layer_backward.stages),
             "per_rank": per_rank,
         }
 

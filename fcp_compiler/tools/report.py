@@ -265,7 +265,18 @@ def simulation_summary(figures: dict, trace=None) -> str:
         for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
     lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}, normalized "
                  f"{figures['normalized_layer_mfu']:.3f}")
+    lines.append("  critical path of each pass's attention (what ended each stage, back from the rank that ends last; "
+                 "ranks in time order):")
+    lines.append(table(["pass", "computing ms", "messages ms", "ranks"], [
+        [name, f"{path['computing_s'] * 1e3:.2f}", f"{path['messages_s'] * 1e3:.2f}", _path_ranks(path["ranks"])]
+        for name, path in (("forward", figures["critical_path_fwd"]), ("backward", figures["critical_path_bwd"]))]))
     return "\n".join(lines)
+
+
+def _path_ranks(ranks: list[int]) -> str:
+    """A critical path's ranks in time order, first to last (a long path shortened in the middle)."""
+    ordered = [str(rank) for rank in reversed(ranks)]
+    return " > ".join(ordered if len(ordered) <= 5 else ordered[:2] + ["..."] + ordered[-2:])
 
 
 def ablation_table(steps: list[dict]) -> str:
