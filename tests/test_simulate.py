@@ -104,6 +104,15 @@ def test_the_critical_path_of_a_plan_spans_its_attention(batch):
         assert path["computing_s"] > 0
 
 
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_the_layer_figures_need_no_attention_alone_pass(layout):
+    """The floor scores candidates without simulating attention alone: the layer figures must be the same."""
+    plan = compile_valid(load_batch(ROOT / "traces" / "small_8gpu.json"), 8, layout=layout)
+    full = simulate_plan(plan).layer_figures()
+    assert simulate_plan(plan, attention_alone=False).layer_figures() == full
+    assert full["reshuffle_fwd_s"] > 0 if layout == "user" else full["reshuffle_fwd_s"] == 0
+
+
 def test_communication_takes_its_sm_share_from_compute():
     # 10 ms of messages beside 20 ms of tiles at 25% SMs for communication: 10 ms at 0.75 speed, then the rest.
     data = make_pass(2, 1, flows=[(0, 1, 1e7 - LAT * BW, 0)], tiles=[(0, 0, 0.02)])

@@ -106,6 +106,11 @@ def _message_ends(t0, src, dst, nbytes, links: LinkModel, num_ranks: int) -> np.
     return t0 + links.latency_s + np.maximum(out_drain, in_drain)
 
 
+def _slowest_message(src, dst, nbytes, links: LinkModel, num_ranks: int) -> float:
+    """How long the slowest message of a group launched together takes (whenever it launches), 0 for none."""
+    return float(_message_ends(np.zeros(src.size), src, dst, nbytes, links, num_ranks).max()) if src.size else 0.0
+
+
 def _exchange(start, src, dst, nbytes, links: LinkModel, num_ranks: int):
     """One group of messages launched together, each when both its ends have reached `start`: (t0, ends) per
     message, each rank's comm_end (its start, or its last message's end) and whether it has any message."""
@@ -195,7 +200,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         trace.messages(t0, ends, src, dst, None, "reshuffle in")
         trace.compute(begin, compute_end, early, "reshuffle")
     start = np.maximum(comm_end, compute_end)
-    reshuffle_in = float((ends - t0).max()) if src.size else 0.0
+    reshuffle_in = _slowest_message(src, dst, nbytes, links, n)
 
     order = np.argsort(data.flow_stage, kind="stable")
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
@@ -220,7 +225,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     if record:
         trace.messages(t0, ends, src, dst, None, "reshuffle out")
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
-    reshuffle_out = float((ends - t0).max()) if src.size else 0.0
+    reshuffle_out = _slowest_message(src, dst, nbytes, links, n)
     return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
                       reshuffle=reshuffle_in + reshuffle_out, events=events, stages=times.result())
 

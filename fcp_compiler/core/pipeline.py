@@ -402,7 +402,8 @@ def _same_placement(first: Assignment, second: Assignment) -> bool:
 def _layer_figures(plan: tuple) -> dict:
     """The simulated layer figures of a finished plan (final IR, header fields, bytes)."""
     final, _, data = plan
-    return simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data))).layer_figures()
+    return simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data)),
+                         attention_alone=False).layer_figures()
 
 
 def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:

@@ -235,7 +235,7 @@ def _reshuffle_flows(programs, bytes_per_token: float):
 
 
 def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False,
-                  model: str | None = None) -> Simulation:
+                  model: str | None = None, attention_alone: bool = True) -> Simulation:
     """Simulate a plan on a hardware profile (default: the one it was compiled for).
 
     Args:
@@ -245,6 +245,10 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
         record: keep Chrome trace events (tiles named by block and stage, messages by kind and block, each rank's
             linear layers).
         model: the layer around attention, a preset name or "none" (default: the one the plan was compiled for).
+        attention_alone: also simulate each pass's attention alone, from time 0 on every rank (what
+            Simulation.figures reports beside the layer). False, for callers that read only layer_figures (the
+            floor scores every candidate by them): forward and backward are then the layer passes, whose
+            reshuffle times (all layer_figures reads of them) are the same.
     Returns:
         the Simulation.
     Raises:
@@ -258,12 +262,17 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     layer_model = load_model(header.model if model is None else model)
     # Attention alone is recorded only when there is no layer around it to record.
     attention_record = record and layer_model is None
-    forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
-    backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan, "bwd")
     rank_tokens = _layer_tokens(header, tables, programs)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
-    layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
-        fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
+    if layer_model is not None and not attention_alone:
+        forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
+        layer_forward, layer_backward = forward, backward
+    else:
+        forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
+        backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,
+                                 "bwd")
+        layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
+            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
@@ -357,7 +366,7 @@ LAYER_STATS = ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", 
 def layer_stats(plan) -> dict:
     """The simulated layer figures `fcp compile` adds to a plan's stats: each pass's layer makespan, its gap to the
     certified lower bound, and layer MFU (plain and normalised), for the model the plan was compiled for."""
-    figures = simulate_plan(plan).layer_figures()
+    figures = simulate_plan(plan, attention_alone=False).layer_figures()
     return {name: figures[name] for name in LAYER_STATS}
 
 
