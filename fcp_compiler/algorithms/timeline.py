@@ -240,11 +240,13 @@ class _StageRecorder:
 
     def add(self, stage, start, compute_end, comm_end, src, dst, t0, ends) -> None:
         self.start[stage], self.compute_end[stage], self.comm_end[stage] = start, compute_end, comm_end
-        # Each rank's last message to end: written in order of ends, so the last write is the latest.
+        # Each rank's last message to end (of equals, the last listed): the last of its run once sorted by (rank,
+        # end), so that every rank is written once.
         ranks, peers = np.concatenate((src, dst)), np.concatenate((dst, src))
-        by_end = np.argsort(np.concatenate((ends, ends)), kind="stable")
-        self.last_peer[stage, ranks[by_end]] = peers[by_end]
-        self.last_message_start[stage, ranks[by_end]] = np.concatenate((t0, t0))[by_end]
+        by_rank = np.lexsort((np.concatenate((ends, ends)), ranks))
+        last = by_rank[np.append(ranks[by_rank][1:] != ranks[by_rank][:-1], True)] if by_rank.size else by_rank
+        self.last_peer[stage, ranks[last]] = peers[last]
+        self.last_message_start[stage, ranks[last]] = np.concatenate((t0, t0))[last]
 
     def result(self) -> StageTimes:
         return StageTimes(start=self.start, compute_end=self.compute_end, comm_end=self.comm_end,
