@@ -73,7 +73,7 @@ def test_the_critical_path_goes_on_from_a_late_partner_and_adds_up_to_the_pass()
     from fcp_compiler.algorithms.timeline import critical_path
 
     data = make_pass(2, 3, flows=[(0, 1, 1e6, 1)], tiles=[(0, 0, 0.5), (1, 0, 0.1), (1, 2, 0.2)])
-    result = simulate_pass(data, links(2), True)
+    result = simulate_pass(data, links(2), True, stage_times=True)
     path = critical_path(result.stages)
     assert path["ranks"] == [1, 0]  # last first: rank 1 ends, the path goes back through rank 0's stage 0
     assert path["computing_s"] == pytest.approx(0.5 + LAUNCH + 0.2 + LAUNCH)
@@ -81,7 +81,8 @@ def test_the_critical_path_goes_on_from_a_late_partner_and_adds_up_to_the_pass()
     assert path["computing_s"] + path["messages_s"] == pytest.approx(result.makespan)
     # The other way round: rank 0 has nothing to compute, and both ranks end with the message; the path ends on
     # rank 0 (the first of equals), whose message waited for rank 1's tiles.
-    late_receiver = simulate_pass(make_pass(2, 2, flows=[(0, 1, 1e6, 1)], tiles=[(1, 0, 0.1)]), links(2), True)
+    late_receiver = simulate_pass(make_pass(2, 2, flows=[(0, 1, 1e6, 1)], tiles=[(1, 0, 0.1)]), links(2), True,
+                                  stage_times=True)
     path = critical_path(late_receiver.stages)
     assert path["ranks"] == [0, 1] and path["computing_s"] == pytest.approx(0.1 + LAUNCH)
 

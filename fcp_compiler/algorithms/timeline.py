@@ -86,7 +86,7 @@ class PassResult:
     calls: np.ndarray | None = None  # kernel calls per (stage, rank), when the input states them
     reshuffle: float = 0.0  # seconds the input and output reshuffles take (their slowest rank each; user layout)
     events: list[dict] = field(default_factory=list)
-    stages: StageTimes | None = None
+    stages: StageTimes | None = None  # with simulate_pass(stage_times=True)
 
     @property
     def makespan(self) -> float:
@@ -173,10 +173,13 @@ class _TraceRecorder:
 
 
 def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
-                  time_offset: float = 0.0, label: str = "fwd", rank_start: np.ndarray | None = None) -> PassResult:
+                  time_offset: float = 0.0, label: str = "fwd", rank_start: np.ndarray | None = None,
+                  stage_times: bool = False) -> PassResult:
     """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised.
 
     rank_start: when each rank may begin (its linear layers before attention); a message waits for both ends.
+    stage_times: keep each stage's times on every rank (PassResult.stages, what :func:`critical_path` reads); a
+    sort of each stage's messages, skipped where only the makespans are wanted (the floor's scoring).
     """
     n = data.num_ranks
     begin = np.zeros(n) if rank_start is None else np.asarray(rank_start, dtype=np.float64)
@@ -204,7 +207,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
 
     order = np.argsort(data.flow_stage, kind="stable")
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
-    times = _StageRecorder(data.num_stages, n)
+    times = _StageRecorder(data.num_stages, n) if stage_times else None
     for stage in range(data.num_stages):
         idx = order[bounds[stage]:bounds[stage + 1]]
         src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
@@ -212,7 +215,8 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
         work = work_by[stage] + launches * links.launch_s
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
-        times.add(stage, start, compute_end, comm_end, src, dst, t0, ends)
+        if times is not None:
+            times.add(stage, start, compute_end, comm_end, src, dst, t0, ends)
         busy += compute_end - start
         if record:
             names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
@@ -227,7 +231,8 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
     reshuffle_out = _slowest_message(src, dst, nbytes, links, n)
     return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
-                      reshuffle=reshuffle_in + reshuffle_out, events=events, stages=times.result())
+                      reshuffle=reshuffle_in + reshuffle_out, events=events,
+                      stages=times.result() if times is not None else None)
 
 
 class _StageRecorder:

@@ -246,9 +246,10 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             linear layers).
         model: the layer around attention, a preset name or "none" (default: the one the plan was compiled for).
         attention_alone: also simulate each pass's attention alone, from time 0 on every rank (what
-            Simulation.figures reports beside the layer). False, for callers that read only layer_figures (the
-            floor scores every candidate by them): forward and backward are then the layer passes, whose
-            reshuffle times (all layer_figures reads of them) are the same.
+            Simulation.figures reports beside the layer, with each pass's critical path). False, for callers that
+            read only layer_figures (the floor scores every candidate by them): forward and backward are then the
+            layer passes, whose reshuffle times (all layer_figures reads of them) are the same, and no stage times
+            are kept.
     Returns:
         the Simulation.
     Raises:
@@ -264,15 +265,19 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     attention_record = record and layer_model is None
     rank_tokens = _layer_tokens(header, tables, programs)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
+    # The layer passes keep their stage times for the critical path (Simulation.figures) in a full simulation.
     if layer_model is not None and not attention_alone:
-        forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
+        forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record,
+                                          stage_times=False)
         layer_forward, layer_backward = forward, backward
     else:
-        forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd")
+        alone = layer_model is None  # attention alone is then the layer
+        forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd",
+                                stage_times=alone)
         backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,
-                                 "bwd")
-        layer_forward, layer_backward = (forward, backward) if layer_model is None else _layer_passes(
-            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record)
+                                 "bwd", stage_times=alone)
+        layer_forward, layer_backward = (forward, backward) if alone else _layer_passes(
+            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, stage_times=True)
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
@@ -348,12 +353,13 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
 
 
 def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,
-                  record: bool) -> tuple[PassResult, PassResult]:
+                  record: bool, stage_times: bool) -> tuple[PassResult, PassResult]:
     """Each pass again with every rank starting when its linear layers before attention end (its messages waiting
     for both ends'); the backward starts when the last rank has finished its forward layer."""
-    forward = simulate_pass(fwd_input, links, overlap, record, 0.0, "fwd", rank_start=phases["fwd_before"])
+    forward = simulate_pass(fwd_input, links, overlap, record, 0.0, "fwd", rank_start=phases["fwd_before"],
+                            stage_times=stage_times)
     backward = simulate_pass(bwd_input, links, overlap, record, float((forward.end + phases["fwd_after"]).max()),
-                             "bwd", rank_start=phases["bwd_before"])
+                             "bwd", rank_start=phases["bwd_before"], stage_times=stage_times)
     if record:
         _linear_events(forward, backward, phases)
     return forward, backward
