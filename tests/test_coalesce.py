@@ -2,6 +2,7 @@
 pushes leave after their tiles, and levelling never lifts live buffers over the budget."""
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -234,3 +235,95 @@ def test_smaller_backward_stages_keep_every_later_forward_stage_later():
         assert r % 2 == 0 and 2 <= r <= c and keeps_order(c, r)
         assert not any(keeps_order(c, bigger) for bigger in range(r + 2, c + 1, 2))
     assert not keeps_order(11, 10) and not keeps_order(9, 8)  # what rounding c down to even gave
+
+
+@given(st.integers(1, 24), st.integers(1, 4), st.integers(1, 3), st.integers(0, 10_000))
+def test_rounds_first_fills_the_first_stage_with_them_and_moves_nothing_else_but_the_rounds_they_displace(
+        num_rounds, per_stage, nvlink_lanes, seed):
+    from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
+
+    rng = np.random.default_rng(seed)
+    round_class = rng.integers(0, 2, size=num_rounds)
+    lanes = (nvlink_lanes, 1)
+    position = order_rounds(rng.random((num_rounds, 3)), per_stage, round_class, lanes)
+    first = np.flatnonzero(rng.random(num_rounds) < 0.4)
+    moved = rounds_first(position, round_class, first, per_stage, lanes)
+    is_first = np.isin(np.arange(num_rounds), first)
+    for cls in (0, 1):
+        mine = round_class == cls
+        # Still an order: no position holds more rounds of a class than its lanes.
+        assert np.bincount(moved[mine], minlength=1).max(initial=0) <= lanes[cls]
+        # The first stage holds as many of `first` as it can: all of them, or nothing else.
+        in_stage = moved[mine] < per_stage
+        assert (in_stage & is_first[mine]).sum() == min(is_first[mine].sum(), per_stage * lanes[cls])
+        # A round of `first` leaves only for the first stage; any other leaves it only for a position a round of
+        # `first` left.
+        changed = mine & (moved != position)
+        assert (moved[changed & is_first] < per_stage).all()
+        displaced = changed & ~is_first
+        assert (position[displaced] < per_stage).all()
+        assert set(moved[displaced].tolist()) <= set(position[changed & is_first].tolist())
+
+
+def _earliest_rounds_case():
+    """A 16-rank batch whose helper ranks (tiles run away from their query block's owner) get their Q pulls late in
+    the plain round order, and the pulls that order schedules: (options, assignment, rounds)."""
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.core.floor import Placement
+    from fcp_compiler.core.options import CompileOptions
+
+    rng = np.random.default_rng(4)
+    lengths = [int(x) for x in rng.integers(200, 3000, size=40)] + [int(rng.integers(16 * 2048, 16 * 6000))]
+    options = CompileOptions.of(16, model="llama3-70b", block_size=1024, node_fan_out=False)
+    batch = pipeline._to_batch(lengths, None)
+    timer = pipeline._PassTimer()
+    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 16, 1024),
+                                 Placement.LAYER)
+    return options, assignment, pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
+
+
+def test_q_pulls_go_first_where_that_levels_the_stages_and_the_plan_stays_valid():
+    """A helper's tiles need its Q pull and a K,V pull; the plain order let the Q land after most K,V, so its tiles
+    bunched into one stage. coalesce moves the rounds carrying Q pulls into the first stage when that lowers the sum
+    over stages of the busiest rank's work (each tile after its data) by Q_PULLS_FIRST_GAIN, and not otherwise."""
+    from fcp_compiler.core.passes.coalesce import (Q_PULLS_FIRST_GAIN, TransferKind, _earliest_levels,
+                                                   coalesce_forward)
+
+    options, assignment, rounds = _earliest_rounds_case()
+    is_q = rounds.transfers.edge_kind == TransferKind.Q
+    assert is_q.any() and (assignment.tile_rank != assignment.block_rank[assignment.tiles.tile_q_block]).any()
+    moved, plain = (coalesce_forward(rounds, 16, q_first=switch) for switch in (True, False))
+    assert moved.q_pulls_first and not plain.q_pulls_first
+    assert (moved.forward.edge_round[is_q] < 16).all() and not (plain.forward.edge_round[is_q] < 16).all()
+    levels = [_earliest_levels(part.forward.edge_round, 16, part.tile_kv_edge, part.tile_q_edge, assignment)
+              for part in (moved, plain)]
+    assert levels[0] < (1 - Q_PULLS_FIRST_GAIN) * levels[1]
+    # Any order of the matchings is one: the whole plan still validates, with its Q pulls in the first stage.
+    lengths = assignment.tiles.sharding.batch.lengths.tolist()
+    plan = compile_valid(lengths, 16, model="llama3-70b", block_size=1024, node_fan_out=False, floor=False)
+    assert (plan.ir.schedule.forward.edge_round[plan.ir.transfers.edge_kind == TransferKind.Q] < 16).all()
+
+
+@pytest.mark.parametrize("budget", [40_000, 60_000, 65_536, 80_000])
+def test_fit_memory_keeps_the_first_order_to_fit_a_step_at_a_time_the_q_pulls_first_on_a_tie(budget):
+    """Where moving the Q pulls first leaves a plan over the budget, the plain order is refitted beside it, step by
+    step; the first schedule to fit is kept (the Q pulls first on the same step), else the least memory."""
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.core.passes.coalesce import pass_peaks
+
+    options, _, rounds = _earliest_rounds_case()
+    timer = pipeline._PassTimer()
+    fitted, peak = pipeline._fit_memory(timer, rounds, options, budget)
+    first = pipeline._schedule_at(timer, rounds, options, budget, q_first=True)
+    chains = [list(pipeline._refits(timer, rounds, options, budget, first))]
+    if first[3] and first[2] > budget:
+        chains.append(list(pipeline._refits(timer, rounds, options, budget,
+                                            pipeline._schedule_at(timer, rounds, options, budget, False))))
+    steps = [chain[step] for step in range(max(map(len, chains))) for chain in chains if step < len(chain)]
+    fitting = [step for step in steps if step[0] is not None and step[1] <= budget]
+    expected = fitting[0] if fitting else min(steps, key=lambda step: step[1])
+    assert peak == expected[1] and (fitted is None) == (expected[0] is None)
+    if fitted is not None:
+        assert peak == max(pass_peaks(fitted))
+        assert np.array_equal(fitted.forward.edge_round, expected[0].forward.edge_round)
+        assert np.array_equal(fitted.backward.tile_stage, expected[0].backward.tile_stage)

@@ -248,3 +248,18 @@ def test_received_pulls_listed_in_another_order_replay_exactly_when_messages_mat
     validate_plan(reordered)
     run_ranks(case[2], compare_with_reference(reordered, case[1], True, 4, 2, torch.float64, "plan",
                                               order_matching=True))
+
+
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_plans_whose_q_pulls_go_first_replay_exactly(fan_out):
+    """A helper's Q pull moved into the first stage (coalesce, where that levels the stages) comes in the same
+    round as other pulls of its matching, in a plan the runtime replays exactly, with node fan-out and without;
+    messages matched by posting order, as NCCL does."""
+    from fcp_compiler.core.ir import TransferKind
+
+    lengths = [57, 265, 95, 64, 68, 189, 249, 120, 197, 163, 1792]
+    plan = compile_own(lengths, 8, block_size=128, coalesce=2, model="llama3-70b", node_fan_out=fan_out)
+    is_q = plan.ir.transfers.edge_kind == TransferKind.Q
+    assert is_q.any() and (plan.ir.schedule.forward.edge_round[is_q] < 2).all()
+    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan",
+                                        order_matching=True))

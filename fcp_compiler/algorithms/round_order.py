@@ -71,3 +71,48 @@ def order_rounds(round_work: np.ndarray, rounds_per_stage: int, round_class: np.
         first = np.searchsorted(stage_of[order], stage_of[order])  # each round's stage's first in `order`
         position[order] = stage_of[order] * rounds_per_stage + (np.arange(order.size) - first) // lanes[cls]
     return position
+
+
+def rounds_first(position: np.ndarray, round_class: np.ndarray, first: np.ndarray, rounds_per_stage: int,
+                 class_lanes: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """The same order with the rounds `first` moved into the first stage of their class.
+
+    Positions 0 .. c - 1 (c = `rounds_per_stage`) are the first stage; a position holds class_lanes[k] rounds of class
+    k. Each round of `first` outside the first stage, in order of position (then index), takes a free slot there (the
+    lowest position first) or, when none is left, swaps positions with the round of the first stage not in `first`
+    at the highest position (then the highest index). Rounds of `first` the first stage cannot take stay where they
+    are. Any order of the rounds keeps every round congestion-free, so this one does too. O(R log R) for R rounds.
+
+    Args:
+        position: int [R], each round's position (order_rounds'; distinct within a class up to its lanes).
+        round_class: int [R], each round's link class (0 or 1).
+        first: int, the rounds to move.
+        rounds_per_stage: c >= 1.
+        class_lanes: per class, rounds a position holds.
+    Returns:
+        int64 [R], the new positions.
+    """
+    position = np.array(position, dtype=np.int64)
+    is_first = np.zeros(position.size, dtype=bool)
+    is_first[first] = True
+    for cls in (0, 1):
+        lanes = int(class_lanes[cls])
+        mine = np.flatnonzero(round_class == cls)
+        early = position[mine] < rounds_per_stage
+        movers = mine[is_first[mine] & ~early]
+        movers = movers[np.lexsort((movers, position[movers]))].tolist()
+        if not movers:
+            continue
+        taken = np.bincount(position[mine[early]], minlength=rounds_per_stage)
+        free = np.repeat(np.arange(rounds_per_stage), np.maximum(lanes - taken, 0)).tolist()
+        victims = mine[~is_first[mine] & early]
+        victims = victims[np.lexsort((-victims, -position[victims]))].tolist()
+        for mover in movers:
+            if free:
+                position[mover] = free.pop(0)
+            elif victims:
+                victim = victims.pop(0)
+                position[mover], position[victim] = position[victim], position[mover]
+            else:
+                break
+    return position

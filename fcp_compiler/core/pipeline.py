@@ -408,47 +408,78 @@ def _layer_figures(plan: tuple) -> dict:
 
 def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:
     """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with less
-    held: when the backward's peak is the one over, its levelling shallower first (TIGHT_LEVELLING_STAGES: a tile
-    levelling delays keeps its pulled block live, and its gradient lands on the block's owner later too),
-    then its stages smaller (its pulls stay live until their gradients leave two stages later); then, when that
-    leaves it over by at most half, both passes' stages (a rank receives at most a stage's rounds of messages at a
-    time, so the peak falls about in proportion). Smaller still costs more time than it saves memory (launches,
-    smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward half over the budget by more than
-    half is not completed at all.
+    held (:func:`_refits`). Where coalesce moved the Q pulls into the first stage (such a pull holds its block from
+    then on) and that leaves the plan over the budget, the rounds in their plain order are refitted beside it, a step
+    at a time, and the first to fit is kept, the Q pulls first on a tie (ProLong + tail at 64 GPUs, seed 1: only the
+    plain order fits with the backward levelled less, and with the Q pulls first the backward's stages would halve;
+    at 256 GPUs, seed 2, both need smaller stages, and the Q pulls first stay 2.7% faster).
 
     Returns:
-        (the last schedule tried, or None when its forward half alone was over by more than half; its peak live
-        buffer tokens before relays).
+        (the schedule that fits, else the last tried with the fewest live buffer tokens, or None when the forward
+        half alone was over by more than half; its peak live buffer tokens before relays).
     """
-    rounds_per_stage = options.coalesce
-    part = timer.run("coalesce", coalesce_forward, rounds, rounds_per_stage, options.pipelined)
-    forward = timer.run("floor", forward_peak, part)
-    if forward > budget * 3 // 2 and options.pipelined:
-        return None, forward
-    schedule = timer.run("coalesce", complete_backward, part)
-    del part
-    peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
-    if not options.pipelined or peak <= budget:
-        return schedule, peak
-    tight = TIGHT_LEVELLING_STAGES
+    first = _schedule_at(timer, rounds, options, budget, q_first=True)
+    chains = [_refits(timer, rounds, options, budget, first)]
+    if first[3] and first[2] > budget and options.pipelined:
+        chains.append(_refits(timer, rounds, options, budget, _schedule_at(timer, rounds, options, budget, False)))
+    last: list[tuple] = []
+    while chains:
+        for chain in list(chains):
+            step = next(chain, None)
+            if step is None:
+                chains.remove(chain)
+                continue
+            if step[0] is not None and (step[1] <= budget or not options.pipelined):
+                return step
+            last.append(step)
+    return min(last, key=lambda step: step[1])  # the first of equals: the Q pulls first
+
+
+def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int, first: tuple):
+    """The schedules :func:`_fit_memory` tries from `first` (:func:`_schedule_at`'s tuple), as (schedule, peak live
+    buffer tokens), until one fits: `first`; when the backward's peak is the one over, its levelling shallower
+    (TIGHT_LEVELLING_STAGES: a tile levelling delays keeps its pulled block live, and its gradient lands on the
+    block's owner later too), then its stages smaller (its pulls stay live until their gradients leave two stages
+    later); then, when that leaves it over by at most half, both passes' stages (a rank receives at most a stage's
+    rounds of messages at a time, so the peak falls about in proportion). Smaller still costs more time than it saves
+    memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward half over the
+    budget by more than half is not completed at all (schedule None)."""
+    schedule, forward, peak, q_first = first
+    yield schedule, peak
+    if schedule is None or not options.pipelined or peak <= budget:
+        return
+    rounds_per_stage, tight = options.coalesce, TIGHT_LEVELLING_STAGES
     if forward <= budget:
         for backward_rounds in (2 * rounds_per_stage, smaller_backward_rounds(rounds_per_stage)):
             if backward_rounds is None:
                 break
             schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
             peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
-            if peak <= budget:
-                return schedule, peak
+            yield schedule, peak
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
-        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight)
+        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight,
+                             q_first=q_first)
         backward_rounds = smaller_backward_rounds(fewer)
         if max(timer.run("floor", pass_peaks, schedule)) > budget and backward_rounds:
             schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
-        peak = max(timer.run("floor", pass_peaks, schedule))
-    return schedule, peak
+        yield schedule, max(timer.run("floor", pass_peaks, schedule))
+
+
+def _schedule_at(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int,
+                 q_first: bool) -> tuple[Schedule | None, int, int, bool]:
+    """coalesce at the requested rounds a stage. Returns (the schedule, or None when its forward half alone was over
+    the budget by more than half and so not completed; the forward's peak live buffer tokens; the schedule's; whether
+    its Q pulls were moved first)."""
+    part = timer.run("coalesce", coalesce_forward, rounds, options.coalesce, options.pipelined, q_first=q_first)
+    forward, moved = timer.run("floor", forward_peak, part), part.q_pulls_first
+    if forward > budget * 3 // 2 and options.pipelined:
+        return None, forward, forward, moved
+    schedule = timer.run("coalesce", complete_backward, part)
+    del part
+    return schedule, forward, max(forward, timer.run("floor", pass_peaks, schedule)[1]), moved
 
 
 def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions,

@@ -12,7 +12,8 @@ from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push
 from fcp_compiler.algorithms.keys import stable_order
 from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling
 from fcp_compiler.algorithms.liveness import peak_live_tokens
-from fcp_compiler.algorithms.round_order import order_rounds
+from fcp_compiler.algorithms.leveling import stage_loads
+from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
 
@@ -27,6 +28,13 @@ from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, T
 # levelled again with TIGHT_LEVELLING_STAGES before its stages shrink (pipeline._fit_memory).
 LEVELLING_STAGES = 3
 TIGHT_LEVELLING_STAGES = 2
+# The rounds carrying Q pulls go to the first stage when that lowers the sum over stages of the busiest rank's work
+# (each tile in the stage after its data, before levelling) by at least this share. A tile run away from its query
+# block's owner needs the Q pull and a K,V pull; ordering the rounds by the work they make runnable credits the tile
+# to whichever of its pulls has the later colour, which says nothing of the order chosen, and a helper's Q landing
+# late made every tile it runs runnable in one stage: ProLong + tail at 256 GPUs (seed 1) had FCP's own placement at
+# 633.8 ms (forward plus backward) against 478.1 with its Q pulls first.
+Q_PULLS_FIRST_GAIN = 0.02
 
 
 def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -144,6 +152,7 @@ class ForwardSchedule:
     arrival_round: np.ndarray
     earliest: _Earliest | None
     levelling_stages: int  # the backward's levelling budget, in stages' worth of pulls
+    q_pulls_first: bool = False  # whether the rounds carrying Q pulls were moved into the first stage
 
 
 def _tile_stages(transfers: Transfers, pull_round: np.ndarray, push_edge: np.ndarray, coalesce: int,
@@ -246,11 +255,11 @@ def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per
 
 
 def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None,
-             levelling_stages: int = LEVELLING_STAGES) -> Schedule:
+             levelling_stages: int = LEVELLING_STAGES, q_first: bool = True) -> Schedule:
     """Merge `coalesce` consecutive rounds into a stage and place every tile and push of both passes.
 
     Forward: pulls in their matching rounds, reordered so that stages carry even work (:func:`order_rounds`; stage s
-    carries rounds [s * coalesce, (s + 1) * coalesce)); partial outputs
+    carries rounds [s * coalesce, (s + 1) * coalesce)), those carrying Q pulls first where that pays; partial outputs
     of tiles run away from their owner go back along the Q pull. Backward: the same pulls in every other round, so
     that the dK, dV and dQ pushes along every pull find free rounds soon after their tiles, in stages of 2 x coalesce
     rounds (as many pulls a stage as forward), each pulled block freed two or three stages after it arrives. Pushes
@@ -267,14 +276,16 @@ def coalesce(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budge
             levelling_stages x coalesce x block size).
         levelling_stages: the backward's levelling budget (and the forward's, unless buffer_budget is given), in
             stages' worth of pulls (LEVELLING_STAGES).
+        q_first: move the rounds carrying Q pulls into the first stage where that levels the stages
+            (Q_PULLS_FIRST_GAIN); False keeps order_rounds' order.
     Returns:
         the Schedule.
     """
-    return complete_backward(coalesce_forward(rounds, coalesce, pipelined, buffer_budget, levelling_stages))
+    return complete_backward(coalesce_forward(rounds, coalesce, pipelined, buffer_budget, levelling_stages, q_first))
 
 
 def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buffer_budget: int | None = None,
-                     levelling_stages: int = LEVELLING_STAGES) -> ForwardSchedule:
+                     levelling_stages: int = LEVELLING_STAGES, q_first: bool = True) -> ForwardSchedule:
     """The forward half of :func:`coalesce` (its arguments): the pulls' rounds, the tiles' stages and the partial
     outputs' pushes. Its live buffers are known before the backward is built (:func:`complete_backward`)."""
     transfers = rounds.transfers
@@ -290,23 +301,10 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buff
     block_size = tiles.sharding.block_size
     budget = buffer_budget if buffer_budget is not None else levelling_stages * coalesce * block_size
     fanned = transfers.edge_parent >= 0
-    # Each class's colours are rounds of their own (item cls * R + colour); a pull its entry re-sends counts, for
-    # ordering the rounds, in its entry's.
-    width = int(rounds.edge_round.max(initial=-1)) + 1
-    link, lanes = transfers.edge_link, rounds.nvlink_lanes
-    item = np.where(fanned, -1, link * width + rounds.edge_round)
-    item = np.where(fanned, item[np.maximum(transfers.edge_parent, 0)], item)
-    item_class = np.repeat(np.arange(2), width)
-    # Unordered: NVLink colours `lanes` to a round.
-    forward_round = np.where(item_class == 0, np.arange(2 * width) % width // lanes, np.arange(2 * width) % width)[item]
-    if pipelined:
-        # Any order of the matchings is congestion-free; choose the one whose stages carry even work. The backward
-        # takes the same order: in its own numbering (halved, its pulls take the even rounds) a stage holds
-        # `coalesce` rounds too.
-        work = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
-        forward_round = order_rounds(work, coalesce, item_class, (lanes, 1))[item]
+    forward_round, q_pulls_first = _ordered_rounds(rounds, coalesce, pipelined, q_first, kv_edge, q_edge)
     # Backward pulls take the even rounds: in its own numbering (halved) a backward stage holds `coalesce` rounds,
     # so the pulls re-sent inside a node take the same rounds in both passes.
+    lanes = rounds.nvlink_lanes
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
@@ -314,7 +312,51 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buff
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     return ForwardSchedule(rounds=rounds, coalesce=coalesce, pipelined=pipelined, forward=forward,
                            tile_kv_edge=kv_edge, tile_q_edge=q_edge, arrival_round=arrival_round, earliest=earliest,
-                           levelling_stages=levelling_stages)
+                           levelling_stages=levelling_stages, q_pulls_first=q_pulls_first)
+
+
+def _ordered_rounds(rounds: Rounds, coalesce: int, pipelined: bool, q_first: bool, kv_edge: np.ndarray,
+                    q_edge: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Each pull's forward round before the pulls re-sent inside a node are placed (theirs is their entry's), in the
+    order of :func:`order_rounds` (pipelined), with the rounds carrying Q pulls first where that pays
+    (Q_PULLS_FIRST_GAIN; `q_first` False: never). Returns (rounds, whether the Q pulls were moved first)."""
+    transfers = rounds.transfers
+    fanned = transfers.edge_parent >= 0
+    # Each class's colours are rounds of their own (item cls * R + colour); a pull its entry re-sends counts, for
+    # ordering the rounds, in its entry's.
+    width = int(rounds.edge_round.max(initial=-1)) + 1
+    link, lanes = transfers.edge_link, rounds.nvlink_lanes
+    item = np.where(fanned, -1, link * width + rounds.edge_round)
+    item = np.where(fanned, item[np.maximum(transfers.edge_parent, 0)], item)
+    item_class = np.repeat(np.arange(2), width)
+    if not pipelined:  # unordered: NVLink colours `lanes` to a round
+        return np.where(item_class == 0, np.arange(2 * width) % width // lanes, np.arange(2 * width) % width)[item], \
+            False
+    # Any order of the matchings is congestion-free; choose the one whose stages carry even work. The backward
+    # takes the same order: in its own numbering (halved, its pulls take the even rounds) a stage holds
+    # `coalesce` rounds too.
+    work = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
+    position = order_rounds(work, coalesce, item_class, (lanes, 1))
+    q_items = np.unique(item[transfers.edge_kind == TransferKind.Q])
+    if not q_first or q_items.size == 0:
+        return position[item], False
+    moved = rounds_first(position, item_class, q_items, coalesce, (lanes, 1))
+    if _earliest_levels(moved[item], coalesce, kv_edge, q_edge, transfers.assignment) < \
+            (1.0 - Q_PULLS_FIRST_GAIN) * _earliest_levels(position[item], coalesce, kv_edge, q_edge,
+                                                          transfers.assignment):
+        return moved[item], True
+    return position[item], False
+
+
+def _earliest_levels(pull_round: np.ndarray, coalesce: int, kv_edge: np.ndarray, q_edge: np.ndarray,
+                     assignment) -> float:
+    """The sum over stages of the busiest rank's work when every tile runs in the stage after its pulls (order_rounds'
+    objective, for these rounds)."""
+    arrival = _arrival_round(pull_round, kv_edge, q_edge)
+    stage = np.where(arrival >= 0, arrival // coalesce + 1, 0)
+    loads = stage_loads(stage, assignment.tile_rank, assignment.tiles.tile_seconds, int(stage.max(initial=0)) + 1,
+                        assignment.num_ranks)
+    return float(loads.max(axis=1).sum())
 
 
 def complete_backward(part: ForwardSchedule) -> Schedule:
