@@ -110,8 +110,13 @@ def test_the_layer_figures_need_no_attention_alone_pass(layout):
     """The floor scores candidates without simulating attention alone: the layer figures must be the same."""
     plan = compile_valid(load_batch(ROOT / "traces" / "small_8gpu.json"), 8, layout=layout)
     full = simulate_plan(plan).layer_figures()
-    assert simulate_plan(plan, attention_alone=False).layer_figures() == full
+    lean = simulate_plan(plan, attention_alone=False)
+    assert lean.layer_figures() == full
     assert full["reshuffle_fwd_s"] > 0 if layout == "user" else full["reshuffle_fwd_s"] == 0
+    # Its full figures still come, without the critical paths it kept no stage times for.
+    figures = lean.figures()
+    assert figures["critical_path_fwd"] is None and figures["critical_path_bwd"] is None
+    assert figures["layer_makespan_fwd_s"] == full["layer_makespan_fwd_s"]
 
 
 def test_communication_takes_its_sm_share_from_compute():

@@ -93,7 +93,8 @@ class Simulation:
                 "layer_bound_terms": self.bounds}
 
     def figures(self) -> dict:
-        """The --json of fcp simulate."""
+        """The --json of fcp simulate. The critical paths are None where the stage times were not kept
+        (simulate_plan(attention_alone=False), the floor's scoring)."""
         fwd, bwd = self.forward.makespan, self.backward.makespan
         mfu_fwd = self.flops_fwd / (self.num_ranks * self.peak_flops * fwd) if fwd > 0 else 0.0
         mfu_bwd = BACKWARD_WORK * self.flops_fwd / (self.num_ranks * self.peak_flops * bwd) if bwd > 0 else 0.0
@@ -120,8 +121,8 @@ class Simulation:
             "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
             **self.layer_figures(),
             # Why the layer's attention ends when it does: the path through the stages (timeline.critical_path).
-            "critical_path_fwd": critical_path(self.layer_forward.stages),
-            "critical_path_bwd": critical_path(self.layer_backward.stages),
+            **{f"critical_path_{key}": critical_path(result.stages) if result.stages is not None else None
+               for key, result in (("fwd", self.layer_forward), ("bwd", self.layer_backward))},
             "per_rank": per_rank,
         }
 
