@@ -415,8 +415,8 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     at 256 GPUs, seed 2, both need smaller stages, and the Q pulls first stay 2.7% faster).
 
     Returns:
-        (the schedule that fits, else the last tried with the fewest live buffer tokens, or None when the forward
-        half alone was over by more than half; its peak live buffer tokens before relays).
+        (the first schedule tried that fits, else the completed one with the fewest live buffer tokens, or None when
+        every forward half tried was over by more than half; its peak live buffer tokens before relays).
     """
     first = _schedule_at(timer, rounds, options, budget, q_first=True)
     chains = [_refits(timer, rounds, options, budget, first)]
@@ -432,7 +432,8 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
             if step[0] is not None and (step[1] <= budget or not options.pipelined):
                 return step
             last.append(step)
-    return min(last, key=lambda step: step[1])  # the first of equals: the Q pulls first
+    # The first of equals: the Q pulls first.
+    return min(last, key=lambda step: (step[0] is None, step[1]))
 
 
 def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int, first: tuple):

@@ -10,9 +10,8 @@ import numpy as np
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
 from fcp_compiler.algorithms.keys import stable_order
-from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling
+from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling, stage_loads
 from fcp_compiler.algorithms.liveness import peak_live_tokens
-from fcp_compiler.algorithms.leveling import stage_loads
 from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
 
