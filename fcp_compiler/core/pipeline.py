@@ -422,7 +422,7 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
     chains = [_refits(timer, rounds, options, budget, first)]
     if first[3] and first[2] > budget and options.pipelined:
         chains.append(_refits(timer, rounds, options, budget, _schedule_at(timer, rounds, options, budget, False)))
-    last: list[tuple] = []
+    least = None  # only the best step over the budget is held: each is a whole schedule (GBs at thousands of ranks)
     while chains:
         for chain in list(chains):
             step = next(chain, None)
@@ -431,9 +431,10 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
                 continue
             if step[0] is not None and (step[1] <= budget or not options.pipelined):
                 return step
-            last.append(step)
-    # The first of equals: the Q pulls first.
-    return min(last, key=lambda step: (step[0] is None, step[1]))
+            # Completed before not, then the fewest tokens; the first of equals (the Q pulls first) stays.
+            if least is None or (step[0] is None, step[1]) < (least[0] is None, least[1]):
+                least = step
+    return least
 
 
 def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int, first: tuple):

@@ -111,6 +111,11 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
     return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
 
 
+def _earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
+    """Each tile's first stage: the one after its later pull's, 0 for a tile whose data is all local."""
+    return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Earliest:
     """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local), the buffer
@@ -125,7 +130,7 @@ class _Earliest:
     @classmethod
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
            tile_q_edge: np.ndarray, assignment) -> _Earliest:
-        stage = np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+        stage = _earliest_stage(arrival_round, coalesce)
         # Local tiles stay in stage 0 (they hide the first transfers), and tiles run for another rank stay put so
         # that their partial outputs leave early; a delayed tile keeps its K,V pull live.
         q_remote = tile_q_edge >= 0
@@ -351,8 +356,7 @@ def _earliest_levels(pull_round: np.ndarray, coalesce: int, kv_edge: np.ndarray,
                      assignment) -> float:
     """The sum over stages of the busiest rank's work when every tile runs in the stage after its pulls (order_rounds'
     objective, for these rounds)."""
-    arrival = _arrival_round(pull_round, kv_edge, q_edge)
-    stage = np.where(arrival >= 0, arrival // coalesce + 1, 0)
+    stage = _earliest_stage(_arrival_round(pull_round, kv_edge, q_edge), coalesce)
     loads = stage_loads(stage, assignment.tile_rank, assignment.tiles.tile_seconds, int(stage.max(initial=0)) + 1,
                         assignment.num_ranks)
     return float(loads.max(axis=1).sum())
