@@ -96,6 +96,9 @@ def compile_command(
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
     no_reshuffle_overlap: bool = typer.Option(False, "--no-reshuffle-overlap",
                                               help="ablation: no tiles during the reshuffle"),
+    no_kv_prefetch: bool = typer.Option(False, "--no-kv-prefetch", help="schedule for a runtime that posts the "
+                                        "first stage's K,V pulls when attention starts, not while Q is projected "
+                                        "(fcp_runtime.prefetch_kv)"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
                                                             "sliding_window:W (the W most recent keys) [the batch's]"),
     q_heads: int = typer.Option(64, "--q-heads", help="attention query heads", parser=_ascii_int),
@@ -121,7 +124,8 @@ def compile_command(
                                 token_tolerance=token_tolerance, zigzag=zigzag, layout=layout,
                                 shape=make_shape(q_heads, kv_heads, head_dim, dtype), profile=profile, mask=mask,
                                 pipelined=not no_pipeline, matching_rounds=not arbitrary_rounds,
-                                reshuffle_overlap=not no_reshuffle_overlap, planner=planner, model=model,
+                                reshuffle_overlap=not no_reshuffle_overlap, kv_prefetch=not no_kv_prefetch,
+                                planner=planner, model=model,
                                 gpus_per_node=gpus_per_node, node_fan_out=_on_off("--node-fan-out", node_fan_out),
                                 floor=not no_floor)
     if batch.suffix == ".jsonl":
@@ -281,6 +285,9 @@ def simulate_command(
     model: Optional[str] = typer.Option(None, "--model",
                                         help="the layer around attention: llama3-8b, llama3-70b or none "
                                              "[the plan's]"),
+    kv_prefetch: Optional[str] = typer.Option(None, "--kv-prefetch", help="on or off: the runtime posts the first "
+                                              "stage's K,V pulls while Q is projected (fcp_runtime.prefetch_kv; "
+                                              "plan layout) [as the plan was compiled]"),
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
     from fcp_compiler.format.inputs import load_profile
@@ -291,13 +298,14 @@ def simulate_command(
 
     if model is not None:
         load_model(model)  # a bad name fails before any work
+    prefetch = _on_off("--kv-prefetch", kv_prefetch)
     check_outputs([("--json", json_out), ("--trace", trace)],
                   [("SOURCE", source), ("--profile", _profile_file(profile))])
     data = _plan_or_batch(source, gpus, profile, model)
     if not isinstance(data, bytes):
         validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
     simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None,
-                               model=model)
+                               model=model, kv_prefetch=prefetch)
     figures = simulation.figures()
     if json_out:
         _write_json(json_out, figures)

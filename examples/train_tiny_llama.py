@@ -42,7 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from fcp_compiler.tools.traces import empirical_batch, read_lengths_file  # noqa: E402
-from fcp_runtime import fcp_attn_func  # noqa: E402
+from fcp_runtime import fcp_attn_func, prefetch_kv  # noqa: E402
 from fcp_runtime.loader import PlanningCollate  # noqa: E402
 
 IGNORE = -100  # cross-entropy's ignore_index: the last token of a document predicts nothing
@@ -156,9 +156,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         num_tokens, head_dim = x.shape[0], self.config.head_dim
         h = self.attn_norm(x)
-        q = rope(self.wq(h).view(num_tokens, self.config.q_heads, head_dim), position_ids)
+        # K and V first: fcp's attention can send the blocks its first stage needs while Q is projected.
         k = rope(self.wk(h).view(num_tokens, self.config.kv_heads, head_dim), position_ids)
         v = self.wv(h).view(num_tokens, self.config.kv_heads, head_dim)
+        if hasattr(attend, "kv_ready"):
+            attend.kv_ready(k, v)
+        q = rope(self.wq(h).view(num_tokens, self.config.q_heads, head_dim), position_ids)
         x = x + self.wo(attend(q, k, v).reshape(num_tokens, self.config.q_heads * head_dim))  # 0 rows happen
         h = self.mlp_norm(x)
         return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
@@ -181,6 +184,23 @@ class TinyLlama(nn.Module):
         for block in self.blocks:
             x = block(x, position_ids, attend)
         return self.lm_head(self.norm(x))
+
+
+class FcpAttention:
+    """fcp's attention over one step's plan, for every layer: in the plan layout each layer's first-stage K,V
+    pulls leave as soon as the layer has projected K and V (prefetch_kv), while it projects Q."""
+
+    def __init__(self, plan, group, layout: str = "plan"):
+        self.plan, self.group, self.layout = plan, group, layout
+        self.prefetched = None
+
+    def kv_ready(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.layout == "plan":
+            self.prefetched = prefetch_kv(k, v, self.plan, self.group)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        prefetched, self.prefetched = self.prefetched, None
+        return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=prefetched)
 
 
 def build(config: Config, device: torch.device):
@@ -257,8 +277,7 @@ def train_rank(config: Config, save_after: int | None = None, checkpoint: Path |
         started = time.perf_counter()
         tokens, labels = batch["tokens"].to(device), rank_labels(batch).to(device)
         plan = batch["plan"]
-        logits = model(tokens, rank_positions(batch).to(device),
-                       lambda q, k, v: fcp_attn_func(q, k, v, plan, group=cp_group, layout=config.layout))
+        logits = model(tokens, rank_positions(batch).to(device), FcpAttention(plan, cp_group, config.layout))
         num_batch_labels = (labels != IGNORE).sum().to(torch.float32)
         dist.all_reduce(num_batch_labels, group=cp_group)
         loss = rank_loss(logits, labels, num_batch_labels, cp_group)

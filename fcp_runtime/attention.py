@@ -32,7 +32,8 @@ _EVENT_LOG: list | None = None
 def recording():
     """Log what the runtime does, in order, while the block runs; yields the list of events.
 
-    Events are tuples: ("post", pass, stage, num_messages, pull rows whose results it pushes back), ("tile", pass,
+    Events are tuples: ("prefetch", pass, stage, num_messages) (prefetch_kv), ("post", pass, stage, num_messages,
+    pull rows whose results it pushes back), ("tile", pass,
     stage, tile rows of one kernel call, pull rows it reads),
     ("wait", pass, stage), ("alloc", pass, stage, tokens, live_tokens) and ("free", pass, stage, tokens,
     live_tokens), where live_tokens counts received buffers under the plan's liveness rule.
@@ -145,17 +146,22 @@ class _Executor:
         _log("free", name, stage, tokens, self.live_tokens)
 
     # --- the stage loop, shared by both passes -----------------------------------------------------------------
-    def run_stages(self, phase, program: PassProgram, local: _Store, skip: frozenset[int] = frozenset()) -> None:
+    def run_stages(self, phase, program: PassProgram, local: _Store, skip: frozenset[int] = frozenset(),
+                   prefetched: KVPrefetch | None = None) -> None:
         """Replay one pass: per stage, post its messages as one batch (in round order, the order the peer posts
         them too), run its tiles, wait, make the arrived pulls usable, fold the returned pushes into this rank's
-        rows, and free the buffers whose last use was this stage. Tiles whose rows are in `skip` already ran."""
+        rows, and free the buffers whose last use was this stage. Tiles whose rows are in `skip` already ran;
+        stage 0's first `program.num_prefetched` messages are in flight already where `prefetched` holds them."""
         plan = self.plan
         remote: dict[int, _Store] = {}  # pull_recv row -> its store, from arrival to free
         for stage in range(program.num_stages):
             ops, arrived, returned = [], [], []
-            for message in program.messages[stage]:
+            posted = prefetched.num_messages if stage == 0 and prefetched is not None else 0
+            for message in program.messages[stage][posted:]:
                 ops += self.post(phase, program.name, stage, message, local, remote, arrived, returned)
             requests = dist.batch_isend_irecv(ops) if ops else []
+            if posted:
+                requests, arrived = prefetched.requests + requests, prefetched.arrived + arrived
             _log("post", program.name, stage, len(program.messages[stage]),
                  tuple(m.pull for m in program.messages[stage] if m.what == "push_send"))
             tiles = [idx for idx in program.tiles[stage] if idx not in skip]
@@ -233,6 +239,69 @@ class _Executor:
                 target.narrow(dim, row, length).add_(values.narrow(dim, position, length))
             else:
                 target.index_add_(dim, entry.rows, values.index_select(dim, entry.positions).to(target.dtype))
+
+
+@dataclass(kw_only=True)
+class KVPrefetch:
+    """The forward's stage-0 K,V pulls of one rank, in flight since :func:`prefetch_kv` posted them; one
+    :func:`fcp_attn_func` call consumes it."""
+
+    plan: RankPlan
+    group: object
+    k: torch.Tensor
+    v: torch.Tensor
+    num_messages: int  # the first messages of the forward's stage 0 (plan.forward.num_prefetched)
+    requests: list
+    arrived: list  # (pull_recv row, its store) of the pulls it receives
+    live_tokens: int  # received buffer tokens it allocated
+    used: bool = False
+
+
+def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) -> KVPrefetch:
+    """Post this rank's part of the forward's first-stage K,V pulls (its own blocks' K,V sent, the blocks its
+    first stage reads received) as soon as K and V are projected, so that they cross while Q is projected; pass
+    the result to :func:`fcp_attn_func` (`prefetched=`) with the same k and v, unchanged in between.
+
+    Plans compiled with kv_prefetch (the default; header.kv_prefetch) are scheduled and simulated for a runtime
+    that does this. Every rank of the group should call it for the step or none (a rank that does not posts the
+    same messages when its attention starts, in the same order, so results are exact either way, but its peers
+    wait for it). Plan layout only: the user layout reshuffles K and V before any pull.
+
+    Args:
+        k, v: [plan tokens, kv_heads, head_dim], this rank's rows in the plan layout (rotary embedding applied).
+        plan: this rank's plan; group: its process group (default: the world).
+    Returns:
+        the in-flight pulls, for one fcp_attn_func call.
+    Raises:
+        PlanMismatchError: as fcp_attn_func.
+        ValueError: a user-layout plan, or k, v that do not fit the plan.
+    """
+    check_plan(plan, group)
+    if plan.layout != "plan":
+        raise ValueError(f"prefetch_kv: the plan was compiled for the {plan.layout} layout, whose attention "
+                         f"reshuffles K and V first; prefetch needs a plan-layout plan (fcp compile --layout plan)")
+    if k.dim() != 3 or k.shape != v.shape or k.shape[0] != plan.plan_tokens:
+        raise ValueError(f"prefetch_kv: expected k, v [{plan.plan_tokens}, kv_heads, head_dim] (rank {plan.rank}'s "
+                         f"plan-layout rows), got {tuple(k.shape)}, {tuple(v.shape)}")
+    program = plan.forward
+    messages = program.messages[0][:program.num_prefetched] if program.num_stages else []
+    if any(m.what == "pull_send" and plan.pull_send[m.pull].source != LOCAL for m in messages):
+        raise PlanMismatchError(f"rank {plan.rank}'s plan relays a block in the forward's first stage, before it "
+                                f"can hold one: the plan is invalid (fcp validate)")
+    executor = _Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=_NO_KERNELS)
+    phase = _ForwardPass(executor, q_heads=k.shape[1], kv_heads=k.shape[1])
+    local = executor.local_store(k=k.detach(), v=v.detach())
+    ops, arrived = [], []
+    with torch.no_grad():
+        for message in messages:
+            ops += executor.post(phase, program.name, 0, message, local, {}, arrived, [])
+        requests = dist.batch_isend_irecv(ops) if ops else []
+    _log("prefetch", program.name, 0, len(messages))
+    return KVPrefetch(plan=plan, group=group, k=k, v=v, num_messages=len(messages), requests=requests,
+                      arrived=arrived, live_tokens=executor.live_tokens)
+
+
+_NO_KERNELS = object()  # prefetch_kv's executor only posts messages
 
 
 class _ForwardPass:
@@ -417,8 +486,11 @@ def _split_heads(packed: torch.Tensor, hq: int, hkv: int, dim: int):
 
 class _FcpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels):
+    def forward(ctx, q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels,
+                prefetched: KVPrefetch | None):
         executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
+        if prefetched is not None:  # its received buffers are live already
+            executor.live_tokens = prefetched.live_tokens
         # Every call of both passes on the device now: the stage loops build and copy nothing.
         prepare_calls(plan, layout, q.device)
         hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
@@ -438,7 +510,7 @@ class _FcpAttention(torch.autograd.Function):
                 _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
                 forward.run_call(call, local, {})
             finish()
-        executor.run_stages(forward, plan.forward, local, skip=skip)
+        executor.run_stages(forward, plan.forward, local, skip=skip, prefetched=prefetched)
         out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
         ctx.executor, ctx.layout = executor, layout
@@ -457,14 +529,15 @@ class _FcpAttention(torch.autograd.Function):
         executor.run_stages(backward, plan.backward, local)
         dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
         if ctx.layout == "plan":
-            return dq_p, dk_p, dv_p, None, None, None, None, None
+            return dq_p, dk_p, dv_p, None, None, None, None, None, None
         packed = _reshuffle(plan, torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1), False,
                             executor.group)
-        return (*_split_heads(packed, hq, hkv, dim), None, None, None, None, None)
+        return (*_split_heads(packed, hq, hkv, dim), None, None, None, None, None, None)
 
 
 def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None,
-                  softmax_scale: float | None = None, layout: str | None = None, kernels=None) -> torch.Tensor:
+                  softmax_scale: float | None = None, layout: str | None = None, kernels=None,
+                  prefetched: KVPrefetch | None = None) -> torch.Tensor:
     """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
 
     Args:
@@ -478,11 +551,13 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         softmax_scale: default head_dim ** -0.5.
         layout: "plan" or "user"; default the layout the plan was compiled for.
         kernels: the varlen kernels (default: flash-attn on CUDA, the exact kernels elsewhere).
+        prefetched: what :func:`prefetch_kv` posted for this call, with these k and v (plan layout).
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
-        ValueError: shapes that do not fit the plan, or an unknown layout.
+        ValueError: shapes that do not fit the plan, an unknown layout, or a prefetch for other tensors, another
+            plan or group, or one already used.
     """
     check_plan(plan, group)
     layout = plan.layout if layout is None else layout
@@ -498,7 +573,23 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    return _FcpAttention.apply(q, k, v, plan, group, scale, layout, kernels)
+    if prefetched is not None:
+        _check_prefetched(prefetched, k, v, plan, group, layout)
+    return _FcpAttention.apply(q, k, v, plan, group, scale, layout, kernels, prefetched)
+
+
+def _check_prefetched(prefetched: KVPrefetch, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group,
+                      layout: str) -> None:
+    """A prefetch is for one call: the plan, group and K, V tensors it sent from, in the plan layout."""
+    if prefetched.used:
+        raise ValueError("prefetched: this prefetch_kv result was used by an earlier fcp_attn_func call; call "
+                         "prefetch_kv once per call")
+    if prefetched.plan is not plan or prefetched.group is not group or layout != "plan":
+        raise ValueError(f"prefetched: it was posted for another plan or group, or the call's layout {layout!r} is "
+                         f"not the plan layout it needs")
+    if prefetched.k is not k or prefetched.v is not v:
+        raise ValueError("prefetched: pass fcp_attn_func the same k and v tensors that prefetch_kv sent from")
+    prefetched.used = True
 
 
 class _Dispatch(torch.autograd.Function):

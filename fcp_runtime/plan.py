@@ -55,6 +55,9 @@ class PassProgram:
     messages: list[list[Message]]  # per stage, in the order both ends of each pair post them (_pass_program)
     tiles: list[list[int]]  # per stage, tile rows in pipeline order
     free_after: list[list[int]]  # per stage, pull_recv rows whose buffers are freed at its end
+    # The first messages of stage 0 that fcp_runtime.prefetch_kv may post before attention starts: the forward's
+    # stage-0 K,V pulls, sent from the owner's own rows (none in the backward).
+    num_prefetched: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,17 +180,24 @@ def _pass_program(name: str, a: dict[str, np.ndarray], pull_send: list[Pull], pu
             last_stage[pull.source] = max(last_stage[pull.source], pull_round_of(pull) // coalesce)
     # Both ends of a pair derive the same order from what they agree on (round; pull before push; kind and block,
     # which name one pull of a pair), not from their own row numbers: NCCL matches a pair's messages by posting
-    # order, and with NVLink lanes a pair may exchange two messages in one round.
-    def posting_key(message: Message) -> tuple[int, int, int, int]:
+    # order, and with NVLink lanes a pair may exchange two messages in one round. The forward's stage-0 K,V pulls
+    # go first, whether prefetch_kv posts them early or the stage posts them, so both ends agree either way.
+    def prefetched(message: Message) -> bool:
+        return name == "fwd" and message.what.startswith("pull") and message.round < coalesce and \
+            (pull_send if message.what == "pull_send" else pull_recv)[message.pull].kind == TransferKind.KV
+
+    def posting_key(message: Message) -> tuple[int, int, int, int, int]:
         pull = (pull_send if message.what in ("pull_send", "push_recv") else pull_recv)[message.pull]
-        return message.round, message.what.startswith("push"), pull.kind, pull.block
+        return not prefetched(message), message.round, message.what.startswith("push"), pull.kind, pull.block
 
     for stage_messages in messages:
         stage_messages.sort(key=posting_key)
+    num_prefetched = sum(map(prefetched, messages[0])) if messages else 0
     free_after: list[list[int]] = [[] for _ in range(num_stages)]
     for row, stage in enumerate(last_stage):
         free_after[stage].append(row)
-    return PassProgram(name=name, num_stages=num_stages, messages=messages, tiles=stage_tiles, free_after=free_after)
+    return PassProgram(name=name, num_stages=num_stages, messages=messages, tiles=stage_tiles, free_after=free_after,
+                       num_prefetched=num_prefetched)
 
 
 def _plan_layout_rows(program: RankProgram, block_segs: dict[int, tuple[int, ...]]):

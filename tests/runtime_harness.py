@@ -59,7 +59,7 @@ def reference_attention(lengths, q, k, v, masks, scale: float):
 
 def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_heads: int, dtype,
                            layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False,
-                           groups: int = 1):
+                           groups: int = 1, prefetch=lambda rank: False):
     """A rank task: run fcp_attn_func forward and backward on this rank's rows of seeded global Q, K, V (the
     plan layout takes rows at the plan's token_index, the user layout its contiguous chunk) and assert out, dq, dk
     and dv equal dense fp64 attention's at those rows (within TOLERANCE of the dtype). Returns the number of
@@ -70,7 +70,8 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     order_matching: send every point-to-point message with tag 0, so gloo matches them by posting order per pair
     of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order.
     groups: the world splits into this many context-parallel groups of consecutive ranks (dist.new_group), each
-    replaying the plan among its own ranks on the same data."""
+    replaying the plan among its own ranks on the same data.
+    prefetch: whether a rank posts its first stage's K,V pulls with prefetch_kv before calling fcp_attn_func."""
     total = sum(lengths)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
@@ -86,7 +87,7 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     def task(rank, world):
         import torch.distributed as dist
 
-        from fcp_runtime import fcp_attn_func, load_rank_plan
+        from fcp_runtime import fcp_attn_func, load_rank_plan, prefetch_kv
 
         calls = []
         real = dist.all_to_all_single
@@ -110,7 +111,8 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
             rows = plan.token_index if layout == "plan" else torch.arange(cp_rank * total // cp_world,
                                                                           (cp_rank + 1) * total // cp_world)
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
-            out = fcp_attn_func(*mine, plan, group=group, layout=layout, kernels=kernels)
+            prefetched = prefetch_kv(mine[1], mine[2], plan, group) if prefetch(rank) else None
+            out = fcp_attn_func(*mine, plan, group=group, layout=layout, kernels=kernels, prefetched=prefetched)
             out.backward(d_out[rows])
         finally:
             dist.all_to_all_single = real

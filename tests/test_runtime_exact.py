@@ -263,3 +263,21 @@ def test_plans_whose_q_pulls_go_first_replay_exactly(fan_out):
     assert is_q.any() and (plan.ir.schedule.forward.edge_round[is_q] < 2).all()
     run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan",
                                         order_matching=True))
+
+
+PREFETCHING = {"every rank": lambda rank: True, "even ranks only": lambda rank: rank % 2 == 0}
+
+
+@pytest.mark.parametrize("who", PREFETCHING, ids=list(PREFETCHING))
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_prefetched_first_stage_kv_pulls_replay_exactly(fan_out, who):
+    """prefetch_kv posts the forward's stage-0 K,V pulls before attention starts: results stay exact with node
+    fan-out and without, messages matched by posting order as in NCCL, and where only some ranks prefetch (those
+    that do not post the same messages first when their attention starts)."""
+    lengths = [57, 265, 95, 64, 68, 189, 249, 120, 197, 163, 1792]
+    plan = compile_own(lengths, 8, block_size=128, coalesce=2, model="llama3-70b", node_fan_out=fan_out)
+    assert plan.header.kv_prefetch
+    programs = [load_rank_plan(plan.to_bytes(), rank).forward for rank in range(8)]
+    assert sum(program.num_prefetched for program in programs) > 0
+    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan",
+                                        order_matching=True, prefetch=PREFETCHING[who]))

@@ -46,3 +46,36 @@ def test_a_rank_holding_another_ranks_slice_fails(tmp_path):
     compile_plan(LENGTHS, 2, block_size=256).write(path)
     messages = run_ranks(2, attempt(lambda rank: path, rank_for_slice=lambda rank: 1 - rank), timeout=60)
     assert all(m and "another rank's slice" in m for m in messages)
+
+
+def _misuse_prefetch(plan_bytes, user_plan_bytes):
+    def task(rank, world):
+        from fcp_runtime import prefetch_kv
+
+        plan, user_plan = load_rank_plan(plan_bytes, rank), load_rank_plan(user_plan_bytes, rank)
+        q, k, v = (torch.randn(plan.plan_tokens, heads, 4, dtype=torch.float64) for heads in (2, 1, 1))
+        errors = []
+        prefetched = prefetch_kv(k, v, plan)
+        for wrong in (lambda: fcp_attn_func(q, k.clone(), v, plan, prefetched=prefetched),  # not what it sent
+                      lambda: fcp_attn_func(q, k, v, load_rank_plan(plan_bytes, rank), prefetched=prefetched)):
+            with pytest.raises(ValueError) as error:
+                wrong()
+            errors.append(str(error.value))
+        expected = fcp_attn_func(q, k, v, plan)
+        torch.testing.assert_close(fcp_attn_func(q, k, v, plan, prefetched=prefetched), expected, rtol=0, atol=0)
+        for wrong in (lambda: fcp_attn_func(q, k, v, plan, prefetched=prefetched),  # used already
+                      lambda: prefetch_kv(k[1:], v[1:], plan),
+                      lambda: prefetch_kv(k, v, user_plan)):
+            with pytest.raises(ValueError) as error:
+                wrong()
+            errors.append(str(error.value))
+        return errors
+    return task
+
+
+def test_a_prefetch_is_for_one_call_with_the_tensors_it_sent_in_the_plan_layout():
+    plan = compile_plan(LENGTHS, 2, block_size=128, coalesce=2)
+    user_plan = compile_plan(LENGTHS, 2, block_size=128, coalesce=2, layout="user")
+    for errors in run_ranks(2, _misuse_prefetch(plan.to_bytes(), user_plan.to_bytes()), timeout=60):
+        assert ["same k and v" in errors[0], "another plan" in errors[1], "used by an earlier" in errors[2],
+                "expected k, v [" in errors[3], "compiled for the user layout" in errors[4]] == [True] * 5, errors

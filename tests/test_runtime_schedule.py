@@ -19,16 +19,17 @@ SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, 
                                                           "gpus_per_node": 2})
 
 
-def _record(plan_bytes, lengths):
+def _record(plan_bytes, lengths, prefetch: bool = False):
     def task(rank, world):
-        from fcp_runtime import fcp_attn_func, load_rank_plan, recording
+        from fcp_runtime import fcp_attn_func, load_rank_plan, prefetch_kv, recording
 
         plan = load_rank_plan(plan_bytes, rank)
         generator = torch.Generator().manual_seed(rank)
         q, k, v = (torch.randn(plan.plan_tokens, heads, 8, generator=generator, dtype=torch.float64,
                                requires_grad=True) for heads in (2, 1, 1))
         with recording() as events:
-            fcp_attn_func(q, k, v, plan).sum().backward()
+            prefetched = prefetch_kv(k, v, plan) if prefetch else None
+            fcp_attn_func(q, k, v, plan, prefetched=prefetched).sum().backward()
         arrival = {name: [p.round // plan.coalesce if name == "fwd" else p.bwd_round // plan.bwd_coalesce
                           for p in plan.pull_recv]
                    for name in ("fwd", "bwd")}
@@ -38,15 +39,29 @@ def _record(plan_bytes, lengths):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_event_order_proves_overlap_and_data_before_use_and_buffers_within_the_header(case):
+    _check_events(case, prefetch=False)
+
+
+def test_prefetched_pulls_are_posted_before_attention_and_their_buffers_counted_from_then():
+    """prefetch_kv's messages go out before the forward's first post; the tiles that read them still wait for
+    stage 0's wait, and its buffers count toward the same peak the header states."""
+    _check_events(CASES[1], prefetch=True)
+
+
+def _check_events(case, prefetch: bool) -> None:
     name, lengths, gpus, block, coalesce, mask = case
     profile = SLOW_NETWORK if name.startswith("relayed") else "h100"
     # The relayed and offloaded cases were chosen to relay and offload with attention alone as the objective.
     model = "none" if name.startswith(("relayed", "offloaded")) else "llama3-70b"
     plan = compile_own(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, profile=profile, model=model)
     assert (plan.stats["num_relayed_transfers"] > 0) == name.startswith("relayed")
-    results = run_ranks(gpus, _record(plan.to_bytes(), lengths))
-    overlapped, peaks = 0, []
+    results = run_ranks(gpus, _record(plan.to_bytes(), lengths, prefetch))
+    overlapped, peaks, prefetched = 0, [], 0
     for events, arrival in results:
+        if prefetch:  # the prefetch, and the allocations of what it receives, come before the first post
+            first_post = next(idx for idx, event in enumerate(events) if event[0] == "post")
+            assert [event[0] for event in events[:first_post]].count("prefetch") == 1
+            prefetched += next(event[3] for event in events if event[0] == "prefetch")
         waited = set()  # (pass, stage) whose wait has happened
         posted_with_messages = None
         last_tile_stage = {}  # (pass, pull row) -> stage of the latest tile that read it
@@ -66,12 +81,13 @@ def test_event_order_proves_overlap_and_data_before_use_and_buffers_within_the_h
             elif kind == "wait":
                 waited.add((name, stage))
                 posted_with_messages = None
-            else:
+            elif kind != "prefetch":
                 live += event[3] if kind == "alloc" else -event[3]
                 assert live == event[4]
                 peak = max(peak, live)
         assert live == 0  # every buffer freed by the end
         peaks.append(peak)
     assert overlapped > 0  # tiles ran while their stage's messages were in flight
+    assert prefetched > 0 or not prefetch
     # The runtime's live buffers follow the header's rule: never above it, and the busiest rank reaches it.
     assert max(peaks) == plan.header.max_buffer_tokens > 0

@@ -255,6 +255,48 @@ def test_a_remote_tile_waits_for_its_senders_projection():
     assert result.end[1] == pytest.approx(0.3 + LAT + 4e6 / BW + 0.01 + LAUNCH)
 
 
+def test_a_prefetched_pull_leaves_once_both_ends_have_projected_k_and_v():
+    # Rank 1's stage-1 tile reads rank 0's K,V, pulled in stage 0; both ranks project K,V by 0.05 s and Q by 0.3 s.
+    flows = [(0, 1, 4e6, 0), (1, 0, 2e6, 0)]
+    data = make_pass(2, 2, flows=flows, tiles=[(1, 1, 0.01), (0, 0, 0.02)])
+    plain = simulate_pass(data, links(2), True, rank_start=np.array([0.3, 0.3]))
+    assert plain.end[1] == pytest.approx(0.3 + LAT + 4e6 / BW + 0.01 + LAUNCH)
+    early = PassInput(**{**{name: getattr(data, name) for name in data.__slots__},
+                         "flow_prefetch": np.array([True, False])})
+    result = simulate_pass(early, links(2), True, rank_start=np.array([0.3, 0.3]),
+                           prefetch_start=np.array([0.05, 0.02]))
+    # It leaves at 0.05 and is in by 0.05 + LAT + 4 ms, under the Q projection: the tile runs as stage 1 starts.
+    assert result.end[1] == pytest.approx(0.3 + LAT + 2e6 / BW + 0.01 + LAUNCH)  # the other pull still waits
+    # With comm taking half the SMs, the Q projection behind it runs at half speed from the rank's post to the
+    # transfer's end (as a stage's tiles do from the stage start), so rank 1 begins later, and its pull with it.
+    slowed = simulate_pass(early, links(2, sm_fraction=0.5), True, rank_start=np.array([0.3, 0.3]),
+                           prefetch_start=np.array([0.05, 0.02]))
+    window = 0.05 + LAT + 4e6 / BW - 0.02
+    begin = 0.02 + window + (0.3 - 0.02 - window * 0.5)
+    assert slowed.end[1] == pytest.approx(begin + LAT + 2e6 / BW + 0.01 + LAUNCH)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefetching_first_stage_kv_never_slows_a_plan_where_comm_takes_no_sms(seed):
+    """Posting the stage-0 K,V pulls once K and V are projected moves messages earlier and nothing later: with
+    no SM share for comm (so the Q projection beside them runs at full speed) no rank ends its forward later, the
+    backward is unchanged, and on these batches some rank ends earlier. In the user layout there is no prefetch."""
+    from fcp_compiler.format.inputs import PRESET_PROFILES
+
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(64, 2500, size=int(rng.integers(4, 12)))]
+    # A slow network, so that the first stage's pulls outlast its local tiles.
+    profile = PRESET_PROFILES["h100"].model_copy(update={"comm_sm_fraction": 0.0, "gpus_per_node": 2,
+                                                         "network_gbps": 2.0, "nvlink_gbps": 10.0})
+    for layout in ("plan", "user"):
+        plan = compile_valid(lengths, 8, block_size=128, coalesce=2, profile=profile, layout=layout)
+        assert plan.header.kv_prefetch == (layout == "plan")
+        on, off = (simulate_plan(plan, kv_prefetch=switch, attention_alone=False) for switch in (True, False))
+        assert (on.layer_forward.end <= off.layer_forward.end + 1e-12).all()
+        assert (on.layer_forward.end < off.layer_forward.end - 1e-9).any() == (layout == "plan")
+        np.testing.assert_array_equal(on.layer_backward.end, off.layer_backward.end)
+
+
 def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_path, capsys):
     plan = tmp_path / "p.fcp"
     compile_valid([3000, 700, 90, 1500], 4, block_size=256).write(plan)

@@ -14,6 +14,10 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
   the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
   for a full mask and up to two under a causal one (query segments with their diagonal, and those without), and
   one more per window a sliding window cuts a key segment with (`fcp_compiler.core.simulate.kernel_calls`).
+- K,V prefetch (`flow_prefetch`, `prefetch_start`): stage-0 messages posted before the pass starts (the forward's
+  K,V pulls, once both ends have projected K and V) start when both ends have posted them; the work between the post
+  and the pass's start (the Q projection) runs slowed while they are in flight, and the stage's other messages
+  drain as if they still shared their link ends.
 - The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
   reshuffle starts when both ends have finished their last stage.
 Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
@@ -49,6 +53,9 @@ class PassInput:
     reshuffle_in: tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, bytes)
     reshuffle_out: tuple[np.ndarray, np.ndarray, np.ndarray]
     stage_calls: np.ndarray | None = None  # kernel calls per (stage, rank); None: one per stage that runs tiles
+    # bool [flows]: stage-0 messages both ends post before the pass starts (simulate_pass's prefetch_start); None:
+    # none are
+    flow_prefetch: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,15 +181,20 @@ class _TraceRecorder:
 
 def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, record: bool = False,
                   time_offset: float = 0.0, label: str = "fwd", rank_start: np.ndarray | None = None,
-                  stage_times: bool = False) -> PassResult:
+                  stage_times: bool = False, prefetch_start: np.ndarray | None = None) -> PassResult:
     """Run one pass of the model above on plain arrays. O(messages + tiles + ranks x stages), vectorised.
 
     rank_start: when each rank may begin (its linear layers before attention); a message waits for both ends.
     stage_times: keep each stage's times on every rank (PassResult.stages, what :func:`critical_path` reads); a
     sort of each stage's messages, skipped where only the makespans are wanted (the floor's scoring).
+    prefetch_start: when each rank posts the messages of data.flow_prefetch (before rank_start: the forward's
+    stage-0 K,V pulls, posted once K and V are projected, while Q is); None: they wait for the stage like the rest.
     """
     n = data.num_ranks
     begin = np.zeros(n) if rank_start is None else np.asarray(rank_start, dtype=np.float64)
+    prefetched = None
+    if prefetch_start is not None and data.flow_prefetch is not None and data.flow_prefetch.any():
+        prefetched, begin = _prefetch(data, links, np.minimum(prefetch_start, begin), begin)
     events: list[dict] = []
     work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
                           minlength=max(data.num_stages, 1) * n).reshape(-1, n)
@@ -210,8 +222,12 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     times = _StageRecorder(data.num_stages, n) if stage_times else None
     for stage in range(data.num_stages):
         idx = order[bounds[stage]:bounds[stage + 1]]
-        src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
-        t0, ends, comm_end, has_comm = _exchange(start, src, dst, nbytes, links, n)
+        if stage == 0 and prefetched is not None:
+            idx, t0, ends, comm_end, has_comm = _with_prefetched(data, links, start, idx, prefetched)
+            src, dst = data.flow_src[idx], data.flow_dst[idx]
+        else:
+            src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
+            t0, ends, comm_end, has_comm = _exchange(start, src, dst, nbytes, links, n)
         launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
         work = work_by[stage] + launches * links.launch_s
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
@@ -233,6 +249,36 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
                       reshuffle=reshuffle_in + reshuffle_out, events=events,
                       stages=times.result() if times is not None else None)
+
+
+def _prefetch(data: PassInput, links: LinkModel, post: np.ndarray, begin: np.ndarray):
+    """The prefetched messages launched together, each when both ends have posted them (`post`), and when each
+    rank then begins the pass: its work between `post` and `begin` (the Q projection) slowed while they are in
+    flight. Returns ((message indices, t0, ends, comm_end), the new begin)."""
+    idx = np.flatnonzero(data.flow_prefetch)
+    assert not data.flow_stage[idx].any(), "only stage-0 messages are prefetched"
+    src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
+    t0, ends, comm_end, has_comm = _exchange(post, src, dst, nbytes, links, data.num_ranks)
+    return (idx, t0, ends, comm_end), _compute_end(post, begin - post, comm_end, has_comm, links.sm_fraction)
+
+
+def _with_prefetched(data: PassInput, links: LinkModel, start: np.ndarray, idx: np.ndarray, prefetched: tuple):
+    """Stage 0's exchange with the prefetched messages already in flight: the others launch at the stage start as
+    usual, each draining as if every prefetched message on its link ends were still in flight (never faster than
+    had none been prefetched); a rank's messages end with the later of both groups. Returns (every stage-0
+    message, its t0, its end, comm_end, has_comm)."""
+    n = data.num_ranks
+    early_idx, early_t0, early_ends, early_comm_end = prefetched
+    idx = idx[~data.flow_prefetch[idx]]
+    both = np.concatenate((early_idx, idx))
+    src, dst, nbytes = data.flow_src[both], data.flow_dst[both], data.flow_bytes[both]
+    t0 = np.concatenate((early_t0, np.maximum(start[data.flow_src[idx]], start[data.flow_dst[idx]])))
+    ends = np.concatenate((early_ends, _message_ends(t0, src, dst, nbytes, links, n)[early_idx.size:]))
+    comm_end = np.maximum(start, early_comm_end)
+    np.maximum.at(comm_end, src, ends)
+    np.maximum.at(comm_end, dst, ends)
+    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
+    return both, t0, ends, comm_end, has_comm
 
 
 class _StageRecorder:

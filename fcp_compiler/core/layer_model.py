@@ -51,14 +51,22 @@ class LayerCosts:
             return 0.0
         return self.model.projection_flops_per_token / (self.peak_flops * self.model.linear_efficiency)
 
+    @property
+    def kv_projection_seconds_per_token(self) -> float:
+        """Forward seconds of the K and V projections alone per token (projected before Q, when K,V prefetch)."""
+        if self.model is None:
+            return 0.0
+        return self.model.kv_projection_flops_per_token / (self.peak_flops * self.model.linear_efficiency)
+
     def phases(self, rank_tokens: np.ndarray) -> dict[str, np.ndarray]:
         """Per rank, seconds of linear work before and after attention in each pass ("fwd_before", "fwd_after",
-        "bwd_before", "bwd_after")."""
+        "bwd_before", "bwd_after"), and "fwd_kv": the part of "fwd_before" that projects K and V (done first where
+        the runtime prefetches K,V, so that the first stage's K,V pulls cross while Q is projected)."""
         tokens = np.asarray(rank_tokens, dtype=np.float64)
         before = tokens * self.projection_seconds_per_token
         after = tokens * (self.linear_seconds_per_token - self.projection_seconds_per_token)
         return {"fwd_before": before, "fwd_after": after, "bwd_before": after * BACKWARD_LINEAR_WORK,
-                "bwd_after": before * BACKWARD_LINEAR_WORK}
+                "bwd_after": before * BACKWARD_LINEAR_WORK, "fwd_kv": tokens * self.kv_projection_seconds_per_token}
 
 
 def pair_seconds_at_best(lengths: np.ndarray, shape: AttentionShape, profile: HardwareProfile) -> np.ndarray:

@@ -58,6 +58,9 @@ class CompileOptions:
     pipelined: bool = True
     matching_rounds: bool = True
     reshuffle_overlap: bool = True
+    # The runtime projects K and V first and posts the forward's stage-0 K,V pulls (fcp_runtime.prefetch_kv) while
+    # Q is projected; the schedule is scored so (plan layout only: the user layout reshuffles first).
+    kv_prefetch: bool = True
     # A K,V block crosses into a node once and fans out over NVLink; None: as each planner ships
     # (NODE_FAN_OUT_DEFAULT). FCP's floor also tries its placements with it off.
     node_fan_out: bool | None = None
@@ -120,6 +123,12 @@ class CompileOptions:
         return NODE_FAN_OUT_DEFAULT[self.planner] if self.node_fan_out is None else self.node_fan_out
 
     @property
+    def resolved_kv_prefetch(self) -> bool:
+        """Whether the plan is scheduled for a runtime that prefetches the first stage's K,V: the switch, in the plan
+        layout (the user layout's attention reshuffles its inputs first)."""
+        return self.kv_prefetch and self.layout is Layout.PLAN
+
+    @property
     def model_name(self) -> str:
         """The model preset's name, or "none"."""
         return self.model.name if self.model is not None else NO_MODEL
@@ -157,7 +166,8 @@ class CompileOptions:
                                     f"(8 on an HGX node)")
         if self.node_fan_out is not None and not isinstance(self.node_fan_out, bool):
             raise InvalidInputError(f"--node-fan-out {self.node_fan_out!r} must be on or off")
-        for name in ("pipelined", "matching_rounds", "reshuffle_overlap", "floor", "validatable", "fit_memory"):
+        for name in ("pipelined", "matching_rounds", "reshuffle_overlap", "kv_prefetch", "floor", "validatable",
+                     "fit_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} {getattr(self, name)!r} must be True or False")
         if self.token_tolerance is not None and (

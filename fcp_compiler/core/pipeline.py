@@ -87,6 +87,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
         "model": options.model_name, "node_fan_out": options.resolved_node_fan_out,
+        "kv_prefetch": options.resolved_kv_prefetch,
     }
     if options.planner is Planner.FCP and not _floor_applies(options):  # absent where it runs, as before it existed
         canonical["floor"] = False
@@ -193,7 +194,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             placement only), fit_memory (one placement scheduled within the floor's live-buffer budget, for
             comparisons at equal memory), validatable (False: a plan past the validator's segment pairs is
             allowed, for scoring ring baselines), and the ablation switches pipelined, matching_rounds (False fails
-            validation), reshuffle_overlap.
+            validation), reshuffle_overlap, kv_prefetch (False: the runtime posts the first stage's K,V pulls
+            only when attention starts; the plan layout only).
         progress: called with each floor candidate's record (as stats["floor"]["candidates"] lists it) once it is
             scheduled: a compile at hundreds of ranks schedules several, for seconds.
     Returns:
@@ -222,6 +224,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model,
                        max_buffer=header_fields["max_buffer_tokens"])
+    stats["kv_prefetch"] = header_fields["kv_prefetch"]
     if floor_stats is not None:
         stats.update(floor_stats)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
@@ -580,4 +583,4 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
                 max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,
                 rounds_kind="matching" if options.matching_rounds else "arbitrary",
-                reshuffle_overlap=options.reshuffle_overlap)
+                reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch)

@@ -57,6 +57,7 @@ class Simulation:
     planned_compute: np.ndarray  # per rank, the compiler's tile-by-tile cost (what its balance figures use)
     layout: str = "plan"
     rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
+    kv_prefetch: bool = False  # the forward's stage-0 K,V pulls left once K and V were projected, before Q
 
     @property
     def layer_end_fwd(self) -> np.ndarray:
@@ -82,6 +83,7 @@ class Simulation:
         one_gpu_efficiency = useful / (self.peak_flops * one_gpu_seconds) if one_gpu_seconds > 0 else 1.0
         bound_fwd, bound_bwd = self.bounds["fwd"]["bound_s"], self.bounds["bwd"]["bound_s"]
         return {"model": self.model.name if self.model else NO_MODEL, "layout": self.layout,
+                "kv_prefetch": self.kv_prefetch,
                 "reshuffle_fwd_s": self.forward.reshuffle, "reshuffle_bwd_s": self.backward.reshuffle,
                 "linear_fwd_s": float(linear_fwd.max()),
                 "linear_bwd_s": float(linear_fwd.max()) * BACKWARD_LINEAR_WORK,
@@ -236,7 +238,8 @@ def _reshuffle_flows(programs, bytes_per_token: float):
 
 
 def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False,
-                  model: str | None = None, attention_alone: bool = True) -> Simulation:
+                  model: str | None = None, attention_alone: bool = True,
+                  kv_prefetch: bool | None = None) -> Simulation:
     """Simulate a plan on a hardware profile (default: the one it was compiled for).
 
     Args:
@@ -251,6 +254,9 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             read only layer_figures (the floor scores every candidate by them): forward and backward are then the
             layer passes, whose reshuffle times (all layer_figures reads of them) are the same, and no stage times
             are kept.
+        kv_prefetch: whether the runtime posts the forward's stage-0 K,V pulls once K and V are projected, before Q
+            (fcp_runtime.prefetch_kv; the plan layout, with a model, only); default: what the plan was compiled for
+            (header.kv_prefetch).
     Returns:
         the Simulation.
     Raises:
@@ -266,10 +272,12 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     attention_record = record and layer_model is None
     rank_tokens = _layer_tokens(header, tables, programs)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
+    prefetch = header.kv_prefetch if kv_prefetch is None else kv_prefetch
+    kv_ready = phases["fwd_kv"] if prefetch and header.layout is Layout.PLAN else None
     # The layer passes keep their stage times for the critical path (Simulation.figures) in a full simulation.
     if layer_model is not None and not attention_alone:
         forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record,
-                                          stage_times=False)
+                                          stage_times=False, kv_ready=kv_ready)
         layer_forward, layer_backward = forward, backward
     else:
         alone = layer_model is None  # attention alone is then the layer
@@ -278,7 +286,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
         backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,
                                  "bwd", stage_times=alone)
         layer_forward, layer_backward = (forward, backward) if alone else _layer_passes(
-            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, stage_times=True)
+            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, stage_times=True,
+            kv_ready=kv_ready)
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
@@ -287,7 +296,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
                       planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
-                      layout=header.layout.value, rank_tokens=rank_tokens)
+                      layout=header.layout.value, rank_tokens=rank_tokens,
+                      kv_prefetch=kv_ready is not None and layer_model is not None)
 
 
 def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):
@@ -340,7 +350,10 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
             tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
             reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
             reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
-            stage_calls=calls)
+            stage_calls=calls,
+            # The forward's stage-0 K,V pulls are what a rank may post before its Q is projected (prefetch_kv).
+            flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
+                                          np.zeros(push_row.size, dtype=bool))) if prefix == "fwd" else None)
 
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
@@ -354,11 +367,14 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
 
 
 def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,
-                  record: bool, stage_times: bool) -> tuple[PassResult, PassResult]:
+                  record: bool, stage_times: bool,
+                  kv_ready: np.ndarray | None = None) -> tuple[PassResult, PassResult]:
     """Each pass again with every rank starting when its linear layers before attention end (its messages waiting
-    for both ends'); the backward starts when the last rank has finished its forward layer."""
+    for both ends'); the backward starts when the last rank has finished its forward layer. Where `kv_ready` is
+    given (K,V prefetch: when each rank has projected K and V, before Q), the forward's stage-0 K,V pulls leave
+    once both ends are there."""
     forward = simulate_pass(fwd_input, links, overlap, record, 0.0, "fwd", rank_start=phases["fwd_before"],
-                            stage_times=stage_times)
+                            stage_times=stage_times, prefetch_start=kv_ready)
     backward = simulate_pass(bwd_input, links, overlap, record, float((forward.end + phases["fwd_after"]).max()),
                              "bwd", rank_start=phases["bwd_before"], stage_times=stage_times)
     if record:

@@ -33,6 +33,12 @@ class ModelPreset:
         return 2 * self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
 
     @property
+    def kv_projection_flops_per_token(self) -> int:
+        """Forward FLOPs of the K and V projections alone per token: what a rank must finish before others can pull
+        its blocks' K,V, when it projects them before Q (fcp_runtime.prefetch_kv)."""
+        return 2 * self.hidden * 2 * self.kv_heads * self.head_dim
+
+    @property
     def linear_flops_per_token(self) -> int:
         """Forward FLOPs of one layer's linear parts per token: Q, K, V and O projections and the three MLP
         matrices, 2 FLOPs per weight."""

@@ -15,7 +15,7 @@ QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bo
            "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True}
 PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
               "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
-              "reshuffle_overlap", "format_version", "model")
+              "reshuffle_overlap", "kv_prefetch", "format_version", "model")
 
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:

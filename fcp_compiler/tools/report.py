@@ -93,7 +93,7 @@ def compile_summary(stats: dict, path: str | None) -> str:
         f"fcp compile: {stats['total_tokens']} tokens in {stats['num_sequences']} sequences ({stats['mask']}) -> "
         f"{stats['num_ranks']} ranks, block {stats['block_size']} ({blocks}), "
         f"coalesce {stats['coalesce']}/{stats['bwd_coalesce']}, "
-        f"{stats['layout']} layout",
+        f"{stats['layout']} layout" + (", K,V prefetch" if stats.get("kv_prefetch") else ""),
         table(["blocks", "tiles", "offloaded", "transfers", "relayed", "delta", "pull rounds", "stages fwd/bwd",
                "compute imb", "comm imb", "LB ratio", "tokens/rank", "cap"],
               [[stats["num_blocks"], stats["num_tiles"], stats["num_offloaded_tiles"], stats["num_transfers"],
@@ -255,8 +255,9 @@ def simulation_summary(figures: dict, trace=None) -> str:
         f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
         + (f"; trace in {trace}" if trace else "")]
     terms = figures["layer_bound_terms"]
-    lines.append(f"  one layer ({figures['model']}), {figures['layout']} layout, each rank's linear layers around "
-                 f"its attention:")
+    prefetch = ", its first stage's K,V pulled while Q is projected" if figures.get("kv_prefetch") else ""
+    lines.append(f"  one layer ({figures['model']}), {figures['layout']} layout{prefetch}, each rank's linear layers "
+                 f"around its attention:")
     lines.append(table(["pass", "linear ms", "reshuffle ms", "layer ms", "bound ms", "bound by", "gap"], [
         [name, f"{figures[f'linear_{key}_s'] * 1e3:.2f}", f"{figures[f'reshuffle_{key}_s'] * 1e3:.2f}",
          f"{figures[f'layer_makespan_{key}_s'] * 1e3:.2f}",
