@@ -96,9 +96,9 @@ def compile_command(
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
     no_reshuffle_overlap: bool = typer.Option(False, "--no-reshuffle-overlap",
                                               help="ablation: no tiles during the reshuffle"),
-    no_kv_prefetch: bool = typer.Option(False, "--no-kv-prefetch", help="schedule for a runtime that posts the "
-                                        "first stage's K,V pulls when attention starts, not while Q is projected "
-                                        "(fcp_runtime.prefetch_kv)"),
+    no_kv_prefetch: bool = typer.Option(False, "--no-kv-prefetch", help="schedule for a runtime that posts each "
+                                        "pass's first-stage K,V pulls when attention starts, not early (forward: "
+                                        "while Q is projected; fcp_runtime.prefetch_kv)"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
                                                             "sliding_window:W (the W most recent keys) [the batch's]"),
     q_heads: int = typer.Option(64, "--q-heads", help="attention query heads", parser=_ascii_int),
@@ -285,9 +285,9 @@ def simulate_command(
     model: Optional[str] = typer.Option(None, "--model",
                                         help="the layer around attention: llama3-8b, llama3-70b or none "
                                              "[the plan's]"),
-    kv_prefetch: Optional[str] = typer.Option(None, "--kv-prefetch", help="on or off: the runtime posts the first "
-                                              "stage's K,V pulls while Q is projected (fcp_runtime.prefetch_kv; "
-                                              "plan layout) [as the plan was compiled]"),
+    kv_prefetch: Optional[str] = typer.Option(None, "--kv-prefetch", help="on or off: the runtime posts each pass's "
+                                              "first-stage K,V pulls early (forward: while Q is projected; "
+                                              "fcp_runtime.prefetch_kv; plan layout) [as the plan was compiled]"),
 ) -> None:
     """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
     from fcp_compiler.format.inputs import load_profile

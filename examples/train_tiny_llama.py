@@ -164,7 +164,8 @@ class Block(nn.Module):
         q = rope(self.wq(h).view(num_tokens, self.config.q_heads, head_dim), position_ids)
         x = x + self.wo(attend(q, k, v).reshape(num_tokens, self.config.q_heads * head_dim))  # 0 rows happen
         h = self.mlp_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        out = x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        return attend.layer_output(out) if hasattr(attend, "layer_output") else out
 
 
 class TinyLlama(nn.Module):
@@ -187,8 +188,10 @@ class TinyLlama(nn.Module):
 
 
 class FcpAttention:
-    """fcp's attention over one step's plan, for every layer: in the plan layout each layer's first-stage K,V
-    pulls leave as soon as the layer has projected K and V (prefetch_kv), while it projects Q."""
+    """fcp's attention over one step's plan, for every layer. In the plan layout each layer's first-stage K,V
+    pulls leave early: forward as soon as the layer has projected K and V (prefetch_kv), while it projects Q;
+    backward as the layer's backward starts (the layer's output through backward_starts_at), while its MLP and O
+    projection run backward."""
 
     def __init__(self, plan, group, layout: str = "plan"):
         self.plan, self.group, self.layout = plan, group, layout
@@ -199,8 +202,11 @@ class FcpAttention:
             self.prefetched = prefetch_kv(k, v, self.plan, self.group)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=self.prefetched)
+
+    def layer_output(self, out: torch.Tensor) -> torch.Tensor:
         prefetched, self.prefetched = self.prefetched, None
-        return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=prefetched)
+        return prefetched.backward_starts_at(out) if prefetched is not None else out
 
 
 def build(config: Config, device: torch.device):

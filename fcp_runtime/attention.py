@@ -147,7 +147,7 @@ class _Executor:
 
     # --- the stage loop, shared by both passes -----------------------------------------------------------------
     def run_stages(self, phase, program: PassProgram, local: _Store, skip: frozenset[int] = frozenset(),
-                   prefetched: KVPrefetch | None = None) -> None:
+                   prefetched: _Posted | None = None) -> None:
         """Replay one pass: per stage, post its messages as one batch (in round order, the order the peer posts
         them too), run its tiles, wait, make the arrived pulls usable, fold the returned pushes into this rank's
         rows, and free the buffers whose last use was this stage. Tiles whose rows are in `skip` already ran;
@@ -242,28 +242,94 @@ class _Executor:
 
 
 @dataclass(kw_only=True)
+class _Posted:
+    """The first messages of a pass's stage 0, posted before the pass began (its stage-0 K,V pulls)."""
+
+    num_messages: int  # program.num_prefetched
+    requests: list
+    arrived: list  # (pull_recv row, its store) of the pulls it receives
+
+
+@dataclass(kw_only=True)
 class KVPrefetch:
-    """The forward's stage-0 K,V pulls of one rank, in flight since :func:`prefetch_kv` posted them; one
-    :func:`fcp_attn_func` call consumes it."""
+    """One rank's stage-0 K,V pulls of one attention call, posted early: the forward's by :func:`prefetch_kv`
+    (consumed by one :func:`fcp_attn_func` call), the backward's as the layer's backward starts
+    (:meth:`backward_starts_at`)."""
 
     plan: RankPlan
     group: object
     k: torch.Tensor
     v: torch.Tensor
-    num_messages: int  # the first messages of the forward's stage 0 (plan.forward.num_prefetched)
-    requests: list
-    arrived: list  # (pull_recv row, its store) of the pulls it receives
-    live_tokens: int  # received buffer tokens it allocated
+    forward: _Posted
+    live_tokens: int  # received buffer tokens the forward's prefetch allocated
     used: bool = False
+    executor: _Executor | None = None  # the call's, once fcp_attn_func has run it
+    saved_kv: tuple | None = None  # the call's K and V in the plan layout, for the backward's sends
+    backward: _Posted | None = None
+
+    def backward_starts_at(self, x: torch.Tensor) -> torch.Tensor:
+        """x, unchanged; when its gradient arrives (give the layer's output: its backward then starts), the
+        backward's stage-0 K,V pulls of this attention call are posted, so that they cross while the layer's MLP
+        and O projection run backward. K and V are the forward's, so nothing they need is computed in between.
+        Not for a layer whose forward is recomputed in the backward (activation checkpointing).
+
+        Raises:
+            ValueError: before fcp_attn_func has consumed this prefetch.
+        """
+        if self.executor is None:
+            raise ValueError("backward_starts_at: call fcp_attn_func with this prefetch first (the backward's pulls "
+                             "are that call's)")
+        return _BackwardPrefetch.apply(x, self)
+
+    def post_backward(self) -> None:
+        """Post the backward's stage-0 K,V pulls (once)."""
+        if self.backward is not None:
+            return
+        executor = self.executor
+        k, v = self.saved_kv
+        self.backward = _post_first(executor, _BackwardPass(executor, k.shape[1], k.shape[1]),
+                                    self.plan.backward, k, v)
+
+
+class _BackwardPrefetch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, prefetch: KVPrefetch):
+        ctx.prefetch = prefetch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.prefetch.post_backward()
+        return grad, None
+
+
+def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tensor, v: torch.Tensor) -> _Posted:
+    """Post a pass's stage-0 K,V pulls (program.num_prefetched first messages of its stage 0), sending from this
+    rank's own K and V rows (a relay cannot send in stage 0, nothing having arrived)."""
+    plan = executor.plan
+    messages = program.messages[0][:program.num_prefetched] if program.num_stages else []
+    if any(m.what == "pull_send" and plan.pull_send[m.pull].source != LOCAL for m in messages):
+        raise PlanMismatchError(f"rank {plan.rank}'s plan relays a block in the {program.name} pass's first stage, "
+                                f"before it can hold one: the plan is invalid (fcp validate)")
+    local = executor.local_store(k=k.detach(), v=v.detach())
+    ops, arrived = [], []
+    with torch.no_grad():
+        for message in messages:
+            ops += executor.post(phase, program.name, 0, message, local, {}, arrived, [])
+        requests = dist.batch_isend_irecv(ops) if ops else []
+    _log("prefetch", program.name, 0, len(messages))
+    return _Posted(num_messages=len(messages), requests=requests, arrived=arrived)
 
 
 def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) -> KVPrefetch:
     """Post this rank's part of the forward's first-stage K,V pulls (its own blocks' K,V sent, the blocks its
     first stage reads received) as soon as K and V are projected, so that they cross while Q is projected; pass
-    the result to :func:`fcp_attn_func` (`prefetched=`) with the same k and v, unchanged in between.
+    the result to :func:`fcp_attn_func` (`prefetched=`) with the same k and v, unchanged in between, and the
+    layer's output through its :meth:`KVPrefetch.backward_starts_at`, so that the backward's first-stage K,V pulls
+    leave as the layer's backward starts.
 
     Plans compiled with kv_prefetch (the default; header.kv_prefetch) are scheduled and simulated for a runtime
-    that does this. Every rank of the group should call it for the step or none (a rank that does not posts the
+    that does both. Every rank of the group should call it for the step or none (a rank that does not posts the
     same messages when its attention starts, in the same order, so results are exact either way, but its peers
     wait for it). Plan layout only: the user layout reshuffles K and V before any pull.
 
@@ -283,22 +349,9 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) ->
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != plan.plan_tokens:
         raise ValueError(f"prefetch_kv: expected k, v [{plan.plan_tokens}, kv_heads, head_dim] (rank {plan.rank}'s "
                          f"plan-layout rows), got {tuple(k.shape)}, {tuple(v.shape)}")
-    program = plan.forward
-    messages = program.messages[0][:program.num_prefetched] if program.num_stages else []
-    if any(m.what == "pull_send" and plan.pull_send[m.pull].source != LOCAL for m in messages):
-        raise PlanMismatchError(f"rank {plan.rank}'s plan relays a block in the forward's first stage, before it "
-                                f"can hold one: the plan is invalid (fcp validate)")
     executor = _Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=_NO_KERNELS)
-    phase = _ForwardPass(executor, q_heads=k.shape[1], kv_heads=k.shape[1])
-    local = executor.local_store(k=k.detach(), v=v.detach())
-    ops, arrived = [], []
-    with torch.no_grad():
-        for message in messages:
-            ops += executor.post(phase, program.name, 0, message, local, {}, arrived, [])
-        requests = dist.batch_isend_irecv(ops) if ops else []
-    _log("prefetch", program.name, 0, len(messages))
-    return KVPrefetch(plan=plan, group=group, k=k, v=v, num_messages=len(messages), requests=requests,
-                      arrived=arrived, live_tokens=executor.live_tokens)
+    posted = _post_first(executor, _ForwardPass(executor, k.shape[1], k.shape[1]), plan.forward, k, v)
+    return KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens)
 
 
 _NO_KERNELS = object()  # prefetch_kv's executor only posts messages
@@ -510,10 +563,13 @@ class _FcpAttention(torch.autograd.Function):
                 _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
                 forward.run_call(call, local, {})
             finish()
-        executor.run_stages(forward, plan.forward, local, skip=skip, prefetched=prefetched)
+        executor.run_stages(forward, plan.forward, local, skip=skip,
+                            prefetched=prefetched.forward if prefetched is not None else None)
         out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
-        ctx.executor, ctx.layout = executor, layout
+        ctx.executor, ctx.layout, ctx.prefetched = executor, layout, prefetched
+        if prefetched is not None:  # what backward_starts_at posts from
+            prefetched.executor, prefetched.saved_kv = executor, (k_p.detach(), v_p.detach())
         return out_p if layout == "plan" else _reshuffle(plan, out_p, False, group)
 
     @staticmethod
@@ -526,7 +582,8 @@ class _FcpAttention(torch.autograd.Function):
         hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
         backward = _BackwardPass(executor, hq, hkv)
         local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
-        executor.run_stages(backward, plan.backward, local)
+        prefetched = ctx.prefetched.backward if ctx.prefetched is not None else None
+        executor.run_stages(backward, plan.backward, local, prefetched=prefetched)
         dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
         if ctx.layout == "plan":
             return dq_p, dk_p, dv_p, None, None, None, None, None, None

@@ -55,8 +55,8 @@ class PassProgram:
     messages: list[list[Message]]  # per stage, in the order both ends of each pair post them (_pass_program)
     tiles: list[list[int]]  # per stage, tile rows in pipeline order
     free_after: list[list[int]]  # per stage, pull_recv rows whose buffers are freed at its end
-    # The first messages of stage 0 that fcp_runtime.prefetch_kv may post before attention starts: the forward's
-    # stage-0 K,V pulls, sent from the owner's own rows (none in the backward).
+    # The first messages of stage 0, which K,V prefetch may post before the pass starts: its stage-0 K,V pulls
+    # (fcp_runtime.prefetch_kv in the forward, KVPrefetch.backward_starts_at in the backward).
     num_prefetched: int = 0
 
 
@@ -180,10 +180,10 @@ def _pass_program(name: str, a: dict[str, np.ndarray], pull_send: list[Pull], pu
             last_stage[pull.source] = max(last_stage[pull.source], pull_round_of(pull) // coalesce)
     # Both ends of a pair derive the same order from what they agree on (round; pull before push; kind and block,
     # which name one pull of a pair), not from their own row numbers: NCCL matches a pair's messages by posting
-    # order, and with NVLink lanes a pair may exchange two messages in one round. The forward's stage-0 K,V pulls
-    # go first, whether prefetch_kv posts them early or the stage posts them, so both ends agree either way.
+    # order, and with NVLink lanes a pair may exchange two messages in one round. A pass's stage-0 K,V pulls go
+    # first, whether they were posted early (K,V prefetch) or the stage posts them, so both ends agree either way.
     def prefetched(message: Message) -> bool:
-        return name == "fwd" and message.what.startswith("pull") and message.round < coalesce and \
+        return message.what.startswith("pull") and message.round < coalesce and \
             (pull_send if message.what == "pull_send" else pull_recv)[message.pull].kind == TransferKind.KV
 
     def posting_key(message: Message) -> tuple[int, int, int, int, int]:

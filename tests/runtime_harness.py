@@ -71,7 +71,8 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     of ranks, as NCCL does; replay is then exact only if both ends of every pair post in the same order.
     groups: the world splits into this many context-parallel groups of consecutive ranks (dist.new_group), each
     replaying the plan among its own ranks on the same data.
-    prefetch: whether a rank posts its first stage's K,V pulls with prefetch_kv before calling fcp_attn_func."""
+    prefetch: whether a rank posts each pass's first-stage K,V pulls early: prefetch_kv before fcp_attn_func, and
+    backward_starts_at on its output."""
     total = sum(lengths)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
@@ -113,6 +114,8 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
             prefetched = prefetch_kv(mine[1], mine[2], plan, group) if prefetch(rank) else None
             out = fcp_attn_func(*mine, plan, group=group, layout=layout, kernels=kernels, prefetched=prefetched)
+            if prefetched is not None:  # the backward's first-stage K,V pulls leave as its backward starts
+                out = prefetched.backward_starts_at(out)
             out.backward(d_out[rows])
         finally:
             dist.all_to_all_single = real

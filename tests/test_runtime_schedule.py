@@ -29,7 +29,8 @@ def _record(plan_bytes, lengths, prefetch: bool = False):
                                requires_grad=True) for heads in (2, 1, 1))
         with recording() as events:
             prefetched = prefetch_kv(k, v, plan) if prefetch else None
-            fcp_attn_func(q, k, v, plan, prefetched=prefetched).sum().backward()
+            out = fcp_attn_func(q, k, v, plan, prefetched=prefetched)
+            (prefetched.backward_starts_at(out) if prefetch else out).sum().backward()
         arrival = {name: [p.round // plan.coalesce if name == "fwd" else p.bwd_round // plan.bwd_coalesce
                           for p in plan.pull_recv]
                    for name in ("fwd", "bwd")}
@@ -43,8 +44,8 @@ def test_event_order_proves_overlap_and_data_before_use_and_buffers_within_the_h
 
 
 def test_prefetched_pulls_are_posted_before_attention_and_their_buffers_counted_from_then():
-    """prefetch_kv's messages go out before the forward's first post; the tiles that read them still wait for
-    stage 0's wait, and its buffers count toward the same peak the header states."""
+    """The prefetched messages go out before each pass's first post; the tiles that read them still wait for
+    stage 0's wait, and their buffers count toward the same peak the header states."""
     _check_events(CASES[1], prefetch=True)
 
 
@@ -58,10 +59,11 @@ def _check_events(case, prefetch: bool) -> None:
     results = run_ranks(gpus, _record(plan.to_bytes(), lengths, prefetch))
     overlapped, peaks, prefetched = 0, [], 0
     for events, arrival in results:
-        if prefetch:  # the prefetch, and the allocations of what it receives, come before the first post
-            first_post = next(idx for idx, event in enumerate(events) if event[0] == "post")
-            assert [event[0] for event in events[:first_post]].count("prefetch") == 1
-            prefetched += next(event[3] for event in events if event[0] == "prefetch")
+        if prefetch:  # each pass's prefetch, and the allocations of what it receives, come before its first post
+            for pass_name in ("fwd", "bwd"):
+                first_post = next(idx for idx, event in enumerate(events) if event[:2] == ("post", pass_name))
+                assert [event[:2] for event in events[:first_post]].count(("prefetch", pass_name)) == 1
+                prefetched += next(event[3] for event in events if event[:2] == ("prefetch", pass_name))
         waited = set()  # (pass, stage) whose wait has happened
         posted_with_messages = None
         last_tile_stage = {}  # (pass, pull row) -> stage of the latest tile that read it

@@ -14,10 +14,10 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
   the rank's messages are in flight; each kernel call pays one launch: the runtime makes one varlen call per stage
   for a full mask and up to two under a causal one (query segments with their diagonal, and those without), and
   one more per window a sliding window cuts a key segment with (`fcp_compiler.core.simulate.kernel_calls`).
-- K,V prefetch (`flow_prefetch`, `prefetch_start`): stage-0 messages posted before the pass starts (the forward's
-  K,V pulls, once both ends have projected K and V) start when both ends have posted them; the work between the post
-  and the pass's start (the Q projection) runs slowed while they are in flight, and the stage's other messages
-  drain as if they still shared their link ends.
+- K,V prefetch (`flow_prefetch`, `prefetch_start`): stage-0 messages posted before the pass starts (its K,V pulls:
+  forward once both ends have projected K and V, backward as the layer's backward starts) start when both ends
+  have posted them; the linear work between the post and the pass's start runs slowed while they are in flight,
+  and the stage's other messages drain as if they still shared their link ends.
 - The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
   reshuffle starts when both ends have finished their last stage.
 Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.

@@ -59,7 +59,8 @@ class CompileOptions:
     matching_rounds: bool = True
     reshuffle_overlap: bool = True
     # The runtime projects K and V first and posts the forward's stage-0 K,V pulls (fcp_runtime.prefetch_kv) while
-    # Q is projected; the schedule is scored so (plan layout only: the user layout reshuffles first).
+    # Q is projected, and the backward's as the layer's backward starts; the schedule is scored so (plan layout
+    # only: the user layout reshuffles first).
     kv_prefetch: bool = True
     # A K,V block crosses into a node once and fans out over NVLink; None: as each planner ships
     # (NODE_FAN_OUT_DEFAULT). FCP's floor also tries its placements with it off.

@@ -57,7 +57,7 @@ class Simulation:
     planned_compute: np.ndarray  # per rank, the compiler's tile-by-tile cost (what its balance figures use)
     layout: str = "plan"
     rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
-    kv_prefetch: bool = False  # the forward's stage-0 K,V pulls left once K and V were projected, before Q
+    kv_prefetch: bool = False  # each pass's stage-0 K,V pulls left early (forward: K, V projected before Q)
 
     @property
     def layer_end_fwd(self) -> np.ndarray:
@@ -254,9 +254,9 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
             read only layer_figures (the floor scores every candidate by them): forward and backward are then the
             layer passes, whose reshuffle times (all layer_figures reads of them) are the same, and no stage times
             are kept.
-        kv_prefetch: whether the runtime posts the forward's stage-0 K,V pulls once K and V are projected, before Q
-            (fcp_runtime.prefetch_kv; the plan layout, with a model, only); default: what the plan was compiled for
-            (header.kv_prefetch).
+        kv_prefetch: whether the runtime posts each pass's stage-0 K,V pulls early, the forward's once K and V are
+            projected, before Q, the backward's as the layer's backward starts (fcp_runtime.prefetch_kv; the plan
+            layout, with a model, only); default: what the plan was compiled for (header.kv_prefetch).
     Returns:
         the Simulation.
     Raises:
@@ -351,9 +351,9 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
             reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
             reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
             stage_calls=calls,
-            # The forward's stage-0 K,V pulls are what a rank may post before its Q is projected (prefetch_kv).
+            # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
             flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
-                                          np.zeros(push_row.size, dtype=bool))) if prefix == "fwd" else None)
+                                          np.zeros(push_row.size, dtype=bool))))
 
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
@@ -372,11 +372,14 @@ def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, 
     """Each pass again with every rank starting when its linear layers before attention end (its messages waiting
     for both ends'); the backward starts when the last rank has finished its forward layer. Where `kv_ready` is
     given (K,V prefetch: when each rank has projected K and V, before Q), the forward's stage-0 K,V pulls leave
-    once both ends are there."""
+    once both ends are there, and the backward's as the backward starts (during the MLP and O projection's
+    gradients)."""
     forward = simulate_pass(fwd_input, links, overlap, record, 0.0, "fwd", rank_start=phases["fwd_before"],
                             stage_times=stage_times, prefetch_start=kv_ready)
+    # The backward's are posted as the layer's backward starts: K and V are the forward's.
     backward = simulate_pass(bwd_input, links, overlap, record, float((forward.end + phases["fwd_after"]).max()),
-                             "bwd", rank_start=phases["bwd_before"], stage_times=stage_times)
+                             "bwd", rank_start=phases["bwd_before"], stage_times=stage_times,
+                             prefetch_start=None if kv_ready is None else np.zeros_like(kv_ready))
     if record:
         _linear_events(forward, backward, phases)
     return forward, backward

@@ -48,7 +48,7 @@ _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
 FORMAT_VERSION = 9  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
 # 8: two link classes (a round is a matching per class: NVLink inside a node, the NIC across; nodes are runs of
 # profile.gpus_per_node ranks), node fan-out (pulls re-sent inside a node by the one that crossed the NIC);
-# 9: kv_prefetch (the plan was scheduled for a runtime that posts the first stage's K,V pulls before Q is projected)
+# 9: kv_prefetch (the plan was scheduled for a runtime that posts each pass's stage-0 K,V pulls before the pass)
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
@@ -132,8 +132,9 @@ class PlanHeader(BaseModel):
         "matching", description="matching: congestion-free rounds; arbitrary: pulls in edge order (ablation only)")
     reshuffle_overlap: bool = Field(True, description="tiles whose tokens stay local run during the reshuffle")
     kv_prefetch: bool = Field(False, description="the plan was scheduled (and is simulated) for a runtime that posts "
-                                                 "the forward's stage-0 K,V pulls once K and V are projected, while "
-                                                 "Q is (fcp_runtime.prefetch_kv; plan layout only)")
+                                                 "each pass's stage-0 K,V pulls early: the forward's once K and V are "
+                                                 "projected, while Q is; the backward's as the layer's backward "
+                                                 "starts (fcp_runtime.prefetch_kv; plan layout only)")
     global_section: tuple[int, int] = Field(..., description="(offset, length) after the header")
     rank_sections: list[tuple[int, int]] = Field(..., description="(offset, length) of each rank's section")
     global_sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the global section's bytes")

@@ -255,7 +255,7 @@ def simulation_summary(figures: dict, trace=None) -> str:
         f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
         + (f"; trace in {trace}" if trace else "")]
     terms = figures["layer_bound_terms"]
-    prefetch = ", its first stage's K,V pulled while Q is projected" if figures.get("kv_prefetch") else ""
+    prefetch = ", each pass's first K,V pulls early" if figures.get("kv_prefetch") else ""
     lines.append(f"  one layer ({figures['model']}), {figures['layout']} layout{prefetch}, each rank's linear layers "
                  f"around its attention:")
     lines.append(table(["pass", "linear ms", "reshuffle ms", "layer ms", "bound ms", "bound by", "gap"], [
