@@ -268,10 +268,10 @@ class KVPrefetch:
     backward: _Posted | None = None
 
     def backward_starts_at(self, x: torch.Tensor) -> torch.Tensor:
-        """x, unchanged; when its gradient arrives (give the layer's output: its backward then starts), the
-        backward's stage-0 K,V pulls of this attention call are posted, so that they cross while the layer's MLP
-        and O projection run backward. K and V are the forward's, so nothing they need is computed in between.
-        Not for a layer whose forward is recomputed in the backward (activation checkpointing).
+        """x itself, with a hook: when its gradient is computed (give the layer's output: its backward then
+        starts), the backward's stage-0 K,V pulls of this attention call are posted, so that they cross while the
+        layer's MLP and O projection run backward. K and V are the forward's, so nothing they carry is computed in
+        between. Not for a layer whose forward is recomputed in the backward (activation checkpointing).
 
         Raises:
             ValueError: before fcp_attn_func has consumed this prefetch.
@@ -279,7 +279,12 @@ class KVPrefetch:
         if self.executor is None:
             raise ValueError("backward_starts_at: call fcp_attn_func with this prefetch first (the backward's pulls "
                              "are that call's)")
-        return _BackwardPrefetch.apply(x, self)
+        if x.requires_grad:  # a tensor hook, not an op: x stays the same tensor (in-place updates allowed)
+            x.register_hook(self._on_gradient)
+        return x
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        self.post_backward()
 
     def post_backward(self) -> None:
         """Post the backward's stage-0 K,V pulls (once)."""
@@ -289,18 +294,6 @@ class KVPrefetch:
         k, v = self.saved_kv
         self.backward = _post_first(executor, _BackwardPass(executor, k.shape[1], k.shape[1]),
                                     self.plan.backward, k, v)
-
-
-class _BackwardPrefetch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, prefetch: KVPrefetch):
-        ctx.prefetch = prefetch
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.prefetch.post_backward()
-        return grad, None
 
 
 def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tensor, v: torch.Tensor) -> _Posted:
