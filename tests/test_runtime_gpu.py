@@ -29,7 +29,7 @@ def _reference(lengths, q, k, v, causal):  # pragma: no cover - needs a GPU
 def _rank_main(rank, world, port, plans, lengths, results):  # pragma: no cover - needs GPUs
     import torch.distributed as dist
 
-    from fcp_runtime import fcp_attn_func, load_rank_plan
+    from fcp_runtime import fcp_attn_func, load_rank_plan, prefetch_kv
     from fcp_runtime.kernels import default_kernels
 
     torch.cuda.set_device(rank)
@@ -46,7 +46,11 @@ def _rank_main(rank, world, port, plans, lengths, results):  # pragma: no cover 
         mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = fcp_attn_func(*mine, plan)
+        # The plan layout's runtime posts each pass's first-stage K,V pulls early, as the plans are scheduled for.
+        prefetched = prefetch_kv(mine[1], mine[2], plan) if layout == "plan" else None
+        out = fcp_attn_func(*mine, plan, prefetched=prefetched)
+        if prefetched is not None:
+            out = prefetched.backward_starts_at(out)
         out.backward(d_out[rows])
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
