@@ -13,6 +13,7 @@ from fcp_compiler.tools.ablation import run_ablation
 from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, simulate_pass
 from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.tools.report import simulation_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 BW, LAT, LAUNCH = 1e9, 1e-5, 2e-6
@@ -117,6 +118,8 @@ def test_the_layer_figures_need_no_attention_alone_pass(layout):
     figures = lean.figures()
     assert figures["critical_path_fwd"] is None and figures["critical_path_bwd"] is None
     assert figures["layer_makespan_fwd_s"] == full["layer_makespan_fwd_s"]
+    summary = simulation_summary(figures, None)  # prints what it has, without the critical paths
+    assert "layer ms" in summary and "critical path" not in summary
 
 
 def test_communication_takes_its_sm_share_from_compute():
@@ -146,8 +149,12 @@ def test_trace_busy_time_matches_the_figures(tmp_path, model):
             assert busy * 1e-6 == pytest.approx(row[f"layer_busy_{label}_s"], rel=1e-9, abs=1e-12)
             if model == "none":
                 assert row[f"layer_busy_{label}_s"] == pytest.approx(row[f"busy_{label}_s"], rel=1e-12)
-    linear = [e for e in events if e["ph"] == "X" and e["name"].startswith("linear")]
+    linear = [e for e in events if e["ph"] == "X" and e["name"].startswith(("linear", "K, V proj", "Q proj"))]
     assert bool(linear) == (model != "none")
+    # With K,V prefetch (the default) the forward's projection shows K, V first, then Q.
+    forward_linear = {e["name"] for e in linear if e["tid"] == TRACKS[("fwd", "compute")]}
+    assert forward_linear == ({"K, V projection", "Q projection", "linear after attention"} if model != "none"
+                              else set())
     names = {e["name"] for e in events if e["ph"] == "X" and e.get("tid") == TRACKS[("fwd", "compute")]}
     assert any(name.startswith("q") and "kv" in name and "stage" in name for name in names)
     assert any(e["ph"] == "X" and e["name"].startswith("KV b") for e in events)

@@ -381,7 +381,7 @@ def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, 
                              "bwd", rank_start=phases["bwd_before"], stage_times=stage_times,
                              prefetch_start=None if kv_ready is None else np.zeros_like(kv_ready))
     if record:
-        _linear_events(forward, backward, phases)
+        _linear_events(forward, backward, phases, kv_ready)
     return forward, backward
 
 
@@ -396,14 +396,18 @@ def layer_stats(plan) -> dict:
     return {name: figures[name] for name in LAYER_STATS}
 
 
-def _linear_events(forward: PassResult, backward: PassResult, phases: dict) -> None:
-    """Each rank's linear layers on its compute track, before and after its attention, in both passes."""
+def _linear_events(forward: PassResult, backward: PassResult, phases: dict, kv_ready: np.ndarray | None) -> None:
+    """Each rank's linear layers on its compute track, before and after its attention, in both passes; with K,V
+    prefetch (`kv_ready`) the forward's projection of K, V apart from Q's, the prefetched pulls leaving between."""
     backward_offset = float((forward.end + phases["fwd_after"]).max())
     for result, label, offset in ((forward, "fwd", 0.0), (backward, "bwd", backward_offset)):
         track = TRACKS[(label, "compute")]
         for rank in range(result.end.size):
             before, after = float(phases[f"{label}_before"][rank]), float(phases[f"{label}_after"][rank])
-            for name, ts, dur in (("linear before attention", offset, before),
+            split = float(kv_ready[rank]) if kv_ready is not None and label == "fwd" else 0.0
+            for name, ts, dur in (("K, V projection", offset, split),
+                                  ("linear before attention" if not split else "Q projection", offset + split,
+                                   before - split),
                                   ("linear after attention", offset + float(result.end[rank]), after)):
                 if dur > 0:
                     result.events.append({"name": name, "ph": "X", "ts": ts * 1e6, "dur": dur * 1e6, "pid": rank,

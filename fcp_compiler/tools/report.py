@@ -266,11 +266,13 @@ def simulation_summary(figures: dict, trace=None) -> str:
         for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
     lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}, normalized "
                  f"{figures['normalized_layer_mfu']:.3f}")
-    lines.append("  critical path of each pass's attention (what ended each stage, back from the rank that ends last; "
-                 "ranks in time order):")
-    lines.append(table(["pass", "computing ms", "messages ms", "ranks"], [
-        [name, f"{path['computing_s'] * 1e3:.2f}", f"{path['messages_s'] * 1e3:.2f}", _path_ranks(path["ranks"])]
-        for name, path in (("forward", figures["critical_path_fwd"]), ("backward", figures["critical_path_bwd"]))]))
+    paths = [(name, figures[f"critical_path_{key}"]) for name, key in (("forward", "fwd"), ("backward", "bwd"))]
+    if all(path is not None for _, path in paths):  # None: simulated without stage times
+        lines.append("  critical path of each pass's attention (what ended each stage, back from the rank that ends "
+                     "last; ranks in time order):")
+        lines.append(table(["pass", "computing ms", "messages ms", "ranks"], [
+            [name, f"{path['computing_s'] * 1e3:.2f}", f"{path['messages_s'] * 1e3:.2f}", _path_ranks(path["ranks"])]
+            for name, path in paths]))
     return "\n".join(lines)
 
 
