@@ -17,7 +17,7 @@ Model (per rank: one compute stream, and a send and a receive link for each of N
 - K,V prefetch (`flow_prefetch`, `prefetch_start`): stage-0 messages posted before the pass starts (its K,V pulls:
   forward once both ends have projected K and V, backward as the layer's backward starts) start when both ends
   have posted them; the linear work between the post and the pass's start runs slowed while they are in flight,
-  and the stage's other messages drain as if they still shared their link ends.
+  and every stage-0 message drains as if all of the stage's messages on its link ends shared them from its start.
 - The next stage starts when both the tiles and the messages of this one are done; in the user layout the output
   reshuffle starts when both ends have finished their last stage.
 Backward is the same with 2.5x the tile work and the backward program's own rounds, stages and pushes.
@@ -254,27 +254,27 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
 def _prefetch(data: PassInput, links: LinkModel, post: np.ndarray, begin: np.ndarray):
     """The prefetched messages launched together, each when both ends have posted them (`post`), and when each
     rank then begins the pass: its work between `post` and `begin` (the Q projection) slowed while they are in
-    flight. Returns ((message indices, t0, ends, comm_end), the new begin)."""
+    flight (alone on the links until then). Returns ((message indices, their t0), the new begin)."""
     idx = np.flatnonzero(data.flow_prefetch)
     assert not data.flow_stage[idx].any(), "only stage-0 messages are prefetched"
     src, dst, nbytes = data.flow_src[idx], data.flow_dst[idx], data.flow_bytes[idx]
     t0, ends, comm_end, has_comm = _exchange(post, src, dst, nbytes, links, data.num_ranks)
-    return (idx, t0, ends, comm_end), _compute_end(post, begin - post, comm_end, has_comm, links.sm_fraction)
+    return (idx, t0), _compute_end(post, begin - post, comm_end, has_comm, links.sm_fraction)
 
 
 def _with_prefetched(data: PassInput, links: LinkModel, start: np.ndarray, idx: np.ndarray, prefetched: tuple):
     """Stage 0's exchange with the prefetched messages already in flight: the others launch at the stage start as
-    usual, each draining as if every prefetched message on its link ends were still in flight (never faster than
-    had none been prefetched); a rank's messages end with the later of both groups. Returns (every stage-0
-    message, its t0, its end, comm_end, has_comm)."""
+    usual; every message, prefetched or not, drains as if all of the stage's messages on its link ends shared them
+    from its own start (so none ends later than had none been prefetched, and none earlier than its link ends can
+    carry). Returns (every stage-0 message, its t0, its end, comm_end, has_comm)."""
     n = data.num_ranks
-    early_idx, early_t0, early_ends, early_comm_end = prefetched
+    early_idx, early_t0 = prefetched
     idx = idx[~data.flow_prefetch[idx]]
     both = np.concatenate((early_idx, idx))
     src, dst, nbytes = data.flow_src[both], data.flow_dst[both], data.flow_bytes[both]
     t0 = np.concatenate((early_t0, np.maximum(start[data.flow_src[idx]], start[data.flow_dst[idx]])))
-    ends = np.concatenate((early_ends, _message_ends(t0, src, dst, nbytes, links, n)[early_idx.size:]))
-    comm_end = np.maximum(start, early_comm_end)
+    ends = _message_ends(t0, src, dst, nbytes, links, n)
+    comm_end = start.copy()
     np.maximum.at(comm_end, src, ends)
     np.maximum.at(comm_end, dst, ends)
     has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0

@@ -273,7 +273,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     rank_tokens = _layer_tokens(header, tables, programs)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
     prefetch = header.kv_prefetch if kv_prefetch is None else kv_prefetch
-    kv_ready = phases["fwd_kv"] if prefetch and header.layout is Layout.PLAN else None
+    # Attention alone has no projection to overlap.
+    kv_ready = phases["fwd_kv"] if prefetch and header.layout is Layout.PLAN and layer_model is not None else None
     # The layer passes keep their stage times for the critical path (Simulation.figures) in a full simulation.
     if layer_model is not None and not attention_alone:
         forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record,
@@ -297,7 +298,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
                       planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
                       layout=header.layout.value, rank_tokens=rank_tokens,
-                      kv_prefetch=kv_ready is not None and layer_model is not None)
+                      kv_prefetch=kv_ready is not None)
 
 
 def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):
