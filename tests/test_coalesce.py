@@ -328,3 +328,40 @@ def test_fit_memory_keeps_the_first_order_to_fit_a_step_at_a_time_the_q_pulls_fi
         assert peak == max(pass_peaks(fitted))
         assert np.array_equal(fitted.forward.edge_round, expected[0].forward.edge_round)
         assert np.array_equal(fitted.backward.tile_stage, expected[0].backward.tile_stage)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_backward_tiles_out_of_the_last_stage_go_back_to_their_earliest_and_the_passes_stay_exchanges(seed):
+    """remote_tiles_out_of_last_stage moves exactly the backward's pulled-K,V tiles (queries local) that levelling
+    put into the last stage, each to its earliest stage; nothing else moves, and the backward stays a congestion-free
+    exchange whose pushes leave after the tiles that make them."""
+    from fcp_compiler.core.passes.coalesce import remote_tiles_out_of_last_stage
+
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(300, 6000, size=12)]
+    plan = compile_valid(lengths, 8, block_size=256, coalesce=2, floor=False, gpus_per_node=4)
+    schedule, transfers = plan.ir.schedule, plan.ir.transfers
+    moved = remote_tiles_out_of_last_stage(schedule)
+    before, after = schedule.backward.tile_stage, None if moved is None else moved.backward.tile_stage
+    kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
+    arrival = np.maximum(np.where(kv_edge >= 0, schedule.forward.edge_round[kv_edge], -1),
+                         np.where(q_edge >= 0, schedule.forward.edge_round[q_edge], -1))
+    earliest = np.where(arrival >= 0, 2 * arrival // schedule.backward.coalesce + 1, 0)
+    last = before.max()
+    candidates = (kv_edge >= 0) & (q_edge < 0) & (before == last) & (earliest < last)
+    assert (moved is None) == (not candidates.any())
+    if moved is None:
+        return
+    assert np.array_equal(after, np.where(candidates, earliest, before))
+    assert moved.forward is schedule.forward and np.array_equal(moved.backward.edge_round, schedule.backward.edge_round)
+    program = moved.backward
+    rounds = np.concatenate((program.edge_round, program.push_round))
+    src = np.concatenate((transfers.edge_src, transfers.edge_dst[program.push_edge]))
+    dst = np.concatenate((transfers.edge_dst, transfers.edge_src[program.push_edge]))
+    assert congestion_free(rounds, src, dst, 4, plan.ir.rounds.nvlink_lanes)
+    pushed_at = np.full(transfers.num_edges, np.iinfo(np.int64).max)
+    pushed_at[program.push_edge] = program.push_stage
+    for edge in (kv_edge, q_edge):
+        reads = edge >= 0
+        assert (program.tile_stage[reads] > program.edge_stage[edge[reads]]).all()
+        assert (pushed_at[edge[reads]] > program.tile_stage[reads]).all()

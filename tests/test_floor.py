@@ -255,3 +255,31 @@ def test_an_equal_chunk_placement_past_a_limit_is_skipped_with_its_reason_not_th
     assert not plan.stats["floor"]["winner"].startswith(("greedy", "magi"))
     with pytest.raises(InfeasibleError, match="segment pairs"):  # a baseline compiled for itself is still refused
         compile_plan([5000, 300], 8, planner="magi")
+
+
+@pytest.mark.parametrize("seed, kept", [(1, "levelled"), (2, "out of last stage")])
+def test_the_winners_backward_keeps_its_last_stage_to_itself_where_that_simulates_faster(seed, kept):
+    """The floor's winner is scheduled again with the backward's pulled-K,V tiles out of its last stage; the plan
+    kept is the faster of the two within the memory budget, its stats record both, and it validates (one batch
+    where each wins)."""
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=seed)
+    plan = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
+    floor = plan.stats["floor"]
+    record = floor["backward_last_stage"]
+    assert record is not None and record["out_of_last_stage_s"] is not None
+    simulated = simulate_plan(plan).layer_figures()
+    layer = simulated["layer_makespan_fwd_s"] + simulated["layer_makespan_bwd_s"]
+    winner = next(row for row in floor["candidates"] if row["name"] == floor["winner"])
+    assert record["levelled_s"] == pytest.approx(winner["layer_makespan_fwd_s"] + winner["layer_makespan_bwd_s"],
+                                                 rel=1e-12)
+    assert layer == pytest.approx(min(record["levelled_s"], record["out_of_last_stage_s"]), rel=1e-12)
+    assert record["kept"] == kept == ("out of last stage" if record["out_of_last_stage_s"] < record["levelled_s"]
+                                      else "levelled")
+    assert plan.header.max_buffer_tokens <= floor["memory_budget_tokens"]
+    backward = plan.ir.schedule.backward
+    if record["kept"] == "out of last stage":  # no tile of a pulled K,V whose data came earlier is left there
+        schedule = plan.ir.schedule
+        last = backward.tile_stage == backward.tile_stage.max()
+        assert not (last & (schedule.tile_kv_edge >= 0) & (schedule.tile_q_edge < 0)
+                    & (2 * schedule.forward.edge_round[schedule.tile_kv_edge] // backward.coalesce + 1
+                       < backward.tile_stage.max())).any()

@@ -22,7 +22,8 @@ from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward, complete_backward,
                                                forward_peak, max_buffer_tokens, pass_peaks,
-                                               smaller_backward_rounds, with_backward_rounds)
+                                               remote_tiles_out_of_last_stage, smaller_backward_rounds,
+                                               with_backward_rounds)
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.passes.fan_out import fan_out
@@ -256,9 +257,12 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         run.schedule(follower)
     scores, budget = run.scores, run.budget
     winner = floor.choose(scores, budget)
+    last_stage = None
     if run.best is not None:
         assert run.best[0] is scores[winner]
         plan, figures = run.best[1], run.best[2]
+        if not run.alone:
+            plan, figures, last_stage = _backward_last_stage(timer, plan, figures, options, digest, budget)
     else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
         assert run.least[0] is scores[winner]
         _, transfers, with_fan_out, schedule = run.least
@@ -269,7 +273,27 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats = {name: figures[name] for name in LAYER_STATS} if figures is not None else {}
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
+    floor_stats["floor"]["backward_last_stage"] = last_stage
     return (*plan, floor_stats)
+
+
+def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
+                         budget: int) -> tuple[tuple, dict, dict | None]:
+    """The winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last stage
+    back in their earliest (:func:`remote_tiles_out_of_last_stage`) where that simulates faster and fits the memory
+    budget. Returns (plan, its figures, the comparison for the stats: None where no tile would move)."""
+    moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan[0].schedule)
+    if moved is None:
+        return plan, figures, None
+    other = _finish(timer, moved, options, digest, relays=False)  # the winner's relays are in its schedule already
+    other_figures = timer.run("floor", _layer_figures, other) if other[1]["max_buffer_tokens"] <= budget else None
+    levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
+        if other_figures is not None else None
+    kept = out_of_last is not None and out_of_last < levelled
+    record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
+              "out_of_last_stage_s": out_of_last, "max_buffer_tokens": other[1]["max_buffer_tokens"]}
+    return (other, other_figures, record) if kept else (plan, figures, record)
 
 
 @dataclass(slots=True, kw_only=True)

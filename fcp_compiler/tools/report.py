@@ -57,6 +57,11 @@ def _floor_line(stats: dict) -> list[str]:
               for row in floor["candidates"]]
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
     count = len(floor["candidates"])
+    last = floor.get("backward_last_stage")
+    if last is not None:  # the winner again with its backward's pulled-K,V tiles out of the last stage
+        other = f"{last['out_of_last_stage_s'] * 1e3:.1f} ms" if last["out_of_last_stage_s"] is not None else \
+            f"over memory ({last['max_buffer_tokens']} tokens)"
+        scored.append(f"its backward's last stage: kept {last['kept']} (pulled-K,V tiles out of it {other})")
     return [f"  floor: kept {floor['winner']} of {count} candidate{'s' if count != 1 else ''} scheduled (layer fwd + "
             f"bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
 
