@@ -420,8 +420,9 @@ def remote_tiles_out_of_last_stage(schedule: Schedule) -> Schedule | None:
 
     Such a tile's dK, dV leave in a stage after it, so in the last stage it adds a stage of pushes alone, with every
     rank waiting for its partners to finish; back in its earliest stage its push leaves under later stages' tiles,
-    but the stage it returns to grows. Which is faster depends on the plan: the floor simulates both for its winner
-    (on the matrix of benchmarks/layer_objective.py: faster on 30 of 54 batches, slower on 17, by up to 1% each).
+    but the stage it returns to grows. Which is faster depends on the plan (applied to every schedule, it was faster
+    on 30 of the 54 batches of benchmarks/layer_objective.py's matrix and slower on 17, by up to 1% each), so the
+    floor simulates its winner both ways.
     Tiles only move earlier, so every buffer is freed as early or earlier; pushes move earlier, so the caller checks
     live buffers again.
     """
