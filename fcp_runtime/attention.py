@@ -155,11 +155,10 @@ class _Executor:
         plan = self.plan
         remote: dict[int, _Store] = {}  # pull_recv row -> its store, from arrival to free
         for stage in range(program.num_stages):
-            ops, arrived, returned = [], [], []
+            arrived, returned = [], []
             posted = prefetched.num_messages if stage == 0 and prefetched is not None else 0
-            for message in program.messages[stage][posted:]:
-                ops += self.post(phase, program.name, stage, message, local, remote, arrived, returned)
-            requests = dist.batch_isend_irecv(ops) if ops else []
+            requests = self.post_batch(phase, program.name, stage, program.messages[stage][posted:], local, remote,
+                                       arrived, returned)
             if posted:
                 requests, arrived = prefetched.requests + requests, prefetched.arrived + arrived
             _log("post", program.name, stage, len(program.messages[stage]),
@@ -183,6 +182,15 @@ class _Executor:
             for row in program.free_after[stage]:
                 del remote[row]
                 self.release(program.name, stage, plan.pull_tokens(plan.pull_recv[row]))
+
+    def post_batch(self, phase, name: str, stage: int, messages, local: _Store, remote: dict[int, _Store],
+                   arrived: list, returned: list) -> list:
+        """Post `messages` as one batch_isend_irecv (in the order given, the order the peer posts them too); returns
+        its requests."""
+        ops = []
+        for message in messages:
+            ops += self.post(phase, name, stage, message, local, remote, arrived, returned)
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def post(self, phase, name: str, stage: int, message: Message, local: _Store, remote: dict[int, _Store],
              arrived: list, returned: list) -> list:
@@ -305,11 +313,9 @@ def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tenso
         raise PlanMismatchError(f"rank {plan.rank}'s plan relays a block in the {program.name} pass's first stage, "
                                 f"before it can hold one: the plan is invalid (fcp validate)")
     local = executor.local_store(k=k.detach(), v=v.detach())
-    ops, arrived = [], []
+    arrived = []
     with torch.no_grad():
-        for message in messages:
-            ops += executor.post(phase, program.name, 0, message, local, {}, arrived, [])
-        requests = dist.batch_isend_irecv(ops) if ops else []
+        requests = executor.post_batch(phase, program.name, 0, messages, local, {}, arrived, [])
     _log("prefetch", program.name, 0, len(messages))
     return _Posted(num_messages=len(messages), requests=requests, arrived=arrived)
 

@@ -121,7 +121,12 @@ def _slowest_message(src, dst, nbytes, links: LinkModel, num_ranks: int) -> floa
 def _exchange(start, src, dst, nbytes, links: LinkModel, num_ranks: int):
     """One group of messages launched together, each when both its ends have reached `start`: (t0, ends) per
     message, each rank's comm_end (its start, or its last message's end) and whether it has any message."""
-    t0 = np.maximum(start[src], start[dst])
+    return _launch(np.maximum(start[src], start[dst]), start, src, dst, nbytes, links, num_ranks)
+
+
+def _launch(t0, start, src, dst, nbytes, links: LinkModel, num_ranks: int):
+    """Messages draining together, each from its own t0: (t0, ends), each rank's comm_end (its start, or its last
+    message's end) and whether it has any message."""
     ends = _message_ends(t0, src, dst, nbytes, links, num_ranks)
     comm_end = start.copy()
     np.maximum.at(comm_end, src, ends)
@@ -267,18 +272,12 @@ def _with_prefetched(data: PassInput, links: LinkModel, start: np.ndarray, idx: 
     usual; every message, prefetched or not, drains as if all of the stage's messages on its link ends shared them
     from its own start (so none ends later than had none been prefetched, and none earlier than its link ends can
     carry). Returns (every stage-0 message, its t0, its end, comm_end, has_comm)."""
-    n = data.num_ranks
     early_idx, early_t0 = prefetched
     idx = idx[~data.flow_prefetch[idx]]
     both = np.concatenate((early_idx, idx))
     src, dst, nbytes = data.flow_src[both], data.flow_dst[both], data.flow_bytes[both]
     t0 = np.concatenate((early_t0, np.maximum(start[data.flow_src[idx]], start[data.flow_dst[idx]])))
-    ends = _message_ends(t0, src, dst, nbytes, links, n)
-    comm_end = start.copy()
-    np.maximum.at(comm_end, src, ends)
-    np.maximum.at(comm_end, dst, ends)
-    has_comm = np.bincount(np.concatenate((src, dst)), minlength=n) > 0
-    return both, t0, ends, comm_end, has_comm
+    return (both, *_launch(t0, start, src, dst, nbytes, links, data.num_ranks))
 
 
 class _StageRecorder:

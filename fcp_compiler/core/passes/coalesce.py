@@ -111,6 +111,11 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
     return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
 
 
+def _backward_arrival_round(arrival_round: np.ndarray) -> np.ndarray:
+    """A tile's arrival round in the backward, whose pulls take round 2r for the forward's round r (-1: local)."""
+    return np.where(arrival_round >= 0, 2 * arrival_round, -1)
+
+
 def _earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
     """Each tile's first stage: the one after its later pull's, 0 for a tile whose data is all local."""
     return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
@@ -405,7 +410,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int,
     assert backward_rounds % 2 == 0 and 2 <= backward_rounds and 2 * coalesce_degree % backward_rounds == 0
     forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
-    earliest = _Earliest.of(np.where(arrival_round >= 0, 2 * arrival_round, -1), 2 * forward_round, backward_rounds,
+    earliest = _Earliest.of(_backward_arrival_round(arrival_round), 2 * forward_round, backward_rounds,
                             kv_edge, q_edge, transfers.assignment)
     block_size = transfers.assignment.tiles.sharding.block_size
     backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
@@ -429,7 +434,7 @@ def remote_tiles_out_of_last_stage(schedule: Schedule) -> Schedule | None:
     backward = schedule.backward
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
     arrival = _arrival_round(schedule.forward.edge_round, kv_edge, q_edge)
-    earliest = _earliest_stage(np.where(arrival >= 0, 2 * arrival, -1), backward.coalesce)
+    earliest = _earliest_stage(_backward_arrival_round(arrival), backward.coalesce)
     last = int(backward.tile_stage.max(initial=0))
     back = (kv_edge >= 0) & (q_edge < 0) & (backward.tile_stage == last) & (earliest < last)
     if not back.any():
