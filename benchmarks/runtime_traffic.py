@@ -14,8 +14,10 @@ other device op the executor issues and charges the bytes it reads and writes:
 - host ops (building index tensors) are not device ops; a host-to-device copy is one, charged its device side.
 
 It also reports the pass's peak device memory: every tensor an op creates (not a view, not an input it returns)
-counts from its creation until Python frees it, kernel outputs included; the call's inputs (and, backward, what the
-forward saved) are not counted.
+counts from its creation until Python frees it, kernel outputs included, and a batch of messages holds its tensors
+until its work object is dropped, as a backend does; the call's inputs (and, backward, what the forward saved and
+the incoming gradient) are not counted. Beside it, the plan's memory account (fcp_compiler.format.memory, this
+tree's), which should equal it.
 
 Plans: the 256-GPU paper-like trace (traces/paper_lognormal_256gpu.json) and the MagiAttention-histogram-like batch
 at 256 GPUs (benchmarks/placement.py), at the busiest rank (most planned attention seconds) and the median one.
@@ -129,8 +131,19 @@ class MetaKernels:
             COUNTER.paused -= 1
 
 
+class Work:
+    """A batch of messages in flight: like a backend's work object, it holds their tensors until it is dropped."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return True
+
+
 class FakeDist:
-    """Point-to-point messages that move nothing; everything else is torch.distributed's."""
+    """Point-to-point messages that move nothing (their tensors held until the work is dropped, as backends do);
+    everything else is torch.distributed's."""
 
     def __init__(self, real):
         self.real = real
@@ -139,12 +152,12 @@ class FakeDist:
         return getattr(self.real, name)
 
     @staticmethod
-    def P2POp(*args, **kwargs):
-        return None
+    def P2POp(operation, tensor, *args, **kwargs):
+        return tensor
 
     @staticmethod
     def batch_isend_irecv(ops):
-        return []
+        return [Work(ops)]
 
     @staticmethod
     def get_global_rank(group, rank):
@@ -164,11 +177,12 @@ def measure(plan_path, rank, dtype):
     result = {}
     for label in ("fwd", "bwd"):
         COUNTER = Counter()
+        grad = torch.empty((tokens, plan.q_heads, plan.head_dim), dtype=dtype, device=meta)  # an input: not counted
         with COUNTER:
             if label == "fwd":
                 out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=MetaKernels())
             else:
-                out.backward(torch.empty_like(out))
+                out.backward(grad)
         top = sorted(COUNTER.by_op.items(), key=lambda item: -item[1][1])[:6]
         result[label] = {"bytes": COUNTER.bytes, "ops": COUNTER.ops, "peak": COUNTER.peak,
                          "top": [[name, count, moved] for name, (count, moved) in top]}
@@ -179,6 +193,9 @@ def measure(plan_path, rank, dtype):
 plan_path, ranks, dtype = sys.argv[1], json.loads(sys.argv[2]), getattr(torch, sys.argv[3])
 print(json.dumps({str(rank): measure(plan_path, rank, dtype) for rank in ranks}))
 '''
+
+
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def _plans(folder: Path, eval_data: Path) -> dict[str, tuple[Path, list[int]]]:
@@ -218,6 +235,8 @@ def _run(tree: Path, path: Path, ranks: list[int], dtype: str) -> dict:
 def main() -> None:
     import tempfile
 
+    from fcp_compiler.format.memory import rank_peak_bytes
+    from fcp_compiler.format.plan_format import PlanReader
     from fcp_compiler.tools.report import table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -230,12 +249,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name, (path, ranks) in _plans(Path(folder), args.eval_data).items():
             measured = {label: _run(tree, path, ranks, args.dtype) for label, tree in trees.items()}
+            reader = PlanReader(path)
             for rank, which in zip(ranks, ("busiest", "median")):
                 ours = measured["this"][str(rank)]
+                account = rank_peak_bytes(reader.rank(rank), layout="plan", dtype=DTYPES[args.dtype])
                 for label in ("fwd", "bwd"):
                     row = [f"{name} rank {rank} ({which})", label, f"{ours['tokens']}",
                            f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}",
-                           f"{ours[label]['peak'] / 2 ** 30:.2f}"]
+                           f"{ours[label]['peak'] / 2 ** 30:.2f}", f"{account[label] / 2 ** 30:.2f}",
+                           f"{account[label] / ours[label]['peak']:.3f}"]
                     if "main" in measured:
                         base = measured["main"][str(rank)][label]
                         row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}", f"{base['peak'] / 2 ** 30:.2f}",
@@ -244,7 +266,7 @@ def main() -> None:
                     rows.append(row)
                     tops.append(f"{name} rank {rank} {label}: " + ", ".join(
                         f"{op} x{count} {moved / 1e9:.2f} GB" for op, count, moved in ours[label]["top"]))
-    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops", "peak GiB"]
+    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops", "peak GiB", "account GiB", "account/peak"]
     if "main" in trees:
         headers += ["main GB", "main ops", "main peak", "GB x main", "ops x main"]
     print(table(headers, rows))

@@ -92,6 +92,13 @@ class _Store:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _wait_all(requests: list) -> None:
+    """Wait for every work of a batch and let them go (a backend holds the tensors a work moves until it is
+    dropped)."""
+    while requests:
+        requests.pop().wait()
+
+
 class _Executor:
     """Replays one pass of a rank's plan: messages, tiles and buffers, stage by stage."""
 
@@ -159,29 +166,42 @@ class _Executor:
             posted = prefetched.num_messages if stage == 0 and prefetched is not None else 0
             requests = self.post_batch(phase, program.name, stage, program.messages[stage][posted:], local, remote,
                                        arrived, returned)
-            if posted:
+            if posted:  # taken over from the prefetch, which then holds none of them
                 requests, arrived = prefetched.requests + requests, prefetched.arrived + arrived
+                prefetched.requests, prefetched.arrived = [], []
             _log("post", program.name, stage, len(program.messages[stage]),
                  tuple(m.pull for m in program.messages[stage] if m.what == "push_send"))
             tiles = [idx for idx in program.tiles[stage] if idx not in skip]
             for call in stage_calls(plan, program.name, stage, tiles, self.device):
                 _log("tile", program.name, stage, call.tile_rows, call.pull_rows)
                 phase.run_call(call, local, remote)
-            for request in requests:
-                request.wait()
+            # Works, arrived stores and landed pushes are let go here, by helpers: a loop variable would keep the last
+            # of each (a whole batch of sent and received tensors) alive into the next stage.
+            _wait_all(requests)
             _log("wait", program.name, stage)
-            for row, store in arrived:
-                phase.accumulators(plan.pull_recv[row], store)
-                remote[row] = store
-            for pull, tensors in returned:
-                # A relay sums the gradient of a pull it re-sent into its own partial gradient of the block.
-                into = self.store_of(pull.source, local, remote)
-                for row, offset, length in self.runs(into, pull.segs):
-                    phase.land(into, slice(row, row + length), pull.kind, tensors, slice(offset, offset + length))
-                self.release(program.name, stage, plan.pull_tokens(pull))
+            self.arrive(phase, arrived, remote)
+            self.land_pushes(phase, program.name, stage, returned, local, remote)
             for row in program.free_after[stage]:
                 del remote[row]
                 self.release(program.name, stage, plan.pull_tokens(plan.pull_recv[row]))
+
+    def arrive(self, phase, arrived: list, remote: dict[int, _Store]) -> None:
+        """Make the pulls that arrived usable: their accumulators, and their stores under their pull rows."""
+        for row, store in arrived:
+            phase.accumulators(self.plan.pull_recv[row], store)
+            remote[row] = store
+        arrived.clear()
+
+    def land_pushes(self, phase, name: str, stage: int, returned: list, local: _Store,
+                    remote: dict[int, _Store]) -> None:
+        """Fold the results pushed back to this rank into the rows they belong to, and free their buffers."""
+        for pull, tensors in returned:
+            # A relay sums the gradient of a pull it re-sent into its own partial gradient of the block.
+            into = self.store_of(pull.source, local, remote)
+            for row, offset, length in self.runs(into, pull.segs):
+                phase.land(into, slice(row, row + length), pull.kind, tensors, slice(offset, offset + length))
+            self.release(name, stage, self.plan.pull_tokens(pull))
+        returned.clear()
 
     def post_batch(self, phase, name: str, stage: int, messages, local: _Store, remote: dict[int, _Store],
                    arrived: list, returned: list) -> list:
@@ -401,11 +421,7 @@ class _ForwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
         ex = self.ex
-        q = ex.gather(call.q_runs, "q", local, remote)
-        k = ex.gather(call.kv_runs, "k", local, remote)
-        v = ex.gather(call.kv_runs, "v", local, remote)
-        out, lse = ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal,
-                                      call.window)
+        out, lse = self.attend(call, local, remote)
         for entry in call.q_index:
             store = ex.store_of(entry.source, local, remote)
             if entry.span is not None:  # in place, through views
@@ -415,6 +431,16 @@ class _ForwardPass:
             else:
                 merge_rows(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
                            lse.index_select(1, entry.positions))
+
+
+    def attend(self, call: KernelCall, local: _Store, remote: dict[int, _Store]):
+        """The call's kernel on its packed inputs, whose copies are freed on return, before the merges."""
+        ex = self.ex
+        q = ex.gather(call.q_runs, "q", local, remote)
+        k = ex.gather(call.kv_runs, "k", local, remote)
+        v = ex.gather(call.kv_runs, "v", local, remote)
+        return ex.kernels.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, ex.scale, call.causal,
+                                  call.window)
 
 
 class _BackwardPass:
@@ -475,14 +501,21 @@ class _BackwardPass:
     def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
         """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
         ex = self.ex
+        dq, dkv = self.gradients(call, local, remote)
+        ex.scatter_add(call.q_index, "dq", dq, local, remote)
+        ex.scatter_add(call.kv_index, "dkv", dkv, local, remote, dim=1)
+
+    def gradients(self, call: KernelCall, local: _Store, remote: dict[int, _Store]):
+        """The call's kernel on its packed inputs, whose copies are freed on return, before the adds: (dq, dK and dV
+        as the halves of one tensor)."""
+        ex = self.ex
         q, d_out, out = (ex.gather(call.q_runs, name, local, remote) for name in ("q", "do", "out"))
         lse = ex.gather(call.q_runs, "lse", local, remote, heads_first=True)
         k = ex.gather(call.kv_runs, "k", local, remote)
         v = ex.gather(call.kv_runs, "v", local, remote)
         dq, dk, dv = ex.kernels.backward(d_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k,
                                          ex.scale, call.causal, call.window)
-        ex.scatter_add(call.q_index, "dq", dq, local, remote)
-        ex.scatter_add(call.kv_index, "dkv", _halves(dk, dv), local, remote, dim=1)
+        return dq, _halves(dk, dv)
 
 
 def _halves(dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
@@ -558,7 +591,7 @@ class _FcpAttention(torch.autograd.Function):
             local = forward.local_store(q_p, k_p, v_p)
             # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
             skip = plan.early_tiles
-            for call in stage_calls(plan, "fwd", 0, sorted(skip), q.device):
+            for call in stage_calls(plan, "fwd", -1, sorted(skip), q.device):
                 _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
                 forward.run_call(call, local, {})
             finish()

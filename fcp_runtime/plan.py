@@ -99,6 +99,7 @@ class RankPlan:
     self_user_rows: torch.Tensor  # rows that stay on this rank through the reshuffle: user-layout index ...
     self_plan_rows: torch.Tensor  # ... and plan-layout index
     early_tiles: frozenset[int]  # stage-0 tiles whose tokens all stay on this rank (run during the reshuffle)
+    program: RankProgram  # the decoded slice (what the call plan is read from)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def check_batch(self, lengths, masks=None) -> None:
@@ -264,7 +265,8 @@ def from_program(program: RankProgram) -> RankPlan:
         plan_scatter=torch.from_numpy(expand_ranges(a["reshuffle_recv_offset"], a["reshuffle_recv_length"])),
         recv_splits=_splits(a["reshuffle_recv_peer"], a["reshuffle_recv_length"], num_ranks),
         pull_send=pull_send, pull_recv=pull_recv, tiles=tiles, forward=forward, backward=backward,
-        self_user_rows=torch.from_numpy(self_user), self_plan_rows=torch.from_numpy(self_plan), early_tiles=early)
+        self_user_rows=torch.from_numpy(self_user), self_plan_rows=torch.from_numpy(self_plan), early_tiles=early,
+        program=program)
 
 
 def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan:

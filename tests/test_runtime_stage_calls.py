@@ -84,8 +84,9 @@ def test_prepared_calls_are_the_calls_the_stage_loop_would_build(plan_bytes, lay
     prepare_host(prepared, layout)  # as a DataLoader worker does
     prepare_calls(prepared, layout, "cpu")
     requests = plan_requests(prepared, layout)
-    assert requests and any(tiles for _, _, tiles in requests)
-    for name, stage, tiles in requests:
+    assert requests and any(request.tiles for request in requests)
+    for request in requests:
+        name, stage, tiles = request.pass_name, request.stage, request.tiles
         ours = stage_calls(prepared, name, stage, list(tiles), "cpu")
         theirs = stage_calls(lazy, name, stage, list(tiles), "cpu")
         assert len(ours) == len(theirs)

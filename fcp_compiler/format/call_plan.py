@@ -1,0 +1,151 @@
+"""A rank's kernel calls, read from its plan: the pairs its tiles compute, grouped by
+:func:`fcp_compiler.algorithms.call_plan.plan_calls`.
+
+The calls are derived from the plan file, not stored in it: every reader (the runtime, the validator, the memory
+account, the simulator's checks) gets the same calls from this one function, for the cost of one vectorized pass
+over the rank's segment pairs (benchmarks/runtime_traffic.py reports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
+from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind, tiles_during_reshuffle
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """The tiles one stage of one pass computes together (rows of the rank's tile arrays, in pipeline order);
+    stage -1: the forward's tiles that run while the user layout's reshuffle is in flight."""
+
+    pass_name: str
+    stage: int
+    tiles: tuple[int, ...]
+
+
+def step_requests(program: RankProgram, layout: str | None = None) -> list[Request]:
+    """Every request one step of this rank runs, in the order it runs them: in the user layout the stage-0 tiles
+    that run during the reshuffle first, then each forward stage's other tiles, then each backward stage's.
+
+    Args:
+        program: the rank's slice of the plan.
+        layout: "plan" or "user" (default: the layout the plan was compiled for).
+    """
+    a = program.arrays
+    layout = program.header.layout.value if layout is None else layout
+    early = tiles_during_reshuffle(program) if layout == Layout.USER.value else np.zeros(a["tile_stage"].size, bool)
+    requests = [Request(pass_name="fwd", stage=-1, tiles=tuple(np.flatnonzero(early).tolist()))] if early.any() else []
+    for name, stages, count in (("fwd", a["tile_stage"], program.header.num_fwd_stages),
+                                ("bwd", a["tile_bwd_stage"], program.header.num_bwd_stages)):
+        skip = early if name == "fwd" else np.zeros(stages.size, dtype=bool)
+        order = np.argsort(stages, kind="stable")
+        bounds = np.searchsorted(stages[order], np.arange(count + 1))
+        for stage in range(count):
+            rows = order[bounds[stage]:bounds[stage + 1]]
+            requests.append(Request(pass_name=name, stage=stage, tiles=tuple(rows[~skip[rows]].tolist())))
+    return requests
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Units:
+    """Where each tile's segments are read from, as one CSR over units: unit b < num_blocks is local block b, unit
+    num_blocks + r is received pull r; per unit entry its segment, its first row in the store, and the store."""
+
+    ptr: np.ndarray
+    seg: np.ndarray
+    row: np.ndarray
+    source: np.ndarray
+    q_unit_of_block: np.ndarray  # the unit a tile reads its query block from (-1: none)
+    kv_unit_of_block: np.ndarray
+
+
+def _units(program: RankProgram) -> _Units:
+    tables, a = program.tables, program.arrays
+    num_blocks = program.header.num_blocks
+    seg_ptr = np.searchsorted(tables.seg_block, np.arange(num_blocks + 1))
+    seg_len = tables.seg_end - tables.seg_start
+    held = a["blocks"].astype(np.int64)
+    # Local blocks: their segments in plan-layout row order.
+    held_count = seg_ptr[held + 1] - seg_ptr[held]
+    local_segs = _ranges(seg_ptr[held], held_count)
+    local_rows = np.concatenate(([0], np.cumsum(seg_len[local_segs])[:-1])).astype(np.int64)
+    block_count = np.zeros(num_blocks, dtype=np.int64)
+    block_count[held] = held_count
+    # Entries of local block units come in block order: regroup the layout-ordered segments by block.
+    by_block = np.argsort(np.repeat(held, held_count), kind="stable")
+    pull_count = a["pull_recv_seg_count"].astype(np.int64)
+    pull_segs = a["pull_recv_segs"].astype(np.int64)
+    pull_rows = _ranges_rows(seg_len[pull_segs], pull_count)
+    counts = np.concatenate([block_count, pull_count])
+    ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    seg = np.concatenate([local_segs[by_block], pull_segs])
+    row = np.concatenate([local_rows[by_block], pull_rows])
+    source = np.concatenate([np.full(local_segs.size, LOCAL), np.repeat(np.arange(pull_count.size), pull_count)])
+    units = {}
+    for kind in (TransferKind.Q, TransferKind.KV):
+        unit = np.full(num_blocks, -1, dtype=np.int64)
+        unit[held] = held
+        mine = np.flatnonzero(a["pull_recv_kind"] == kind)
+        unit[a["pull_recv_block"][mine]] = num_blocks + mine
+        units[kind] = unit
+    return _Units(ptr=ptr, seg=seg, row=row, source=source.astype(np.int64), q_unit_of_block=units[TransferKind.Q],
+                  kv_unit_of_block=units[TransferKind.KV])
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [start, start + count)."""
+    total = int(counts.sum())
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    return (np.repeat(starts, counts) + np.arange(total) - offsets).astype(np.int64)
+
+
+def _ranges_rows(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each item's first row within its group (groups of `counts` consecutive items, rows summed from 0)."""
+    rows = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    group_start = np.repeat(np.cumsum(counts) - counts, counts)
+    return rows[:-1] - rows[group_start] if lengths.size else np.zeros(0, dtype=np.int64)
+
+
+def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
+    """The kernel calls that compute each request's tiles on this rank (call_request indexes `requests`).
+
+    Raises:
+        ValueError: a tile reads a block the rank neither holds nor receives (an invalid plan: fcp validate).
+    """
+    a, tables = program.arrays, program.tables
+    units = _units(program)
+    tiles = np.asarray([t for request in requests for t in request.tiles], dtype=np.int64)
+    request_of_tile = np.repeat(np.arange(len(requests)), [len(request.tiles) for request in requests])
+    q_unit = units.q_unit_of_block[a["tile_q_block"][tiles]] if tiles.size else tiles
+    k_unit = units.kv_unit_of_block[a["tile_kv_block"][tiles]] if tiles.size else tiles
+    if (q_unit < 0).any() or (k_unit < 0).any():
+        bad = int(tiles[np.flatnonzero((q_unit < 0) | (k_unit < 0))[0]])
+        raise ValueError(f"rank {program.rank}'s tile {bad} reads a block it neither holds nor receives")
+    # Every query segment of a tile against the key segments of its own sequence, in tile, then segment order.
+    q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
+    q_entry = _ranges(units.ptr[q_unit], q_count)
+    q_tile = np.repeat(np.arange(tiles.size), q_count)
+    k_count = units.ptr[k_unit + 1] - units.ptr[k_unit]
+    k_entry = _ranges(units.ptr[k_unit], k_count)
+    k_tile = np.repeat(np.arange(tiles.size), k_count)
+    num_seqs = tables.seq_lengths.size
+    q_key = q_tile * num_seqs + tables.seg_seq[units.seg[q_entry]]
+    k_key = k_tile * num_seqs + tables.seg_seq[units.seg[k_entry]]
+    k_order = np.argsort(k_key, kind="stable")
+    low = np.searchsorted(k_key[k_order], q_key, side="left")
+    high = np.searchsorted(k_key[k_order], q_key, side="right")
+    matches = high - low
+    q_pick = np.repeat(q_entry, matches)
+    k_pick = k_entry[k_order[_ranges(low, matches)]]
+    pair_tile = np.repeat(q_tile, matches)
+    q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
+    seq = tables.seg_seq[q_seg]
+    local_len = (tables.seg_end - tables.seg_start)[units.seg[units.source == LOCAL]]
+    layout_order = np.argsort(units.row[units.source == LOCAL], kind="stable")
+    return plan_calls(request_of_tile[pair_tile], units.source[q_pick], q_seg, units.row[q_pick],
+                      tables.seg_start[q_seg], tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick],
+                      tables.seg_start[k_seg], tables.seg_end[k_seg], tables.seq_window[seq],
+                      local_len[layout_order])

@@ -1,0 +1,340 @@
+"""A rank's device memory per pass, in bytes, from its plan and its call plan: every tensor the runtime creates.
+
+The runtime (fcp_runtime.attention) creates, per pass:
+
+- the rank's accumulators: forward O (acc) and LSE; backward dQ and dK, dV (acc), and at the end the outputs in
+  the input dtype (forward O; backward dQ, dK, dV) beside them;
+- a buffer per received message, from the stage that posts it: a pull until the end of the stage of its last use
+  (its last tile, the push back along it, or a relay's send), a push until the end of its stage; a pulled block
+  whose results go back gets its accumulators when it arrives (forward Q: O and LSE; backward K,V: dK, dV;
+  backward Q: dQ);
+- a packed copy of a sent message whose rows are not one run of its store (backward Q pulls always copy their LSE,
+  which is heads-first), held until the stage's wait;
+- per kernel call, one at a time: the kernel's outputs, with first the packed inputs that are not one run
+  (backward LSE always, but where it is a whole store), freed when the kernel returns, then the merges' or index
+  adds' temporaries;
+- the call plan's index tensors (one int32 buffer, for the whole step).
+
+`acc` is fp32 for bf16 and fp16 inputs, else the input dtype. Kernel workspaces are not counted (flash-attn's are
+small; the exact kernels are a test backend). benchmarks/runtime_traffic.py compares this with the peak a
+meta-device replay of the runtime records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
+from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
+from fcp_compiler.format.plan_format import RankProgram, TransferKind
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizes:
+    """Bytes per token of each tensor kind: a [tokens, heads, head_dim] row in the input dtype or the accumulator
+    dtype, and one LSE value per head."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    acc_bytes: int
+
+    @property
+    def q(self) -> int:
+        return self.q_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv(self) -> int:  # K or V
+        return self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def q_acc(self) -> int:
+        return self.q_heads * self.head_dim * self.acc_bytes
+
+    @property
+    def kv_acc(self) -> int:
+        return self.kv_heads * self.head_dim * self.acc_bytes
+
+    @property
+    def lse(self) -> int:
+        return self.q_heads * self.acc_bytes
+
+    @classmethod
+    def of(cls, program: RankProgram, dtype: str | None = None) -> "Sizes":
+        """The sizes of the plan's attention shape in `dtype` (default: the plan's)."""
+        shape = program.header.shape
+        dtype = shape.dtype.value if dtype is None else dtype
+        dtype_bytes = DTYPE_BYTES[dtype]
+        return cls(q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=dtype_bytes,
+                   acc_bytes=4 if dtype_bytes == 2 else dtype_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassMessages:
+    """One pass's messages on a rank, with the stage each is posted in and each received pull's last stage."""
+
+    pull_recv_stage: np.ndarray  # per pull_recv row
+    pull_recv_last: np.ndarray  # the end of its buffer's life (liveness rule)
+    pull_send_stage: np.ndarray  # per pull_send row
+    push_send_stage: np.ndarray  # per push sent: its stage, and the pull_recv row it goes back along
+    push_send_pull: np.ndarray
+    push_recv_stage: np.ndarray  # per push received: its stage, and the pull_send row it comes back along
+    push_recv_pull: np.ndarray
+    tile_stage: np.ndarray  # per tile row
+    num_stages: int
+
+
+def pass_messages(program: RankProgram, pass_name: str) -> PassMessages:
+    """Where one pass's messages and tiles fall in its stages, and when each received pull is freed: at the end of
+    the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of its relay's
+    send, whichever is last (and never before it arrives)."""
+    a, header = program.arrays, program.header
+    forward = pass_name == "fwd"
+    coalesce = header.coalesce if forward else header.bwd_coalesce
+    num_stages = header.num_fwd_stages if forward else header.num_bwd_stages
+    suffix = "round" if forward else "bwd_round"
+    recv_stage = a[f"pull_recv_{suffix}"].astype(np.int64) // coalesce
+    send_stage = a[f"pull_send_{suffix}"].astype(np.int64) // coalesce
+    tile_stage = (a["tile_stage"] if forward else a["tile_bwd_stage"]).astype(np.int64)
+    push_send_stage = a[f"{pass_name}_push_send_round"].astype(np.int64) // coalesce
+    push_send_pull = a[f"{pass_name}_push_send_pull"].astype(np.int64)
+    push_recv_stage = a[f"{pass_name}_push_recv_round"].astype(np.int64) // coalesce
+    push_recv_pull = a[f"{pass_name}_push_recv_pull"].astype(np.int64)
+    last = recv_stage.copy()
+    num_blocks = header.num_blocks
+    row_of = np.full(2 * num_blocks, -1, dtype=np.int64)
+    row_of[a["pull_recv_kind"] * num_blocks + a["pull_recv_block"]] = np.arange(recv_stage.size)
+    for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
+        rows = row_of[kind * num_blocks + blocks.astype(np.int64)]
+        np.maximum.at(last, rows[rows >= 0], tile_stage[rows >= 0])
+    np.maximum.at(last, push_send_pull, push_send_stage)
+    source = a["pull_send_source"].astype(np.int64)
+    relayed = source[push_recv_pull]  # a relay's pushed-back gradient lands in its received buffer
+    np.maximum.at(last, relayed[relayed >= 0], push_recv_stage[relayed >= 0])
+    relays = np.flatnonzero(source >= 0)  # a relay keeps the block until it has sent it on
+    np.maximum.at(last, source[relays], send_stage[relays])
+    return PassMessages(pull_recv_stage=recv_stage, pull_recv_last=last, pull_send_stage=send_stage,
+                        push_send_stage=push_send_stage, push_send_pull=push_send_pull,
+                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull, tile_stage=tile_stage,
+                        num_stages=num_stages)
+
+
+def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None,
+                    requests: list[Request] | None = None, calls: CallArrays | None = None) -> dict[str, int]:
+    """The peak bytes of the tensors the runtime creates in each pass on this rank (the module docstring).
+
+    Args:
+        program: the rank's slice of the plan.
+        layout: "plan" or "user" (default: the plan's).
+        dtype: the attention inputs' dtype (default: the plan's).
+        requests, calls: the step's call plan, when the caller has it (:func:`fcp_compiler.format.call_plan`).
+    Returns:
+        {"fwd": bytes, "bwd": bytes}.
+    """
+    requests = step_requests(program, layout) if requests is None else requests
+    calls = rank_calls(program, requests) if calls is None else calls
+    sizes = Sizes.of(program, dtype)
+    facts = _RankFacts.of(program, calls)
+    index_bytes = 4 * int(_index_ints(calls, facts).sum())
+    out = {}
+    for name in ("fwd", "bwd"):
+        stage_of_call = np.asarray([max(r.stage, 0) if r.pass_name == name else -1 for r in requests],
+                                   dtype=np.int64)[calls.call_request]
+        out[name] = _pass_peak(program, pass_messages(program, name), calls, stage_of_call, facts, sizes,
+                               name) + (index_bytes if name == "fwd" else 0)
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _RankFacts:
+    """Rows of each store and, per call, how its query and key pieces pack."""
+
+    plan_tokens: int
+    pull_recv_rows: np.ndarray
+    pull_send_rows: np.ndarray
+    pull_send_copies: np.ndarray  # whether a sent pull's rows are not one run of the store they are sent from
+    q_runs: np.ndarray  # per call: runs of its packed queries, keys
+    kv_runs: np.ndarray
+    q_rows: np.ndarray
+    kv_rows: np.ndarray
+    q_whole_store: np.ndarray  # its queries are one run that is a whole store
+    q_indexed: tuple[np.ndarray, np.ndarray]  # per call: rows of sources read and written by index, all and the
+    kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's
+
+    @classmethod
+    def of(cls, program: RankProgram, calls: CallArrays) -> "_RankFacts":
+        a, tables = program.arrays, program.tables
+        seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
+        recv_rows = np.add.reduceat(seg_len[a["pull_recv_segs"]], program.seg_offsets("recv")[:-1]) \
+            if a["pull_recv_segs"].size else np.zeros(a["pull_recv_block"].size, dtype=np.int64)
+        recv_rows = np.where(a["pull_recv_seg_count"] > 0, recv_rows, 0)
+        send_rows = np.add.reduceat(seg_len[a["pull_send_segs"]], program.seg_offsets("send")[:-1]) \
+            if a["pull_send_segs"].size else np.zeros(a["pull_send_block"].size, dtype=np.int64)
+        send_rows = np.where(a["pull_send_seg_count"] > 0, send_rows, 0)
+        plan_tokens = int(seg_len[_local_segments(program)].sum())
+        entry_call = calls.entry_call
+        key_call = entry_call[calls.key_entry]
+        q_pieces = (entry_call, calls.entry_q_source, calls.entry_q_row, calls.entry_q_rows)
+        kv_pieces = (key_call, calls.key_source, calls.key_row, calls.key_rows)
+        q_runs, q_first = _runs_per_call(*q_pieces, calls.num_calls)
+        kv_runs, _ = _runs_per_call(*kv_pieces, calls.num_calls)
+        store_rows = np.concatenate([recv_rows, [plan_tokens]])  # index -1: LOCAL
+        q_rows, kv_rows = calls.call_q_rows, calls.call_k_rows
+        first_source = np.where(q_rows > 0, calls.entry_q_source[np.minimum(calls.call_entry_ptr[:-1],
+                                                                           max(calls.entry_q_source.size - 1, 0))]
+                                if calls.entry_q_source.size else 0, 0)
+        whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows[first_source])
+        return cls(plan_tokens=plan_tokens, pull_recv_rows=recv_rows.astype(np.int64),
+                   pull_send_rows=send_rows.astype(np.int64), pull_send_copies=_send_copies(program, seg_len),
+                   q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows, q_whole_store=whole,
+                   q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
+                   kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
+
+
+def _local_segments(program: RankProgram) -> np.ndarray:
+    tables = program.tables
+    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
+    held = program.arrays["blocks"].astype(np.int64)
+    counts = ptr[held + 1] - ptr[held]
+    return (np.repeat(ptr[held], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts,
+                                                                                    counts)).astype(np.int64)
+
+
+def _runs_per_call(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:
+    """Per call, how many runs of consecutive store rows its pieces (in packing order) make, and its first row."""
+    continues = np.zeros(call.size, dtype=bool)
+    if call.size:
+        continues[1:] = (call[1:] == call[:-1]) & (source[1:] == source[:-1]) & (row[1:] == row[:-1] + rows[:-1])
+    runs = np.bincount(call[~continues], minlength=num_calls)
+    first = np.zeros(num_calls, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], call[1:] != call[:-1]))) if call.size else call
+    first[call[starts]] = row[starts]
+    return runs.astype(np.int64), first
+
+
+def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:
+    """Per call, the rows of sources whose pieces are not one run in both the packed tensor and the store (those
+    the runtime reads and writes by index, a source at a time): their total, and the largest source's."""
+    if call.size == 0:
+        return np.zeros(num_calls, dtype=np.int64), np.zeros(num_calls, dtype=np.int64)
+    before = np.cumsum(rows) - rows  # packed position, counted over all calls
+    starts = np.concatenate(([True], call[1:] != call[:-1]))
+    position = before - before[np.maximum.accumulate(np.where(starts, np.arange(call.size), 0))]
+    order = np.lexsort((np.arange(call.size), source, call))
+    c, s, r, p, n = call[order], source[order], row[order], position[order], rows[order]
+    same = np.zeros(c.size, dtype=bool)
+    same[1:] = (c[1:] == c[:-1]) & (s[1:] == s[:-1])
+    broken = np.zeros(c.size, dtype=bool)
+    broken[1:] = same[1:] & ((r[1:] != r[:-1] + n[:-1]) | (p[1:] != p[:-1] + n[:-1]))
+    group = np.cumsum(~same) - 1
+    group_rows = np.bincount(group, weights=n)
+    group_rows = np.where(np.bincount(group, weights=broken) > 0, group_rows, 0).astype(np.int64)
+    group_call = c[~same]
+    total = np.bincount(group_call, weights=group_rows, minlength=num_calls).astype(np.int64)
+    largest = np.zeros(num_calls, dtype=np.int64)
+    np.maximum.at(largest, group_call, group_rows)
+    return total, largest
+
+
+def _send_copies(program: RankProgram, seg_len: np.ndarray) -> np.ndarray:
+    """Whether each sent pull's segments are not one run of the store it is sent from (the plan layout, or a
+    received pull's buffer for a relay): the runtime packs those into a copy."""
+    a = program.arrays
+    local = _local_segments(program)
+    local_row = np.zeros(seg_len.size, dtype=np.int64)
+    local_row[local] = np.cumsum(seg_len[local]) - seg_len[local]
+    recv_offsets = program.seg_offsets("recv")
+    send_offsets = program.seg_offsets("send")
+    out = np.zeros(a["pull_send_block"].size, dtype=bool)
+    for row in np.flatnonzero(a["pull_send_seg_count"] > 1).tolist():
+        segs = a["pull_send_segs"][send_offsets[row]:send_offsets[row + 1]].astype(np.int64)
+        source = int(a["pull_send_source"][row])
+        if source == LOCAL:
+            starts = local_row[segs]
+        else:
+            store = a["pull_recv_segs"][recv_offsets[source]:recv_offsets[source + 1]].astype(np.int64)
+            store_row = dict(zip(store.tolist(), (np.cumsum(seg_len[store]) - seg_len[store]).tolist()))
+            starts = np.asarray([store_row[s] for s in segs.tolist()], dtype=np.int64)
+        out[row] = bool((starts[1:] != starts[:-1] + seg_len[segs[:-1]]).any())
+    return out
+
+
+def _index_ints(calls: CallArrays, facts: _RankFacts) -> np.ndarray:
+    """Per call, the int32 values of its index tensors: cu_q and cu_k, and positions and rows of indexed sources."""
+    entries = np.diff(calls.call_entry_ptr)
+    return 2 * (entries + 1) + 2 * (facts.q_indexed[0] + facts.kv_indexed[0])
+
+
+def _pass_peak(program: RankProgram, messages: PassMessages, calls: CallArrays, stage_of_call: np.ndarray,
+               facts: _RankFacts, sizes: Sizes, name: str) -> int:
+    """The pass's peak: per stage, what lives while its calls run (its posts, the largest call's temporaries) and
+    what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the end."""
+    a = program.arrays
+    forward = name == "fwd"
+    tokens = facts.plan_tokens
+    base = tokens * ((sizes.q_acc + sizes.lse) if forward else (sizes.q_acc + 2 * sizes.kv_acc))
+    outputs = tokens * (sizes.q if forward else sizes.q + 2 * sizes.kv)
+    num_stages = max(messages.num_stages, 1)
+    is_kv = a["pull_recv_kind"] == TransferKind.KV
+    rows = facts.pull_recv_rows
+    if forward:
+        buffer = np.where(is_kv, 2 * sizes.kv, sizes.q) * rows
+        accumulator = np.where(is_kv, 0, sizes.q_acc + sizes.lse) * rows
+    else:
+        buffer = np.where(is_kv, 2 * sizes.kv, 3 * sizes.q + sizes.lse) * rows
+        accumulator = np.where(is_kv, 2 * sizes.kv_acc, sizes.q_acc) * rows
+    first, last = messages.pull_recv_stage, np.maximum(messages.pull_recv_last, messages.pull_recv_stage)
+    # Buffers during stage s's calls: posted at or before s, not yet freed; accumulators of those arrived before s.
+    during = _interval_sums(first, last, buffer, num_stages) + _interval_sums(first + 1, last, accumulator, num_stages)
+    after = during + _interval_sums(first, first, accumulator, num_stages)
+    send_kind = a["pull_send_kind"][messages.push_recv_pull] == TransferKind.KV
+    push_rows = facts.pull_send_rows[messages.push_recv_pull]
+    push_bytes = push_rows * (np.where(send_kind, 0, sizes.q_acc + sizes.lse) if forward else
+                              np.where(send_kind, 2 * sizes.kv_acc, sizes.q_acc))
+    pushes = np.bincount(messages.push_recv_stage, weights=push_bytes, minlength=num_stages)[:num_stages]
+    send_is_kv = a["pull_send_kind"] == TransferKind.KV
+    send_rows = facts.pull_send_rows
+    if forward:
+        copy = np.where(facts.pull_send_copies, np.where(send_is_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
+    else:
+        copy = np.where(send_is_kv, np.where(facts.pull_send_copies, 2 * sizes.kv, 0),
+                        np.where(facts.pull_send_copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+    sends = np.bincount(messages.pull_send_stage, weights=copy, minlength=num_stages)[:num_stages]
+    transient = _call_transients(facts, sizes, forward)
+    mine = stage_of_call >= 0
+    largest = np.zeros(num_stages)
+    np.maximum.at(largest, stage_of_call[mine], transient[mine])
+    posted = during + pushes + sends
+    peak = max(float((posted + largest).max(initial=0)), float((after + pushes + sends).max(initial=0)))
+    return int(base + max(peak, outputs))
+
+
+def _interval_sums(first: np.ndarray, last: np.ndarray, values: np.ndarray, num_stages: int) -> np.ndarray:
+    """Per stage, the sum of values whose interval [first, last] holds it (empty intervals add nothing)."""
+    keep = first <= last
+    delta = np.bincount(first[keep], weights=values[keep], minlength=num_stages + 1)[:num_stages + 1]
+    delta -= np.bincount(last[keep] + 1, weights=values[keep], minlength=num_stages + 1)[:num_stages + 1]
+    return np.cumsum(delta)[:num_stages]
+
+
+def _call_transients(facts: _RankFacts, sizes: Sizes, forward: bool) -> np.ndarray:
+    """Per call, the most bytes it holds at once: the kernel's outputs beside either its packed inputs that are not
+    one run (freed when the kernel returns) or the largest merge's temporaries (index gathers, or four
+    [heads, rows] LSE terms in place)."""
+    q_rows, kv_rows = facts.q_rows, facts.kv_rows
+    q_packed, kv_packed = facts.q_runs > 1, facts.kv_runs > 1
+    if forward:
+        inputs = np.where(q_packed, sizes.q * q_rows, 0) + np.where(kv_packed, 2 * sizes.kv * kv_rows, 0)
+        outputs = q_rows * (sizes.q + sizes.lse)
+        merge = np.maximum(4 * sizes.lse * q_rows, facts.q_indexed[1] * (sizes.q_acc + sizes.q + 2 * sizes.lse))
+        return outputs + np.maximum(inputs, merge)
+    lse_copy = np.where(facts.q_whole_store, 0, sizes.lse * q_rows)
+    inputs = np.where(q_packed, 3 * sizes.q * q_rows, 0) + lse_copy + np.where(kv_packed, 2 * sizes.kv * kv_rows, 0)
+    outputs = q_rows * sizes.q + 2 * kv_rows * sizes.kv
+    adds = np.maximum(facts.q_indexed[1] * (sizes.q + sizes.q_acc), facts.kv_indexed[1] * 2 * (sizes.kv + sizes.kv_acc))
+    return outputs + np.maximum(inputs, adds)

@@ -1,0 +1,246 @@
+"""The call plan (fcp_compiler/algorithms/call_plan.py, fcp_compiler/format/call_plan.py): grouping against a plain
+reference on random pairs, and on compiled plans every visible (query, key) token pair of every tile computed
+exactly once, under the mask flash-attn applies to each entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import compile_valid
+from fcp_compiler.algorithms.call_plan import GAP_LIMIT, LOCAL, plan_calls
+from fcp_compiler.algorithms.kernel_entries import CAUSAL, UNMASKED, WINDOW_DIAGONAL, classify_pairs
+from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
+from fcp_compiler.format.inputs import BatchSpec
+from fcp_compiler.format.plan_format import PlanReader
+
+
+def _reference(pairs, local_len):
+    """The rule, written plainly: pairs are dicts in tile order; returns calls as
+    (request, causal, (left, right), [(q source, q row, q rows, [(k source, k row, k rows)])])."""
+    prefix = np.concatenate(([0], np.cumsum(local_len))).tolist()
+    calls = []
+    for request in sorted({p["request"] for p in pairs}):
+        entries: dict = {}
+        for p in pairs:
+            w = p["window"]
+            if p["request"] != request or (w and (p["k_start"] >= p["q_end"] or p["q_start"] - p["k_end"] + 1 >= w)):
+                continue
+            entries.setdefault((p["q_source"], p["q_seg"]), []).append(p)
+        groups: dict = {}
+        for query_pairs in entries.values():
+            packed, diagonal = [], False
+            for p in query_pairs:
+                kind, left, rows, first = (int(x[0]) for x in classify_pairs(
+                    [p["q_start"]], [p["q_end"]], [p["k_start"]], [p["k_end"]], [p["window"]]))
+                key = (p["k_source"], p["k_row"] + first, p["k_end"] - p["k_start"] - first)
+                if kind in (UNMASKED, CAUSAL):
+                    packed.append((kind == CAUSAL, p["k_start"], key))
+                    diagonal |= kind == CAUSAL
+                    continue
+                mask = (True, (left, 0)) if kind == WINDOW_DIAGONAL else (False, (left, -1))
+                groups.setdefault(mask, []).append(((p["q_source"], p["q_seg"], p["q_row"], rows), [key]))
+            if packed:
+                p = query_pairs[0]
+                query = (p["q_source"], p["q_seg"], p["q_row"], p["q_end"] - p["q_start"])
+                groups.setdefault((diagonal, (-1, -1)), []).append((query, [k for *_, k in sorted(packed)]))
+        for (causal, window), group in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1])):
+            split: list[list] = []
+            for entry in group:
+                slot = next((c for c in split if all(e[0][:2] != entry[0][:2] for e in c)), None)
+                if slot is None:
+                    split.append(slot := [])
+                slot.append(entry)
+            for entries_of_call in split:
+                calls.append((request, int(causal), window, _gaps(entries_of_call, local_len, prefix)))
+    return calls
+
+
+def _gaps(entries, local_len, prefix):
+    whole = [q for q, _ in entries if q[0] == LOCAL and q[3] == local_len[prefix.index(q[2])]] \
+        if all(q[0] == LOCAL and q[2] in prefix[:-1] for q, _ in entries) else []
+    out = [((q[0], q[2], q[3]), keys) for q, keys in entries]
+    if len(whole) != len(entries):
+        return out
+    positions = {prefix.index(q[2]): keys for q, keys in entries}
+    low, high = min(positions), max(positions)
+    if prefix[high + 1] - prefix[low] > (1 + GAP_LIMIT) * sum(q[3] for q, _ in entries):
+        return out
+    return [((LOCAL, prefix[p], local_len[p]), positions.get(p, [])) for p in range(low, high + 1)]
+
+
+def _ours(arrays):
+    calls = []
+    for c in range(arrays.num_calls):
+        entries = []
+        for e in range(arrays.call_entry_ptr[c], arrays.call_entry_ptr[c + 1]):
+            keys = [(int(arrays.key_source[k]), int(arrays.key_row[k]), int(arrays.key_rows[k]))
+                    for k in range(arrays.entry_key_ptr[e], arrays.entry_key_ptr[e + 1])]
+            entries.append(((int(arrays.entry_q_source[e]), int(arrays.entry_q_row[e]), int(arrays.entry_q_rows[e])),
+                            keys))
+        calls.append((int(arrays.call_request[c]), int(arrays.call_causal[c]),
+                      (int(arrays.call_left[c]), int(arrays.call_right[c])), entries))
+    return calls
+
+
+def _random_pairs(rng):
+    """Segments of a few sequences cut at random, spread over the local layout and two pulls; every (query, key)
+    segment pair of one sequence in a random order of requests."""
+    num_seqs = int(rng.integers(1, 4))
+    segs = []  # (seq, start, end)
+    for seq in range(num_seqs):
+        cuts = np.unique(np.concatenate(([0, int(rng.integers(2, 200))], rng.integers(1, 200, 3))))
+        segs += [(seq, int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    windows = [int(rng.choice([0, 10 ** 6, int(rng.integers(1, 80))])) for _ in range(num_seqs)]
+    source = rng.integers(-1, 2, len(segs))
+    local = [i for i in range(len(segs)) if source[i] == LOCAL]
+    rng.shuffle(local)
+    local_len = [segs[i][2] - segs[i][1] for i in local]
+    row = {}
+    for position, i in enumerate(local):
+        row[i] = sum(local_len[:position])
+    for s in (0, 1):
+        offset = 0
+        for i in np.flatnonzero(source == s).tolist():
+            row[i] = offset
+            offset += segs[i][2] - segs[i][1]
+    pairs = []
+    for qi in range(len(segs)):
+        for ki in range(len(segs)):
+            if segs[qi][0] != segs[ki][0] or (windows[segs[qi][0]] and segs[ki][1] > segs[qi][1]):
+                continue
+            pairs.append(dict(request=int(rng.integers(0, 3)), q_source=int(source[qi]), q_seg=qi, q_row=row[qi],
+                              q_start=segs[qi][1], q_end=segs[qi][2], k_source=int(source[ki]), k_seg=ki,
+                              k_row=row[ki], k_start=segs[ki][1], k_end=segs[ki][2],
+                              window=windows[segs[qi][0]]))
+    order = rng.permutation(len(pairs))
+    return [pairs[i] for i in order], local_len
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_calls_match_the_plain_rule_on_random_pairs(seed):
+    pairs, local_len = _random_pairs(np.random.default_rng(seed))
+    columns = {name: [p[name] for p in pairs] for name in ("request", "q_source", "q_seg", "q_row", "q_start",
+                                                           "q_end", "k_source", "k_seg", "k_row", "k_start",
+                                                           "k_end", "window")}
+    arrays = plan_calls(**columns, local_seg_len=local_len)
+    assert _ours(arrays) == _reference(pairs, local_len)
+
+
+def test_no_pairs_make_no_calls():
+    empty = np.zeros(0, dtype=np.int64)
+    arrays = plan_calls(*([empty] * 12), local_seg_len=empty)
+    assert arrays.num_calls == 0 and arrays.call_entry_ptr.tolist() == [0] and arrays.entry_key_ptr.tolist() == [0]
+
+
+def _store_tokens(program):
+    """Global token of each row of each store: LOCAL (the plan layout) and every received pull."""
+    tables, a = program.tables, program.arrays
+    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths)))
+    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
+
+    def tokens(segs):
+        segs = np.asarray(segs, dtype=np.int64)
+        if segs.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([seq_offset[tables.seg_seq[s]] + np.arange(tables.seg_start[s], tables.seg_end[s])
+                               for s in segs])
+    stores = {LOCAL: tokens([s for b in a["blocks"].tolist() for s in range(ptr[b], ptr[b + 1])])}
+    offsets = program.seg_offsets("recv")
+    for row in range(a["pull_recv_block"].size):
+        stores[row] = tokens(a["pull_recv_segs"][offsets[row]:offsets[row + 1]])
+    return stores
+
+
+def _needed(program, tiles):
+    """Every (query token, key token) pair the tiles compute: same sequence, visible under the sequence's mask."""
+    tables, a = program.tables, program.arrays
+    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths)))
+    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
+    needed = []
+    for tile in tiles:
+        for qs in range(ptr[a["tile_q_block"][tile]], ptr[a["tile_q_block"][tile] + 1]):
+            for ks in range(ptr[a["tile_kv_block"][tile]], ptr[a["tile_kv_block"][tile] + 1]):
+                seq = tables.seg_seq[qs]
+                if tables.seg_seq[ks] != seq:
+                    continue
+                q = np.arange(tables.seg_start[qs], tables.seg_end[qs])[:, None]
+                k = np.arange(tables.seg_start[ks], tables.seg_end[ks])[None, :]
+                w = tables.seq_window[seq]
+                visible = np.ones((q.size, k.size), bool) if w == 0 else (k <= q) & (q - k < w)
+                qq, kk = np.nonzero(visible)
+                needed.append(np.stack([seq_offset[seq] + q[qq, 0], seq_offset[seq] + k[0, kk]], axis=1))
+    return np.concatenate(needed) if needed else np.zeros((0, 2), dtype=np.int64)
+
+
+def _computed(arrays, stores, call_ids):
+    """Every (query token, key token) pair the calls compute under flash-attn's bottom-right mask; and whether a
+    query row appears at most once per call."""
+    computed, once = [], True
+    for c in call_ids:
+        left, right = int(arrays.call_left[c]), 0 if arrays.call_causal[c] else int(arrays.call_right[c])
+        seen = []
+        for e in range(arrays.call_entry_ptr[c], arrays.call_entry_ptr[c + 1]):
+            q_rows = stores[int(arrays.entry_q_source[e])][arrays.entry_q_row[e]:
+                                                            arrays.entry_q_row[e] + arrays.entry_q_rows[e]]
+            seen.append(q_rows)
+            keys = [stores[int(arrays.key_source[k])][arrays.key_row[k]:arrays.key_row[k] + arrays.key_rows[k]]
+                    for k in range(arrays.entry_key_ptr[e], arrays.entry_key_ptr[e + 1])]
+            if not keys:
+                continue
+            k_rows = np.concatenate(keys)
+            shift = np.arange(k_rows.size)[None, :] - np.arange(q_rows.size)[:, None] - (k_rows.size - q_rows.size)
+            visible = np.ones(shift.shape, bool)
+            if right >= 0:
+                visible &= shift <= right
+            if left >= 0:
+                visible &= shift >= -left
+            qq, kk = np.nonzero(visible)
+            computed.append(np.stack([q_rows[qq], k_rows[kk]], axis=1))
+        rows = np.concatenate(seen) if seen else np.zeros(0)
+        once &= np.unique(rows).size == rows.size
+    return (np.concatenate(computed) if computed else np.zeros((0, 2), dtype=np.int64)), once
+
+
+MASKS = {"causal": "causal", "full": "full", "window": {"kind": "sliding_window", "window": 300},
+         "mixed": [{"kind": "sliding_window", "window": 300}, "full", "causal",
+                   {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
+
+
+@pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
+                                         ("window", "plan"), ("mixed", "user")])
+def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, layout):
+    lengths = [3000, 700, 90, 1500, 260, 1200]
+    masks = MASKS[mask]
+    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
+                                      else [masks] * len(lengths)})
+    plan = compile_valid(batch, 4, block_size=256, coalesce=2, layout=layout)
+    reader = PlanReader(plan.to_bytes())
+    for rank in range(4):
+        program = reader.rank(rank)
+        requests = step_requests(program)
+        arrays = rank_calls(program, requests)
+        stores = _store_tokens(program)
+        for index, request in enumerate(requests):
+            computed, once = _computed(arrays, stores, np.flatnonzero(arrays.call_request == index))
+            needed = _needed(program, request.tiles)
+            assert once, (rank, request)
+            got = np.unique(computed, axis=0)
+            assert got.shape[0] == computed.shape[0], (rank, request, "a pair computed twice")
+            assert np.array_equal(got, np.unique(needed, axis=0)), (rank, request)
+        # Both passes compute every tile once.
+        assert sorted(t for r in requests if r.pass_name == "fwd" for t in r.tiles) == \
+            list(range(program.arrays["tile_stage"].size))
+
+
+def test_a_tile_reading_a_block_the_rank_does_not_have_is_refused():
+    plan = compile_valid([3000, 700, 1500], 4, block_size=256, coalesce=2)
+    program = PlanReader(plan.to_bytes()).rank(0)
+    a = dict(program.arrays)
+    held = set(a["blocks"].tolist()) | set(a["pull_recv_block"].tolist())
+    missing = next(b for b in range(program.header.num_blocks) if b not in held)
+    a["tile_q_block"] = a["tile_q_block"].copy()
+    a["tile_q_block"][0] = missing
+    broken = type(program)(rank=program.rank, header=program.header, tables=program.tables, arrays=a)
+    with pytest.raises(ValueError, match="neither holds nor receives"):
+        rank_calls(broken, [Request(pass_name="fwd", stage=0, tiles=(0,))])

@@ -1,0 +1,123 @@
+"""The memory account (fcp_compiler/format/memory.py) is the peak of what the runtime creates: a meta-device replay
+of every rank's forward and backward records each tensor an op creates until Python frees it."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import fcp_runtime.attention as attention  # noqa: E402
+from conftest import compile_valid  # noqa: E402
+from fcp_compiler.format.memory import pass_messages, rank_peak_bytes  # noqa: E402
+from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
+from fcp_runtime.plan import load_rank_plan  # noqa: E402
+
+
+class _Peak(TorchDispatchMode):
+    """Live bytes of the meta tensors ops create (not views, not inputs an op returns), and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        inputs = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        outputs = out if isinstance(out, (tuple, list)) else [out]
+        for tensor in outputs:
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta and not any(tensor is i for i in inputs):
+                self.live += tensor.nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._freed, tensor.nbytes)
+        return out
+
+
+class _MetaKernels:
+    """The varlen contract's outputs on the meta device, laid out as flash-attn's (dK, dV halves of one tensor)."""
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+
+    def backward(self, d_out, q, k, v, *args, **kwargs):
+        dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        return torch.empty_like(q), dkv[0], dkv[1]
+
+
+class _Work:
+    def __init__(self, tensors):
+        self.tensors = tensors  # as a backend's work holds what it moves, until it is dropped
+
+    def wait(self):
+        return True
+
+
+class _HeldMessages:
+    """torch.distributed with point-to-point messages that move nothing but hold their tensors until dropped."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    P2POp = staticmethod(lambda operation, tensor, *args, **kwargs: tensor)
+    batch_isend_irecv = staticmethod(lambda ops: [_Work(ops)])
+    get_global_rank = staticmethod(lambda group, rank: rank)
+
+
+def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
+    plan = load_rank_plan(plan_bytes, rank)
+    meta = torch.device("meta")
+    q = torch.empty((plan.plan_tokens, plan.q_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
+                    requires_grad=True)
+    k = torch.empty((plan.plan_tokens, plan.kv_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
+                    requires_grad=True)
+    v = torch.empty_like(k, requires_grad=True)
+    grad = torch.empty_like(q)
+    with _Peak() as forward:
+        out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=_MetaKernels())
+    with _Peak() as backward:
+        out.backward(grad)
+    return {"fwd": forward.peak, "bwd": backward.peak}
+
+
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_the_account_is_the_peak_a_replay_of_the_runtime_records(monkeypatch, fan_out):
+    monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
+    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
+                         node_fan_out=fan_out)
+    data = plan.to_bytes()
+    reader = PlanReader(data)
+    for rank in range(8):
+        account = rank_peak_bytes(reader.rank(rank), layout="plan", dtype="bf16")
+        replay = _replay_peaks(data, rank)
+        for name in ("fwd", "bwd"):
+            # The account leaves out only the merges' [heads, rows] temporaries beside a call's largest buffers.
+            assert replay[name] * 0.99 <= account[name] <= replay[name] * 1.01, (rank, name, account, replay)
+
+
+def test_received_buffers_live_from_their_post_to_their_last_use():
+    plan = compile_valid([9000, 3000, 2100, 400, 1500], 4, block_size=256, coalesce=2)
+    reader = PlanReader(plan.to_bytes())
+    for rank in range(4):
+        program = reader.rank(rank)
+        runtime = load_rank_plan(plan.to_bytes(), rank)
+        for name, executed in (("fwd", runtime.forward), ("bwd", runtime.backward)):
+            messages = pass_messages(program, name)
+            freed = np.full(messages.pull_recv_stage.size, -1)
+            for stage, rows in enumerate(executed.free_after):
+                freed[rows] = stage
+            assert np.array_equal(freed, messages.pull_recv_last)
+            assert (messages.pull_recv_last >= messages.pull_recv_stage).all()
