@@ -21,8 +21,8 @@ tree's), which should equal it.
 
 Plans: the 256-GPU paper-like trace (traces/paper_lognormal_256gpu.json) and the MagiAttention-histogram-like batch
 at 256 GPUs (benchmarks/placement.py), at the busiest rank (most planned attention seconds) and the median one.
---main-tree runs the same measurement with another checkout's runtime (its own code, in a fresh process) and prints
-both side by side.
+--main-tree runs the same measurement with another checkout's compiler and runtime (its own code, its own plans of
+the same batches, in fresh processes) and prints both side by side, busiest beside busiest.
 """
 
 from __future__ import annotations
@@ -198,12 +198,29 @@ print(json.dumps({str(rank): measure(plan_path, rank, dtype) for rank in ranks})
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def _plans(folder: Path, eval_data: Path) -> dict[str, tuple[Path, list[int]]]:
-    """Name -> (plan file, [busiest rank, median rank]) for the two 256-GPU plans."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import numpy as np
+# Compiles each batch with the tree's own compiler (trees may read different plan formats) and picks its ranks.
+_PLAN_SCRIPT = r'''
+import json, sys
+import numpy as np
+from fcp_compiler import compile_plan
+folder, batches = sys.argv[1], json.loads(sys.argv[2])
+out = {}
+for name, lengths in batches.items():
+    plan = compile_plan(lengths, 256)
+    assignment = plan.ir.assignment
+    seconds = np.bincount(assignment.tile_rank, weights=assignment.tiles.tile_seconds,
+                          minlength=assignment.num_ranks)
+    order = np.argsort(seconds, kind="stable")
+    path = f"{folder}/{name.replace('@', '_')}.fcp"
+    plan.write(path)
+    out[name] = [path, [int(order[-1]), int(order[order.size // 2])]]
+print(json.dumps(out))
+'''
 
-    from fcp_compiler import compile_plan
+
+def _batches(eval_data: Path) -> dict[str, list[int]]:
+    """The two 256-GPU batches: the paper-like trace and a MagiAttention-histogram-like batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fcp_compiler.format.inputs import load_batch
     from placement import TOKENS_PER_GPU, batches
 
@@ -211,17 +228,17 @@ def _plans(folder: Path, eval_data: Path) -> dict[str, tuple[Path, list[int]]]:
     sources = {"paper@256": load_batch(HERE / "traces" / "paper_lognormal_256gpu.json")}
     if "magi" in makers:
         sources["magi@256"] = makers["magi"](256 * TOKENS_PER_GPU, 0)
-    out = {}
-    for name, lengths in sources.items():
-        plan = compile_plan(lengths, 256)
-        assignment = plan.ir.assignment
-        seconds = np.bincount(assignment.tile_rank, weights=assignment.tiles.tile_seconds,
-                              minlength=assignment.num_ranks)
-        order = np.argsort(seconds, kind="stable")
-        path = folder / f"{name.replace('@', '_')}.fcp"
-        plan.write(path)
-        out[name] = (path, [int(order[-1]), int(order[order.size // 2])])
-    return out
+    return {name: [int(n) for n in getattr(lengths, "sequences", lengths)] for name, lengths in sources.items()}
+
+
+def _plans(tree: Path, folder: Path, batches: dict) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (plan file, [busiest rank, median rank]), compiled in `tree`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, str(folder), json.dumps(batches)], text=True,
+                          capture_output=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""})
+    if done.returncode:
+        raise SystemExit(f"runtime_traffic: compiling in {tree} failed:\n{done.stderr[-3000:]}")
+    return {name: (path, ranks) for name, (path, ranks) in json.loads(done.stdout).items()}
 
 
 def _run(tree: Path, path: Path, ranks: list[int], dtype: str) -> dict:
@@ -246,11 +263,14 @@ def main() -> None:
     args = parser.parse_args()
     trees = {"this": HERE} | ({"main": args.main_tree.resolve()} if args.main_tree else {})
     rows, tops = [], []
+    batches = _batches(args.eval_data)
     with tempfile.TemporaryDirectory() as folder:
-        for name, (path, ranks) in _plans(Path(folder), args.eval_data).items():
-            measured = {label: _run(tree, path, ranks, args.dtype) for label, tree in trees.items()}
+        plans = {label: _plans(tree, Path(folder) / label, batches) for label, tree in trees.items()}
+        for name, (path, ranks) in plans["this"].items():
+            measured = {label: _run(tree, plans[label][name][0], plans[label][name][1], args.dtype)
+                        for label, tree in trees.items()}
             reader = PlanReader(path)
-            for rank, which in zip(ranks, ("busiest", "median")):
+            for index, (rank, which) in enumerate(zip(ranks, ("busiest", "median"))):
                 ours = measured["this"][str(rank)]
                 account = rank_peak_bytes(reader.rank(rank), layout="plan", dtype=DTYPES[args.dtype])
                 for label in ("fwd", "bwd"):
@@ -259,7 +279,7 @@ def main() -> None:
                            f"{ours[label]['peak'] / 2 ** 30:.2f}", f"{account[label] / 2 ** 30:.2f}",
                            f"{account[label] / ours[label]['peak']:.3f}"]
                     if "main" in measured:
-                        base = measured["main"][str(rank)][label]
+                        base = measured["main"][str(plans["main"][name][1][index])][label]
                         row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}", f"{base['peak'] / 2 ** 30:.2f}",
                                 f"{ours[label]['bytes'] / base['bytes']:.3f}" if base["bytes"] else "-",
                                 f"{ours[label]['ops'] / base['ops']:.3f}" if base["ops"] else "-"]

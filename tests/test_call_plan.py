@@ -244,3 +244,18 @@ def test_a_tile_reading_a_block_the_rank_does_not_have_is_refused():
     broken = type(program)(rank=program.rank, header=program.header, tables=program.tables, arrays=a)
     with pytest.raises(ValueError, match="neither holds nor receives"):
         rank_calls(broken, [Request(pass_name="fwd", stage=0, tiles=(0,))])
+
+
+def test_the_calls_of_all_ranks_at_once_are_each_ranks_own():
+    from fcp_compiler.format.call_plan import ranks_calls
+
+    plan = compile_valid([3000, 700, 90, 1500, 260, 1200], 4, block_size=256, coalesce=2, layout="user")
+    reader = PlanReader(plan.to_bytes())
+    programs = [reader.rank(rank) for rank in range(4)]
+    requests = [step_requests(program) for program in programs]
+    together = _ours(ranks_calls(programs, requests))
+    alone, base = [], 0
+    for program, rank_requests in zip(programs, requests):
+        alone += [(request + base, *rest) for request, *rest in _ours(rank_calls(program, rank_requests))]
+        base += len(rank_requests)
+    assert together == alone and len({call[0] for call in alone}) > 4

@@ -8,6 +8,7 @@ over the rank's segment pairs (benchmarks/runtime_traffic.py reports it).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +116,43 @@ def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
     Raises:
         ValueError: a tile reads a block the rank neither holds nor receives (an invalid plan: fcp validate).
     """
+    return ranks_calls([program], [requests])
+
+
+def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> CallArrays:
+    """The kernel calls of several ranks at once (one grouping over all their pairs): call_request indexes the
+    requests of all ranks in order (rank 0's, then rank 1's, ...); each call's rows are its own rank's.
+
+    Raises:
+        ValueError: as :func:`rank_calls`.
+    """
+    parts, local_lengths, request_rank = [], [], []
+    request_base = local_base = 0
+    local_bases = []
+    for index, (program, rank_requests) in enumerate(zip(programs, requests)):
+        pairs, local_len = _rank_pairs(program, rank_requests)
+        pairs[0] = pairs[0] + request_base
+        # The gap rule finds local segments by row: rows of all ranks' layouts, one after another.
+        pairs[3] = np.where(pairs[1] == LOCAL, pairs[3] + local_base, pairs[3])
+        parts.append(pairs)
+        local_lengths.append(local_len)
+        local_bases.append(local_base)
+        request_rank += [index] * len(rank_requests)
+        request_base += len(rank_requests)
+        local_base += int(local_len.sum())
+    columns = [np.concatenate([part[i] for part in parts]) if parts else np.zeros(0, dtype=np.int64)
+               for i in range(12)]
+    calls = plan_calls(*columns, np.concatenate(local_lengths) if local_lengths else np.zeros(0, dtype=np.int64))
+    entry_rank = np.asarray(request_rank, dtype=np.int64)[calls.call_request][calls.entry_call]
+    local = calls.entry_q_source == LOCAL
+    rows = np.where(local, calls.entry_q_row - np.asarray(local_bases, dtype=np.int64)[entry_rank]
+                    if entry_rank.size else calls.entry_q_row, calls.entry_q_row)
+    return dataclasses.replace(calls, entry_q_row=rows)
+
+
+def _rank_pairs(program: RankProgram, requests: list[Request]) -> tuple[list[np.ndarray], np.ndarray]:
+    """One rank's segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
+    k_source, k_seg, k_row, k_start, k_end, window), and its local segments' lengths in layout order."""
     a, tables = program.arrays, program.tables
     units = _units(program)
     tiles = np.asarray([t for request in requests for t in request.tiles], dtype=np.int64)
@@ -145,7 +183,7 @@ def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
     seq = tables.seg_seq[q_seg]
     local_len = (tables.seg_end - tables.seg_start)[units.seg[units.source == LOCAL]]
     layout_order = np.argsort(units.row[units.source == LOCAL], kind="stable")
-    return plan_calls(request_of_tile[pair_tile], units.source[q_pick], q_seg, units.row[q_pick],
-                      tables.seg_start[q_seg], tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick],
-                      tables.seg_start[k_seg], tables.seg_end[k_seg], tables.seq_window[seq],
-                      local_len[layout_order])
+    pairs = [request_of_tile[pair_tile], units.source[q_pick], q_seg, units.row[q_pick], tables.seg_start[q_seg],
+             tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick], tables.seg_start[k_seg],
+             tables.seg_end[k_seg], tables.seq_window[seq]]
+    return [np.asarray(column, dtype=np.int64) for column in pairs], local_len[layout_order].astype(np.int64)

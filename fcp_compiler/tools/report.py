@@ -178,9 +178,21 @@ def rank_rows(reader: PlanReader) -> list[dict]:
 
 
 def rank_program_text(program: RankProgram) -> str:
-    """Stage-by-stage view of one rank's forward and backward programs."""
+    """Stage-by-stage view of one rank's forward and backward programs: messages, tiles and the kernel calls that
+    compute them, and the device memory each pass peaks at (the plan's memory account, in the plan's dtype)."""
+    from fcp_compiler.format.call_plan import rank_calls, step_requests
+    from fcp_compiler.format.memory import rank_peak_bytes
+
     a = program.arrays
     header = program.header
+    requests = step_requests(program)
+    calls = rank_calls(program, requests)
+    per_request = np.bincount(calls.call_request, minlength=len(requests))
+    num_calls: dict[tuple[str, int], int] = {}
+    for request, count in zip(requests, per_request.tolist()):
+        key = (request.pass_name, max(request.stage, 0))
+        num_calls[key] = num_calls.get(key, 0) + count
+    peak = rank_peak_bytes(program, requests=requests, calls=calls)
     stage_rows = []
     for name, pull_round, tile_stage, coalesce in (("fwd", "round", "tile_stage", header.coalesce),
                                                    ("bwd", "bwd_round", "tile_bwd_stage", header.bwd_coalesce)):
@@ -194,14 +206,19 @@ def rank_program_text(program: RankProgram) -> str:
                       int((a[f"{name}_push_send_round"] // coalesce == stage).sum()),
                       int((a[f"{name}_push_recv_round"] // coalesce == stage).sum())]
             if any(counts):
-                stage_rows.append([name, stage, *counts])
+                stage_rows.append([name, stage, *counts[:3], num_calls.get((name, stage), 0), *counts[3:]])
     return "\n".join([
         f"rank {program.rank}: {a['blocks'].size} blocks {a['blocks'].tolist()[:16]}"
         f"{' ...' if a['blocks'].size > 16 else ''}",
         f"  reshuffle ({header.layout.value} layout: {'not run' if header.layout.value == 'plan' else 'per call'}): "
         f"sends {a['reshuffle_send_length'].sum()} tokens in {a['reshuffle_send_length'].size} runs, "
         f"receives {a['reshuffle_recv_length'].sum()} tokens in {a['reshuffle_recv_length'].size} runs",
-        table(["pass", "stage", "pulls sent", "pulls recv", "tiles", "pushes sent", "pushes recv"], stage_rows),
+        table(["pass", "stage", "pulls sent", "pulls recv", "tiles", "kernel calls", "pushes sent", "pushes recv"],
+              stage_rows),
+        f"  device memory at its peak ({header.shape.dtype.value}, {header.layout.value} layout): forward "
+        f"{peak['fwd'] / 2 ** 30:.2f} GiB, backward {peak['bwd'] / 2 ** 30:.2f} GiB (accumulators, received buffers, "
+        f"a kernel call's packed inputs and outputs; not the inputs Q, K, V or what the forward saves"
+        f"{', nor the reshuffle buffers' if header.layout.value == 'user' else ''})",
     ])
 
 
