@@ -228,10 +228,12 @@ def inspect_command(
                                                                    "figures]",
                                        parser=_ascii_int),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    memory: bool = typer.Option(False, "--memory", help="add each rank's device memory peak per pass, in GiB (the "
+                                                        "plan's memory account; about 6 ms a rank)"),
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
     from fcp_compiler.format.plan_format import PlanReader
-    from fcp_compiler.tools.report import inspect_summary, rank_program_text, rank_rows
+    from fcp_compiler.tools.report import add_memory_columns, inspect_summary, rank_program_text, rank_rows
 
     reader = PlanReader(str(plan))
     header = reader.header
@@ -243,6 +245,8 @@ def inspect_command(
             typer.echo(rank_program_text(program))
         return
     rows = rank_rows(reader)
+    if memory:
+        add_memory_columns(reader, rows)
     if as_json:
         shown = header.model_dump(mode="json", exclude={"rank_sections", "rank_sha256"})
         typer.echo(json.dumps({"header": shown, "ranks": rows}))

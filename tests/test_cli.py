@@ -36,6 +36,18 @@ def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):
     assert code == 0 and "stage" in out
     code, out, _ = run(capsys, "inspect", plan, "--json")
     assert code == 0 and len(json.loads(out)["ranks"]) == 8
+    # Device memory per rank and pass: the plan's memory account, in the table, the JSON and --rank's view.
+    from fcp_compiler.format.memory import rank_peak_bytes
+
+    account = rank_peak_bytes(PlanReader(str(plan)).rank(2))
+    code, out, _ = run(capsys, "inspect", plan, "--json", "--memory")
+    row = json.loads(out)["ranks"][2]
+    assert code == 0 and (row["peak_fwd_gib"], row["peak_bwd_gib"]) == (
+        round(account["fwd"] / 2 ** 30, 3), round(account["bwd"] / 2 ** 30, 3))
+    code, out, _ = run(capsys, "inspect", plan, "--memory")
+    assert code == 0 and "device memory, backward: at most" in out
+    code, out, _ = run(capsys, "inspect", plan, "--rank", 2)
+    assert f"backward {account['bwd'] / 2 ** 30:.2f} GiB" in out and "kernel calls" in out
 
 
 def test_validate_exits_one_naming_the_invariant(tmp_path, capsys):

@@ -121,3 +121,41 @@ def test_received_buffers_live_from_their_post_to_their_last_use():
                 freed[rows] = stage
             assert np.array_equal(freed, messages.pull_recv_last)
             assert (messages.pull_recv_last >= messages.pull_recv_stage).all()
+
+
+def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_store():
+    from fcp_compiler.format.call_plan import block_seg_ptr
+    from fcp_compiler.format.memory import _local_segments, _send_copies
+
+    plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
+                         node_fan_out=True)
+    reader = PlanReader(plan.to_bytes())
+    seg_len = (reader.tables.seg_end - reader.tables.seg_start).astype(np.int64)
+    checked = 0
+    for rank in range(8):
+        program = reader.rank(rank)
+        a = dict(program.arrays)
+        offsets = program.seg_offsets("send")
+        segs = a["pull_send_segs"].copy()
+        for row in range(offsets.size - 1):  # every other multi-segment send, its segments reversed
+            if offsets[row + 1] - offsets[row] > 1 and row % 2:
+                segs[offsets[row]:offsets[row + 1]] = segs[offsets[row]:offsets[row + 1]][::-1]
+        a["pull_send_segs"] = segs
+        changed = type(program)(rank=rank, header=program.header, tables=program.tables, arrays=a)
+        local = _local_segments(program, block_seg_ptr(program))
+        local_row = dict(zip(local.tolist(), (np.cumsum(seg_len[local]) - seg_len[local]).tolist()))
+        recv = program.seg_offsets("recv")
+        expected = []
+        for row in range(offsets.size - 1):
+            sent = segs[offsets[row]:offsets[row + 1]].tolist()
+            source = int(a["pull_send_source"][row])
+            if source < 0:
+                store = local_row
+            else:
+                held = a["pull_recv_segs"][recv[source]:recv[source + 1]]
+                store = dict(zip(held.tolist(), (np.cumsum(seg_len[held]) - seg_len[held]).tolist()))
+            starts = [store[seg] for seg in sent]
+            expected.append(any(b != a_ + seg_len[s] for a_, b, s in zip(starts, starts[1:], sent)))
+        assert _send_copies(changed, seg_len, block_seg_ptr(program)).tolist() == expected
+        checked += sum(expected)
+    assert checked > 0

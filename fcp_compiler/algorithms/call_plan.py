@@ -148,9 +148,9 @@ class _Entries:
 def _entries(request, q_source, q_seg, q_row, q_len, kind, left, q_kept) -> _Entries:
     num_pairs = request.size
     # A query segment is one (request, source, segment); its first pair orders its entries.
-    query_key = np.stack([request, q_source, q_seg])
-    _, query_first, query_of = np.unique(query_key, axis=1, return_index=True, return_inverse=True)
-    query_of = query_of.ravel()
+    sources = int(q_source.max(initial=0)) + 2  # LOCAL is -1
+    query_key = (request * sources + q_source + 1) * (int(q_seg.max(initial=0)) + 1) + q_seg
+    _, query_first, query_of = np.unique(query_key, return_index=True, return_inverse=True)
     packed = kind <= CAUSAL
     # Packed pairs share their query segment's entry; each cut pair is an entry of its own.
     num_queries = query_first.size

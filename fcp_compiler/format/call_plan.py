@@ -52,48 +52,54 @@ def step_requests(program: RankProgram, layout: str | None = None) -> list[Reque
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Units:
-    """Where each tile's segments are read from, as one CSR over units: unit b < num_blocks is local block b, unit
-    num_blocks + r is received pull r; per unit entry its segment, its first row in the store, and the store."""
+    """Where each tile's segments are read from, as one CSR over units: unit i < H is the rank's i-th held block (in
+    layout order), unit H + r is received pull r; per unit entry its segment, its first row in the store, and the
+    store. Sized by the rank's own blocks and pulls, not by the batch."""
 
     ptr: np.ndarray
     seg: np.ndarray
     row: np.ndarray
     source: np.ndarray
-    q_unit_of_block: np.ndarray  # the unit a tile reads its query block from (-1: none)
-    kv_unit_of_block: np.ndarray
+    unit_key: np.ndarray  # sorted (kind, block) keys of the units a tile can read, and their units
+    unit_of_key: np.ndarray
+    num_blocks: int
+
+    def unit_of(self, kind: int, blocks: np.ndarray) -> np.ndarray:
+        """The unit a tile reads a block of `kind` from (a held block serves both kinds); -1 where there is none."""
+        wanted = kind * self.num_blocks + np.asarray(blocks, dtype=np.int64)
+        found = np.minimum(np.searchsorted(self.unit_key, wanted), max(self.unit_key.size - 1, 0))
+        hit = self.unit_key[found] == wanted if self.unit_key.size else np.zeros(wanted.size, dtype=bool)
+        return np.where(hit, self.unit_of_key[found] if self.unit_key.size else -1, -1)
 
 
-def _units(program: RankProgram) -> _Units:
+def block_seg_ptr(program: RankProgram) -> np.ndarray:
+    """Each block's first segment (num_blocks + 1 entries): segments are stored by block."""
+    return np.searchsorted(program.tables.seg_block, np.arange(program.header.num_blocks + 1))
+
+
+def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
     tables, a = program.tables, program.arrays
     num_blocks = program.header.num_blocks
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(num_blocks + 1))
     seg_len = tables.seg_end - tables.seg_start
     held = a["blocks"].astype(np.int64)
-    # Local blocks: their segments in plan-layout row order.
     held_count = seg_ptr[held + 1] - seg_ptr[held]
-    local_segs = _ranges(seg_ptr[held], held_count)
+    local_segs = _ranges(seg_ptr[held], held_count)  # in plan-layout row order
     local_rows = np.concatenate(([0], np.cumsum(seg_len[local_segs])[:-1])).astype(np.int64)
-    block_count = np.zeros(num_blocks, dtype=np.int64)
-    block_count[held] = held_count
-    # Entries of local block units come in block order: regroup the layout-ordered segments by block.
-    by_block = np.argsort(np.repeat(held, held_count), kind="stable")
     pull_count = a["pull_recv_seg_count"].astype(np.int64)
     pull_segs = a["pull_recv_segs"].astype(np.int64)
     pull_rows = _ranges_rows(seg_len[pull_segs], pull_count)
-    counts = np.concatenate([block_count, pull_count])
+    counts = np.concatenate([held_count, pull_count])
     ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    seg = np.concatenate([local_segs[by_block], pull_segs])
-    row = np.concatenate([local_rows[by_block], pull_rows])
     source = np.concatenate([np.full(local_segs.size, LOCAL), np.repeat(np.arange(pull_count.size), pull_count)])
-    units = {}
-    for kind in (TransferKind.Q, TransferKind.KV):
-        unit = np.full(num_blocks, -1, dtype=np.int64)
-        unit[held] = held
-        mine = np.flatnonzero(a["pull_recv_kind"] == kind)
-        unit[a["pull_recv_block"][mine]] = num_blocks + mine
-        units[kind] = unit
-    return _Units(ptr=ptr, seg=seg, row=row, source=source.astype(np.int64), q_unit_of_block=units[TransferKind.Q],
-                  kv_unit_of_block=units[TransferKind.KV])
+    held_units = np.arange(held.size)
+    pull_units = held.size + np.arange(pull_count.size)
+    keys = np.concatenate([TransferKind.Q * num_blocks + held, TransferKind.KV * num_blocks + held,
+                           a["pull_recv_kind"].astype(np.int64) * num_blocks + a["pull_recv_block"]])
+    units = np.concatenate([held_units, held_units, pull_units])
+    order = np.argsort(keys, kind="stable")
+    return _Units(ptr=ptr, seg=np.concatenate([local_segs, pull_segs]), row=np.concatenate([local_rows, pull_rows]),
+                  source=source.astype(np.int64), unit_key=keys[order], unit_of_key=units[order],
+                  num_blocks=num_blocks)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -129,8 +135,9 @@ def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> C
     parts, local_lengths, request_rank = [], [], []
     request_base = local_base = 0
     local_bases = []
+    seg_ptr = block_seg_ptr(programs[0]) if programs else np.zeros(1, dtype=np.int64)  # the batch's, shared
     for index, (program, rank_requests) in enumerate(zip(programs, requests)):
-        pairs, local_len = _rank_pairs(program, rank_requests)
+        pairs, local_len = _rank_pairs(program, rank_requests, seg_ptr)
         pairs[0] = pairs[0] + request_base
         # The gap rule finds local segments by row: rows of all ranks' layouts, one after another.
         pairs[3] = np.where(pairs[1] == LOCAL, pairs[3] + local_base, pairs[3])
@@ -150,15 +157,16 @@ def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> C
     return dataclasses.replace(calls, entry_q_row=rows)
 
 
-def _rank_pairs(program: RankProgram, requests: list[Request]) -> tuple[list[np.ndarray], np.ndarray]:
+def _rank_pairs(program: RankProgram, requests: list[Request],
+                seg_ptr: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """One rank's segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
     k_source, k_seg, k_row, k_start, k_end, window), and its local segments' lengths in layout order."""
     a, tables = program.arrays, program.tables
-    units = _units(program)
+    units = _units(program, seg_ptr)
     tiles = np.asarray([t for request in requests for t in request.tiles], dtype=np.int64)
     request_of_tile = np.repeat(np.arange(len(requests)), [len(request.tiles) for request in requests])
-    q_unit = units.q_unit_of_block[a["tile_q_block"][tiles]] if tiles.size else tiles
-    k_unit = units.kv_unit_of_block[a["tile_kv_block"][tiles]] if tiles.size else tiles
+    q_unit = units.unit_of(TransferKind.Q, a["tile_q_block"][tiles])
+    k_unit = units.unit_of(TransferKind.KV, a["tile_kv_block"][tiles])
     if (q_unit < 0).any() or (k_unit < 0).any():
         bad = int(tiles[np.flatnonzero((q_unit < 0) | (k_unit < 0))[0]])
         raise ValueError(f"rank {program.rank}'s tile {bad} reads a block it neither holds nor receives")
@@ -181,9 +189,8 @@ def _rank_pairs(program: RankProgram, requests: list[Request]) -> tuple[list[np.
     pair_tile = np.repeat(q_tile, matches)
     q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
     seq = tables.seg_seq[q_seg]
-    local_len = (tables.seg_end - tables.seg_start)[units.seg[units.source == LOCAL]]
-    layout_order = np.argsort(units.row[units.source == LOCAL], kind="stable")
+    local_len = (tables.seg_end - tables.seg_start)[units.seg[units.source == LOCAL]]  # in layout order
     pairs = [request_of_tile[pair_tile], units.source[q_pick], q_seg, units.row[q_pick], tables.seg_start[q_seg],
              tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick], tables.seg_start[k_seg],
              tables.seg_end[k_seg], tables.seq_window[seq]]
-    return [np.asarray(column, dtype=np.int64) for column in pairs], local_len[layout_order].astype(np.int64)
+    return [np.asarray(column, dtype=np.int64) for column in pairs], local_len.astype(np.int64)

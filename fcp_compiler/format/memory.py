@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
-from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
+from fcp_compiler.format.call_plan import Request, block_seg_ptr, rank_calls, ranks_calls, step_requests
 from fcp_compiler.format.plan_format import RankProgram, TransferKind
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
@@ -107,11 +107,14 @@ def pass_messages(program: RankProgram, pass_name: str) -> PassMessages:
     push_recv_pull = a[f"{pass_name}_push_recv_pull"].astype(np.int64)
     last = recv_stage.copy()
     num_blocks = header.num_blocks
-    row_of = np.full(2 * num_blocks, -1, dtype=np.int64)
-    row_of[a["pull_recv_kind"] * num_blocks + a["pull_recv_block"]] = np.arange(recv_stage.size)
+    # Each received pull's (kind, block), sorted, to find the pull a tile reads (sized by the rank's pulls).
+    pull_key = a["pull_recv_kind"].astype(np.int64) * num_blocks + a["pull_recv_block"]
+    order = np.argsort(pull_key, kind="stable")
     for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
-        rows = row_of[kind * num_blocks + blocks.astype(np.int64)]
-        np.maximum.at(last, rows[rows >= 0], tile_stage[rows >= 0])
+        wanted = kind * num_blocks + blocks.astype(np.int64)
+        found = np.minimum(np.searchsorted(pull_key[order], wanted), max(pull_key.size - 1, 0))
+        hit = pull_key[order][found] == wanted if pull_key.size else np.zeros(wanted.size, dtype=bool)
+        np.maximum.at(last, order[found[hit]], tile_stage[hit])
     np.maximum.at(last, push_send_pull, push_send_stage)
     source = a["pull_send_source"].astype(np.int64)
     relayed = source[push_recv_pull]  # a relay's pushed-back gradient lands in its received buffer
@@ -138,26 +141,79 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
     """
     requests = step_requests(program, layout) if requests is None else requests
     calls = rank_calls(program, requests) if calls is None else calls
-    sizes = Sizes.of(program, dtype)
-    facts = _RankFacts.of(program, calls)
-    index_bytes = 4 * int(_index_ints(calls, facts).sum())
-    out = {}
-    for name in ("fwd", "bwd"):
-        stage_of_call = np.asarray([max(r.stage, 0) if r.pass_name == name else -1 for r in requests],
-                                   dtype=np.int64)[calls.call_request]
-        out[name] = _pass_peak(program, pass_messages(program, name), calls, stage_of_call, facts, sizes,
-                               name) + (index_bytes if name == "fwd" else 0)
+    peaks = _peaks([program], [requests], calls, Sizes.of(program, dtype))
+    return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
+
+
+def ranks_peak_bytes(programs: list[RankProgram], layout: str | None = None, dtype: str | None = None) -> np.ndarray:
+    """:func:`rank_peak_bytes` of several ranks at once (one call plan over all of them).
+
+    Returns:
+        int64 [len(programs), 2]: per rank, the forward's and the backward's peak bytes.
+    """
+    if not programs:
+        return np.zeros((0, 2), dtype=np.int64)
+    requests = [step_requests(program, layout) for program in programs]
+    return _peaks(programs, requests, ranks_calls(programs, requests), Sizes.of(programs[0], dtype))
+
+
+def _peaks(programs: list[RankProgram], requests: list[list[Request]], calls: CallArrays,
+           sizes: Sizes) -> np.ndarray:
+    facts = _Facts.of(programs, requests, calls)
+    index_bytes = 4 * np.bincount(facts.call_rank, weights=_index_ints(calls, facts), minlength=len(programs))
+    out = np.zeros((len(programs), 2), dtype=np.int64)
+    for column, name in enumerate(("fwd", "bwd")):
+        stage_of_call = np.asarray([max(r.stage, 0) if r.pass_name == name else -1 for rank in requests
+                                    for r in rank], dtype=np.int64)[calls.call_request]
+        messages = _stack_messages([pass_messages(program, name) for program in programs], facts)
+        out[:, column] = _pass_peak(programs, messages, stage_of_call, facts, sizes, name)
+    out[:, 0] += index_bytes.astype(np.int64)
     return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _RankFacts:
-    """Rows of each store and, per call, how its query and key pieces pack."""
+class _Stacked:
+    """One pass's messages of several ranks: each array concatenated over ranks, with the rank of each row; pull
+    rows indexed into the concatenated pull_recv and pull_send rows."""
 
-    plan_tokens: int
+    pull_recv_rank: np.ndarray
+    pull_recv_stage: np.ndarray
+    pull_recv_last: np.ndarray
+    pull_send_rank: np.ndarray
+    pull_send_stage: np.ndarray
+    push_recv_rank: np.ndarray
+    push_recv_stage: np.ndarray
+    push_recv_pull: np.ndarray  # into the concatenated pull_send rows
+    num_stages: int
+
+
+def _stack_messages(per_rank: list[PassMessages], facts: "_Facts") -> _Stacked:
+    def cat(name):
+        return np.concatenate([getattr(m, name) for m in per_rank]).astype(np.int64)
+
+    def ranks(name):
+        return np.repeat(np.arange(len(per_rank)), [getattr(m, name).size for m in per_rank])
+    return _Stacked(pull_recv_rank=ranks("pull_recv_stage"), pull_recv_stage=cat("pull_recv_stage"),
+                    pull_recv_last=cat("pull_recv_last"), pull_send_rank=ranks("pull_send_stage"),
+                    pull_send_stage=cat("pull_send_stage"), push_recv_rank=ranks("push_recv_stage"),
+                    push_recv_stage=cat("push_recv_stage"),
+                    push_recv_pull=cat("push_recv_pull") + facts.send_base[ranks("push_recv_stage")],
+                    num_stages=max(m.num_stages for m in per_rank))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Facts:
+    """Rows of each store of each rank and, per call, how its query and key pieces pack."""
+
+    plan_tokens: np.ndarray  # per rank
+    recv_base: np.ndarray  # per rank: its first row in the concatenated pull_recv rows, pull_send rows
+    send_base: np.ndarray
+    pull_recv_kind: np.ndarray  # concatenated over ranks
     pull_recv_rows: np.ndarray
+    pull_send_kind: np.ndarray
     pull_send_rows: np.ndarray
     pull_send_copies: np.ndarray  # whether a sent pull's rows are not one run of the store they are sent from
+    call_rank: np.ndarray  # per call
     q_runs: np.ndarray  # per call: runs of its packed queries, keys
     kv_runs: np.ndarray
     q_rows: np.ndarray
@@ -167,38 +223,52 @@ class _RankFacts:
     kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's
 
     @classmethod
-    def of(cls, program: RankProgram, calls: CallArrays) -> "_RankFacts":
-        a, tables = program.arrays, program.tables
+    def of(cls, programs: list[RankProgram], requests: list[list[Request]], calls: CallArrays) -> "_Facts":
+        tables = programs[0].tables
         seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-        recv_rows = np.add.reduceat(seg_len[a["pull_recv_segs"]], program.seg_offsets("recv")[:-1]) \
-            if a["pull_recv_segs"].size else np.zeros(a["pull_recv_block"].size, dtype=np.int64)
-        recv_rows = np.where(a["pull_recv_seg_count"] > 0, recv_rows, 0)
-        send_rows = np.add.reduceat(seg_len[a["pull_send_segs"]], program.seg_offsets("send")[:-1]) \
-            if a["pull_send_segs"].size else np.zeros(a["pull_send_block"].size, dtype=np.int64)
-        send_rows = np.where(a["pull_send_seg_count"] > 0, send_rows, 0)
-        plan_tokens = int(seg_len[_local_segments(program)].sum())
+
+        def stacked(name):
+            return np.concatenate([program.arrays[name] for program in programs]).astype(np.int64)
+        recv_rows = _group_sums(seg_len[stacked("pull_recv_segs")], stacked("pull_recv_seg_count"))
+        send_rows = _group_sums(seg_len[stacked("pull_send_segs")], stacked("pull_send_seg_count"))
+        recv_count = np.asarray([p.arrays["pull_recv_block"].size for p in programs], dtype=np.int64)
+        send_count = np.asarray([p.arrays["pull_send_block"].size for p in programs], dtype=np.int64)
+        recv_base, send_base = np.cumsum(recv_count) - recv_count, np.cumsum(send_count) - send_count
+        seg_ptr = block_seg_ptr(programs[0])
+        plan_tokens = np.asarray([seg_len[_local_segments(p, seg_ptr)].sum() for p in programs], dtype=np.int64)
+        request_rank = np.repeat(np.arange(len(programs)), [len(r) for r in requests])
+        call_rank = request_rank[calls.call_request].astype(np.int64)
         entry_call = calls.entry_call
         key_call = entry_call[calls.key_entry]
         q_pieces = (entry_call, calls.entry_q_source, calls.entry_q_row, calls.entry_q_rows)
         kv_pieces = (key_call, calls.key_source, calls.key_row, calls.key_rows)
         q_runs, q_first = _runs_per_call(*q_pieces, calls.num_calls)
         kv_runs, _ = _runs_per_call(*kv_pieces, calls.num_calls)
-        store_rows = np.concatenate([recv_rows, [plan_tokens]])  # index -1: LOCAL
         q_rows, kv_rows = calls.call_q_rows, calls.call_k_rows
-        first_source = np.where(q_rows > 0, calls.entry_q_source[np.minimum(calls.call_entry_ptr[:-1],
-                                                                           max(calls.entry_q_source.size - 1, 0))]
-                                if calls.entry_q_source.size else 0, 0)
-        whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows[first_source])
-        return cls(plan_tokens=plan_tokens, pull_recv_rows=recv_rows.astype(np.int64),
-                   pull_send_rows=send_rows.astype(np.int64), pull_send_copies=_send_copies(program, seg_len),
-                   q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows, q_whole_store=whole,
-                   q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
+        head = np.minimum(calls.call_entry_ptr[:-1], max(calls.entry_q_source.size - 1, 0))
+        first_source = calls.entry_q_source[head] if calls.entry_q_source.size else np.zeros(0, dtype=np.int64)
+        store_rows = np.where(first_source == LOCAL, plan_tokens[call_rank],
+                              recv_rows[np.minimum(recv_base[call_rank] + first_source, max(recv_rows.size - 1, 0))]
+                              if recv_rows.size else 0)
+        whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows)
+        return cls(plan_tokens=plan_tokens, recv_base=recv_base, send_base=send_base,
+                   pull_recv_kind=stacked("pull_recv_kind"), pull_recv_rows=recv_rows,
+                   pull_send_kind=stacked("pull_send_kind"), pull_send_rows=send_rows,
+                   pull_send_copies=np.concatenate([_send_copies(p, seg_len, seg_ptr) for p in programs]),
+                   call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows,
+                   q_whole_store=whole, q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
                    kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
 
 
-def _local_segments(program: RankProgram) -> np.ndarray:
-    tables = program.tables
-    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
+def _group_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Sums of consecutive groups of `counts` values (0 for an empty group)."""
+    sums = np.concatenate(([0], np.cumsum(values))).astype(np.int64)
+    ends = np.cumsum(counts)
+    return sums[ends] - sums[ends - counts]
+
+
+def _local_segments(program: RankProgram, ptr: np.ndarray) -> np.ndarray:
+    """The rank's segments in plan-layout row order (ptr: :func:`fcp_compiler.format.call_plan.block_seg_ptr`)."""
     held = program.arrays["blocks"].astype(np.int64)
     counts = ptr[held + 1] - ptr[held]
     return (np.repeat(ptr[held], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts,
@@ -241,46 +311,50 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
     return total, largest
 
 
-def _send_copies(program: RankProgram, seg_len: np.ndarray) -> np.ndarray:
+def _send_copies(program: RankProgram, seg_len: np.ndarray, seg_ptr: np.ndarray) -> np.ndarray:
     """Whether each sent pull's segments are not one run of the store it is sent from (the plan layout, or a
     received pull's buffer for a relay): the runtime packs those into a copy."""
     a = program.arrays
-    local = _local_segments(program)
-    local_row = np.zeros(seg_len.size, dtype=np.int64)
-    local_row[local] = np.cumsum(seg_len[local]) - seg_len[local]
-    recv_offsets = program.seg_offsets("recv")
-    send_offsets = program.seg_offsets("send")
-    out = np.zeros(a["pull_send_block"].size, dtype=bool)
-    for row in np.flatnonzero(a["pull_send_seg_count"] > 1).tolist():
-        segs = a["pull_send_segs"][send_offsets[row]:send_offsets[row + 1]].astype(np.int64)
-        source = int(a["pull_send_source"][row])
-        if source == LOCAL:
-            starts = local_row[segs]
-        else:
-            store = a["pull_recv_segs"][recv_offsets[source]:recv_offsets[source + 1]].astype(np.int64)
-            store_row = dict(zip(store.tolist(), (np.cumsum(seg_len[store]) - seg_len[store]).tolist()))
-            starts = np.asarray([store_row[s] for s in segs.tolist()], dtype=np.int64)
-        out[row] = bool((starts[1:] != starts[:-1] + seg_len[segs[:-1]]).any())
-    return out
+    num_segs = seg_len.size
+    local = _local_segments(program, seg_ptr)
+    # Every (store, segment) -> its first row in the store: the plan layout (store 0) and each received pull (1 + r).
+    recv_segs = a["pull_recv_segs"].astype(np.int64)
+    recv_count = a["pull_recv_seg_count"].astype(np.int64)
+    recv_store = np.repeat(np.arange(recv_count.size), recv_count) + 1
+    before = np.append(np.cumsum(seg_len[recv_segs]) - seg_len[recv_segs], 0)  # rows before, over all pulls
+    recv_row = before[:-1] - np.repeat(before[np.cumsum(recv_count) - recv_count], recv_count)
+    keys = np.concatenate([local, recv_store * num_segs + recv_segs])
+    rows = np.concatenate([np.cumsum(seg_len[local]) - seg_len[local], recv_row])
+    order = np.argsort(keys, kind="stable")
+    send_segs = a["pull_send_segs"].astype(np.int64)
+    send_count = a["pull_send_seg_count"].astype(np.int64)
+    send_of = np.repeat(np.arange(send_count.size), send_count)
+    wanted = (a["pull_send_source"].astype(np.int64)[send_of] + 1) * num_segs + send_segs
+    found = order[np.minimum(np.searchsorted(keys[order], wanted), max(keys.size - 1, 0))] if keys.size else wanted
+    starts = rows[found] if keys.size else wanted
+    broken = np.zeros(send_segs.size, dtype=bool)
+    if send_segs.size > 1:
+        broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
+    return np.bincount(send_of[broken], minlength=send_count.size) > 0
 
 
-def _index_ints(calls: CallArrays, facts: _RankFacts) -> np.ndarray:
+def _index_ints(calls: CallArrays, facts: _Facts) -> np.ndarray:
     """Per call, the int32 values of its index tensors: cu_q and cu_k, and positions and rows of indexed sources."""
     entries = np.diff(calls.call_entry_ptr)
     return 2 * (entries + 1) + 2 * (facts.q_indexed[0] + facts.kv_indexed[0])
 
 
-def _pass_peak(program: RankProgram, messages: PassMessages, calls: CallArrays, stage_of_call: np.ndarray,
-               facts: _RankFacts, sizes: Sizes, name: str) -> int:
-    """The pass's peak: per stage, what lives while its calls run (its posts, the largest call's temporaries) and
-    what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the end."""
-    a = program.arrays
+def _pass_peak(programs: list[RankProgram], messages: _Stacked, stage_of_call: np.ndarray, facts: _Facts,
+               sizes: Sizes, name: str) -> np.ndarray:
+    """Each rank's peak in one pass: per stage, what lives while its calls run (its posts, the largest call's
+    temporaries) and what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the
+    end. Returns int64 [ranks]."""
     forward = name == "fwd"
-    tokens = facts.plan_tokens
+    num_ranks, tokens = len(programs), facts.plan_tokens
     base = tokens * ((sizes.q_acc + sizes.lse) if forward else (sizes.q_acc + 2 * sizes.kv_acc))
     outputs = tokens * (sizes.q if forward else sizes.q + 2 * sizes.kv)
     num_stages = max(messages.num_stages, 1)
-    is_kv = a["pull_recv_kind"] == TransferKind.KV
+    is_kv = facts.pull_recv_kind == TransferKind.KV
     rows = facts.pull_recv_rows
     if forward:
         buffer = np.where(is_kv, 2 * sizes.kv, sizes.q) * rows
@@ -288,41 +362,54 @@ def _pass_peak(program: RankProgram, messages: PassMessages, calls: CallArrays, 
     else:
         buffer = np.where(is_kv, 2 * sizes.kv, 3 * sizes.q + sizes.lse) * rows
         accumulator = np.where(is_kv, 2 * sizes.kv_acc, sizes.q_acc) * rows
+    rank = messages.pull_recv_rank
     first, last = messages.pull_recv_stage, np.maximum(messages.pull_recv_last, messages.pull_recv_stage)
     # Buffers during stage s's calls: posted at or before s, not yet freed; accumulators of those arrived before s.
-    during = _interval_sums(first, last, buffer, num_stages) + _interval_sums(first + 1, last, accumulator, num_stages)
-    after = during + _interval_sums(first, first, accumulator, num_stages)
-    send_kind = a["pull_send_kind"][messages.push_recv_pull] == TransferKind.KV
+    during = _interval_sums(rank, first, last, buffer, num_ranks, num_stages) + \
+        _interval_sums(rank, first + 1, last, accumulator, num_ranks, num_stages)
+    after = during + _interval_sums(rank, first, first, accumulator, num_ranks, num_stages)
+    send_kind = facts.pull_send_kind[messages.push_recv_pull] == TransferKind.KV
     push_rows = facts.pull_send_rows[messages.push_recv_pull]
     push_bytes = push_rows * (np.where(send_kind, 0, sizes.q_acc + sizes.lse) if forward else
                               np.where(send_kind, 2 * sizes.kv_acc, sizes.q_acc))
-    pushes = np.bincount(messages.push_recv_stage, weights=push_bytes, minlength=num_stages)[:num_stages]
-    send_is_kv = a["pull_send_kind"] == TransferKind.KV
-    send_rows = facts.pull_send_rows
+    pushes = _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, num_ranks, num_stages)
+    send_is_kv = facts.pull_send_kind == TransferKind.KV
+    copies, send_rows = facts.pull_send_copies, facts.pull_send_rows
     if forward:
-        copy = np.where(facts.pull_send_copies, np.where(send_is_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
+        copy = np.where(copies, np.where(send_is_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
     else:
-        copy = np.where(send_is_kv, np.where(facts.pull_send_copies, 2 * sizes.kv, 0),
-                        np.where(facts.pull_send_copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
-    sends = np.bincount(messages.pull_send_stage, weights=copy, minlength=num_stages)[:num_stages]
+        copy = np.where(send_is_kv, np.where(copies, 2 * sizes.kv, 0),
+                        np.where(copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+    sends = _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, num_ranks, num_stages)
     transient = _call_transients(facts, sizes, forward)
     mine = stage_of_call >= 0
-    largest = np.zeros(num_stages)
-    np.maximum.at(largest, stage_of_call[mine], transient[mine])
+    largest = np.zeros(num_ranks * num_stages)
+    np.maximum.at(largest, facts.call_rank[mine] * num_stages + stage_of_call[mine], transient[mine])
     posted = during + pushes + sends
-    peak = max(float((posted + largest).max(initial=0)), float((after + pushes + sends).max(initial=0)))
-    return int(base + max(peak, outputs))
+    peak = np.maximum((posted + largest.reshape(num_ranks, num_stages)).max(axis=1),
+                      (after + pushes + sends).max(axis=1))
+    return (base + np.maximum(peak, outputs)).astype(np.int64)
 
 
-def _interval_sums(first: np.ndarray, last: np.ndarray, values: np.ndarray, num_stages: int) -> np.ndarray:
-    """Per stage, the sum of values whose interval [first, last] holds it (empty intervals add nothing)."""
+def _per_slot(rank: np.ndarray, stage: np.ndarray, values: np.ndarray, num_ranks: int, num_stages: int) -> np.ndarray:
+    """Sums of values per (rank, stage): float [num_ranks, num_stages]."""
+    return np.bincount(rank * num_stages + stage, weights=values,
+                       minlength=num_ranks * num_stages)[:num_ranks * num_stages].reshape(num_ranks, num_stages)
+
+
+def _interval_sums(rank: np.ndarray, first: np.ndarray, last: np.ndarray, values: np.ndarray, num_ranks: int,
+                   num_stages: int) -> np.ndarray:
+    """Per (rank, stage), the sum of the rank's values whose interval [first, last] holds the stage (empty intervals
+    add nothing): float [num_ranks, num_stages]."""
     keep = first <= last
-    delta = np.bincount(first[keep], weights=values[keep], minlength=num_stages + 1)[:num_stages + 1]
-    delta -= np.bincount(last[keep] + 1, weights=values[keep], minlength=num_stages + 1)[:num_stages + 1]
-    return np.cumsum(delta)[:num_stages]
+    width = num_stages + 1
+    size = num_ranks * width
+    delta = np.bincount(rank[keep] * width + first[keep], weights=values[keep], minlength=size)[:size]
+    delta -= np.bincount(rank[keep] * width + last[keep] + 1, weights=values[keep], minlength=size)[:size]
+    return np.cumsum(delta.reshape(num_ranks, width), axis=1)[:, :num_stages]
 
 
-def _call_transients(facts: _RankFacts, sizes: Sizes, forward: bool) -> np.ndarray:
+def _call_transients(facts: _Facts, sizes: Sizes, forward: bool) -> np.ndarray:
     """Per call, the most bytes it holds at once: the kernel's outputs beside either its packed inputs that are not
     one run (freed when the kernel returns) or the largest merge's temporaries (index gathers, or four
     [heads, rows] LSE terms in place)."""

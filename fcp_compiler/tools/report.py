@@ -177,6 +177,16 @@ def rank_rows(reader: PlanReader) -> list[dict]:
     return rows
 
 
+def add_memory_columns(reader: PlanReader, rows: list[dict]) -> None:
+    """Add each rank's device memory peak per pass (GiB, the plan's dtype and layout) to its row of
+    :func:`rank_rows`: the plan's memory account over all ranks at once."""
+    from fcp_compiler.format.memory import ranks_peak_bytes
+
+    peaks = ranks_peak_bytes(list(reader.ranks()))
+    for row, (forward, backward) in zip(rows, peaks.tolist()):
+        row["peak_fwd_gib"], row["peak_bwd_gib"] = round(forward / 2 ** 30, 3), round(backward / 2 ** 30, 3)
+
+
 def rank_program_text(program: RankProgram) -> str:
     """Stage-by-stage view of one rank's forward and backward programs: messages, tiles and the kernel calls that
     compute them, and the device memory each pass peaks at (the plan's memory account, in the plan's dtype)."""
@@ -262,6 +272,13 @@ def inspect_summary(path, header, rows: list[dict]) -> str:
     lines.append(table(keys, [[row[k] for k in keys] for row in shown]))
     if len(rows) > 32:
         lines.append(f"  ... {len(rows) - 32} more ranks (--json for all)")
+    if "peak_fwd_gib" in keys:
+        for name, key in (("forward", "peak_fwd_gib"), ("backward", "peak_bwd_gib")):
+            worst = max(rows, key=lambda row: row[key])
+            lines.append(f"  device memory, {name}: at most {worst[key]:.2f} GiB (rank {worst['rank']}), median "
+                         f"{float(np.median([row[key] for row in rows])):.2f} GiB ({header.shape.dtype.value}, "
+                         f"{header.layout.value} layout; accumulators, received buffers, a kernel call's packed "
+                         f"inputs and outputs; not Q, K, V themselves)")
     return "\n".join(lines)
 
 
