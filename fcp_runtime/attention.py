@@ -432,7 +432,6 @@ class _ForwardPass:
                 merge_rows(store.tensors["out"], store.tensors["lse"], entry.rows, out.index_select(0, entry.positions),
                            lse.index_select(1, entry.positions))
 
-
     def attend(self, call: KernelCall, local: _Store, remote: dict[int, _Store]):
         """The call's kernel on its packed inputs, whose copies are freed on return, before the merges."""
         ex = self.ex

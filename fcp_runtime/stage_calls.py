@@ -46,7 +46,7 @@ class KernelCall:
     causal: bool
     window: tuple[int, int]  # flash-attn's window_size (left, right) of every entry; (-1, -1): none
     q_index: tuple[RowIndex, ...]  # per source: the packed query rows, to gather inputs and scatter results
-    kv_index: tuple[RowIndex, ...]
+    kv_index: tuple[RowIndex, ...]  # backward only: where dK, dV add (the forward reads keys by kv_runs)
     cu_q: torch.Tensor  # int32 [entries + 1] on the device
     cu_k: torch.Tensor
     max_q: int
@@ -108,9 +108,10 @@ def _kernel_calls(arrays: CallArrays, requests: list[Request]) -> list[list[Kern
         cu_k = np.concatenate(([0], np.cumsum(entry_k_rows[e0:e1])))
         sources = np.unique(np.concatenate([q[0], kv[0]]))
         request = int(arrays.call_request[call])
+        backward = requests[request].pass_name == "bwd"
         per_request[request].append(KernelCall(
             causal=bool(arrays.call_causal[call]), window=(int(arrays.call_left[call]), int(arrays.call_right[call])),
-            q_index=_row_index(*q), kv_index=_row_index(*kv), q_runs=_runs(*q), kv_runs=_runs(*kv),
+            q_index=_row_index(*q), kv_index=_row_index(*kv) if backward else (), q_runs=_runs(*q), kv_runs=_runs(*kv),
             cu_q=torch.from_numpy(cu_q.astype(np.int32)), cu_k=torch.from_numpy(cu_k.astype(np.int32)),
             max_q=int(q[2].max()), max_k=int(entry_k_rows[e0:e1].max()), tile_rows=requests[request].tiles,
             pull_rows=tuple(sources[sources != LOCAL].tolist())))
@@ -169,7 +170,7 @@ def prepare_calls(plan: RankPlan, layout: str, device) -> None:
 
 def _device_views(device: torch.device, tensors: list[torch.Tensor]):
     """A function that hands out, in order, views of one device copy of `tensors` (concatenated int32)."""
-    flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
+    flat = tensors[0] if len(tensors) == 1 else torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
     if device.type == "cuda":  # pragma: no cover - needs a GPU
         flat = flat.pin_memory()
     buffer = flat.to(device, non_blocking=True)

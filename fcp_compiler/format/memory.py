@@ -13,7 +13,8 @@ The runtime (fcp_runtime.attention) creates, per pass:
 - per kernel call, one at a time: the kernel's outputs, with first the packed inputs that are not one run
   (backward LSE always, but where it is a whole store), freed when the kernel returns, then the merges' or index
   adds' temporaries;
-- the call plan's index tensors (one int32 buffer, for the whole step).
+- the call plan's index tensors (one int32 buffer, for the whole step): cu_q and cu_k, and positions and rows where a
+  call's queries (merges) or, in the backward, its keys (dK, dV adds) of one source are not one run.
 
 `acc` is fp32 for bf16 and fp16 inputs, else the input dtype. Kernel workspaces are not counted (flash-attn's are
 small; the exact kernels are a test backend). benchmarks/runtime_traffic.py compares this with the peak a
@@ -160,7 +161,9 @@ def ranks_peak_bytes(programs: list[RankProgram], layout: str | None = None, dty
 def _peaks(programs: list[RankProgram], requests: list[list[Request]], calls: CallArrays,
            sizes: Sizes) -> np.ndarray:
     facts = _Facts.of(programs, requests, calls)
-    index_bytes = 4 * np.bincount(facts.call_rank, weights=_index_ints(calls, facts), minlength=len(programs))
+    backward = np.asarray([r.pass_name == "bwd" for rank in requests for r in rank], dtype=bool)[calls.call_request]
+    index_bytes = 4 * np.bincount(facts.call_rank, weights=_index_ints(calls, facts, backward),
+                                  minlength=len(programs))
     out = np.zeros((len(programs), 2), dtype=np.int64)
     for column, name in enumerate(("fwd", "bwd")):
         stage_of_call = np.asarray([max(r.stage, 0) if r.pass_name == name else -1 for rank in requests
@@ -338,10 +341,11 @@ def _send_copies(program: RankProgram, seg_len: np.ndarray, seg_ptr: np.ndarray)
     return np.bincount(send_of[broken], minlength=send_count.size) > 0
 
 
-def _index_ints(calls: CallArrays, facts: _Facts) -> np.ndarray:
-    """Per call, the int32 values of its index tensors: cu_q and cu_k, and positions and rows of indexed sources."""
+def _index_ints(calls: CallArrays, facts: _Facts, backward: np.ndarray) -> np.ndarray:
+    """Per call, the int32 values of its index tensors: cu_q and cu_k, and positions and rows of indexed query
+    sources (merges) and, in the backward, key sources (dK, dV adds)."""
     entries = np.diff(calls.call_entry_ptr)
-    return 2 * (entries + 1) + 2 * (facts.q_indexed[0] + facts.kv_indexed[0])
+    return 2 * (entries + 1) + 2 * (facts.q_indexed[0] + np.where(backward, facts.kv_indexed[0], 0))
 
 
 def _pass_peak(programs: list[RankProgram], messages: _Stacked, stage_of_call: np.ndarray, facts: _Facts,
