@@ -12,6 +12,7 @@ from fcp_compiler.algorithms.call_plan import GAP_LIMIT, LOCAL, plan_calls
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, UNMASKED, WINDOW_DIAGONAL, classify_pairs
 from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
 from fcp_compiler.format.inputs import BatchSpec
+from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import PlanReader
 
 
@@ -242,7 +243,7 @@ def test_a_tile_reading_a_block_the_rank_does_not_have_is_refused():
     a["tile_q_block"] = a["tile_q_block"].copy()
     a["tile_q_block"][0] = missing
     broken = type(program)(rank=program.rank, header=program.header, tables=program.tables, arrays=a)
-    with pytest.raises(ValueError, match="neither holds nor receives"):
+    with pytest.raises(PlanFormatError, match="neither holds nor receives"):
         rank_calls(broken, [Request(pass_name="fwd", stage=0, tiles=(0,))])
 
 

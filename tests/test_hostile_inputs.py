@@ -135,6 +135,15 @@ def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, cap
         expect_one_line(capsys, args, "invalid plan", code=1)
     code, _, err = run(capsys, "inspect", bad)
     assert code == 0 and err == ""  # inspect shows what is there, valid or not
+    for args in (["inspect", bad, "--rank", remote[0]], ["inspect", bad, "--memory"]):
+        code, out, err = run(capsys, *args)
+        assert code == 0 and err == "" and "GiB" in out
+    # A tile reading a block its rank neither holds nor receives has no kernel call to make: one line, exit 2.
+    rank, a = remote[0], arrays[remote[0]]
+    held = set(a["blocks"].tolist()) | set(a["pull_recv_block"].tolist())
+    a["tile_kv_block"][0] = next(b for b in range(reader.header.num_blocks) if b not in held)
+    unread = _write(tmp_path / "unread.fcp", rebuild_plan(reader, arrays))
+    expect_one_line(capsys, ["inspect", unread, "--rank", rank], "neither holds nor receives", code=2)
 
 
 def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):

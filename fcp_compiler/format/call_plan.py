@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
+from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind, tiles_during_reshuffle
 
 
@@ -120,7 +121,7 @@ def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
     """The kernel calls that compute each request's tiles on this rank (call_request indexes `requests`).
 
     Raises:
-        ValueError: a tile reads a block the rank neither holds nor receives (an invalid plan: fcp validate).
+        PlanFormatError: a tile reads a block the rank neither holds nor receives (an invalid plan: fcp validate).
     """
     return ranks_calls([program], [requests])
 
@@ -130,7 +131,7 @@ def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> C
     requests of all ranks in order (rank 0's, then rank 1's, ...); each call's rows are its own rank's.
 
     Raises:
-        ValueError: as :func:`rank_calls`.
+        PlanFormatError: as :func:`rank_calls`.
     """
     parts, local_lengths, request_rank = [], [], []
     request_base = local_base = 0
@@ -169,7 +170,8 @@ def _rank_pairs(program: RankProgram, requests: list[Request],
     k_unit = units.unit_of(TransferKind.KV, a["tile_kv_block"][tiles])
     if (q_unit < 0).any() or (k_unit < 0).any():
         bad = int(tiles[np.flatnonzero((q_unit < 0) | (k_unit < 0))[0]])
-        raise ValueError(f"rank {program.rank}'s tile {bad} reads a block it neither holds nor receives")
+        raise PlanFormatError(f"rank {program.rank}'s tile {bad} reads a block it neither holds nor receives: the plan "
+                              f"is invalid (fcp validate names the invariant)")
     # Every query segment of a tile against the key segments of its own sequence, in tile, then segment order.
     q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
     q_entry = _ranges(units.ptr[q_unit], q_count)
