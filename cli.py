@@ -240,7 +240,10 @@ def inspect_command(
     if rank is not None:
         program = reader.rank(rank)
         if as_json:
-            typer.echo(json.dumps({"rank": rank, **{k: v.tolist() for k, v in program.arrays.items()}}))
+            from fcp_compiler.format.memory import rank_peak_bytes
+
+            typer.echo(json.dumps({"rank": rank, **{k: v.tolist() for k, v in program.arrays.items()},
+                                   "peak_bytes": rank_peak_bytes(program)}))
         else:
             typer.echo(rank_program_text(program))
         return

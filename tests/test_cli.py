@@ -48,6 +48,8 @@ def test_compile_writes_plan_and_stats_and_validate_passes(tmp_path, capsys):
     assert code == 0 and "device memory, backward: at most" in out
     code, out, _ = run(capsys, "inspect", plan, "--rank", 2)
     assert f"backward {account['bwd'] / 2 ** 30:.2f} GiB" in out and "kernel calls" in out
+    code, out, _ = run(capsys, "inspect", plan, "--rank", 2, "--json")
+    assert code == 0 and json.loads(out)["peak_bytes"] == account
 
 
 def test_validate_exits_one_naming_the_invariant(tmp_path, capsys):
