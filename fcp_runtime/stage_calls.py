@@ -74,7 +74,7 @@ def merge_runs(pieces) -> list[tuple[int, int, int, int]]:
 def _row_index(source: np.ndarray, row: np.ndarray, rows: np.ndarray) -> tuple[RowIndex, ...]:
     """Per source, where its pieces (source, first row, rows; in packing order) sit in the packed tensor: a span
     where they are one run in both, else index tensors (host int32)."""
-    position = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
+    position = (np.cumsum(rows) - rows).astype(np.int64)
     out = []
     for src in np.unique(source).tolist():
         mine = source == src

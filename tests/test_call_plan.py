@@ -209,15 +209,19 @@ MASKS = {"causal": "causal", "full": "full", "window": {"kind": "sliding_window"
 
 
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
-                                         ("window", "plan"), ("mixed", "user")])
+                                         ("window", "plan"), ("mixed", "user"), ("offloaded", "plan")])
 def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, layout):
-    lengths = [3000, 700, 90, 1500, 260, 1200]
-    masks = MASKS[mask]
-    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
-                                      else [masks] * len(lengths)})
-    plan = compile_valid(batch, 4, block_size=256, coalesce=2, layout=layout)
+    if mask == "offloaded":  # ranks that hold no block and compute others' tiles
+        plan = compile_valid([2048, 100, 60], 8, block_size=512, coalesce=2, mask="full", floor=False)
+        assert any(PlanReader(plan.to_bytes()).rank(rank).arrays["blocks"].size == 0 for rank in range(8))
+    else:
+        lengths = [3000, 700, 90, 1500, 260, 1200]
+        masks = MASKS[mask]
+        batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
+                                          else [masks] * len(lengths)})
+        plan = compile_valid(batch, 4, block_size=256, coalesce=2, layout=layout)
     reader = PlanReader(plan.to_bytes())
-    for rank in range(4):
+    for rank in range(reader.header.num_ranks):
         program = reader.rank(rank)
         requests = step_requests(program)
         arrays = rank_calls(program, requests)

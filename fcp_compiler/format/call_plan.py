@@ -85,7 +85,7 @@ def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
     held = a["blocks"].astype(np.int64)
     held_count = seg_ptr[held + 1] - seg_ptr[held]
     local_segs = _ranges(seg_ptr[held], held_count)  # in plan-layout row order
-    local_rows = np.concatenate(([0], np.cumsum(seg_len[local_segs])[:-1])).astype(np.int64)
+    local_rows = (np.cumsum(seg_len[local_segs]) - seg_len[local_segs]).astype(np.int64)  # [] where it holds none
     pull_count = a["pull_recv_seg_count"].astype(np.int64)
     pull_segs = a["pull_recv_segs"].astype(np.int64)
     pull_rows = _ranges_rows(seg_len[pull_segs], pull_count)
