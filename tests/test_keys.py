@@ -49,3 +49,24 @@ def test_sorted_unique_counts_is_np_unique_with_counts(values):
     unique, counts = np.unique(keys, return_counts=True)
     ours, our_counts = sorted_unique_counts(keys)
     assert np.array_equal(ours, unique) and np.array_equal(our_counts, counts)
+
+
+@given(st.lists(st.integers(0, 40), unique=True, max_size=30), st.lists(st.integers(-5, 45), max_size=30))
+def test_lookup_finds_each_present_key_and_gives_the_missing_value_otherwise(present, wanted):
+    from fcp_compiler.algorithms.keys import lookup
+
+    keys = np.sort(np.asarray(present, dtype=np.int64))
+    values = keys * 10 + 3
+    got = lookup(keys, values, np.asarray(wanted, dtype=np.int64), -1)
+    assert got.tolist() == [w * 10 + 3 if w in present else -1 for w in wanted]
+
+
+@given(st.lists(st.lists(st.integers(1, 9), max_size=5), max_size=8))
+def test_group_sums_and_offsets_within_are_per_group_sums_and_prefixes(groups):
+    from fcp_compiler.algorithms.ranges import group_sums, offsets_within
+
+    values = np.asarray([v for g in groups for v in g], dtype=np.int64)
+    counts = np.asarray([len(g) for g in groups], dtype=np.int64)
+    ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    assert group_sums(values, ptr).tolist() == [sum(g) for g in groups]
+    assert offsets_within(values, counts).tolist() == [sum(g[:i]) for g in groups for i in range(len(g))]

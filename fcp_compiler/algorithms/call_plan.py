@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs
+from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.ranges import expand_ranges, group_sums
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
 # A call's queries are widened to one run of the rank's rows when the segments it skips add at most this many times
@@ -76,22 +78,17 @@ class CallArrays:
     @property
     def call_q_rows(self) -> np.ndarray:
         """Query rows per call (int64 [C])."""
-        return _segment_sums(self.entry_q_rows, self.call_entry_ptr)
+        return group_sums(self.entry_q_rows, self.call_entry_ptr)
 
     @property
     def call_k_rows(self) -> np.ndarray:
         """Key rows per call (int64 [C])."""
-        return _segment_sums(self.key_rows, self.entry_key_ptr[self.call_entry_ptr])
+        return group_sums(self.key_rows, self.entry_key_ptr[self.call_entry_ptr])
 
     @property
     def entry_k_rows(self) -> np.ndarray:
         """Key rows per entry (int64 [E])."""
-        return _segment_sums(self.key_rows, self.entry_key_ptr)
-
-
-def _segment_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
-    sums = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
-    return sums[ptr[1:]] - sums[ptr[:-1]]
+        return group_sums(self.key_rows, self.entry_key_ptr)
 
 
 def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg, k_row, k_start, k_end, window,
@@ -233,17 +230,13 @@ def _fill_gaps(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray,
     # A filled call lists every position from low to high: the entry there, or a gap.
     span = np.where(filled, high - low + 1, 0)
     fill_call = np.repeat(np.arange(num_calls), span)
-    fill_position = np.arange(fill_call.size) - np.repeat(np.cumsum(span) - span, span) + np.repeat(low, span)
-    fill_entry = -2 - fill_position
+    fill_position = expand_ranges(low, span)
     in_filled = np.flatnonzero(filled[entry_call])
     width = local_len.size + 1
-    if in_filled.size:
-        slot = entry_call[in_filled] * width + position[in_filled]
-        fill_key = fill_call * width + fill_position
-        order = np.argsort(slot)
-        found = np.minimum(np.searchsorted(slot[order], fill_key), slot.size - 1)
-        hit = slot[order][found] == fill_key
-        fill_entry = np.where(hit, entry_sorted[in_filled[order[found]]], fill_entry)
+    slot = entry_call[in_filled] * width + position[in_filled]
+    order = np.argsort(slot)
+    found = lookup(slot[order], entry_sorted[in_filled[order]], fill_call * width + fill_position, -1)
+    fill_entry = np.where(found >= 0, found, -2 - fill_position)
     kept = np.flatnonzero(~filled[entry_call])
     entry = np.concatenate([entry_sorted[kept], fill_entry])
     call = np.concatenate([entry_call[kept], fill_call])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import expand_ranges
 
 
@@ -28,7 +29,7 @@ class RankNeeds:
 
     def get(self, rank: int, segs: np.ndarray) -> np.ndarray:
         """How many of `rank`'s blocks read each of `segs` (0 where none)."""
-        return _lookup(self.segs[rank], self.counts[rank], segs)
+        return lookup(self.segs[rank], self.counts[rank], segs, 0)
 
     def table(self, ranks: np.ndarray):
         """A lookup (rank position in `ranks`, segment) -> count over several ranks at once (arrays broadcast)."""
@@ -36,7 +37,7 @@ class RankNeeds:
         keys = np.concatenate([self.segs[r] + i * self.num_segments for i, r in enumerate(rank_list)] + [[]])
         counts = np.concatenate([self.counts[r] for r in rank_list] + [[]])
         keys, counts = keys.astype(np.int64), counts.astype(np.int64)
-        return lambda rank_idx, segs: _lookup(keys, counts, rank_idx * self.num_segments + segs)
+        return lambda rank_idx, segs: lookup(keys, counts, rank_idx * self.num_segments + segs, 0)
 
     def matrix(self, ranks: np.ndarray, segs: np.ndarray, scratch: np.ndarray) -> np.ndarray:
         """counts[i, j]: how many of rank ranks[i]'s blocks read segs[j]. `scratch` is an all-zero array of one
@@ -106,14 +107,6 @@ def _sum_by(index: np.ndarray, weights: np.ndarray, length: int) -> np.ndarray:
     """Sums of `weights` by `index` (broadcast together), as a flat array of `length`."""
     index, weights = np.broadcast_arrays(index, weights)
     return np.bincount(index.ravel(), weights=weights.ravel(), minlength=length)
-
-
-def _lookup(keys: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """counts at the positions of `wanted` in the sorted `keys`, 0 where absent (any shape)."""
-    if keys.size == 0:
-        return np.zeros(np.shape(wanted), dtype=np.int64)
-    pos = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
-    return np.where(keys[pos] == wanted, counts[pos], 0)
 
 
 def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, block_tokens: np.ndarray,

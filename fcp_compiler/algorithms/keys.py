@@ -64,3 +64,12 @@ def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ordered = np.sort(np.asarray(keys, dtype=np.int64))
     first = np.flatnonzero(_run_starts(ordered))
     return ordered[first], np.diff(np.append(first, ordered.size))
+
+
+def lookup(keys: np.ndarray, values: np.ndarray, wanted: np.ndarray, missing: int) -> np.ndarray:
+    """values at the positions of `wanted` in the sorted `keys`, `missing` where a key is absent (any shape).
+    O(len(wanted) log len(keys))."""
+    if keys.size == 0:
+        return np.full(np.shape(wanted), missing, dtype=np.int64)
+    pos = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
+    return np.where(keys[pos] == wanted, values[pos], missing)

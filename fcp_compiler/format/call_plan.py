@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
+from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.ranges import expand_ranges, offsets_within
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind, tiles_during_reshuffle
 
@@ -67,15 +69,20 @@ class _Units:
 
     def unit_of(self, kind: int, blocks: np.ndarray) -> np.ndarray:
         """The unit a tile reads a block of `kind` from (a held block serves both kinds); -1 where there is none."""
-        wanted = kind * self.num_blocks + np.asarray(blocks, dtype=np.int64)
-        found = np.minimum(np.searchsorted(self.unit_key, wanted), max(self.unit_key.size - 1, 0))
-        hit = self.unit_key[found] == wanted if self.unit_key.size else np.zeros(wanted.size, dtype=bool)
-        return np.where(hit, self.unit_of_key[found] if self.unit_key.size else -1, -1)
+        return lookup(self.unit_key, self.unit_of_key, kind * self.num_blocks + np.asarray(blocks, dtype=np.int64),
+                      -1)
 
 
 def block_seg_ptr(program: RankProgram) -> np.ndarray:
     """Each block's first segment (num_blocks + 1 entries): segments are stored by block."""
     return np.searchsorted(program.tables.seg_block, np.arange(program.header.num_blocks + 1))
+
+
+def local_segments(program: RankProgram, seg_ptr: np.ndarray) -> np.ndarray:
+    """The rank's segments in plan-layout row order (its held blocks' segments, block by block); seg_ptr:
+    :func:`block_seg_ptr`."""
+    held = program.arrays["blocks"].astype(np.int64)
+    return expand_ranges(seg_ptr[held], seg_ptr[held + 1] - seg_ptr[held])
 
 
 def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
@@ -84,11 +91,11 @@ def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
     seg_len = tables.seg_end - tables.seg_start
     held = a["blocks"].astype(np.int64)
     held_count = seg_ptr[held + 1] - seg_ptr[held]
-    local_segs = _ranges(seg_ptr[held], held_count)  # in plan-layout row order
+    local_segs = local_segments(program, seg_ptr)
     local_rows = (np.cumsum(seg_len[local_segs]) - seg_len[local_segs]).astype(np.int64)  # [] where it holds none
     pull_count = a["pull_recv_seg_count"].astype(np.int64)
     pull_segs = a["pull_recv_segs"].astype(np.int64)
-    pull_rows = _ranges_rows(seg_len[pull_segs], pull_count)
+    pull_rows = offsets_within(seg_len[pull_segs], pull_count)
     counts = np.concatenate([held_count, pull_count])
     ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     source = np.concatenate([np.full(local_segs.size, LOCAL), np.repeat(np.arange(pull_count.size), pull_count)])
@@ -101,20 +108,6 @@ def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
     return _Units(ptr=ptr, seg=np.concatenate([local_segs, pull_segs]), row=np.concatenate([local_rows, pull_rows]),
                   source=source.astype(np.int64), unit_key=keys[order], unit_of_key=units[order],
                   num_blocks=num_blocks)
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [start, start + count)."""
-    total = int(counts.sum())
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return (np.repeat(starts, counts) + np.arange(total) - offsets).astype(np.int64)
-
-
-def _ranges_rows(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each item's first row within its group (groups of `counts` consecutive items, rows summed from 0)."""
-    rows = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    group_start = np.repeat(np.cumsum(counts) - counts, counts)
-    return rows[:-1] - rows[group_start] if lengths.size else np.zeros(0, dtype=np.int64)
 
 
 def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
@@ -174,10 +167,10 @@ def _rank_pairs(program: RankProgram, requests: list[Request],
                               f"is invalid (fcp validate names the invariant)")
     # Every query segment of a tile against the key segments of its own sequence, in tile, then segment order.
     q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
-    q_entry = _ranges(units.ptr[q_unit], q_count)
+    q_entry = expand_ranges(units.ptr[q_unit], q_count)
     q_tile = np.repeat(np.arange(tiles.size), q_count)
     k_count = units.ptr[k_unit + 1] - units.ptr[k_unit]
-    k_entry = _ranges(units.ptr[k_unit], k_count)
+    k_entry = expand_ranges(units.ptr[k_unit], k_count)
     k_tile = np.repeat(np.arange(tiles.size), k_count)
     num_seqs = tables.seq_lengths.size
     q_key = q_tile * num_seqs + tables.seg_seq[units.seg[q_entry]]
@@ -187,7 +180,7 @@ def _rank_pairs(program: RankProgram, requests: list[Request],
     high = np.searchsorted(k_key[k_order], q_key, side="right")
     matches = high - low
     q_pick = np.repeat(q_entry, matches)
-    k_pick = k_entry[k_order[_ranges(low, matches)]]
+    k_pick = k_entry[k_order[expand_ranges(low, matches)]]
     pair_tile = np.repeat(q_tile, matches)
     q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
     seq = tables.seg_seq[q_seg]

@@ -29,7 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
-from fcp_compiler.format.call_plan import Request, block_seg_ptr, rank_calls, ranks_calls, step_requests
+from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.ranges import group_sums, offsets_within
+from fcp_compiler.format.call_plan import (Request, block_seg_ptr, local_segments, rank_calls, ranks_calls,
+                                          step_requests)
 from fcp_compiler.format.plan_format import RankProgram, TransferKind
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
@@ -113,10 +116,8 @@ def pass_messages(program: RankProgram, pass_name: str) -> PassMessages:
     pull_key = a["pull_recv_kind"].astype(np.int64) * num_blocks + a["pull_recv_block"]
     order = np.argsort(pull_key, kind="stable")
     for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
-        wanted = kind * num_blocks + blocks.astype(np.int64)
-        found = np.minimum(np.searchsorted(pull_key[order], wanted), max(pull_key.size - 1, 0))
-        hit = pull_key[order][found] == wanted if pull_key.size else np.zeros(wanted.size, dtype=bool)
-        np.maximum.at(last, order[found[hit]], tile_stage[hit])
+        row = lookup(pull_key[order], order, kind * num_blocks + blocks.astype(np.int64), -1)
+        np.maximum.at(last, row[row >= 0], tile_stage[row >= 0])
     np.maximum.at(last, push_send_pull, push_send_stage)
     source = a["pull_send_source"].astype(np.int64)
     relayed = source[push_recv_pull]  # a relay's pushed-back gradient lands in its received buffer
@@ -233,13 +234,13 @@ class _Facts:
 
         def stacked(name):
             return np.concatenate([program.arrays[name] for program in programs]).astype(np.int64)
-        recv_rows = _group_sums(seg_len[stacked("pull_recv_segs")], stacked("pull_recv_seg_count"))
-        send_rows = _group_sums(seg_len[stacked("pull_send_segs")], stacked("pull_send_seg_count"))
+        recv_rows = group_sums(seg_len[stacked("pull_recv_segs")], _ptr(stacked("pull_recv_seg_count")))
+        send_rows = group_sums(seg_len[stacked("pull_send_segs")], _ptr(stacked("pull_send_seg_count")))
         recv_count = np.asarray([p.arrays["pull_recv_block"].size for p in programs], dtype=np.int64)
         send_count = np.asarray([p.arrays["pull_send_block"].size for p in programs], dtype=np.int64)
         recv_base, send_base = np.cumsum(recv_count) - recv_count, np.cumsum(send_count) - send_count
         seg_ptr = block_seg_ptr(programs[0])
-        plan_tokens = np.asarray([seg_len[_local_segments(p, seg_ptr)].sum() for p in programs], dtype=np.int64)
+        plan_tokens = np.asarray([seg_len[local_segments(p, seg_ptr)].sum() for p in programs], dtype=np.int64)
         request_rank = np.repeat(np.arange(len(programs)), [len(r) for r in requests])
         call_rank = request_rank[calls.call_request].astype(np.int64)
         entry_call = calls.entry_call
@@ -264,19 +265,9 @@ class _Facts:
                    kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
 
 
-def _group_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Sums of consecutive groups of `counts` values (0 for an empty group)."""
-    sums = np.concatenate(([0], np.cumsum(values))).astype(np.int64)
-    ends = np.cumsum(counts)
-    return sums[ends] - sums[ends - counts]
-
-
-def _local_segments(program: RankProgram, ptr: np.ndarray) -> np.ndarray:
-    """The rank's segments in plan-layout row order (ptr: :func:`fcp_compiler.format.call_plan.block_seg_ptr`)."""
-    held = program.arrays["blocks"].astype(np.int64)
-    counts = ptr[held + 1] - ptr[held]
-    return (np.repeat(ptr[held], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts,
-                                                                                    counts)).astype(np.int64)
+def _ptr(counts: np.ndarray) -> np.ndarray:
+    """Group bounds (a CSR's offsets) from group sizes."""
+    return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
 
 
 def _runs_per_call(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:
@@ -320,13 +311,12 @@ def _send_copies(program: RankProgram, seg_len: np.ndarray, seg_ptr: np.ndarray)
     received pull's buffer for a relay): the runtime packs those into a copy."""
     a = program.arrays
     num_segs = seg_len.size
-    local = _local_segments(program, seg_ptr)
+    local = local_segments(program, seg_ptr)
     # Every (store, segment) -> its first row in the store: the plan layout (store 0) and each received pull (1 + r).
     recv_segs = a["pull_recv_segs"].astype(np.int64)
     recv_count = a["pull_recv_seg_count"].astype(np.int64)
     recv_store = np.repeat(np.arange(recv_count.size), recv_count) + 1
-    before = np.append(np.cumsum(seg_len[recv_segs]) - seg_len[recv_segs], 0)  # rows before, over all pulls
-    recv_row = before[:-1] - np.repeat(before[np.cumsum(recv_count) - recv_count], recv_count)
+    recv_row = offsets_within(seg_len[recv_segs], recv_count)
     keys = np.concatenate([local, recv_store * num_segs + recv_segs])
     rows = np.concatenate([np.cumsum(seg_len[local]) - seg_len[local], recv_row])
     order = np.argsort(keys, kind="stable")
@@ -334,8 +324,7 @@ def _send_copies(program: RankProgram, seg_len: np.ndarray, seg_ptr: np.ndarray)
     send_count = a["pull_send_seg_count"].astype(np.int64)
     send_of = np.repeat(np.arange(send_count.size), send_count)
     wanted = (a["pull_send_source"].astype(np.int64)[send_of] + 1) * num_segs + send_segs
-    found = order[np.minimum(np.searchsorted(keys[order], wanted), max(keys.size - 1, 0))] if keys.size else wanted
-    starts = rows[found] if keys.size else wanted
+    starts = lookup(keys[order], rows[order], wanted, -1)
     broken = np.zeros(send_segs.size, dtype=bool)
     if send_segs.size > 1:
         broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
