@@ -109,6 +109,11 @@ def compile_command(
     model: str = typer.Option("llama3-70b", "--model", help="the layer whose per-rank time (linear layers on a "
                                                             "rank's tokens + attention) placement balances: "
                                                             "llama3-8b, llama3-70b or none (attention alone)"),
+    memory_budget: Optional[str] = typer.Option(
+        None, "--memory-budget", help="GiB of device memory a rank's attention may peak at in either pass; stages "
+                                      "shrink until every rank fits, and a budget none meets is refused; none: no "
+                                      "budget [4 with a model: what Llama-3-70B leaves of an 80 GB H100 at 256 GPUs; "
+                                      "none with --model none]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON [not written]"),
@@ -127,7 +132,7 @@ def compile_command(
                                 reshuffle_overlap=not no_reshuffle_overlap, kv_prefetch=not no_kv_prefetch,
                                 planner=planner, model=model,
                                 gpus_per_node=gpus_per_node, node_fan_out=_on_off("--node-fan-out", node_fan_out),
-                                floor=not no_floor)
+                                floor=not no_floor, memory_budget_gib=_memory_budget(memory_budget))
     if batch.suffix == ".jsonl":
         if stats is not None:
             raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
@@ -163,6 +168,21 @@ def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, opt
     write_files_atomic(files)
     if not quiet:
         typer.echo(compile_summary(figures, str(output)))
+
+
+def _memory_budget(value: str | None) -> float | None:
+    """--memory-budget: GiB, or none (math.inf: no budget); None: the default."""
+    if value is None:
+        return None
+    if value.strip().lower() == "none":
+        return math.inf
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = None
+    if budget is None or not math.isfinite(budget):
+        raise InvalidInputError(f"--memory-budget {value!r} must be a number of GiB (e.g. 4) or none")
+    return budget
 
 
 def _profile_file(profile: str | None) -> Path | None:

@@ -126,6 +126,7 @@ def test_received_buffers_live_from_their_post_to_their_last_use():
 def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_store():
     from fcp_compiler.format.call_plan import block_seg_ptr, local_segments
     from fcp_compiler.format.memory import _send_copies
+    from fcp_compiler.format.stacked import stack_programs
 
     plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
                          node_fan_out=True)
@@ -156,6 +157,6 @@ def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_stor
                 store = dict(zip(held.tolist(), (np.cumsum(seg_len[held]) - seg_len[held]).tolist()))
             starts = [store[seg] for seg in sent]
             expected.append(any(b != a_ + seg_len[s] for a_, b, s in zip(starts, starts[1:], sent)))
-        assert _send_copies(changed, seg_len, block_seg_ptr(program)).tolist() == expected
+        assert _send_copies(stack_programs([changed])).tolist() == expected
         checked += sum(expected)
     assert checked > 0

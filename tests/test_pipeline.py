@@ -15,15 +15,16 @@ from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.format.plan_format import PlanReader
 
 ROOT = Path(__file__).resolve().parents[1]
-STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds",
+STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds", "memory",
               "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
               "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
               "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
+# "memory": the returned plan's memory account (and, over the budget, its refits' passes, already listed).
 PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "fan_out", "schedule_rounds", "coalesce", "relay", "reshuffle",
-          "encode"]
+          "encode", "memory"]
 USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "fan_out", "schedule_rounds", "coalesce", "relay",
-                      "reshuffle", "encode"]
+                      "reshuffle", "encode", "memory"]
 
 
 @given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
@@ -13,8 +14,18 @@ from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, Atten
 from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, ModelPreset, load_model
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_COALESCE, MAX_RANKS
 
-_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model", "node_fan_out"})
+_NONE_IS_A_VALUE = frozenset({"block_size", "token_cap", "token_tolerance", "mask", "model", "node_fan_out",
+                              "memory_budget_gib"})
 DEFAULT_BLOCK_SIZE = 4096  # the seed's evaluation
+# The device memory a rank's attention may peak at in either pass, by default, with a model: what Llama-3-70B leaves
+# of an 80 GB H100 at 256 GPUs and 32K tokens a GPU (the seed's setting), once the rest of training has its share:
+# model states under ZeRO-3 (16 bytes a parameter / 256: 4.4 GB), the checkpointed layer inputs (80 x 32K x 8192 x
+# 2 bytes: 42.9 GB), one layer's recompute and backward working set (34 bytes x 32K x 8192: 9.1 GB, Korthikanti et
+# al.), the gathered and prefetched layer parameters and the gradient bucket (3 x 1.8 GB), CUDA context, NCCL and
+# allocator slack (about 10%: 8 GB), and the loss over a chunk of the 128K vocabulary in fp32 (about 4 GB) leave about
+# 6 GB; 4 GiB of it for attention keeps a margin for fragmentation. Attention alone (no model) has no default budget.
+DEFAULT_MEMORY_BUDGET_GIB = 4.0
+MAX_MEMORY_BUDGET_GIB = 2.0**20
 # With a model in the plan layout, tokens a rank holds are linear-layer time: ranks keep within 1% of the mean tokens
 # where whole blocks allow. On nine real-distribution batches at 64 and 256 GPUs (benchmarks/layer_objective.py
 # --fcp-options token_tolerance=T) the cap alone (mean + one block) leaves ranks 11% above the mean tokens and the
@@ -73,6 +84,26 @@ class CompileOptions:
     # Schedule one placement (a baseline's, or FCP's own with the floor off) within the floor's live-buffer budget
     # (4 x coalesce x block size tokens, smaller stages where needed), so that planners compare at equal memory.
     fit_memory: bool = False
+    # The most device memory (GiB) a rank's attention may peak at in either pass (fcp_compiler.format.memory): the
+    # stages are made smaller until every rank fits, and a budget no schedule meets is refused. None: the default,
+    # DEFAULT_MEMORY_BUDGET_GIB for FCP with a model (none for attention alone, and none for a baseline, which
+    # compiles as its system ships), met where scheduling can meet it (a rank with several times the seed's tokens
+    # cannot: the default is the seed's setting's, not a refusal); math.inf: no budget.
+    memory_budget_gib: float | None = None
+
+    @property
+    def resolved_memory_budget_bytes(self) -> int | None:
+        """The memory budget in bytes, or None for none."""
+        budget = self.memory_budget_gib
+        if budget is None:
+            budget = DEFAULT_MEMORY_BUDGET_GIB if self.model is not None and self.planner is Planner.FCP else math.inf
+        return None if math.isinf(budget) else int(budget * 2**30)
+
+    @property
+    def memory_budget_is_strict(self) -> bool:
+        """Whether a plan over the memory budget is refused (a budget the user gave) rather than kept over it (the
+        default, where no schedule meets it)."""
+        return self.memory_budget_gib is not None
 
     @classmethod
     def of(cls, num_ranks: int, **fields) -> CompileOptions:
@@ -171,6 +202,11 @@ class CompileOptions:
                      "fit_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} {getattr(self, name)!r} must be True or False")
+        budget = self.memory_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or
+                                   not (0.0 < budget <= MAX_MEMORY_BUDGET_GIB or budget == math.inf)):
+            raise InvalidInputError(f"--memory-budget {budget!r} must be a number of GiB in (0, "
+                                    f"{MAX_MEMORY_BUDGET_GIB:g}], e.g. 4, or none")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):

@@ -19,6 +19,7 @@ from fcp_compiler.core.floor import Placement
 from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule, TileSet, Transfers, ZigzagMode
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
+from fcp_compiler.core.plan_memory import plan_peak_bytes
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward, complete_backward,
                                                forward_peak, max_buffer_tokens, pass_peaks,
@@ -38,7 +39,8 @@ from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
                                         too_many_sequences)
-from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanReader, RankProgram
+from fcp_compiler.format.memory import least_peak_bytes
+from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram, with_header_fields
 from fcp_compiler.format.safe_io import write_atomic
 
 # _fit_memory aims this share of the memory budget when it shrinks the stages of a plan over it.
@@ -88,7 +90,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         "balance_tolerance": BALANCE_TOLERANCE, "pipelined": options.pipelined,
         "matching_rounds": options.matching_rounds, "reshuffle_overlap": options.reshuffle_overlap,
         "model": options.model_name, "node_fan_out": options.resolved_node_fan_out,
-        "kv_prefetch": options.resolved_kv_prefetch,
+        "kv_prefetch": options.resolved_kv_prefetch, "memory_budget_bytes": options.resolved_memory_budget_bytes,
     }
     if options.planner is Planner.FCP and not _floor_applies(options):  # absent where it runs, as before it existed
         canonical["floor"] = False
@@ -222,13 +224,95 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         final, header_fields, data = _finish(timer, schedule, options, digest)
         floor_stats = None
+    (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest)
+    if floor_stats is not None and budget_stats["refitted"]:
+        for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
+            floor_stats.pop(name, None)
     compile_seconds = time.perf_counter() - total_start
     stats = plan_stats(final, data, compile_seconds, timer.seconds, options.layout.value, options.model,
                        max_buffer=header_fields["max_buffer_tokens"])
     stats["kv_prefetch"] = header_fields["kv_prefetch"]
+    stats["memory"] = budget_stats
     if floor_stats is not None:
         stats.update(floor_stats)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+
+
+def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str) -> tuple[tuple, dict]:
+    """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
+    over the memory budget, its placement scheduled again within fewer live buffer tokens (smaller stages, shallower
+    levelling: :func:`_fit_memory`) until every rank fits. The floor's candidates are scored without the account, so
+    only the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was
+    (its header then states no budget); a given one is refused.
+
+    Returns:
+        ((final IR, header fields, bytes), the record for stats["memory"]).
+    Raises:
+        InfeasibleError: a budget the user gave that no schedule tried meets (naming the least peak found, and the
+            least any schedule can have).
+    """
+    budget = options.resolved_memory_budget_bytes
+    peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1])
+    record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
+              "met": True}
+    if budget is not None and peaks.max() > budget:
+        found = _refit_to_budget(timer, plan, options, digest, budget, record)
+        if found is not None:
+            (plan, peaks), record["refitted"] = found, True
+        elif options.memory_budget_is_strict:
+            raise InfeasibleError(
+                f"--memory-budget {budget / 2**30:.2f} GiB cannot be met: the least peak found is "
+                f"{record['least_peak_bytes'] / 2**30:.2f} GiB, and no schedule of this placement can go below "
+                f"{record['floor_bytes'] / 2**30:.2f} GiB on its busiest rank (its own tokens' accumulators and "
+                f"outputs); give a larger budget, more GPUs, or --memory-budget none")
+        else:
+            budget, record["met"] = None, False
+    memory = {"max_buffer_bytes_fwd": peaks[:, 0].tolist(), "max_buffer_bytes_bwd": peaks[:, 1].tolist(),
+              "memory_budget_bytes": budget}
+    record.update(peak_bytes_fwd=int(peaks[:, 0].max()), peak_bytes_bwd=int(peaks[:, 1].max()))
+    return (plan[0], {**plan[1], **memory}, with_header_fields(plan[2], **memory)), record
+
+
+def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
+                     record: dict) -> tuple[tuple, np.ndarray] | None:
+    """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until every
+    rank's peak fits `budget`: (the plan, its peaks), or None when no step does, or when a rank's own tokens'
+    accumulators and outputs alone are over it (no step is tried then). Records the steps tried, the least peak found
+    and that floor in `record`."""
+    final, fields, _ = plan
+    rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
+                              minlength=final.num_ranks)
+    floor_bytes = int(least_peak_bytes(PlanHeader.model_construct(**fields), rank_tokens).max())
+    record.update(floor_bytes=floor_bytes, least_peak_bytes=record["unbudgeted_peak_bytes"])
+    if floor_bytes > budget or not options.pipelined:
+        return None
+    for schedule in _budget_ladder(timer, final.rounds, options):
+        record["refits"] += 1
+        candidate = _finish(timer, schedule, options, digest)
+        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
+        if peaks.max() <= budget:
+            return candidate, peaks
+        record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
+    return None
+
+
+def _budget_ladder(timer: _PassTimer, rounds: Rounds, options: CompileOptions):
+    """Schedules of `rounds` that hold less and less, in the order they cost time: the backward levelled within
+    TIGHT_LEVELLING_STAGES (a tile levelling delays keeps its pulled block live), then its stages halved (a pulled
+    block lives until its gradient leaves two stages later), then both passes in stages of fewer rounds (about 3/4
+    each step, down to one), each with the backward's halved. A rank receives at most a stage's rounds of messages
+    at a time, so its peak falls about with the stage."""
+    per_stage, tight = options.coalesce, TIGHT_LEVELLING_STAGES
+    first = timer.run("coalesce", coalesce, rounds, per_stage, options.pipelined)
+    yield timer.run("coalesce", with_backward_rounds, first, 2 * per_stage, tight)
+    if (halved := smaller_backward_rounds(per_stage)) is not None:
+        yield timer.run("coalesce", with_backward_rounds, first, halved, tight)
+    del first
+    while (per_stage := per_stage * 3 // 4 if per_stage > 3 else per_stage - 1) >= 1:
+        schedule = timer.run("coalesce", coalesce, rounds, per_stage, options.pipelined, levelling_stages=tight)
+        if (halved := smaller_backward_rounds(per_stage)) is not None:
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, halved, tight)
+        yield schedule
 
 
 def _memory_budget(options: CompileOptions) -> int:
@@ -607,4 +691,7 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
                 max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,
                 rounds_kind="matching" if options.matching_rounds else "arbitrary",
-                reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch)
+                reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch,
+                # Filled in by _with_memory for the plan compile_plan returns; a floor candidate is only simulated.
+                max_buffer_bytes_fwd=[0] * options.num_ranks, max_buffer_bytes_bwd=[0] * options.num_ranks,
+                memory_budget_bytes=None)

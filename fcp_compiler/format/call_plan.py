@@ -17,7 +17,8 @@ from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
 from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import expand_ranges, offsets_within
 from fcp_compiler.errors import PlanFormatError
-from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind, tiles_during_reshuffle
+from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind
+from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +31,61 @@ class Request:
     tiles: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestTable:
+    """The requests of several stacked ranks (:class:`StackedRanks`), in the order each rank runs them, ranks one
+    after another: per request its rank (position in the stack), pass and stage; and the tiles each computes, as
+    stacked tile rows grouped by request, in order."""
+
+    request_rank: np.ndarray
+    request_backward: np.ndarray  # bool
+    request_stage: np.ndarray  # -1: the forward's tiles that run during the user layout's reshuffle
+    tile: np.ndarray
+    tile_request: np.ndarray
+
+    @classmethod
+    def of(cls, stacked: StackedRanks, requests: list[list[Request]]) -> "RequestTable":
+        """The table of explicit requests, per stacked rank (rows of that rank's tile arrays)."""
+        flat = [(rank, request) for rank, rank_requests in enumerate(requests) for request in rank_requests]
+        rank = np.asarray([r for r, _ in flat], dtype=np.int64)
+        sizes = [len(request.tiles) for _, request in flat]
+        tiles = np.fromiter((t for _, request in flat for t in request.tiles), dtype=np.int64, count=sum(sizes))
+        tile_request = np.repeat(np.arange(len(flat)), sizes)
+        return cls(request_rank=rank, request_backward=np.asarray([r.pass_name == "bwd" for _, r in flat], bool),
+                   request_stage=np.asarray([r.stage for _, r in flat], dtype=np.int64),
+                   tile=tiles + stacked.base("tile_stage")[rank[tile_request]] if tiles.size else tiles,
+                   tile_request=tile_request)
+
+
+def step_table(stacked: StackedRanks, layout: str | None = None) -> RequestTable:
+    """Every request one step of each stacked rank runs (:func:`step_requests`), for all ranks at once.
+
+    Args:
+        stacked: the ranks.
+        layout: "plan" or "user" (default: the layout the plan was compiled for).
+    """
+    a, header = stacked.arrays, stacked.header
+    layout = header.layout.value if layout is None else layout
+    num_fwd, num_bwd = header.num_fwd_stages, header.num_bwd_stages
+    tile_rank = stacked.rank_of("tile_stage")
+    early = _stacked_tiles_during_reshuffle(stacked) if layout == Layout.USER.value else \
+        np.zeros(tile_rank.size, dtype=bool)
+    has_early = (np.bincount(tile_rank[early], minlength=stacked.num_ranks) > 0).astype(np.int64)
+    per_rank = has_early + num_fwd + num_bwd
+    first = np.cumsum(per_rank) - per_rank
+    own = first[tile_rank] + has_early[tile_rank]
+    forward = np.where(early, first[tile_rank], own + a["tile_stage"])
+    backward = own + num_fwd + a["tile_bwd_stage"]
+    request = np.concatenate([forward, backward])
+    order = np.argsort(request, kind="stable")  # within a request, tiles in row order
+    rows = np.arange(tile_rank.size)
+    request_rank = np.repeat(np.arange(stacked.num_ranks), per_rank)
+    position = np.arange(request_rank.size) - first[request_rank] - has_early[request_rank]
+    return RequestTable(request_rank=request_rank, request_backward=position >= num_fwd,
+                        request_stage=np.where(position < num_fwd, position, position - num_fwd),
+                        tile=np.concatenate([rows, rows])[order], tile_request=request[order])
+
+
 def step_requests(program: RankProgram, layout: str | None = None) -> list[Request]:
     """Every request one step of this rank runs, in the order it runs them: in the user layout the stage-0 tiles
     that run during the reshuffle first, then each forward stage's other tiles, then each backward stage's.
@@ -38,39 +94,64 @@ def step_requests(program: RankProgram, layout: str | None = None) -> list[Reque
         program: the rank's slice of the plan.
         layout: "plan" or "user" (default: the layout the plan was compiled for).
     """
-    a = program.arrays
-    layout = program.header.layout.value if layout is None else layout
-    early = tiles_during_reshuffle(program) if layout == Layout.USER.value else np.zeros(a["tile_stage"].size, bool)
-    requests = [Request(pass_name="fwd", stage=-1, tiles=tuple(np.flatnonzero(early).tolist()))] if early.any() else []
-    for name, stages, count in (("fwd", a["tile_stage"], program.header.num_fwd_stages),
-                                ("bwd", a["tile_bwd_stage"], program.header.num_bwd_stages)):
-        skip = early if name == "fwd" else np.zeros(stages.size, dtype=bool)
-        order = np.argsort(stages, kind="stable")
-        bounds = np.searchsorted(stages[order], np.arange(count + 1))
-        for stage in range(count):
-            rows = order[bounds[stage]:bounds[stage + 1]]
-            requests.append(Request(pass_name=name, stage=stage, tiles=tuple(rows[~skip[rows]].tolist())))
-    return requests
+    table = step_table(stack_programs([program]), layout)
+    bounds = np.searchsorted(table.tile_request, np.arange(table.request_rank.size + 1))
+    tiles = table.tile.tolist()
+    return [Request(pass_name="bwd" if backward else "fwd", stage=stage, tiles=tuple(tiles[low:high]))
+            for backward, stage, low, high in zip(table.request_backward.tolist(), table.request_stage.tolist(),
+                                                  bounds[:-1].tolist(), bounds[1:].tolist())]
+
+
+def _stacked_tiles_during_reshuffle(stacked: StackedRanks) -> np.ndarray:
+    """:func:`fcp_compiler.format.plan_format.tiles_during_reshuffle` of every stacked rank: stage-0 tiles whose
+    query and key blocks the rank holds with all their tokens staying on it."""
+    a, tables = stacked.arrays, stacked.tables
+    num_blocks = stacked.header.num_blocks
+    if stacked.header.layout is Layout.PLAN:
+        return np.zeros(a["tile_stage"].size, dtype=bool)
+    block_tokens = np.bincount(tables.seg_block, weights=tables.seg_end - tables.seg_start,
+                               minlength=num_blocks).astype(np.int64)
+    held, held_rank = a["blocks"], stacked.rank_of("blocks")
+    held_tokens = block_tokens[held]
+    held_start = np.cumsum(held_tokens) - held_tokens  # every rank's layout end to end
+    local_base = np.concatenate(([0], np.cumsum(np.bincount(held_rank, weights=held_tokens,
+                                                            minlength=stacked.num_ranks))))[:-1].astype(np.int64)
+    run_rank = stacked.rank_of("reshuffle_recv_peer")
+    mine = a["reshuffle_recv_peer"] == stacked.ranks[run_rank]
+    stays = np.zeros(int(held_tokens.sum()), dtype=bool)
+    stays[expand_ranges(local_base[run_rank[mine]] + a["reshuffle_recv_offset"][mine],
+                        a["reshuffle_recv_length"][mine])] = True
+    held_stays = np.logical_and.reduceat(stays, held_start) if held.size else np.zeros(0, dtype=bool)
+    held_key = held_rank * num_blocks + held
+    order = np.argsort(held_key, kind="stable")
+    tile_rank = stacked.rank_of("tile_stage")
+
+    def stays_of(blocks):
+        found = lookup(held_key[order], held_stays[order].astype(np.int64), tile_rank * num_blocks + blocks, 0)
+        return found.astype(bool)
+    return (a["tile_stage"] == 0) & stays_of(a["tile_q_block"]) & stays_of(a["tile_kv_block"])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Units:
-    """Where each tile's segments are read from, as one CSR over units: unit i < H is the rank's i-th held block (in
-    layout order), unit H + r is received pull r; per unit entry its segment, its first row in the store, and the
-    store. Sized by the rank's own blocks and pulls, not by the batch."""
+    """Where each tile's segments are read from, as one CSR over units: per stacked rank, its held blocks (in layout
+    order), then its received pulls; per unit entry its segment, its first row in the store (local rows counted over
+    its rank), and the store (LOCAL, or the pull's row within its rank)."""
 
     ptr: np.ndarray
     seg: np.ndarray
     row: np.ndarray
     source: np.ndarray
-    unit_key: np.ndarray  # sorted (kind, block) keys of the units a tile can read, and their units
+    unit_key: np.ndarray  # sorted (rank, kind, block) keys of the units a tile can read, and their units
     unit_of_key: np.ndarray
+    local_len: np.ndarray  # every rank's local segments' lengths, in layout order, ranks one after another
+    local_base: np.ndarray  # per rank: its first row among them
     num_blocks: int
 
-    def unit_of(self, kind: int, blocks: np.ndarray) -> np.ndarray:
-        """The unit a tile reads a block of `kind` from (a held block serves both kinds); -1 where there is none."""
-        return lookup(self.unit_key, self.unit_of_key, kind * self.num_blocks + np.asarray(blocks, dtype=np.int64),
-                      -1)
+    def unit_of(self, rank: np.ndarray, kind: int, blocks: np.ndarray) -> np.ndarray:
+        """The unit a tile of `rank` reads a block of `kind` from (a held block serves both kinds); -1 where there
+        is none."""
+        return lookup(self.unit_key, self.unit_of_key, (rank * 2 + kind) * self.num_blocks + blocks, -1)
 
 
 def block_seg_ptr(program: RankProgram) -> np.ndarray:
@@ -85,28 +166,40 @@ def local_segments(program: RankProgram, seg_ptr: np.ndarray) -> np.ndarray:
     return expand_ranges(seg_ptr[held], seg_ptr[held + 1] - seg_ptr[held])
 
 
-def _units(program: RankProgram, seg_ptr: np.ndarray) -> _Units:
-    tables, a = program.tables, program.arrays
-    num_blocks = program.header.num_blocks
-    seg_len = tables.seg_end - tables.seg_start
-    held = a["blocks"].astype(np.int64)
+def _units(stacked: StackedRanks) -> _Units:
+    tables, a = stacked.tables, stacked.arrays
+    num_blocks = stacked.header.num_blocks
+    seg_ptr = np.searchsorted(tables.seg_block, np.arange(num_blocks + 1))
+    seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
+    held, held_rank = a["blocks"], stacked.rank_of("blocks")
+    pull_rank = stacked.rank_of("pull_recv_block")
     held_count = seg_ptr[held + 1] - seg_ptr[held]
-    local_segs = local_segments(program, seg_ptr)
-    local_rows = (np.cumsum(seg_len[local_segs]) - seg_len[local_segs]).astype(np.int64)  # [] where it holds none
-    pull_count = a["pull_recv_seg_count"].astype(np.int64)
-    pull_segs = a["pull_recv_segs"].astype(np.int64)
-    pull_rows = offsets_within(seg_len[pull_segs], pull_count)
-    counts = np.concatenate([held_count, pull_count])
-    ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    source = np.concatenate([np.full(local_segs.size, LOCAL), np.repeat(np.arange(pull_count.size), pull_count)])
-    held_units = np.arange(held.size)
-    pull_units = held.size + np.arange(pull_count.size)
-    keys = np.concatenate([TransferKind.Q * num_blocks + held, TransferKind.KV * num_blocks + held,
-                           a["pull_recv_kind"].astype(np.int64) * num_blocks + a["pull_recv_block"]])
-    units = np.concatenate([held_units, held_units, pull_units])
+    pull_count = a["pull_recv_seg_count"]
+    per_rank = stacked.count("blocks") + stacked.count("pull_recv_block")
+    unit_base = np.cumsum(per_rank) - per_rank
+    held_unit = unit_base[held_rank] + stacked.within("blocks")
+    pull_unit = unit_base[pull_rank] + stacked.count("blocks")[pull_rank] + stacked.within("pull_recv_block")
+    unit_count = np.empty(held.size + pull_count.size, dtype=np.int64)
+    unit_count[held_unit], unit_count[pull_unit] = held_count, pull_count
+    ptr = np.concatenate(([0], np.cumsum(unit_count))).astype(np.int64)
+    seg, row, source = (np.empty(int(ptr[-1]), dtype=np.int64) for _ in range(3))
+    local_segs = expand_ranges(seg_ptr[held], held_count)
+    local_len = seg_len[local_segs]
+    held_at = expand_ranges(ptr[held_unit], held_count)
+    local_count = np.bincount(held_rank, weights=held_count, minlength=stacked.num_ranks).astype(np.int64)
+    seg[held_at], row[held_at], source[held_at] = local_segs, offsets_within(local_len, local_count), LOCAL
+    pull_at = expand_ranges(ptr[pull_unit], pull_count)
+    pull_segs = a["pull_recv_segs"]
+    seg[pull_at], row[pull_at] = pull_segs, offsets_within(seg_len[pull_segs], pull_count)
+    source[pull_at] = np.repeat(stacked.within("pull_recv_block"), pull_count)
+    keys = np.concatenate([(held_rank * 2 + TransferKind.Q) * num_blocks + held,
+                           (held_rank * 2 + TransferKind.KV) * num_blocks + held,
+                           (pull_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]])
+    units = np.concatenate([held_unit, held_unit, pull_unit])
     order = np.argsort(keys, kind="stable")
-    return _Units(ptr=ptr, seg=np.concatenate([local_segs, pull_segs]), row=np.concatenate([local_rows, pull_rows]),
-                  source=source.astype(np.int64), unit_key=keys[order], unit_of_key=units[order],
+    local_rows = np.bincount(np.repeat(held_rank, held_count), weights=local_len, minlength=stacked.num_ranks)
+    return _Units(ptr=ptr, seg=seg, row=row, source=source, unit_key=keys[order], unit_of_key=units[order],
+                  local_len=local_len, local_base=(np.cumsum(local_rows) - local_rows).astype(np.int64),
                   num_blocks=num_blocks)
 
 
@@ -126,45 +219,40 @@ def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> C
     Raises:
         PlanFormatError: as :func:`rank_calls`.
     """
-    parts, local_lengths, request_rank = [], [], []
-    request_base = local_base = 0
-    local_bases = []
-    seg_ptr = block_seg_ptr(programs[0]) if programs else np.zeros(1, dtype=np.int64)  # the batch's, shared
-    for index, (program, rank_requests) in enumerate(zip(programs, requests)):
-        pairs, local_len = _rank_pairs(program, rank_requests, seg_ptr)
-        pairs[0] = pairs[0] + request_base
-        # The gap rule finds local segments by row: rows of all ranks' layouts, one after another.
-        pairs[3] = np.where(pairs[1] == LOCAL, pairs[3] + local_base, pairs[3])
-        parts.append(pairs)
-        local_lengths.append(local_len)
-        local_bases.append(local_base)
-        request_rank += [index] * len(rank_requests)
-        request_base += len(rank_requests)
-        local_base += int(local_len.sum())
-    columns = [np.concatenate([part[i] for part in parts]) if parts else np.zeros(0, dtype=np.int64)
-               for i in range(12)]
-    calls = plan_calls(*columns, np.concatenate(local_lengths) if local_lengths else np.zeros(0, dtype=np.int64))
-    entry_rank = np.asarray(request_rank, dtype=np.int64)[calls.call_request][calls.entry_call]
-    local = calls.entry_q_source == LOCAL
-    rows = np.where(local, calls.entry_q_row - np.asarray(local_bases, dtype=np.int64)[entry_rank]
-                    if entry_rank.size else calls.entry_q_row, calls.entry_q_row)
+    stacked = stack_programs(programs)
+    return stacked_calls(stacked, RequestTable.of(stacked, requests))
+
+
+def stacked_calls(stacked: StackedRanks, table: RequestTable) -> CallArrays:
+    """The kernel calls of every stacked rank's requests (call_request indexes the table's requests), in one
+    grouping over all their segment pairs; each call's rows are its own rank's.
+
+    Raises:
+        PlanFormatError: as :func:`rank_calls`.
+    """
+    units = _units(stacked)
+    pairs = _pairs(stacked, table, units)
+    calls = plan_calls(*pairs, units.local_len)
+    entry_rank = table.request_rank[calls.call_request][calls.entry_call]
+    rows = np.where(calls.entry_q_source == LOCAL, calls.entry_q_row - units.local_base[entry_rank],
+                    calls.entry_q_row)
     return dataclasses.replace(calls, entry_q_row=rows)
 
 
-def _rank_pairs(program: RankProgram, requests: list[Request],
-                seg_ptr: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-    """One rank's segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
-    k_source, k_seg, k_row, k_start, k_end, window), and its local segments' lengths in layout order."""
-    a, tables = program.arrays, program.tables
-    units = _units(program, seg_ptr)
-    tiles = np.asarray([t for request in requests for t in request.tiles], dtype=np.int64)
-    request_of_tile = np.repeat(np.arange(len(requests)), [len(request.tiles) for request in requests])
-    q_unit = units.unit_of(TransferKind.Q, a["tile_q_block"][tiles])
-    k_unit = units.unit_of(TransferKind.KV, a["tile_kv_block"][tiles])
+def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units) -> list[np.ndarray]:
+    """The requests' segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
+    k_source, k_seg, k_row, k_start, k_end, window), in request, tile, then segment order."""
+    a, tables = stacked.arrays, stacked.tables
+    tiles = table.tile
+    tile_rank = stacked.rank_of("tile_stage")[tiles]
+    q_unit = units.unit_of(tile_rank, TransferKind.Q, a["tile_q_block"][tiles])
+    k_unit = units.unit_of(tile_rank, TransferKind.KV, a["tile_kv_block"][tiles])
     if (q_unit < 0).any() or (k_unit < 0).any():
-        bad = int(tiles[np.flatnonzero((q_unit < 0) | (k_unit < 0))[0]])
-        raise PlanFormatError(f"rank {program.rank}'s tile {bad} reads a block it neither holds nor receives: the plan "
-                              f"is invalid (fcp validate names the invariant)")
+        bad = int(np.flatnonzero((q_unit < 0) | (k_unit < 0))[0])
+        rank = int(tile_rank[bad])
+        raise PlanFormatError(f"rank {int(stacked.ranks[rank])}'s tile {int(tiles[bad] - stacked.base('tile_stage')[rank])} "
+                              f"reads a block it neither holds nor receives: the plan is invalid (fcp validate names "
+                              f"the invariant)")
     # Every query segment of a tile against the key segments of its own sequence, in tile, then segment order.
     q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
     q_entry = expand_ranges(units.ptr[q_unit], q_count)
@@ -183,9 +271,10 @@ def _rank_pairs(program: RankProgram, requests: list[Request],
     k_pick = k_entry[k_order[expand_ranges(low, matches)]]
     pair_tile = np.repeat(q_tile, matches)
     q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
-    seq = tables.seg_seq[q_seg]
-    local_len = (tables.seg_end - tables.seg_start)[units.seg[units.source == LOCAL]]  # in layout order
-    pairs = [request_of_tile[pair_tile], units.source[q_pick], q_seg, units.row[q_pick], tables.seg_start[q_seg],
+    # The gap rule finds local segments by row: local query rows are counted over every rank's layout end to end.
+    q_source = units.source[q_pick]
+    q_row = units.row[q_pick] + np.where(q_source == LOCAL, units.local_base[tile_rank[pair_tile]], 0)
+    pairs = [table.tile_request[pair_tile], q_source, q_seg, q_row, tables.seg_start[q_seg],
              tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick], tables.seg_start[k_seg],
-             tables.seg_end[k_seg], tables.seq_window[seq]]
-    return [np.asarray(column, dtype=np.int64) for column in pairs], local_len.astype(np.int64)
+             tables.seg_end[k_seg], tables.seq_window[tables.seg_seq[q_seg]]]
+    return [np.asarray(column, dtype=np.int64) for column in pairs]

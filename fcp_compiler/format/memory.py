@@ -30,10 +30,10 @@ import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
-from fcp_compiler.algorithms.ranges import group_sums, offsets_within
-from fcp_compiler.format.call_plan import (Request, block_seg_ptr, local_segments, rank_calls, ranks_calls,
-                                          step_requests)
-from fcp_compiler.format.plan_format import RankProgram, TransferKind
+from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
+from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_table
+from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
+from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
@@ -70,9 +70,9 @@ class Sizes:
         return self.q_heads * self.acc_bytes
 
     @classmethod
-    def of(cls, program: RankProgram, dtype: str | None = None) -> "Sizes":
+    def of(cls, header: PlanHeader, dtype: str | None = None) -> "Sizes":
         """The sizes of the plan's attention shape in `dtype` (default: the plan's)."""
-        shape = program.header.shape
+        shape = header.shape
         dtype = shape.dtype.value if dtype is None else dtype
         dtype_bytes = DTYPE_BYTES[dtype]
         return cls(q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=dtype_bytes,
@@ -81,53 +81,64 @@ class Sizes:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PassMessages:
-    """One pass's messages on a rank, with the stage each is posted in and each received pull's last stage."""
+    """One pass's messages on stacked ranks (:class:`StackedRanks`): per row its rank (position in the stack) and the
+    stage it is posted in; per received pull the end of its buffer's life; pull rows that pushes name are rows of
+    the stacked pull_send arrays."""
 
-    pull_recv_stage: np.ndarray  # per pull_recv row
-    pull_recv_last: np.ndarray  # the end of its buffer's life (liveness rule)
-    pull_send_stage: np.ndarray  # per pull_send row
-    push_send_stage: np.ndarray  # per push sent: its stage, and the pull_recv row it goes back along
-    push_send_pull: np.ndarray
-    push_recv_stage: np.ndarray  # per push received: its stage, and the pull_send row it comes back along
+    pull_recv_rank: np.ndarray
+    pull_recv_stage: np.ndarray
+    pull_recv_last: np.ndarray
+    pull_send_rank: np.ndarray
+    pull_send_stage: np.ndarray
+    push_recv_rank: np.ndarray
+    push_recv_stage: np.ndarray
     push_recv_pull: np.ndarray
-    tile_stage: np.ndarray  # per tile row
     num_stages: int
 
 
 def pass_messages(program: RankProgram, pass_name: str) -> PassMessages:
-    """Where one pass's messages and tiles fall in its stages, and when each received pull is freed: at the end of
-    the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of its relay's
-    send, whichever is last (and never before it arrives)."""
-    a, header = program.arrays, program.header
+    """Where one pass's messages fall in its stages on this rank, and when each received pull is freed
+    (:func:`stacked_messages` of one rank)."""
+    return stacked_messages(stack_programs([program]), pass_name)
+
+
+def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
+    """Where one pass's messages fall in its stages, on every stacked rank, and when each received pull is freed: at
+    the end of the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of
+    its relay's send, whichever is last (and never before it arrives)."""
+    a, header = stacked.arrays, stacked.header
     forward = pass_name == "fwd"
     coalesce = header.coalesce if forward else header.bwd_coalesce
-    num_stages = header.num_fwd_stages if forward else header.num_bwd_stages
     suffix = "round" if forward else "bwd_round"
-    recv_stage = a[f"pull_recv_{suffix}"].astype(np.int64) // coalesce
-    send_stage = a[f"pull_send_{suffix}"].astype(np.int64) // coalesce
-    tile_stage = (a["tile_stage"] if forward else a["tile_bwd_stage"]).astype(np.int64)
-    push_send_stage = a[f"{pass_name}_push_send_round"].astype(np.int64) // coalesce
-    push_send_pull = a[f"{pass_name}_push_send_pull"].astype(np.int64)
-    push_recv_stage = a[f"{pass_name}_push_recv_round"].astype(np.int64) // coalesce
-    push_recv_pull = a[f"{pass_name}_push_recv_pull"].astype(np.int64)
+    recv_rank, send_rank = stacked.rank_of("pull_recv_round"), stacked.rank_of("pull_send_round")
+    recv_base, send_base = stacked.base("pull_recv_round"), stacked.base("pull_send_round")
+    recv_stage, send_stage = a[f"pull_recv_{suffix}"] // coalesce, a[f"pull_send_{suffix}"] // coalesce
+    tile_stage = a["tile_stage"] if forward else a["tile_bwd_stage"]
+    push_send_stage = a[f"{pass_name}_push_send_round"] // coalesce
+    push_send_pull = a[f"{pass_name}_push_send_pull"] + recv_base[stacked.rank_of(f"{pass_name}_push_send_round")]
+    push_recv_rank = stacked.rank_of(f"{pass_name}_push_recv_round")
+    push_recv_stage = a[f"{pass_name}_push_recv_round"] // coalesce
+    push_recv_pull = a[f"{pass_name}_push_recv_pull"] + send_base[push_recv_rank]
     last = recv_stage.copy()
     num_blocks = header.num_blocks
-    # Each received pull's (kind, block), sorted, to find the pull a tile reads (sized by the rank's pulls).
-    pull_key = a["pull_recv_kind"].astype(np.int64) * num_blocks + a["pull_recv_block"]
+    # Each received pull's (rank, kind, block), sorted, to find the pull a tile reads.
+    pull_key = (recv_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]
     order = np.argsort(pull_key, kind="stable")
+    tile_rank = stacked.rank_of("tile_stage")
     for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
-        row = lookup(pull_key[order], order, kind * num_blocks + blocks.astype(np.int64), -1)
+        row = lookup(pull_key[order], order, (tile_rank * 2 + kind) * num_blocks + blocks, -1)
         np.maximum.at(last, row[row >= 0], tile_stage[row >= 0])
     np.maximum.at(last, push_send_pull, push_send_stage)
-    source = a["pull_send_source"].astype(np.int64)
+    source = a["pull_send_source"]
+    source = np.where(source >= 0, source + recv_base[send_rank], -1)  # a relay's own received row
     relayed = source[push_recv_pull]  # a relay's pushed-back gradient lands in its received buffer
     np.maximum.at(last, relayed[relayed >= 0], push_recv_stage[relayed >= 0])
     relays = np.flatnonzero(source >= 0)  # a relay keeps the block until it has sent it on
     np.maximum.at(last, source[relays], send_stage[relays])
-    return PassMessages(pull_recv_stage=recv_stage, pull_recv_last=last, pull_send_stage=send_stage,
-                        push_send_stage=push_send_stage, push_send_pull=push_send_pull,
-                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull, tile_stage=tile_stage,
-                        num_stages=num_stages)
+    return PassMessages(pull_recv_rank=recv_rank, pull_recv_stage=recv_stage, pull_recv_last=last,
+                        pull_send_rank=send_rank, pull_send_stage=send_stage, push_recv_rank=push_recv_rank,
+                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull,
+                        num_stages=header.num_fwd_stages if forward else header.num_bwd_stages)
 
 
 def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None,
@@ -142,68 +153,47 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
     Returns:
         {"fwd": bytes, "bwd": bytes}.
     """
-    requests = step_requests(program, layout) if requests is None else requests
-    calls = rank_calls(program, requests) if calls is None else calls
-    peaks = _peaks([program], [requests], calls, Sizes.of(program, dtype))
+    stacked = stack_programs([program])
+    table = step_table(stacked, layout) if requests is None else RequestTable.of(stacked, [requests])
+    calls = stacked_calls(stacked, table) if calls is None else calls
+    peaks = _peaks(stacked, table, calls, Sizes.of(program.header, dtype))
     return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
 
 
 def ranks_peak_bytes(programs: list[RankProgram], layout: str | None = None, dtype: str | None = None) -> np.ndarray:
-    """:func:`rank_peak_bytes` of several ranks at once (one call plan over all of them).
+    """:func:`rank_peak_bytes` of several ranks at once.
 
     Returns:
         int64 [len(programs), 2]: per rank, the forward's and the backward's peak bytes.
     """
     if not programs:
         return np.zeros((0, 2), dtype=np.int64)
-    requests = [step_requests(program, layout) for program in programs]
-    return _peaks(programs, requests, ranks_calls(programs, requests), Sizes.of(programs[0], dtype))
+    return stacked_peak_bytes(stack_programs(programs), layout, dtype)
 
 
-def _peaks(programs: list[RankProgram], requests: list[list[Request]], calls: CallArrays,
-           sizes: Sizes) -> np.ndarray:
-    facts = _Facts.of(programs, requests, calls)
-    backward = np.asarray([r.pass_name == "bwd" for rank in requests for r in rank], dtype=bool)[calls.call_request]
+def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None) -> np.ndarray:
+    """:func:`rank_peak_bytes` of every stacked rank, in one vectorized pass over all of them (one call plan).
+
+    Returns:
+        int64 [stacked.num_ranks, 2]: per rank, the forward's and the backward's peak bytes.
+    """
+    table = step_table(stacked, layout)
+    return _peaks(stacked, table, stacked_calls(stacked, table), Sizes.of(stacked.header, dtype))
+
+
+def _peaks(stacked: StackedRanks, table: RequestTable, calls: CallArrays, sizes: Sizes) -> np.ndarray:
+    facts = _Facts.of(stacked, table, calls)
+    backward = table.request_backward[calls.call_request]
     index_bytes = 4 * np.bincount(facts.call_rank, weights=_index_ints(calls, facts, backward),
-                                  minlength=len(programs))
-    out = np.zeros((len(programs), 2), dtype=np.int64)
+                                  minlength=stacked.num_ranks)
+    out = np.zeros((stacked.num_ranks, 2), dtype=np.int64)
+    stage = np.maximum(table.request_stage[calls.call_request], 0)
     for column, name in enumerate(("fwd", "bwd")):
-        stage_of_call = np.asarray([max(r.stage, 0) if r.pass_name == name else -1 for rank in requests
-                                    for r in rank], dtype=np.int64)[calls.call_request]
-        messages = _stack_messages([pass_messages(program, name) for program in programs], facts)
-        out[:, column] = _pass_peak(programs, messages, stage_of_call, facts, sizes, name)
+        stage_of_call = np.where(backward == (name == "bwd"), stage, -1)
+        messages = stacked_messages(stacked, name)
+        out[:, column] = _pass_peak(stacked.num_ranks, messages, stage_of_call, facts, sizes, name)
     out[:, 0] += index_bytes.astype(np.int64)
     return out
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Stacked:
-    """One pass's messages of several ranks: each array concatenated over ranks, with the rank of each row; pull
-    rows indexed into the concatenated pull_recv and pull_send rows."""
-
-    pull_recv_rank: np.ndarray
-    pull_recv_stage: np.ndarray
-    pull_recv_last: np.ndarray
-    pull_send_rank: np.ndarray
-    pull_send_stage: np.ndarray
-    push_recv_rank: np.ndarray
-    push_recv_stage: np.ndarray
-    push_recv_pull: np.ndarray  # into the concatenated pull_send rows
-    num_stages: int
-
-
-def _stack_messages(per_rank: list[PassMessages], facts: "_Facts") -> _Stacked:
-    def cat(name):
-        return np.concatenate([getattr(m, name) for m in per_rank]).astype(np.int64)
-
-    def ranks(name):
-        return np.repeat(np.arange(len(per_rank)), [getattr(m, name).size for m in per_rank])
-    return _Stacked(pull_recv_rank=ranks("pull_recv_stage"), pull_recv_stage=cat("pull_recv_stage"),
-                    pull_recv_last=cat("pull_recv_last"), pull_send_rank=ranks("pull_send_stage"),
-                    pull_send_stage=cat("pull_send_stage"), push_recv_rank=ranks("push_recv_stage"),
-                    push_recv_stage=cat("push_recv_stage"),
-                    push_recv_pull=cat("push_recv_pull") + facts.send_base[ranks("push_recv_stage")],
-                    num_stages=max(m.num_stages for m in per_rank))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,9 +201,7 @@ class _Facts:
     """Rows of each store of each rank and, per call, how its query and key pieces pack."""
 
     plan_tokens: np.ndarray  # per rank
-    recv_base: np.ndarray  # per rank: its first row in the concatenated pull_recv rows, pull_send rows
-    send_base: np.ndarray
-    pull_recv_kind: np.ndarray  # concatenated over ranks
+    pull_recv_kind: np.ndarray  # stacked over ranks
     pull_recv_rows: np.ndarray
     pull_send_kind: np.ndarray
     pull_send_rows: np.ndarray
@@ -228,21 +216,15 @@ class _Facts:
     kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's
 
     @classmethod
-    def of(cls, programs: list[RankProgram], requests: list[list[Request]], calls: CallArrays) -> "_Facts":
-        tables = programs[0].tables
+    def of(cls, stacked: StackedRanks, table: RequestTable, calls: CallArrays) -> "_Facts":
+        a, tables = stacked.arrays, stacked.tables
         seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-
-        def stacked(name):
-            return np.concatenate([program.arrays[name] for program in programs]).astype(np.int64)
-        recv_rows = group_sums(seg_len[stacked("pull_recv_segs")], _ptr(stacked("pull_recv_seg_count")))
-        send_rows = group_sums(seg_len[stacked("pull_send_segs")], _ptr(stacked("pull_send_seg_count")))
-        recv_count = np.asarray([p.arrays["pull_recv_block"].size for p in programs], dtype=np.int64)
-        send_count = np.asarray([p.arrays["pull_send_block"].size for p in programs], dtype=np.int64)
-        recv_base, send_base = np.cumsum(recv_count) - recv_count, np.cumsum(send_count) - send_count
-        seg_ptr = block_seg_ptr(programs[0])
-        plan_tokens = np.asarray([seg_len[local_segments(p, seg_ptr)].sum() for p in programs], dtype=np.int64)
-        request_rank = np.repeat(np.arange(len(programs)), [len(r) for r in requests])
-        call_rank = request_rank[calls.call_request].astype(np.int64)
+        recv_rows = group_sums(seg_len[a["pull_recv_segs"]], _ptr(a["pull_recv_seg_count"]))
+        send_rows = group_sums(seg_len[a["pull_send_segs"]], _ptr(a["pull_send_seg_count"]))
+        block_tokens = np.bincount(tables.seg_block, weights=seg_len, minlength=stacked.header.num_blocks)
+        plan_tokens = np.bincount(stacked.rank_of("blocks"), weights=block_tokens[a["blocks"]],
+                                  minlength=stacked.num_ranks).astype(np.int64)
+        call_rank = table.request_rank[calls.call_request].astype(np.int64)
         entry_call = calls.entry_call
         key_call = entry_call[calls.key_entry]
         q_pieces = (entry_call, calls.entry_q_source, calls.entry_q_row, calls.entry_q_rows)
@@ -252,16 +234,15 @@ class _Facts:
         q_rows, kv_rows = calls.call_q_rows, calls.call_k_rows
         head = np.minimum(calls.call_entry_ptr[:-1], max(calls.entry_q_source.size - 1, 0))
         first_source = calls.entry_q_source[head] if calls.entry_q_source.size else np.zeros(0, dtype=np.int64)
+        recv_row = np.minimum(stacked.base("pull_recv_round")[call_rank] + first_source, max(recv_rows.size - 1, 0))
         store_rows = np.where(first_source == LOCAL, plan_tokens[call_rank],
-                              recv_rows[np.minimum(recv_base[call_rank] + first_source, max(recv_rows.size - 1, 0))]
-                              if recv_rows.size else 0)
+                              recv_rows[recv_row] if recv_rows.size else 0)
         whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows)
-        return cls(plan_tokens=plan_tokens, recv_base=recv_base, send_base=send_base,
-                   pull_recv_kind=stacked("pull_recv_kind"), pull_recv_rows=recv_rows,
-                   pull_send_kind=stacked("pull_send_kind"), pull_send_rows=send_rows,
-                   pull_send_copies=np.concatenate([_send_copies(p, seg_len, seg_ptr) for p in programs]),
-                   call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows,
-                   q_whole_store=whole, q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
+        return cls(plan_tokens=plan_tokens, pull_recv_kind=a["pull_recv_kind"], pull_recv_rows=recv_rows,
+                   pull_send_kind=a["pull_send_kind"], pull_send_rows=send_rows,
+                   pull_send_copies=_send_copies(stacked), call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs,
+                   q_rows=q_rows, kv_rows=kv_rows, q_whole_store=whole,
+                   q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
                    kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
 
 
@@ -306,25 +287,32 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
     return total, largest
 
 
-def _send_copies(program: RankProgram, seg_len: np.ndarray, seg_ptr: np.ndarray) -> np.ndarray:
-    """Whether each sent pull's segments are not one run of the store it is sent from (the plan layout, or a
-    received pull's buffer for a relay): the runtime packs those into a copy."""
-    a = program.arrays
+def _send_copies(stacked: StackedRanks) -> np.ndarray:
+    """Whether each sent pull's segments (stacked rows) are not one run of the store it is sent from (its rank's
+    plan layout, or a received pull's buffer for a relay): the runtime packs those into a copy."""
+    a, tables = stacked.arrays, stacked.tables
+    seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     num_segs = seg_len.size
-    local = local_segments(program, seg_ptr)
-    # Every (store, segment) -> its first row in the store: the plan layout (store 0) and each received pull (1 + r).
-    recv_segs = a["pull_recv_segs"].astype(np.int64)
-    recv_count = a["pull_recv_seg_count"].astype(np.int64)
-    recv_store = np.repeat(np.arange(recv_count.size), recv_count) + 1
-    recv_row = offsets_within(seg_len[recv_segs], recv_count)
-    keys = np.concatenate([local, recv_store * num_segs + recv_segs])
-    rows = np.concatenate([np.cumsum(seg_len[local]) - seg_len[local], recv_row])
+    held, held_rank = a["blocks"], stacked.rank_of("blocks")
+    seg_ptr = np.searchsorted(tables.seg_block, np.arange(stacked.header.num_blocks + 1))
+    held_count = seg_ptr[held + 1] - seg_ptr[held]
+    local = expand_ranges(seg_ptr[held], held_count)
+    local_count = np.bincount(held_rank, weights=held_count, minlength=stacked.num_ranks).astype(np.int64)
+    # Stores, numbered over all ranks: rank r's plan layout, then each of its received pulls.
+    recv_base = stacked.base("pull_recv_round")
+    layout_store = recv_base + np.arange(stacked.num_ranks)
+    recv_count = a["pull_recv_seg_count"]
+    recv_store = layout_store[stacked.rank_of("pull_recv_round")] + 1 + stacked.within("pull_recv_round")
+    recv_segs = a["pull_recv_segs"]
+    keys = np.concatenate([np.repeat(layout_store, local_count) * num_segs + local,
+                           np.repeat(recv_store, recv_count) * num_segs + recv_segs])
+    rows = np.concatenate([offsets_within(seg_len[local], local_count), offsets_within(seg_len[recv_segs], recv_count)])
     order = np.argsort(keys, kind="stable")
-    send_segs = a["pull_send_segs"].astype(np.int64)
-    send_count = a["pull_send_seg_count"].astype(np.int64)
+    send_rank, source = stacked.rank_of("pull_send_round"), a["pull_send_source"]
+    send_store = np.where(source >= 0, layout_store[send_rank] + 1 + source, layout_store[send_rank])
+    send_segs, send_count = a["pull_send_segs"], a["pull_send_seg_count"]
     send_of = np.repeat(np.arange(send_count.size), send_count)
-    wanted = (a["pull_send_source"].astype(np.int64)[send_of] + 1) * num_segs + send_segs
-    starts = lookup(keys[order], rows[order], wanted, -1)
+    starts = lookup(keys[order], rows[order], send_store[send_of] * num_segs + send_segs, -1)
     broken = np.zeros(send_segs.size, dtype=bool)
     if send_segs.size > 1:
         broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
@@ -338,15 +326,37 @@ def _index_ints(calls: CallArrays, facts: _Facts, backward: np.ndarray) -> np.nd
     return 2 * (entries + 1) + 2 * (facts.q_indexed[0] + np.where(backward, facts.kv_indexed[0], 0))
 
 
-def _pass_peak(programs: list[RankProgram], messages: _Stacked, stage_of_call: np.ndarray, facts: _Facts,
+def _own_bytes(tokens: np.ndarray, sizes: Sizes, forward: bool) -> tuple[np.ndarray, np.ndarray]:
+    """What a rank's own tokens hold in a pass whatever its schedule: the accumulators, all pass long, and the
+    outputs in the input dtype beside them at the end."""
+    base = tokens * ((sizes.q_acc + sizes.lse) if forward else (sizes.q_acc + 2 * sizes.kv_acc))
+    return base, tokens * (sizes.q if forward else sizes.q + 2 * sizes.kv)
+
+
+def least_peak_bytes(header: PlanHeader, rank_tokens: np.ndarray, dtype: str | None = None) -> np.ndarray:
+    """A lower bound on each rank's peak over both passes, for any schedule: its own tokens' accumulators and outputs
+    (a budget under it cannot be met by scheduling).
+
+    Args:
+        header: the plan's header (its shape and dtype).
+        rank_tokens: int [ranks], the tokens each rank holds in the plan layout.
+        dtype: as :func:`rank_peak_bytes`.
+    Returns:
+        int64 [ranks].
+    """
+    sizes = Sizes.of(header, dtype)
+    tokens = np.asarray(rank_tokens, dtype=np.int64)
+    return np.maximum(*(np.add(*_own_bytes(tokens, sizes, forward)) for forward in (True, False))).astype(np.int64)
+
+
+def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray, facts: _Facts,
                sizes: Sizes, name: str) -> np.ndarray:
     """Each rank's peak in one pass: per stage, what lives while its calls run (its posts, the largest call's
     temporaries) and what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the
     end. Returns int64 [ranks]."""
     forward = name == "fwd"
-    num_ranks, tokens = len(programs), facts.plan_tokens
-    base = tokens * ((sizes.q_acc + sizes.lse) if forward else (sizes.q_acc + 2 * sizes.kv_acc))
-    outputs = tokens * (sizes.q if forward else sizes.q + 2 * sizes.kv)
+    tokens = facts.plan_tokens
+    base, outputs = _own_bytes(tokens, sizes, forward)
     num_stages = max(messages.num_stages, 1)
     is_kv = facts.pull_recv_kind == TransferKind.KV
     rows = facts.pull_recv_rows

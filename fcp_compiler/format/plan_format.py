@@ -45,15 +45,17 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
-FORMAT_VERSION = 9  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
+FORMAT_VERSION = 10  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
 # 8: two link classes (a round is a matching per class: NVLink inside a node, the NIC across; nodes are runs of
 # profile.gpus_per_node ranks), node fan-out (pulls re-sent inside a node by the one that crossed the NIC);
-# 9: kv_prefetch (the plan was scheduled for a runtime that posts each pass's stage-0 K,V pulls before the pass)
+# 9: kv_prefetch (the plan was scheduled for a runtime that posts each pass's stage-0 K,V pulls before the pass);
+# 10: each rank's device memory peak per pass in bytes (max_buffer_bytes_fwd/_bwd) and the budget it was held to
 MAX_INT32 = 2**31 - 1
 MAX_RANKS = 2**16  # the most ranks a plan may have (--gpus)
 MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
 MAX_COALESCE = 2**16  # forward rounds a stage (the backward's: twice); the compiler writes no more
 MAX_HEADER_BYTES = 2**26
+MAX_BYTES = 2**50  # the most bytes of device memory a header may claim for a rank
 _HEX = re.compile(r"[0-9a-f]*")
 _PREFIX = len(MAGIC) + 4 + 32  # magic, header length, sha256 of the header
 _ARRAY_DTYPE = np.dtype("<i4")
@@ -86,7 +88,7 @@ class PlanHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["fcp-plan"] = "fcp-plan"
-    format_version: Literal[9] = FORMAT_VERSION
+    format_version: Literal[10] = FORMAT_VERSION
     planner: str = Field(..., description="the strategy that produced the plan, e.g. fcp")
     inputs_digest: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="sha256 of the canonical inputs")
     num_ranks: int = Field(..., ge=1, le=MAX_RANKS)
@@ -127,6 +129,14 @@ class PlanHeader(BaseModel):
     max_buffer_tokens: int = Field(..., ge=0, le=MAX_INT32,
                                    description="most tokens of live received buffers (pulls, pushes, the stage in "
                                                "flight) on any rank in any stage")
+    max_buffer_bytes_fwd: list[int] = Field(
+        ..., description="per rank: the peak bytes of every tensor the runtime creates in the forward (accumulators, "
+                         "received and sent buffers, each kernel call's packed inputs and outputs, index tensors), in "
+                         "the plan's dtype and layout: fcp_compiler.format.memory")
+    max_buffer_bytes_bwd: list[int] = Field(..., description="per rank: the same in the backward")
+    memory_budget_bytes: int | None = Field(..., ge=0, le=MAX_BYTES,
+                                            description="the most bytes a rank's pass may peak at, as compiled "
+                                                        "(--memory-budget); None: no budget")
     pipelined: bool = Field(True, description="tiles run in the stage after their data (False: after all pulls)")
     rounds_kind: Literal["matching", "arbitrary"] = Field(
         "matching", description="matching: congestion-free rounds; arbitrary: pulls in edge order (ablation only)")
@@ -158,6 +168,15 @@ class PlanHeader(BaseModel):
         if self.num_rounds > self.num_fwd_rounds or self.num_blocks > self.total_tokens:
             raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
                              f"holds")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_per_rank(self) -> "PlanHeader":
+        for name in ("max_buffer_bytes_fwd", "max_buffer_bytes_bwd"):
+            values = getattr(self, name)
+            if len(values) != self.num_ranks or any(not 0 <= value <= MAX_BYTES for value in values):
+                raise ValueError(f"{name} must hold one value in [0, {MAX_BYTES}] per rank ({self.num_ranks}), "
+                                 f"got {len(values)} values")
         return self
 
     @field_validator("model")
@@ -334,6 +353,7 @@ class PlanReader:
             raise PlanFormatError(f"{self.origin}: the header does not match its sha256 (corrupt plan)")
         self.header = _parse_header(header_bytes, self.origin)
         self._body = _PREFIX + header_len
+        self.body_offset = self._body  # where the sections begin
         header = self.header
         sections = [header.global_section, *header.rank_sections]
         if len(header.rank_sections) != header.num_ranks or len(header.rank_sha256) != header.num_ranks:
@@ -385,7 +405,7 @@ class PlanReader:
             check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
                               self._block_num_segments, rank)
         for side in ("send", "recv") if expand else ():
-            _expand_whole_blocks(arrays, side, self._block_seg_offsets, self._block_num_segments)
+            expand_whole_blocks(arrays, side, self._block_seg_offsets, self._block_num_segments)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
 
     def ranks(self, expand: bool = True) -> list[RankProgram]:
@@ -393,7 +413,7 @@ class PlanReader:
         return [self.rank(rank, expand) for rank in range(self.header.num_ranks)]
 
 
-def _expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray,
+def expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray,
                          block_num_segments: np.ndarray) -> None:
     """Write out the segment list of every pull stored as seg_count 0 (every segment of its block), so that every
     reader sees explicit lists."""
@@ -466,6 +486,18 @@ def stacked_pull_tokens(programs: list[RankProgram], tables: GlobalTables) -> np
     listed = np.bincount(np.repeat(np.arange(counts.size), counts), weights=seg_tokens[segs], minlength=counts.size)
     block_tokens = np.bincount(tables.seg_block, weights=seg_tokens, minlength=int(tables.seg_block[-1]) + 1)
     return np.where(counts == 0, block_tokens[blocks], listed)
+
+
+def with_header_fields(data: bytes, **changes: object) -> bytes:
+    """The plan `data` (just encoded, by this process) with some header fields replaced; every section, and so each
+    section's digest, stays as it is."""
+    reader = PlanReader(data, encoded_here=True)
+    fields = reader.header.model_dump()
+    fields.update(changes)
+    header = PlanHeader(**fields)
+    header_bytes = msgpack.packb(header.model_dump(mode="json"), use_bin_type=True)
+    return b"".join([MAGIC, struct.pack("<I", len(header_bytes)), hashlib.sha256(header_bytes).digest(), header_bytes,
+                     memoryview(data)[reader.body_offset:]])
 
 
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:

@@ -17,8 +17,10 @@ from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.format.memory import stacked_peak_bytes
 from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
                                              stacked_pull_tokens)
+from fcp_compiler.format.stacked import stack_programs
 
 # Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
 # validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
@@ -60,6 +62,8 @@ class ValidationReport:
     num_pushes_fwd: int
     num_pushes_bwd: int
     max_buffer_tokens: int
+    max_buffer_bytes_fwd: int  # the busiest rank's, as the header states and the memory account gives
+    max_buffer_bytes_bwd: int
 
 
 def _fail(invariant: int, message: str) -> None:
@@ -83,7 +87,9 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
        a node, nvlink_lanes matchings a round; the NIC across, one) over pulls and pushes; the header's per-class Delta, round and stage counts are the
        ones the plan has.
     4. :func:`_check_memory`: the token cap, the per-stage receive bound and the live buffers (equal to the header's
-       max_buffer_tokens, by the liveness rule the runtime uses) hold.
+       max_buffer_tokens, by the liveness rule the runtime uses) hold; :func:`_check_memory_bytes`: each rank's
+       peak bytes per pass are the header's max_buffer_bytes_fwd/_bwd, by the memory account of the tensors the
+       runtime creates, and within memory_budget_bytes.
     5. :func:`_check_reshuffle`: the reshuffle maps user-layout tokens one to one onto the plan layout, as both sides
        pack them.
 
@@ -92,7 +98,8 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
     - header num_ranks, coalesce, bwd_coalesce, layout, shape: S (ranges); the group size against the plan is checked
       by the runtime itself (`check_plan`). num_fwd_stages, num_bwd_stages, num_rounds: S (bounded by ranks x blocks
-      and by the rank sections' bytes), 3 (the ones the plan has). max_buffer_tokens: 4.
+      and by the rank sections' bytes), 3 (the ones the plan has). max_buffer_tokens, max_buffer_bytes_fwd/_bwd,
+      memory_budget_bytes: 4.
     - seq_lengths, seq_window, seg_block, seg_seq, seg_start, seg_end: S (every block has a segment, in order; every
       segment inside its sequence; no block over the block size; tokens add up), 0 (segments tile every sequence).
     - blocks: S (in range, no block listed twice on a rank), 0 (one owner a block: plan-layout rows are each token
@@ -128,13 +135,16 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     passes = _check_data_before_use(plan, blocks, tiles, pulls)
     max_degree = _check_congestion_freedom(plan, blocks, pulls, passes)
     max_buffer = _check_memory(plan, blocks, pulls, passes)
+    peak_bytes = _check_memory_bytes(plan)
     _check_reshuffle(plan)
     return ValidationReport(num_ranks=plan.header.num_ranks, num_blocks=blocks.num_blocks,
                             num_tiles=int(tiles.q.size), num_pulls=int(pulls.kind.size),
                             num_rounds=plan.header.num_rounds, max_degree=max_degree,
                             nvlink_degree=plan.header.nvlink_degree, nic_degree=plan.header.nic_degree,
                             num_pushes_fwd=int(passes[0].push.round.size),
-                            num_pushes_bwd=int(passes[1].push.round.size), max_buffer_tokens=max_buffer)
+                            num_pushes_bwd=int(passes[1].push.round.size), max_buffer_tokens=max_buffer,
+                            max_buffer_bytes_fwd=int(peak_bytes[:, 0].max()),
+                            max_buffer_bytes_bwd=int(peak_bytes[:, 1].max()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -562,6 +572,27 @@ def _check_memory(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_Pa
         _fail(4, f"the busiest rank holds {worst} tokens of live buffers, but the header's max_buffer_tokens states "
                  f"{header.max_buffer_tokens}")
     return worst
+
+
+def _check_memory_bytes(plan: _Plan) -> np.ndarray:
+    """4. Memory in bytes: each rank's peak per pass is what the header states, by the memory account of every
+    tensor the runtime creates (:mod:`fcp_compiler.format.memory`), and within the budget the plan was compiled for.
+    Returns the peaks (int64 [ranks, 2])."""
+    header = plan.header
+    peaks = stacked_peak_bytes(stack_programs(plan.programs))
+    for column, name in enumerate(("fwd", "bwd")):
+        stated = np.asarray(getattr(header, f"max_buffer_bytes_{name}"), dtype=np.int64)
+        wrong = np.flatnonzero(stated != peaks[:, column])
+        if wrong.size:
+            rank = int(wrong[0])
+            _fail(4, f"rank {rank}'s {name} peaks at {int(peaks[rank, column])} bytes by the memory account, but the "
+                     f"header's max_buffer_bytes_{name} states {int(stated[rank])}")
+    budget = header.memory_budget_bytes
+    if budget is not None and peaks.max() > budget:
+        rank, column = (int(i) for i in np.unravel_index(np.argmax(peaks), peaks.shape))
+        _fail(4, f"rank {rank}'s {('fwd', 'bwd')[column]} peaks at {int(peaks[rank, column])} bytes, over the "
+                 f"plan's memory budget of {budget} bytes")
+    return peaks
 
 
 def _pass_peak_buffer(facts: _PassFacts, pulls: _Pulls, num_ranks: int) -> int:

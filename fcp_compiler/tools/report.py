@@ -116,6 +116,7 @@ def compile_summary(stats: dict, path: str | None) -> str:
         f"  rounds with pushes: fwd {stats['num_fwd_rounds']} (at least {stats['fwd_exchange_degree']}), bwd "
         f"{stats['num_bwd_rounds']} (at least {stats['bwd_exchange_degree']}); live buffers <= "
         f"{stats['max_buffer_tokens']} tokens",
+        *_memory_line(stats),
         *_layer_line(stats),
         *_floor_line(stats),
         "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" (floor {stats['floor']['seconds']:.3f} s)"
@@ -125,6 +126,24 @@ def compile_summary(stats: dict, path: str | None) -> str:
     if path:
         lines.append(f"  wrote {path} ({human_bytes(stats['plan_bytes'])}, sha256 {stats['plan_sha256'][:16]})")
     return "\n".join(lines)
+
+
+def _memory_line(stats: dict) -> list[str]:
+    """The busiest rank's device memory per pass against the budget (stats["memory"]), where the plan has it."""
+    memory = stats.get("memory")
+    if not memory:
+        return []
+    budget = memory["budget_bytes"]
+    held = f"budget {budget / 2**30:.2f} GiB" if budget is not None else "no budget"
+    if memory["refitted"]:
+        held += (f"; stages made smaller to fit, {memory['refits']} tr{'ies' if memory['refits'] > 1 else 'y'}: "
+                 f"it peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB")
+    elif not memory["met"]:
+        held += (f" not met: no schedule of this placement goes below {memory['least_peak_bytes'] / 2**30:.2f} GiB "
+                 f"(its own tokens need {memory['floor_bytes'] / 2**30:.2f}); the plan is kept as scheduled, with no "
+                 f"budget stated")
+    return [f"  device memory: busiest rank {memory['peak_bytes_fwd'] / 2**30:.2f} GiB forward, "
+            f"{memory['peak_bytes_bwd'] / 2**30:.2f} GiB backward ({held})"]
 
 
 def compare_rows(rows: Sequence[dict]) -> str:
@@ -255,7 +274,8 @@ def validation_summary(path, report) -> str:
             f"{report.num_pulls} pulls in {report.num_rounds} rounds (Delta NIC {report.nic_degree}, NVLink "
             f"{report.nvlink_degree}), {report.num_pushes_fwd} forward and {report.num_pushes_bwd} backward pushes, "
             f"every round congestion-free per link class over pulls and pushes, live buffers <= "
-            f"{report.max_buffer_tokens} tokens as stated")
+            f"{report.max_buffer_tokens} tokens as stated, device memory <= {report.max_buffer_bytes_fwd / 2**30:.2f} "
+            f"GiB forward and {report.max_buffer_bytes_bwd / 2**30:.2f} GiB backward as stated")
 
 
 def inspect_summary(path, header, rows: list[dict]) -> str:

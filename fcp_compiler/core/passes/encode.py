@@ -79,23 +79,26 @@ def _add_pushes(out: _RankSlicer, transfers, forward, backward, row_of_edge: dic
                 push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
 
 
-def encode(plan: Reshuffle, header_fields: dict) -> bytes:
-    """Write the plan file bytes: header, batch-wide tables, then each rank's program.
-
-    Rows of each rank are in execution order: pulls by forward round, tiles in forward pipeline order, pushes by
-    round.
+def rank_columns(plan: Reshuffle) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every per-rank array of the plan file, all ranks end to end: per RANK_ARRAYS name, its int32 values and each
+    rank's bounds in them (num_ranks + 1 entries). Rows of each rank are in execution order: pulls by forward round,
+    tiles in forward pipeline order, pushes by round; a pull that carries its whole block has seg_count 0 and no
+    segment list.
 
     Args:
         plan: the last IR object (it holds all the earlier ones).
-        header_fields: every PlanHeader field but the section table.
     Returns:
-        the plan file's bytes (deterministic for the same IR and header).
+        the columns (what :func:`encode` cuts into rank sections).
     """
+    return {name: (np.frombuffer(data, dtype=np.int32), bounds // 4)
+            for name, (data, bounds) in _slicer(plan).columns.items()}
+
+
+def _slicer(plan: Reshuffle) -> _RankSlicer:
     schedule, transfers, assignment, tiles, sharding = plan.schedule, plan.transfers, plan.assignment, plan.tiles, \
         plan.sharding
     forward, backward, num_ranks = schedule.forward, schedule.backward, plan.num_ranks
     out = _RankSlicer(num_ranks)
-
     block_order = np.lexsort((np.arange(assignment.block_rank.size), assignment.block_rank))
     out.add(("blocks",), assignment.block_rank[block_order], block_order)
     # Runs are sorted by (user rank, plan rank, start): the user side's order. The plan side sorts by user rank.
@@ -115,9 +118,27 @@ def encode(plan: Reshuffle, header_fields: dict) -> bytes:
                                                                          tiles.tile_q_block, tiles.tile_kv_block)))
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
-    global_arrays = {"seq_lengths": sharding.batch.lengths, "seq_window": sharding.batch.windows,
-                     "seg_block": sharding.seg_block,
-                     "seg_seq": sharding.seg_seq, "seg_start": sharding.seg_start, "seg_end": sharding.seg_end}
-    sections = [encode_section(out.rank(rank)) for rank in range(num_ranks)]
+    return out
+
+
+def global_columns(plan: Reshuffle) -> dict[str, np.ndarray]:
+    """The batch-wide arrays of the plan file (GLOBAL_ARRAYS)."""
+    sharding = plan.sharding
+    return {"seq_lengths": sharding.batch.lengths, "seq_window": sharding.batch.windows,
+            "seg_block": sharding.seg_block, "seg_seq": sharding.seg_seq, "seg_start": sharding.seg_start,
+            "seg_end": sharding.seg_end}
+
+
+def encode(plan: Reshuffle, header_fields: dict) -> bytes:
+    """Write the plan file bytes: header, batch-wide tables, then each rank's program (:func:`rank_columns`).
+
+    Args:
+        plan: the last IR object (it holds all the earlier ones).
+        header_fields: every PlanHeader field but the section table.
+    Returns:
+        the plan file's bytes (deterministic for the same IR and header).
+    """
+    out = _slicer(plan)
+    sections = [encode_section(out.rank(rank)) for rank in range(plan.num_ranks)]
     del out  # the int32 columns (millions of tile rows at small blocks) go before the file's bytes are joined
-    return assemble_sections(header_fields, encode_section(global_arrays), sections)
+    return assemble_sections(header_fields, encode_section(global_columns(plan)), sections)

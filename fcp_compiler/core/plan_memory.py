@@ -1,0 +1,28 @@
+"""A compiled plan's device memory, before its bytes leave the compiler: each rank's peak bytes per pass, by the
+memory account the runtime's tensors follow (:mod:`fcp_compiler.format.memory`), read from the encoder's columns of
+every rank at once (no rank section is decoded)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcp_compiler.core.ir import Reshuffle
+from fcp_compiler.core.passes.encode import global_columns, rank_columns
+from fcp_compiler.format.memory import stacked_peak_bytes
+from fcp_compiler.format.plan_format import GlobalTables, PlanHeader
+from fcp_compiler.format.stacked import stack_columns
+
+
+def plan_peak_bytes(final: Reshuffle, header_fields: dict) -> np.ndarray:
+    """Each rank's peak bytes in the forward and the backward, in the plan's dtype and layout.
+
+    Args:
+        final: the plan's last IR object.
+        header_fields: its header fields (shape, layout, stages: what the account reads).
+    Returns:
+        int64 [num_ranks, 2].
+    """
+    header = PlanHeader.model_construct(**header_fields)  # the fields compile_plan has just made, not a file's
+    tables = GlobalTables(**{name: np.asarray(values, dtype=np.int64)
+                             for name, values in global_columns(final).items()})
+    return stacked_peak_bytes(stack_columns(header, tables, rank_columns(final)))

@@ -1,0 +1,79 @@
+"""Several ranks' programs as one set of arrays: each per-rank array concatenated in rank order, with every rank's
+bounds in it, so that what reads all ranks (the memory account, every rank's call plan) is one vectorized pass, not
+one per rank.
+
+Row indices a program keeps within its rank (a push's pull row, a relay's source row, a call's store) stay within
+their rank here; :meth:`StackedRanks.base` gives each rank's first row of an array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fcp_compiler.algorithms.ranges import group_sums
+from fcp_compiler.format.plan_format import RANK_ARRAYS, GlobalTables, PlanHeader, RankProgram, expand_whole_blocks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackedRanks:
+    """Ranks' arrays end to end (RANK_ARRAYS names, int64), with each array's bounds per rank (num_ranks + 1
+    entries); `ranks` holds the rank ids, in order."""
+
+    header: PlanHeader
+    tables: GlobalTables
+    ranks: np.ndarray
+    arrays: dict[str, np.ndarray]
+    bounds: dict[str, np.ndarray]
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.ranks.size)
+
+    def count(self, name: str) -> np.ndarray:
+        """Rows of array `name` per rank (int64 [num_ranks])."""
+        return np.diff(self.bounds[name])
+
+    def base(self, name: str) -> np.ndarray:
+        """Each rank's first row of array `name` (int64 [num_ranks])."""
+        return self.bounds[name][:-1]
+
+    def rank_of(self, name: str) -> np.ndarray:
+        """The position (in `ranks`) of the rank each row of array `name` belongs to (int64 [rows])."""
+        return np.repeat(np.arange(self.num_ranks), self.count(name))
+
+    def within(self, name: str) -> np.ndarray:
+        """Each row's index within its rank's rows of array `name` (int64 [rows])."""
+        rows = self.arrays[name].size
+        return np.arange(rows) - np.repeat(self.base(name), self.count(name))
+
+
+def _bounds(counts) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64)))).astype(np.int64)
+
+
+def stack_programs(programs: list[RankProgram]) -> StackedRanks:
+    """Stack decoded (expanded) rank programs of one plan, in the order given (at least one)."""
+    assert programs, "no ranks to stack"
+    arrays = {name: np.concatenate([p.arrays[name] for p in programs]).astype(np.int64) for name in RANK_ARRAYS}
+    bounds = {name: _bounds([p.arrays[name].size for p in programs]) for name in RANK_ARRAYS}
+    return StackedRanks(header=programs[0].header, tables=programs[0].tables,
+                        ranks=np.asarray([p.rank for p in programs], dtype=np.int64), arrays=arrays, bounds=bounds)
+
+
+def stack_columns(header: PlanHeader, tables: GlobalTables, columns: dict[str, tuple[np.ndarray, np.ndarray]],
+                  ) -> StackedRanks:
+    """Stack every rank of a plan from its columns as the encoder lays them out: per RANK_ARRAYS name, the values of
+    all ranks end to end and their bounds; pulls stored as seg_count 0 (a whole block) get their segment lists, as
+    a reader's expanded programs do."""
+    arrays = {name: np.asarray(columns[name][0], dtype=np.int64) for name in RANK_ARRAYS}
+    bounds = {name: np.asarray(columns[name][1], dtype=np.int64) for name in RANK_ARRAYS}
+    block_seg_offsets = tables.block_seg_offsets
+    for side in ("send", "recv"):
+        expand_whole_blocks(arrays, side, block_seg_offsets, np.diff(block_seg_offsets))
+        bounds[f"pull_{side}_segs"] = _bounds(group_sums(arrays[f"pull_{side}_seg_count"],
+                                                         bounds[f"pull_{side}_seg_count"]))
+    num_ranks = bounds["blocks"].size - 1
+    return StackedRanks(header=header, tables=tables, ranks=np.arange(num_ranks, dtype=np.int64), arrays=arrays,
+                        bounds=bounds)
