@@ -248,8 +248,8 @@ def inspect_command(
                                                                    "figures]",
                                        parser=_ascii_int),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
-    memory: bool = typer.Option(False, "--memory", help="add each rank's device memory peak per pass, in GiB (the "
-                                                        "plan's memory account; about 6 ms a rank)"),
+    memory: bool = typer.Option(False, "--memory", help="add each rank's device memory peak per pass, in GiB, as "
+                                                        "the header states it (fcp validate recomputes it)"),
 ) -> None:
     """Show a plan's parameters and per-rank figures, or one rank's program."""
     from fcp_compiler.format.plan_format import PlanReader

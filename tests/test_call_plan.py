@@ -267,3 +267,44 @@ def test_the_calls_of_all_ranks_at_once_are_each_ranks_own():
         alone += [(request + base, *rest) for request, *rest in _ours(rank_calls(program, rank_requests))]
         base += len(rank_requests)
     assert together == alone and len({call[0] for call in alone}) > 4
+
+
+def _plain_step_requests(program, layout):
+    """A step's requests written plainly: in the user layout the stage-0 tiles that run during the reshuffle first,
+    then each forward stage's other tiles, then each backward stage's, each in tile row order."""
+    from fcp_compiler.format.plan_format import tiles_during_reshuffle
+
+    a, header = program.arrays, program.header
+    early = tiles_during_reshuffle(program) if layout == "user" else np.zeros(a["tile_stage"].size, dtype=bool)
+    requests = [Request(pass_name="fwd", stage=-1, tiles=tuple(np.flatnonzero(early).tolist()))] if early.any() else []
+    for stage in range(header.num_fwd_stages):
+        rows = np.flatnonzero((a["tile_stage"] == stage) & ~early)
+        requests.append(Request(pass_name="fwd", stage=stage, tiles=tuple(rows.tolist())))
+    for stage in range(header.num_bwd_stages):
+        rows = np.flatnonzero(a["tile_bwd_stage"] == stage)
+        requests.append(Request(pass_name="bwd", stage=stage, tiles=tuple(rows.tolist())))
+    return requests
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_every_ranks_step_requests_at_once_are_each_ranks_own(layout):
+    from fcp_compiler.format.call_plan import step_table
+    from fcp_compiler.format.stacked import stack_programs
+
+    plan = compile_valid([3000, 700, 90, 1500, 260, 1200, 64, 64, 900], 4, block_size=256, coalesce=2,
+                         layout=layout)
+    programs = PlanReader(plan.to_bytes()).ranks()
+    table = step_table(stack_programs(programs))
+    bounds = np.searchsorted(table.tile_request, np.arange(table.request_rank.size + 1))
+    tile_base = np.cumsum([0] + [p.arrays["tile_stage"].size for p in programs])
+    expected = []
+    for rank, program in enumerate(programs):
+        plain = _plain_step_requests(program, layout)
+        assert step_requests(program) == plain
+        expected += [(rank, r.pass_name, r.stage, r.tiles) for r in plain]
+    ours = [(int(rank), "bwd" if backward else "fwd", int(stage),
+             tuple((table.tile[low:high] - tile_base[rank]).tolist()))
+            for rank, backward, stage, low, high in zip(table.request_rank, table.request_backward,
+                                                        table.request_stage, bounds[:-1], bounds[1:])]
+    assert ours == expected
+    assert layout == "plan" or any(stage == -1 for _, _, stage, _ in expected)

@@ -77,6 +77,9 @@ def test_validate_exits_one_naming_the_invariant(tmp_path, capsys):
     ("[4096, 4096]", ["--token-tolerance", "nan"], "'--token-tolerance': 'nan' is not a finite decimal number"),
     ("[4096, 4096]", ["--profile", "tpu"], "'tpu'"),
     ("[4096, 4096]", ["--gpus", "two"], "'two'"),
+    ("[4096, 4096]", ["--memory-budget", "lots"], "--memory-budget 'lots'"),
+    ("[4096, 4096]", ["--memory-budget", "-1"], "--memory-budget -1.0"),
+    ("[65536, 65536]", ["--memory-budget", "0.5"], "--memory-budget 0.50 GiB cannot be met"),
 ])
 def test_bad_input_is_one_line_exit_two_and_no_plan(tmp_path, capsys, content, args, message):
     batch = tmp_path / "b.json"

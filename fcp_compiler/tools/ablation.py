@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.core.simulate import simulate_plan
@@ -34,8 +36,11 @@ def run_ablation(batch, options: CompileOptions) -> list[dict]:
         one dict per step: name, normalized_mfu_fwd, normalized_mfu_bwd, makespans and the seed's figures.
     """
     steps = []
+    # The techniques alone: the default memory budget (which refits only the plan layout's step, whose backward
+    # holds more) is off unless the options give one.
+    budget = math.inf if options.memory_budget_gib is None else options.memory_budget_gib
     for name, switches in STEPS:
-        plan = compile_plan(batch, options=options.replace(**switches))
+        plan = compile_plan(batch, options=options.replace(**switches, memory_budget_gib=budget))
         figures = simulate_plan(plan).figures()
         steps.append({"name": name, "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
                       "normalized_mfu_bwd": figures["normalized_mfu_bwd"],

@@ -198,11 +198,9 @@ def rank_rows(reader: PlanReader) -> list[dict]:
 
 def add_memory_columns(reader: PlanReader, rows: list[dict]) -> None:
     """Add each rank's device memory peak per pass (GiB, the plan's dtype and layout) to its row of
-    :func:`rank_rows`: the plan's memory account over all ranks at once."""
-    from fcp_compiler.format.memory import ranks_peak_bytes
-
-    peaks = ranks_peak_bytes(list(reader.ranks()))
-    for row, (forward, backward) in zip(rows, peaks.tolist()):
+    :func:`rank_rows`: as the header states it (the memory account, which fcp validate recomputes)."""
+    header = reader.header
+    for row, forward, backward in zip(rows, header.max_buffer_bytes_fwd, header.max_buffer_bytes_bwd):
         row["peak_fwd_gib"], row["peak_bwd_gib"] = round(forward / 2 ** 30, 3), round(backward / 2 ** 30, 3)
 
 

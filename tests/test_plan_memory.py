@@ -1,0 +1,108 @@
+"""Memory in bytes in the plan: the header states each rank's peak per pass by the memory account, the validator
+holds it to that, and --memory-budget bounds the schedule (fcp_compiler/core/plan_memory.py, pipeline._within_budget).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import compile_valid
+from fcp_compiler import compile_plan
+from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.format.memory import least_peak_bytes, ranks_peak_bytes
+from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
+from fcp_compiler.format.validate import PlanInvalidError, validate_plan
+
+# 8 ranks of 24K tokens, sequences up to 96K: the backward holds several pulled Q blocks at a time.
+LENGTHS = [98304, 40000, 20000, 12000, 9000, 6000, 5000, 3000, 1500, 700]
+
+
+def _gib(nbytes: int) -> float:
+    return nbytes / 2**30
+
+
+@pytest.fixture(scope="module")
+def unbudgeted():
+    return compile_valid(LENGTHS, 8, memory_budget_gib=float("inf"))
+
+
+def test_the_header_states_each_ranks_account_and_the_validator_holds_it(unbudgeted):
+    reader = PlanReader(unbudgeted.to_bytes())
+    peaks = ranks_peak_bytes(reader.ranks())
+    assert reader.header.max_buffer_bytes_fwd == peaks[:, 0].tolist()
+    assert reader.header.max_buffer_bytes_bwd == peaks[:, 1].tolist()
+    assert reader.header.memory_budget_bytes is None
+    report = validate_plan(reader)
+    assert (report.max_buffer_bytes_fwd, report.max_buffer_bytes_bwd) == tuple(peaks.max(axis=0).tolist())
+    for field in ("max_buffer_bytes_fwd", "max_buffer_bytes_bwd"):
+        stated = list(getattr(reader.header, field))
+        stated[3] -= 1
+        with pytest.raises(PlanInvalidError, match=f"rank 3's .* header's {field} states") as refusal:
+            validate_plan(rebuild_plan(reader, **{field: stated}))
+        assert refusal.value.invariant == 4
+    over_budget = rebuild_plan(reader, memory_budget_bytes=int(peaks.max()) - 1)
+    with pytest.raises(PlanInvalidError, match="over the plan's memory budget"):
+        validate_plan(over_budget)
+
+
+def test_no_schedule_goes_below_the_least_peak(unbudgeted):
+    reader = PlanReader(unbudgeted.to_bytes())
+    seg_tokens = reader.tables.seg_end - reader.tables.seg_start
+    block_tokens = np.bincount(reader.tables.seg_block, weights=seg_tokens)
+    tokens = np.asarray([block_tokens[p.arrays["blocks"]].sum() for p in reader.ranks()])
+    least = least_peak_bytes(reader.header, tokens)
+    peaks = ranks_peak_bytes(reader.ranks())
+    assert (least <= peaks.max(axis=1)).all() and (least > 0).all()
+
+
+def test_a_budget_is_met_by_smaller_stages(unbudgeted):
+    header = unbudgeted.header
+    peak = max(header.max_buffer_bytes_bwd + header.max_buffer_bytes_fwd)
+    budget = _gib(peak) * 0.85
+    plan = compile_valid(LENGTHS, 8, memory_budget_gib=budget)
+    memory = plan.stats["memory"]
+    assert memory["refitted"] and memory["refits"] >= 1 and memory["unbudgeted_peak_bytes"] == peak
+    stated = plan.header
+    assert max(stated.max_buffer_bytes_fwd + stated.max_buffer_bytes_bwd) <= budget * 2**30
+    assert stated.memory_budget_bytes == int(budget * 2**30)
+    # Smaller stages, not a different placement: the same blocks on the same ranks.
+    assert [p.arrays["blocks"].tolist() for p in PlanReader(plan.to_bytes()).ranks()] == \
+        [p.arrays["blocks"].tolist() for p in PlanReader(unbudgeted.to_bytes()).ranks()]
+    assert stated.num_bwd_stages > header.num_bwd_stages
+
+
+def test_a_budget_under_a_ranks_own_tokens_is_refused():
+    with pytest.raises(InfeasibleError, match=r"--memory-budget 0.50 GiB cannot be met.*can go below"):
+        compile_plan([65536, 65536], 2, memory_budget_gib=0.5)
+
+
+def test_the_default_budget_is_kept_where_met_and_set_aside_where_no_schedule_can_meet_it(unbudgeted):
+    met = compile_valid(LENGTHS, 8)
+    assert met.header.memory_budget_bytes == 4 * 2**30 and met.stats["memory"]["met"]
+    # 2 ranks of 160K tokens: their own accumulators and outputs alone are over 4 GiB.
+    over = compile_valid([163840, 163840], 2)
+    assert over.header.memory_budget_bytes is None and not over.stats["memory"]["met"]
+    assert over.stats["memory"]["floor_bytes"] > 4 * 2**30
+    # Attention alone and the baselines compile with no budget unless one is given.
+    assert compile_valid(LENGTHS, 8, model="none").header.memory_budget_bytes is None
+    assert compile_valid(LENGTHS, 8, planner="magi").header.memory_budget_bytes is None
+
+
+def test_a_header_with_a_wrong_count_of_memory_figures_is_refused(unbudgeted):
+    import hashlib
+    import struct
+
+    import msgpack
+
+    from fcp_compiler.errors import PlanFormatError
+
+    data = unbudgeted.to_bytes()
+    (length,) = struct.unpack("<I", data[8:12])
+    header = msgpack.unpackb(data[44:44 + length], raw=False)
+    header["max_buffer_bytes_bwd"] = header["max_buffer_bytes_bwd"][:-1]
+    packed = msgpack.packb(header, use_bin_type=True)
+    forged = data[:8] + struct.pack("<I", len(packed)) + hashlib.sha256(packed).digest() + packed + \
+        data[44 + length:]
+    with pytest.raises(PlanFormatError, match="max_buffer_bytes_bwd must hold one value .* per rank \\(8\\), got 7"):
+        PlanReader(forged)
