@@ -98,10 +98,12 @@ def _score_one(lengths: list[int], gpus: int, method: str, model: str, options: 
 
 
 def _number(text: str):
-    try:
-        return float(text) if "." in text else int(text)
-    except ValueError:
-        return text
+    for kind in (int, float):  # "inf": memory_budget_gib=inf (no budget)
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _staging_seconds(plan) -> dict:

@@ -46,9 +46,11 @@ def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypat
 
     import fcp_compiler.core.pipeline as pipeline
 
-    original = pipeline.coalesce_forward  # the floor coalesces a forward half first
-    monkeypatch.setattr(pipeline, "coalesce_forward", lambda rounds, degree, pipelined=True, **fields: original(
-        rounds, degree, False, **fields))
+    # The floor coalesces a forward half first; the memory budget's refits coalesce whole schedules.
+    for name in ("coalesce_forward", "coalesce"):
+        original = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda rounds, degree, pipelined=True, original=original, **fields:
+                            original(rounds, degree, False, **fields))
     expected = (GOLDEN / "small_8gpu.fcp").read_bytes()
     changed = compile_case("small_8gpu")
     with pytest.raises(AssertionError, match="num_fwd_stages"):
