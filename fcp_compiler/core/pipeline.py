@@ -212,8 +212,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats = _compile_with_floor(timer, the_batch, options, cap, digest,
-                                                                      progress)
+        final, header_fields, data, floor_stats, rounds_of = _compile_with_floor(timer, the_batch, options, cap,
+                                                                                 digest, progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
@@ -223,8 +223,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
         if schedule is None:
             schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         final, header_fields, data = _finish(timer, schedule, options, digest)
-        floor_stats = None
-    (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest)
+        floor_stats, rounds_of = None, lambda: rounds
+    (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
+                                                                rounds_of)
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
@@ -238,12 +239,14 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
-def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str) -> tuple[tuple, dict]:
+def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
+                   rounds_of: Callable[[], Rounds]) -> tuple[tuple, dict]:
     """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
-    over the memory budget, its placement scheduled again within fewer live buffer tokens (smaller stages, shallower
-    levelling: :func:`_fit_memory`) until every rank fits. The floor's candidates are scored without the account, so
-    only the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was
-    (its header then states no budget); a given one is refused.
+    over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
+    levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
+    the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was (its
+    header then states no budget); a given one is refused. `rounds_of` gives the plan's rounds before relays (the
+    relay pass re-sources pulls in them), which the refits coalesce again.
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -256,7 +259,7 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True}
     if budget is not None and peaks.max() > budget:
-        found = _refit_to_budget(timer, plan, options, digest, budget, record)
+        found = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of)
         if found is not None:
             (plan, peaks), record["refitted"] = found, True
         elif options.memory_budget_is_strict:
@@ -281,7 +284,7 @@ BUDGET_CHOICES = 2
 
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
-                     record: dict) -> tuple[tuple, np.ndarray] | None:
+                     record: dict, rounds_of: Callable[[], Rounds]) -> tuple[tuple, np.ndarray] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
     BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
     with its peaks. None when no step fits, or when a rank's own tokens' accumulators and outputs alone are over the
@@ -294,7 +297,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
     if floor_bytes > budget or not options.pipelined:
         return None
     fitting = []
-    for schedule in _budget_ladder(timer, final.rounds, options):
+    for schedule in _budget_ladder(timer, rounds_of(), options):
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
         peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
@@ -345,7 +348,8 @@ def _floor_applies(options: CompileOptions) -> bool:
 def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str,
                         progress: Callable[[dict], None] | None = None) -> tuple:
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
-    the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats)."""
+    the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats, a function
+    giving the winner's rounds before relays: its placement's routed pulls, scheduled into rounds again)."""
     started = time.perf_counter()
     run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
                     progress=progress)
@@ -374,7 +378,9 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    return (*plan, floor_stats)
+    chosen = scores[winner].candidate
+    return (*plan, floor_stats,
+            lambda: _rounds(timer, run.routed[chosen.placement], options, chosen.fan_out))
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
@@ -708,6 +714,6 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,
                 rounds_kind="matching" if options.matching_rounds else "arbitrary",
                 reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch,
-                # Filled in by _with_memory for the plan compile_plan returns; a floor candidate is only simulated.
+                # Filled in by _within_budget for the plan compile_plan returns; a floor candidate is only simulated.
                 max_buffer_bytes_fwd=[0] * options.num_ranks, max_buffer_bytes_bwd=[0] * options.num_ranks,
                 memory_budget_bytes=None)

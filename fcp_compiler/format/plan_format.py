@@ -414,7 +414,7 @@ class PlanReader:
 
 
 def expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray,
-                         block_num_segments: np.ndarray) -> None:
+                        block_num_segments: np.ndarray) -> None:
     """Write out the segment list of every pull stored as seg_count 0 (every segment of its block), so that every
     reader sees explicit lists."""
     counts = arrays[f"pull_{side}_seg_count"]
