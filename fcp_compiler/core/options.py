@@ -87,16 +87,18 @@ class CompileOptions:
     # The most device memory (GiB) a rank's attention may peak at in either pass (fcp_compiler.format.memory): the
     # stages are made smaller until every rank fits, and a budget no schedule meets is refused. None: the default,
     # DEFAULT_MEMORY_BUDGET_GIB for FCP with a model (none for attention alone, and none for a baseline, which
-    # compiles as its system ships), met where scheduling can meet it (a rank with several times the seed's tokens
-    # cannot: the default is the seed's setting's, not a refusal); math.inf: no budget.
+    # compiles as its system ships, unless fit_memory holds it to FCP's memory), met where scheduling can meet it
+    # (a rank with several times the seed's tokens cannot: the default is the seed's setting's, not a refusal);
+    # math.inf: no budget.
     memory_budget_gib: float | None = None
 
     @property
     def resolved_memory_budget_bytes(self) -> int | None:
         """The memory budget in bytes, or None for none."""
         budget = self.memory_budget_gib
-        if budget is None:
-            budget = DEFAULT_MEMORY_BUDGET_GIB if self.model is not None and self.planner is Planner.FCP else math.inf
+        if budget is None:  # a baseline held to FCP's memory (fit_memory) is held to its budget too
+            default = self.model is not None and (self.planner is Planner.FCP or self.fit_memory)
+            budget = DEFAULT_MEMORY_BUDGET_GIB if default else math.inf
         return None if math.isinf(budget) else int(budget * 2**30)
 
     @property
