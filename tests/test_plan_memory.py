@@ -83,7 +83,7 @@ def test_the_default_budget_is_kept_where_met_and_set_aside_where_no_schedule_ca
     # 2 ranks of 160K tokens: their own accumulators and outputs alone are over 4 GiB.
     over = compile_valid([163840, 163840], 2)
     assert over.header.memory_budget_bytes is None and not over.stats["memory"]["met"]
-    assert over.stats["memory"]["floor_bytes"] > 4 * 2**30
+    assert over.stats["memory"]["floor_bytes"] > 4 * 2**30 and over.stats["memory"]["unmet"] == "own tokens"
     # Attention alone and the baselines compile with no budget unless one is given.
     assert compile_valid(LENGTHS, 8, model="none").header.memory_budget_bytes is None
     assert compile_valid(LENGTHS, 8, planner="magi").header.memory_budget_bytes is None

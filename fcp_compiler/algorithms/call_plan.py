@@ -114,7 +114,7 @@ def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg,
                                                          k_seg, k_row, k_start, k_end, window)]
     visible = (columns[11] == 0) | ((columns[9] < columns[5]) & (columns[4] - columns[10] + 1 < columns[11]))
     (request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg, k_row, k_start, k_end,
-     window) = (c[visible] for c in columns)
+     window) = columns if visible.all() else (c[visible] for c in columns)
     kind, left, q_kept, k_first = classify_pairs(q_start, q_end, k_start, k_end, window)
     entries = _entries(request, q_source, q_seg, q_row, q_end - q_start, kind, left, q_kept)
     entry_sorted, call_ptr = _split_calls(entries)
@@ -151,7 +151,7 @@ def _entries(request, q_source, q_seg, q_row, q_len, kind, left, q_kept) -> _Ent
     packed = kind <= CAUSAL
     # Packed pairs share their query segment's entry; each cut pair is an entry of its own.
     num_queries = query_first.size
-    packed_queries = np.unique(query_of[packed])
+    packed_queries = np.flatnonzero(np.bincount(query_of[packed], minlength=num_queries))
     slot_of_query = np.full(num_queries, -1, dtype=np.int64)
     slot_of_query[packed_queries] = np.arange(packed_queries.size)
     cut_pairs = np.flatnonzero(~packed)

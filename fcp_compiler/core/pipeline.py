@@ -294,10 +294,19 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
                               minlength=final.num_ranks)
     floor_bytes = int(least_peak_bytes(PlanHeader.model_construct(**fields), rank_tokens).max())
     record.update(floor_bytes=floor_bytes, least_peak_bytes=record["unbudgeted_peak_bytes"])
-    if floor_bytes > budget or not options.pipelined:
+    # The default budget's refits are work the floor's tile budget bounds, as it bounds the candidates: each
+    # schedules, encodes and accounts the whole plan (tens of seconds at thousands of ranks). A given budget is met
+    # whatever it costs.
+    most = math.inf if options.memory_budget_is_strict else floor.TILE_BUDGET // max(final.tiles.num_tiles, 1)
+    if floor_bytes > budget or not options.pipelined or most == 0:
+        record["unmet"] = "own tokens" if floor_bytes > budget else "work"
         return None
+    record["unmet"] = "no schedule"
     fitting = []
     for schedule in _budget_ladder(timer, rounds_of(), options):
+        if record["refits"] == most:
+            record["unmet"] = "work"
+            break
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
         peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])

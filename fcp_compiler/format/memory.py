@@ -36,6 +36,7 @@ from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKin
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+CHUNK_TILES = 20_000  # tiles of the ranks accounted together (stacked_peak_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,8 +178,19 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
     Returns:
         int64 [stacked.num_ranks, 2]: per rank, the forward's and the backward's peak bytes.
     """
-    table = step_table(stacked, layout)
-    return _peaks(stacked, table, stacked_calls(stacked, table), Sizes.of(stacked.header, dtype))
+    sizes = Sizes.of(stacked.header, dtype)
+    peaks = []
+    # Each rank's account is its own: ranks go in groups of about CHUNK_TILES tiles, which bounds the memory of the
+    # segment pairs (millions at thousands of ranks) and changes no figure.
+    tiles = np.cumsum(stacked.count("tile_stage"))
+    low = 0
+    while low < stacked.num_ranks:
+        high = max(low + 1, int(np.searchsorted(tiles, (tiles[low - 1] if low else 0) + CHUNK_TILES, side="right")))
+        chunk = stacked.ranks_between(low, min(high, stacked.num_ranks))
+        table = step_table(chunk, layout)
+        peaks.append(_peaks(chunk, table, stacked_calls(chunk, table), sizes))
+        low = high
+    return np.concatenate(peaks) if peaks else np.zeros((0, 2), dtype=np.int64)
 
 
 def _peaks(stacked: StackedRanks, table: RequestTable, calls: CallArrays, sizes: Sizes) -> np.ndarray:
@@ -271,7 +283,8 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
     before = np.cumsum(rows) - rows  # packed position, counted over all calls
     starts = np.concatenate(([True], call[1:] != call[:-1]))
     position = before - before[np.maximum.accumulate(np.where(starts, np.arange(call.size), 0))]
-    order = np.lexsort((np.arange(call.size), source, call))
+    sources = int(source.max()) + 2  # LOCAL is -1
+    order = np.argsort(call * sources + source + 1, kind="stable")  # by (call, source), then piece order
     c, s, r, p, n = call[order], source[order], row[order], position[order], rows[order]
     same = np.zeros(c.size, dtype=bool)
     same[1:] = (c[1:] == c[:-1]) & (s[1:] == s[:-1])

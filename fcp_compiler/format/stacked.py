@@ -43,6 +43,13 @@ class StackedRanks:
         """The position (in `ranks`) of the rank each row of array `name` belongs to (int64 [rows])."""
         return np.repeat(np.arange(self.num_ranks), self.count(name))
 
+    def ranks_between(self, low: int, high: int) -> "StackedRanks":
+        """The stacked ranks at positions low..high-1 (views of these arrays)."""
+        arrays = {name: values[self.bounds[name][low]:self.bounds[name][high]] for name, values in self.arrays.items()}
+        bounds = {name: bounds[low:high + 1] - bounds[low] for name, bounds in self.bounds.items()}
+        return StackedRanks(header=self.header, tables=self.tables, ranks=self.ranks[low:high], arrays=arrays,
+                            bounds=bounds)
+
     def within(self, name: str) -> np.ndarray:
         """Each row's index within its rank's rows of array `name` (int64 [rows])."""
         rows = self.arrays[name].size
