@@ -388,8 +388,8 @@ def compare_command(
                                                             "none"),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="processes [all cores]", parser=_ascii_int),
     fit_memory: bool = typer.Option(False, "--fit-memory", help="hold every planner to FCP's live-buffer budget (4 x "
-                                    "coalesce x block size tokens; smaller stages where needed), so that all "
-                                    "compare at equal memory"),
+                                    "coalesce x block size tokens) and its default device memory budget (smaller "
+                                    "stages where needed), so that all compare at equal memory"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON [not written]"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="figure of imbalance and MFU vs GPUs (.png/.pdf/.svg; "
                                                              "needs matplotlib) [not drawn]"),

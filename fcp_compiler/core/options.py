@@ -82,7 +82,8 @@ class CompileOptions:
     # where the lengths alone show it; False lets a tool score a ring baseline over hundreds of GPUs unvalidated.
     validatable: bool = True
     # Schedule one placement (a baseline's, or FCP's own with the floor off) within the floor's live-buffer budget
-    # (4 x coalesce x block size tokens, smaller stages where needed), so that planners compare at equal memory.
+    # (4 x coalesce x block size tokens, smaller stages where needed) and the default memory budget, so that
+    # planners compare at equal memory.
     fit_memory: bool = False
     # The most device memory (GiB) a rank's attention may peak at in either pass (fcp_compiler.format.memory): the
     # stages are made smaller until every rank fits, and a budget no schedule meets is refused. None: the default,
