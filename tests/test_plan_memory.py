@@ -106,3 +106,14 @@ def test_a_header_with_a_wrong_count_of_memory_figures_is_refused(unbudgeted):
         data[44 + length:]
     with pytest.raises(PlanFormatError, match="max_buffer_bytes_bwd must hold one value .* per rank \\(8\\), got 7"):
         PlanReader(forged)
+
+
+def test_the_simulator_reports_the_memory_the_plan_states(unbudgeted):
+    from fcp_compiler.core.simulate import simulate_plan
+
+    figures = simulate_plan(unbudgeted).figures()
+    header = unbudgeted.header
+    assert figures["peak_bytes_fwd"] == max(header.max_buffer_bytes_fwd) > 0
+    assert figures["peak_bytes_bwd"] == max(header.max_buffer_bytes_bwd) > 0
+    assert [row["peak_bytes_bwd"] for row in figures["per_rank"]] == header.max_buffer_bytes_bwd
+    assert figures["memory_budget_bytes"] is None

@@ -58,6 +58,9 @@ class Simulation:
     layout: str = "plan"
     rank_tokens: np.ndarray | None = None  # tokens each rank's linear layers see in the plan's layout
     kv_prefetch: bool = False  # each pass's stage-0 K,V pulls left early (forward: K, V projected before Q)
+    # Per rank, the device memory each pass peaks at (the plan header's, by the memory account), and its budget.
+    peak_bytes: dict | None = None
+    memory_budget_bytes: int | None = None
 
     @property
     def layer_end_fwd(self) -> np.ndarray:
@@ -111,7 +114,11 @@ class Simulation:
                      "eta_fwd": float(self.forward.end[r] / self.forward.compute[r]) if self.forward.compute[r]
                      else 0.0,
                      "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
-                     else 0.0} for r in range(self.num_ranks)]
+                     else 0.0,
+                     **({f"peak_bytes_{key}": int(self.peak_bytes[key][r]) for key in ("fwd", "bwd")}
+                        if self.peak_bytes else {})} for r in range(self.num_ranks)]
+        memory = {f"peak_bytes_{key}": int(max(self.peak_bytes[key])) for key in ("fwd", "bwd")} \
+            if self.peak_bytes else {}
         return {
             "makespan_fwd_s": fwd, "makespan_bwd_s": bwd,
             "attention_mfu_fwd": mfu_fwd, "attention_mfu_bwd": mfu_bwd,
@@ -121,6 +128,7 @@ class Simulation:
             "exposed_comm_fwd_s": float(np.max(self.forward.end - self.forward.busy)),
             "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
             "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
+            **memory, "memory_budget_bytes": self.memory_budget_bytes,
             **self.layer_figures(),
             # Why the layer's attention ends when it does: the path through the stages (timeline.critical_path).
             **{f"critical_path_{key}": critical_path(result.stages) if result.stages is not None else None
@@ -298,7 +306,9 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
                       planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
                       layout=header.layout.value, rank_tokens=rank_tokens,
-                      kv_prefetch=kv_ready is not None)
+                      kv_prefetch=kv_ready is not None,
+                      peak_bytes={"fwd": header.max_buffer_bytes_fwd, "bwd": header.max_buffer_bytes_bwd},
+                      memory_budget_bytes=header.memory_budget_bytes)
 
 
 def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):

@@ -325,6 +325,11 @@ def simulation_summary(figures: dict, trace=None) -> str:
         for name, key in (("forward", "fwd"), ("backward", "bwd"))]))
     lines.append(f"  layer MFU (forward and backward) {figures['layer_mfu']:.3f}, normalized "
                  f"{figures['normalized_layer_mfu']:.3f}")
+    if "peak_bytes_fwd" in figures:
+        budget = figures["memory_budget_bytes"]
+        lines.append(f"  device memory (the plan's account of the runtime's tensors): busiest rank "
+                     f"{figures['peak_bytes_fwd'] / 2**30:.2f} GiB forward, {figures['peak_bytes_bwd'] / 2**30:.2f} GiB "
+                     f"backward" + (f" (budget {budget / 2**30:.2f} GiB)" if budget is not None else " (no budget)"))
     paths = [(name, figures[f"critical_path_{key}"]) for name, key in (("forward", "fwd"), ("backward", "bwd"))]
     if all(path is not None for _, path in paths):  # None: simulated without stage times
         lines.append("  critical path of each pass's attention (what ended each stage, back from the rank that ends "
