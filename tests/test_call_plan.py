@@ -211,8 +211,15 @@ MASKS = {"causal": "causal", "full": "full", "window": {"kind": "sliding_window"
 
 
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
-                                         ("window", "plan"), ("mixed", "user"), ("offloaded", "plan")])
-def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, layout):
+                                         ("window", "plan"), ("mixed", "user"), ("offloaded", "plan"),
+                                         ("small calls", "plan"), ("small calls", "user")])
+def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, layout, monkeypatch):
+    if mask == "small calls":  # large packed calls cut into several (call_plan.split_calls), every mask
+        import fcp_compiler.algorithms.call_plan as call_plan
+
+        monkeypatch.setattr(call_plan, "MAX_CALL_QUERY_ROWS", 150)
+        monkeypatch.setattr(call_plan, "MAX_CALL_KEY_ROWS", 300)
+        mask = "mixed"
     if mask == "offloaded":  # ranks that hold no block and compute others' tiles
         plan = compile_valid([1024, 100, 60], 8, block_size=256, coalesce=2, mask="full", floor=False)
         assert any(PlanReader(plan.to_bytes()).rank(rank).arrays["blocks"].size == 0 for rank in range(8))
@@ -308,3 +315,31 @@ def test_every_ranks_step_requests_at_once_are_each_ranks_own(layout):
                                                         table.request_stage, bounds[:-1], bounds[1:])]
     assert ours == expected
     assert layout == "plan" or any(stage == -1 for _, _, stage, _ in expected)
+
+
+def test_a_large_packed_call_is_cut_into_calls_of_consecutive_entries():
+    from fcp_compiler.algorithms.call_plan import MAX_CALL_KEY_ROWS, MAX_CALL_QUERY_ROWS, call_parts, split_calls
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        num_calls = int(rng.integers(1, 6))
+        sizes = rng.integers(1, 12, num_calls)
+        entry_call = np.repeat(np.arange(num_calls), sizes)
+        real = rng.random(entry_call.size) < 0.8
+        q_rows = rng.integers(1, 3000, entry_call.size)
+        k_rows = np.where(real, rng.integers(1, 20000, entry_call.size), 0)
+        splittable = rng.random(num_calls) < 0.7
+        parts, new_call = split_calls(entry_call, real, q_rows, k_rows, splittable)
+        assert (np.diff(new_call) >= 0).all() and new_call.size == entry_call.size
+        base = np.cumsum(parts) - parts
+        for call in range(num_calls):
+            mine = entry_call == call
+            n = int(real[mine].sum())
+            expected = 1 if not splittable[call] else max(1, min(n, max(
+                -(-int(q_rows[mine & real].sum()) // MAX_CALL_QUERY_ROWS), -(-int(k_rows[mine].sum()) // MAX_CALL_KEY_ROWS))))
+            assert parts[call] == expected == call_parts(np.array([n]), np.array([q_rows[mine & real].sum()]),
+                                                         np.array([k_rows[mine].sum()]))[0] or not splittable[call]
+            # Every part of the call has an entry with keys, parts in entry order, each near an equal share.
+            got = new_call[mine] - base[call]
+            assert set(got[real[mine]].tolist()) == set(range(parts[call])) if n else parts[call] == 1
+            assert (got >= 0).all() and (got < parts[call]).all()

@@ -193,9 +193,15 @@ MIXED_MASKS = {"masks": [{"kind": "sliding_window", "window": 300}, "full", "cau
 
 
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
-                                         ("sliding_window:200", "plan"), ("mixed", "user")])
-def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout):
+                                         ("sliding_window:200", "plan"), ("mixed", "user"), ("small calls", "plan")])
+def test_simulated_kernel_launches_are_the_calls_the_runtime_makes(mask, layout, monkeypatch):
     pytest.importorskip("torch")
+    if mask == "small calls":  # large packed calls cut into several (call_plan.split_calls)
+        import fcp_compiler.algorithms.call_plan as call_plan
+
+        monkeypatch.setattr(call_plan, "MAX_CALL_QUERY_ROWS", 150)
+        monkeypatch.setattr(call_plan, "MAX_CALL_KEY_ROWS", 300)
+        mask = "causal"
     from fcp_runtime import load_rank_plan
     from fcp_runtime.stage_calls import stage_calls
 

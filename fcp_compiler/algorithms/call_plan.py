@@ -12,7 +12,9 @@ reach, or a diagonal longer than the window, is an entry of its own with the win
 (:mod:`fcp_compiler.algorithms.kernel_entries`); entries with the same mask share a call, a query segment at most
 once per call (its partial outputs merge one call at a time). A call whose queries are whole local segments also
 lists, without keys, the local segments between them when they add at most GAP_LIMIT x its rows, so that its
-queries are one run of the rank's rows, read and merged in place.
+queries are one run of the rank's rows, read and merged in place. A packed call larger than MAX_CALL_QUERY_ROWS
+query rows or MAX_CALL_KEY_ROWS key rows is cut into calls of consecutive entries (:func:`split_calls`), which
+bounds the memory one kernel call holds.
 
 Calls come out per request in the order (causal first, then by window, then by repetition); a call's entries in
 the order their query segments first appear among the pairs (or in local row order where the gaps are filled);
@@ -34,6 +36,9 @@ LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is
 # its own rows: the rows skipped cost the merge a pass over them; reading the queries and merging the outputs by
 # index instead costs about three passes over the rows the call has.
 GAP_LIMIT = 1.0
+# Rows of one packed kernel call, at most about (split_calls): what its packed inputs and outputs hold while it runs.
+MAX_CALL_QUERY_ROWS = 4096
+MAX_CALL_KEY_ROWS = 32768
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -257,13 +262,57 @@ def _fill_gaps(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray,
     return entry[final], call[final]
 
 
+def call_parts(num_entries: np.ndarray, q_rows: np.ndarray, k_rows: np.ndarray) -> np.ndarray:
+    """How many calls a packed call is split into: enough that each holds about MAX_CALL_QUERY_ROWS query rows and
+    MAX_CALL_KEY_ROWS packed key rows at most, and no more than it has entries (a call's packed inputs and outputs
+    live together while its kernel runs: on a 256-GPU long-tail plan one backward call of 13K query rows against 78K
+    packed key rows held 1.4 GiB). Depends on the totals alone, so the simulator counts the same launches.
+
+    Args:
+        num_entries, q_rows, k_rows: int [C], per call its entries with keys, their query rows and key rows.
+    Returns:
+        int64 [C], at least 1.
+    """
+    wanted = np.maximum(-(-np.asarray(q_rows, dtype=np.int64) // MAX_CALL_QUERY_ROWS),
+                        -(-np.asarray(k_rows, dtype=np.int64) // MAX_CALL_KEY_ROWS))
+    return np.maximum(np.minimum(wanted, num_entries), 1).astype(np.int64)
+
+
+def split_calls(entry_call: np.ndarray, real: np.ndarray, q_rows: np.ndarray, k_rows: np.ndarray,
+                splittable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each splittable call cut into :func:`call_parts` calls of consecutive entries: entry i of a call's n entries
+    with keys goes to part floor(i * parts / n), so every part has one; an entry without keys (a filled gap) stays
+    with the entry before it.
+
+    Args:
+        entry_call: int [E], each entry's call, non-decreasing; real: bool [E], the entries with keys; q_rows,
+            k_rows: int [E], their rows; splittable: bool [C], the calls that may be cut (packed masks).
+    Returns:
+        (parts per call, each entry's new call).
+    """
+    num_calls = splittable.size
+    count = np.bincount(entry_call[real], minlength=num_calls)
+    parts = np.where(splittable, call_parts(count, np.bincount(entry_call[real], weights=q_rows[real],
+                                                               minlength=num_calls),
+                                            np.bincount(entry_call, weights=k_rows, minlength=num_calls)), 1)
+    base = np.cumsum(parts) - parts
+    before = np.cumsum(real) - real  # entries with keys before each, over all calls
+    first = np.zeros(num_calls, dtype=np.int64)
+    if entry_call.size:
+        starts = np.flatnonzero(np.concatenate(([True], entry_call[1:] != entry_call[:-1])))
+        first[entry_call[starts]] = before[starts]
+    index = before - first[entry_call]
+    part = index * parts[entry_call] // np.maximum(count[entry_call], 1)
+    new_call = np.where(real, base[entry_call] + part, base[entry_call])
+    return parts.astype(np.int64), np.maximum.accumulate(new_call) if new_call.size else new_call
+
+
 def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry: np.ndarray, entry_call: np.ndarray,
               local_len: np.ndarray, keys: tuple[np.ndarray, ...]) -> CallArrays:
     """The flat arrays: calls' masks, final entries' query runs (gaps from the local layout), and each entry's key
     pieces, earlier segments first, the diagonal last."""
     k_source, k_row, k_rows, k_causal, k_start = keys
     head = entry_sorted[call_ptr[:-1]]
-    num_calls = head.size
     prefix = np.concatenate(([0], np.cumsum(local_len)))
     gap = entry < 0
     gap_position = np.where(gap, -2 - entry, 0)
@@ -278,9 +327,13 @@ def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry
     assert pair_final.size == 0 or (pair_final.min() >= 0 and pair_final.max() < 2**30 and k_start.max() < 2**32)
     key_order = np.argsort((pair_final * 2 + k_causal) << 32 | k_start, kind="stable")
     entry_key_ptr = np.concatenate(([0], np.cumsum(np.bincount(pair_final, minlength=entry.size)))).astype(np.int64)
+    packed_call = (e.left[head] < 0) & (e.right[head] < 0)
+    parts, entry_call = split_calls(entry_call, ~gap, q_rows, group_sums(k_rows[key_order], entry_key_ptr),
+                                    packed_call)
+    head = np.repeat(head, parts)
     return CallArrays(
         call_request=e.request[head], call_causal=e.causal[head], call_left=e.left[head], call_right=e.right[head],
-        call_entry_ptr=np.concatenate(([0], np.cumsum(np.bincount(entry_call, minlength=num_calls)))).astype(
+        call_entry_ptr=np.concatenate(([0], np.cumsum(np.bincount(entry_call, minlength=head.size)))).astype(
             np.int64),
         entry_q_source=q_source.astype(np.int64), entry_q_row=q_row.astype(np.int64),
         entry_q_rows=q_rows.astype(np.int64), entry_key_ptr=entry_key_ptr, key_source=k_source[key_order],

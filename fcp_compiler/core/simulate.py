@@ -15,6 +15,7 @@ import numpy as np
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
 from fcp_compiler.core.ir import Batch, Sharding
+from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
@@ -216,9 +217,15 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
     entries, entry = unique_keys(slot[packed] * num_segments + q_seg[packed], num_slots * num_segments,
                                  return_inverse=True)
     diagonal = np.bincount(entry, weights=kind[packed] == CAUSAL, minlength=entries.size) > 0
-    entry_slot = entries // num_segments
-    calls = (np.bincount(entry_slot[diagonal], minlength=num_slots) > 0).astype(np.int64)
-    calls += np.bincount(entry_slot[~diagonal], minlength=num_slots) > 0
+    # One causal and one unmasked call per slot, each cut as the call plan cuts a large call (call_parts).
+    seg_tokens = end - start
+    call = (entries // num_segments) * 2 + diagonal
+    query_rows = np.bincount(call, weights=seg_tokens[entries % num_segments], minlength=2 * num_slots)
+    key_rows = np.bincount(call, weights=np.bincount(entry, weights=seg_tokens[k_seg[packed]],
+                                                     minlength=entries.size), minlength=2 * num_slots)
+    count = np.bincount(call, minlength=2 * num_slots)
+    calls = np.where(count > 0, call_parts(count, query_rows.astype(np.int64), key_rows.astype(np.int64)),
+                     0).reshape(num_slots, 2).sum(axis=1)
     cut = ~packed
     if cut.any():
         # One call per (slot, window kind, left), repeated as often as one query segment recurs in it.
