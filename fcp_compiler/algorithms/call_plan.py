@@ -12,9 +12,10 @@ reach, or a diagonal longer than the window, is an entry of its own with the win
 (:mod:`fcp_compiler.algorithms.kernel_entries`); entries with the same mask share a call, a query segment at most
 once per call (its partial outputs merge one call at a time). A call whose queries are whole local segments also
 lists, without keys, the local segments between them when they add at most GAP_LIMIT x its rows, so that its
-queries are one run of the rank's rows, read and merged in place. A packed call larger than MAX_CALL_QUERY_ROWS
-query rows or MAX_CALL_KEY_ROWS key rows is cut into calls of consecutive entries (:func:`split_calls`), which
-bounds the memory one kernel call holds.
+queries are one run of the rank's rows, read and merged in place. In the requests asked (the backward's), a packed
+call larger than MAX_CALL_QUERY_ROWS query rows or MAX_CALL_KEY_ROWS key rows is cut into calls of consecutive
+entries (:func:`split_calls`), which bounds the memory one kernel call holds; the forward's calls hold less, and
+cutting them would add merges.
 
 Calls come out per request in the order (causal first, then by window, then by repetition); a call's entries in
 the order their query segments first appear among the pairs (or in local row order where the gaps are filled);
@@ -97,7 +98,7 @@ class CallArrays:
 
 
 def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg, k_row, k_start, k_end, window,
-               local_seg_len) -> CallArrays:
+               local_seg_len, split_requests: np.ndarray | None = None) -> CallArrays:
     """Group segment pairs into kernel calls (the rule in the module docstring).
 
     Objective: the fewest calls a varlen kernel with one mask per call allows, each query segment's keys packed
@@ -112,6 +113,8 @@ def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg,
         local_seg_len: int [L], the rank's local segments' lengths in plan-layout row order; a LOCAL segment's
             q_row is the sum of the lengths before it (the gap rule finds segments between by row).
         Pairs come in the order their tiles are computed; keys no query of a pair sees are dropped here.
+        split_requests: bool per request id, the requests whose large packed calls are cut (:func:`split_calls`;
+            the runtime's backward, whose calls hold the most); None: none.
     Returns:
         the calls.
     """
@@ -127,7 +130,7 @@ def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg,
     entry, entry_call = _fill_gaps(entries, entry_sorted, call_ptr, local_len)
     return _assemble(entries, entry_sorted, call_ptr, entry, entry_call, local_len,
                      (k_source, k_row + k_first, k_end - k_start - k_first, (kind == CAUSAL).astype(np.int64),
-                      k_start))
+                      k_start), split_requests)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -308,7 +311,7 @@ def split_calls(entry_call: np.ndarray, real: np.ndarray, q_rows: np.ndarray, k_
 
 
 def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry: np.ndarray, entry_call: np.ndarray,
-              local_len: np.ndarray, keys: tuple[np.ndarray, ...]) -> CallArrays:
+              local_len: np.ndarray, keys: tuple[np.ndarray, ...], split_requests: np.ndarray | None) -> CallArrays:
     """The flat arrays: calls' masks, final entries' query runs (gaps from the local layout), and each entry's key
     pieces, earlier segments first, the diagonal last."""
     k_source, k_row, k_rows, k_causal, k_start = keys
@@ -327,7 +330,8 @@ def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry
     assert pair_final.size == 0 or (pair_final.min() >= 0 and pair_final.max() < 2**30 and k_start.max() < 2**32)
     key_order = np.argsort((pair_final * 2 + k_causal) << 32 | k_start, kind="stable")
     entry_key_ptr = np.concatenate(([0], np.cumsum(np.bincount(pair_final, minlength=entry.size)))).astype(np.int64)
-    packed_call = (e.left[head] < 0) & (e.right[head] < 0)
+    packed_call = (e.left[head] < 0) & (e.right[head] < 0) & (
+        np.asarray(split_requests, dtype=bool)[e.request[head]] if split_requests is not None else False)
     parts, entry_call = split_calls(entry_call, ~gap, q_rows, group_sums(k_rows[key_order], entry_key_ptr),
                                     packed_call)
     head = np.repeat(head, parts)

@@ -188,12 +188,13 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
 
 
 def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 num_ranks: int, pairs: tuple | None = None) -> np.ndarray:
+                 num_ranks: int, pairs: tuple | None = None, split: bool = False) -> np.ndarray:
     """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
     query segment with its wholly visible keys, those holding their diagonal segment in one causal call, the rest
     in one unmasked call; under a sliding window each cut key segment (or a diagonal longer than the window) is an
     entry of its own, one call per distinct window, and as many calls as a query segment has entries in it
     (:mod:`fcp_compiler.algorithms.kernel_entries`). `pairs`: tiles.segment_pairs(), when the caller has them.
+    `split`: large packed calls are cut as the call plan cuts the backward's (call_parts).
 
     Returns:
         int64 [num_stages, num_ranks].
@@ -217,15 +218,15 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
     entries, entry = unique_keys(slot[packed] * num_segments + q_seg[packed], num_slots * num_segments,
                                  return_inverse=True)
     diagonal = np.bincount(entry, weights=kind[packed] == CAUSAL, minlength=entries.size) > 0
-    # One causal and one unmasked call per slot, each cut as the call plan cuts a large call (call_parts).
+    # One causal and one unmasked call per slot, each cut as the call plan cuts a large backward call (call_parts).
     seg_tokens = end - start
     call = (entries // num_segments) * 2 + diagonal
     query_rows = np.bincount(call, weights=seg_tokens[entries % num_segments], minlength=2 * num_slots)
     key_rows = np.bincount(call, weights=np.bincount(entry, weights=seg_tokens[k_seg[packed]],
                                                      minlength=entries.size), minlength=2 * num_slots)
     count = np.bincount(call, minlength=2 * num_slots)
-    calls = np.where(count > 0, call_parts(count, query_rows.astype(np.int64), key_rows.astype(np.int64)),
-                     0).reshape(num_slots, 2).sum(axis=1)
+    parts = call_parts(count, query_rows.astype(np.int64), key_rows.astype(np.int64)) if split else 1
+    calls = np.where(count > 0, parts, 0).reshape(num_slots, 2).sum(axis=1)
     cut = ~packed
     if cut.any():
         # One call per (slot, window kind, left), repeated as often as one query segment recurs in it.
@@ -353,7 +354,8 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
                    shuffle_out):
         # Tiles that run during the input reshuffle are not a stage's calls.
         in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
-        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs)[:num_stages]
+        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs,
+                             split=prefix == "bwd")[:num_stages]
         push_stage, push_row = pushes(prefix)
         names = None
         if record:

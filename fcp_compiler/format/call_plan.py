@@ -232,7 +232,7 @@ def stacked_calls(stacked: StackedRanks, table: RequestTable) -> CallArrays:
     """
     units = _units(stacked)
     pairs = _pairs(stacked, table, units)
-    calls = plan_calls(*pairs, units.local_len)
+    calls = plan_calls(*pairs, units.local_len, split_requests=table.request_backward)
     entry_rank = table.request_rank[calls.call_request][calls.entry_call]
     rows = np.where(calls.entry_q_source == LOCAL, calls.entry_q_row - units.local_base[entry_rank],
                     calls.entry_q_row)
