@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,8 +212,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats, rounds_of = _compile_with_floor(timer, the_batch, options, cap,
-                                                                                 digest, progress)
+        final, header_fields, data, floor_stats, rounds_of, others = _compile_with_floor(timer, the_batch, options,
+                                                                                         cap, digest, progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
@@ -223,9 +223,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
         if schedule is None:
             schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         final, header_fields, data = _finish(timer, schedule, options, digest)
-        floor_stats, rounds_of = None, lambda: rounds
+        floor_stats, rounds_of, others = None, lambda: rounds, lambda limit: iter(())
     (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
-                                                                rounds_of)
+                                                                rounds_of, others)
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
@@ -240,13 +240,14 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
 
 def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
-                   rounds_of: Callable[[], Rounds]) -> tuple[tuple, dict]:
+                   rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator]) -> tuple[tuple, dict]:
     """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
     over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
     the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was (its
     header then states no budget); a given one is refused. `rounds_of` gives the plan's rounds before relays (the
-    relay pass re-sources pulls in them), which the refits coalesce again.
+    relay pass re-sources pulls in them), which the refits coalesce again; `others(seconds)` the floor's other
+    candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`).
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -257,11 +258,15 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     budget = options.resolved_memory_budget_bytes
     peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1])
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
-              "met": True}
+              "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
-        found = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of)
+        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of)
+        found = refit[:2] if refit is not None else None
+        if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
+            found = _faster_within_budget(timer, refit, others, budget, record)
         if found is not None:
             (plan, peaks), record["refitted"] = found, True
+            record["kept"] = record["kept"] or "the winner, in smaller stages"
         elif options.memory_budget_is_strict:
             raise InfeasibleError(
                 f"--memory-budget {budget / 2**30:.2f} GiB cannot be met: the least peak found is "
@@ -284,10 +289,10 @@ BUDGET_CHOICES = 2
 
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
-                     record: dict, rounds_of: Callable[[], Rounds]) -> tuple[tuple, np.ndarray] | None:
+                     record: dict, rounds_of: Callable[[], Rounds]) -> tuple[tuple, np.ndarray, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
     BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
-    with its peaks. None when no step fits, or when a rank's own tokens' accumulators and outputs alone are over the
+    with its peaks and that time. None when no step fits, or when a rank's own tokens' accumulators and outputs alone are over the
     budget (no step is tried then). Records the steps tried, the least peak found and that floor in `record`."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
@@ -320,8 +325,28 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
             break
     if not fitting:
         return None
-    _, _, candidate, peaks = min(fitting, key=lambda choice: choice[:2])
-    return candidate, peaks
+    seconds, _, candidate, peaks = min(fitting, key=lambda choice: choice[:2])
+    return candidate, peaks, seconds
+
+
+def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callable[[float], Iterator], budget: int,
+                          record: dict) -> tuple[tuple, np.ndarray] | None:
+    """The refitted plan, or the fastest of the floor's other candidates that fits `budget` as the floor scheduled it,
+    where it simulates faster than the refit (another placement may hold less at its own stages than the winner
+    does at smaller ones). Candidates are tried fastest first, as long as they simulated faster than the refit (or
+    the first one that fits, where nothing was refitted). Returns (plan, peaks), or None."""
+    best = None if refit is None else refit[:2]
+    limit = math.inf if refit is None else refit[2]
+    for name, candidate in others(limit):
+        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
+        if peaks.max() > budget:
+            continue
+        figures = timer.run("floor", _layer_figures, candidate)
+        seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+        if seconds < limit:
+            best, record["kept"] = (candidate, peaks), name
+        break
+    return best
 
 
 def _budget_ladder(timer: _PassTimer, rounds: Rounds, options: CompileOptions):
@@ -388,8 +413,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     floor_stats["floor"]["backward_last_stage"] = last_stage
     chosen = scores[winner].candidate
-    return (*plan, floor_stats,
-            lambda: _rounds(timer, run.routed[chosen.placement], options, chosen.fan_out))
+    return (*plan, floor_stats, lambda: _rounds(timer, run.routed[chosen.placement], options, chosen.fan_out),
+            lambda limit: run.others(winner, limit))
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
@@ -480,6 +505,18 @@ class _FloorRun:
         if self.progress is not None:
             self.progress(_candidate_record(score))
         return True
+
+    def others(self, winner: int, limit: float):
+        """The scored candidates but the winner that fit the live-buffer budget and simulated faster than `limit`,
+        fastest first, each scheduled again as it was scored: (its name, its plan)."""
+        faster = sorted((score.layer_seconds, index) for index, score in enumerate(self.scores)
+                        if index != winner and score.layer_seconds < limit and score.max_buffer_tokens <= self.budget)
+        for _, index in faster:
+            score = self.scores[index]
+            rounds = _rounds(self.timer, self.routed[score.candidate.placement], self.options, score.candidate.fan_out)
+            schedule, _ = _fit_memory(self.timer, rounds, self.options, self.budget)
+            if schedule is not None:
+                yield score.name, _finish(self.timer, schedule, self.options, self.digest, relays=score.relays)
 
     def _place(self, placement: Placement) -> bool:
         """Place and route `placement`; False (and the reason in `pruned`) where it is refused, cannot win, or

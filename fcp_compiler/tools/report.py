@@ -135,9 +135,12 @@ def _memory_line(stats: dict) -> list[str]:
         return []
     budget = memory["budget_bytes"]
     held = f"budget {budget / 2**30:.2f} GiB" if budget is not None else "no budget"
-    if memory["refitted"]:
+    if memory["refitted"] and memory["kept"] == "the winner, in smaller stages":
         held += (f"; stages made smaller to fit, {memory['refits']} tr{'ies' if memory['refits'] > 1 else 'y'}: "
                  f"it peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB")
+    elif memory["refitted"]:
+        held += (f"; the floor's winner peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB, so the plan is "
+                 f"{memory['kept']}, which fits at its own stages and simulates faster than the winner refitted")
     elif not memory["met"]:
         why = {"own tokens": f"its own tokens need {memory['floor_bytes'] / 2**30:.2f} GiB",
                "no schedule": f"no schedule of this placement goes below {memory['least_peak_bytes'] / 2**30:.2f} GiB",
