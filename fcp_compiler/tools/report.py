@@ -145,7 +145,7 @@ def _memory_line(stats: dict) -> list[str]:
         why = {"own tokens": f"its own tokens need {memory['floor_bytes'] / 2**30:.2f} GiB",
                "no schedule": f"no schedule of this placement goes below {memory['least_peak_bytes'] / 2**30:.2f} GiB",
                "work": f"{memory['refits']} smaller schedules tried, as many as the floor's work bound allows at "
-                       f"this size (--memory-budget insists)"}[memory["unmet"]]
+                       f"this size (a budget given with --memory-budget is met whatever it costs)"}[memory["unmet"]]
         held += f" not met: {why}; the plan is kept as scheduled, with no budget stated"
     return [f"  device memory: busiest rank {memory['peak_bytes_fwd'] / 2**30:.2f} GiB forward, "
             f"{memory['peak_bytes_bwd'] / 2**30:.2f} GiB backward ({held})"]
