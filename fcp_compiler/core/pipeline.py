@@ -292,8 +292,9 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
                      record: dict, rounds_of: Callable[[], Rounds]) -> tuple[tuple, np.ndarray, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
     BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
-    with its peaks and that time. None when no step fits, or when a rank's own tokens' accumulators and outputs alone are over the
-    budget (no step is tried then). Records the steps tried, the least peak found and that floor in `record`."""
+    with its peaks and that time. None when no step fits, when a rank's own tokens' accumulators and outputs alone
+    are over the budget, or when the default budget's work bound allows no step (no step is tried then). Records
+    the steps tried, the least peak found, that floor and why a budget is unmet in `record`."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
                               minlength=final.num_ranks)

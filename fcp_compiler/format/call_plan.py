@@ -250,9 +250,9 @@ def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units) -> list[np
     if (q_unit < 0).any() or (k_unit < 0).any():
         bad = int(np.flatnonzero((q_unit < 0) | (k_unit < 0))[0])
         rank = int(tile_rank[bad])
-        raise PlanFormatError(f"rank {int(stacked.ranks[rank])}'s tile {int(tiles[bad] - stacked.base('tile_stage')[rank])} "
-                              f"reads a block it neither holds nor receives: the plan is invalid (fcp validate names "
-                              f"the invariant)")
+        tile = int(tiles[bad] - stacked.base("tile_stage")[rank])
+        raise PlanFormatError(f"rank {int(stacked.ranks[rank])}'s tile {tile} reads a block it neither holds nor "
+                              f"receives: the plan is invalid (fcp validate names the invariant)")
     # Every query segment of a tile against the key segments of its own sequence, in tile, then segment order.
     q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
     q_entry = expand_ranges(units.ptr[q_unit], q_count)
