@@ -145,3 +145,14 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
     kept = pipeline._faster_within_budget(timer, None, others([("over", 120, 1.0), ("fits", 80, 1.3)]), 100, {})
     assert kept[0][0][0] == "fits"
     assert pipeline._faster_within_budget(timer, None, others([("over", 120, 1.0)]), 100, {}) is None
+
+
+def test_fcp_diff_reports_memory_and_a_rise_in_it_as_a_regression(unbudgeted):
+    from fcp_compiler.tools.diff import diff_plans
+
+    budgeted = compile_valid(LENGTHS, 8, memory_budget_gib=_gib(max(unbudgeted.header.max_buffer_bytes_bwd)) * 0.85)
+    less = diff_plans(PlanReader(unbudgeted.to_bytes()), PlanReader(budgeted.to_bytes()))
+    assert less["figures"]["max_buffer_bytes_bwd"]["b"] < less["figures"]["max_buffer_bytes_bwd"]["a"]
+    assert "max_buffer_bytes_bwd" not in less["regressions"] and "memory_budget_bytes" in less["parameters"]
+    more = diff_plans(PlanReader(budgeted.to_bytes()), PlanReader(unbudgeted.to_bytes()))
+    assert "max_buffer_bytes_bwd" in more["regressions"]

@@ -12,10 +12,11 @@ from fcp_compiler.format.plan_format import PlanReader, stack_ranks, stacked_pul
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
            "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
            "nic_bytes": True, "max_rank_nic_send_bytes": True, "max_rank_nic_recv_bytes": True,
-           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True}
+           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True,
+           "max_buffer_bytes_fwd": True, "max_buffer_bytes_bwd": True}
 PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
               "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
-              "reshuffle_overlap", "kv_prefetch", "format_version", "model")
+              "reshuffle_overlap", "kv_prefetch", "format_version", "model", "memory_budget_bytes")
 
 
 def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
@@ -54,7 +55,10 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
                                                           minlength=header.num_ranks).max()),
                "max_rank_nic_recv_bytes": int(np.bincount(dst[across], weights=nbytes[across],
                                                           minlength=header.num_ranks).max()),
-               "nic_degree": header.nic_degree, "nvlink_degree": header.nvlink_degree}
+               "nic_degree": header.nic_degree, "nvlink_degree": header.nvlink_degree,
+               # The busiest rank's device memory per pass, as the header states it (fcp validate checks it).
+               "max_buffer_bytes_fwd": max(header.max_buffer_bytes_fwd),
+               "max_buffer_bytes_bwd": max(header.max_buffer_bytes_bwd)}
     if simulate:
         sim = simulation.figures()
         figures.update(normalized_mfu_fwd=sim["normalized_mfu_fwd"], normalized_mfu_bwd=sim["normalized_mfu_bwd"],
