@@ -28,6 +28,10 @@ def test_sorted_unique_is_np_unique(values):
     ours, our_inverse = sorted_unique(keys, return_inverse=True)
     assert np.array_equal(ours, unique) and np.array_equal(our_inverse, inverse.reshape(-1))
     assert np.array_equal(sorted_unique(keys), unique)
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    ours, our_first, our_inverse = sorted_unique(keys, return_index=True, return_inverse=True)
+    assert np.array_equal(our_first, first) and np.array_equal(our_inverse, inverse.reshape(-1))
+    assert np.array_equal(sorted_unique(keys, return_index=True)[1], first)
 
 
 @pytest.mark.parametrize("bound", [1, 300, 1 << 16, (1 << 16) + 1, 5_000_000, 1 << 32, (1 << 32) + 7])

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs
-from fcp_compiler.algorithms.keys import lookup
-from fcp_compiler.algorithms.ranges import expand_ranges, group_sums
+from fcp_compiler.algorithms.keys import lookup, sorted_unique
+from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
 # A call's queries are widened to one run of the rank's rows when the segments it skips add at most this many times
@@ -155,7 +155,7 @@ def _entries(request, q_source, q_seg, q_row, q_len, kind, left, q_kept) -> _Ent
     # A query segment is one (request, source, segment); its first pair orders its entries.
     sources = int(q_source.max(initial=0)) + 2  # LOCAL is -1
     query_key = (request * sources + q_source + 1) * (int(q_seg.max(initial=0)) + 1) + q_seg
-    query_first, query_of = _first_and_inverse(query_key)
+    _, query_first, query_of = sorted_unique(query_key, return_index=True, return_inverse=True)
     packed = kind <= CAUSAL
     # Packed pairs share their query segment's entry; each cut pair is an entry of its own.
     num_queries = query_first.size
@@ -181,18 +181,6 @@ def _entries(request, q_source, q_seg, q_row, q_len, kind, left, q_kept) -> _Ent
                     right=right.astype(np.int64), q_source=q_source[first_pair], q_seg=q_seg[first_pair],
                     q_row=q_row[first_pair], q_rows=rows.astype(np.int64), whole=rows == q_len[first_pair],
                     order=order, pair_entry=pair_entry)
-
-
-def _first_and_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(keys, return_index=True, return_inverse=True)[1:] by one stable sort (numpy's hash-based unique
-    is several times slower on millions of int64 keys): each distinct key's first position, in key order, and the
-    index of each key among the distinct ones."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    starts = np.concatenate(([True], ordered[1:] != ordered[:-1])) if keys.size else np.zeros(0, dtype=bool)
-    inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[order] = np.cumsum(starts) - 1
-    return order[starts], inverse
 
 
 def _split_calls(e: _Entries) -> tuple[np.ndarray, np.ndarray]:
@@ -299,12 +287,8 @@ def split_calls(entry_call: np.ndarray, real: np.ndarray, q_rows: np.ndarray, k_
                                                                minlength=num_calls),
                                             np.bincount(entry_call, weights=k_rows, minlength=num_calls)), 1)
     base = np.cumsum(parts) - parts
-    before = np.cumsum(real) - real  # entries with keys before each, over all calls
-    first = np.zeros(num_calls, dtype=np.int64)
-    if entry_call.size:
-        starts = np.flatnonzero(np.concatenate(([True], entry_call[1:] != entry_call[:-1])))
-        first[entry_call[starts]] = before[starts]
-    index = before - first[entry_call]
+    # Entries with keys before each in its call (a call's entries are consecutive).
+    index = offsets_within(real.astype(np.int64), np.bincount(entry_call, minlength=num_calls))
     part = index * parts[entry_call] // np.maximum(count[entry_call], 1)
     new_call = np.where(real, base[entry_call] + part, base[entry_call])
     return parts.astype(np.int64), np.maximum.accumulate(new_call) if new_call.size else new_call

@@ -32,19 +32,23 @@ def _run_starts(ordered: np.ndarray) -> np.ndarray:
     return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
 
 
-def sorted_unique(keys: np.ndarray, return_inverse: bool = False):
+def sorted_unique(keys: np.ndarray, return_inverse: bool = False, return_index: bool = False):
     """np.unique for int keys by one sort (numpy's hash-based unique is several times slower on millions of int64
-    keys). Returns the sorted unique keys, and with return_inverse the index of each key among them."""
+    keys). Returns the sorted unique keys, with return_index the position of each one's first occurrence, and with
+    return_inverse the index of each key among them (in np.unique's order)."""
     keys = np.asarray(keys, dtype=np.int64)
-    if not return_inverse:
+    if not return_inverse and not return_index:
         ordered = np.sort(keys)
         return ordered[_run_starts(ordered)]
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
     first = _run_starts(ordered)
-    inverse = np.empty(keys.size, dtype=np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ordered[first], inverse
+    out = [ordered[first]] + ([order[first]] if return_index else [])
+    if return_inverse:
+        inverse = np.empty(keys.size, dtype=np.int64)
+        inverse[order] = np.cumsum(first) - 1
+        out.append(inverse)
+    return tuple(out)
 
 
 def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
