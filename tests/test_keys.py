@@ -67,10 +67,11 @@ def test_lookup_finds_each_present_key_and_gives_the_missing_value_otherwise(pre
 
 @given(st.lists(st.lists(st.integers(1, 9), max_size=5), max_size=8))
 def test_group_sums_and_offsets_within_are_per_group_sums_and_prefixes(groups):
-    from fcp_compiler.algorithms.ranges import group_sums, offsets_within
+    from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
 
     values = np.asarray([v for g in groups for v in g], dtype=np.int64)
     counts = np.asarray([len(g) for g in groups], dtype=np.int64)
     ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     assert group_sums(values, ptr).tolist() == [sum(g) for g in groups]
     assert offsets_within(values, counts).tolist() == [sum(g[:i]) for g in groups for i in range(len(g))]
+    assert offsets(counts).tolist() == [sum(len(g) for g in groups[:i]) for i in range(len(groups) + 1)]

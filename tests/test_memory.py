@@ -124,7 +124,6 @@ def test_received_buffers_live_from_their_post_to_their_last_use():
 
 
 def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_store():
-    from fcp_compiler.format.call_plan import block_seg_ptr, local_segments
     from fcp_compiler.format.memory import _send_copies
     from fcp_compiler.format.stacked import stack_programs
 
@@ -143,7 +142,7 @@ def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_stor
                 segs[offsets[row]:offsets[row + 1]] = segs[offsets[row]:offsets[row + 1]][::-1]
         a["pull_send_segs"] = segs
         changed = type(program)(rank=rank, header=program.header, tables=program.tables, arrays=a)
-        local = local_segments(program, block_seg_ptr(program))
+        local = stack_programs([program]).local_segments()[0]
         local_row = dict(zip(local.tolist(), (np.cumsum(seg_len[local]) - seg_len[local]).tolist()))
         recv = program.seg_offsets("recv")
         expected = []

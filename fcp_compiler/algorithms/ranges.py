@@ -13,6 +13,11 @@ def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return offsets + np.arange(int(lengths.sum()))
 
 
+def offsets(counts) -> np.ndarray:
+    """Group bounds (a CSR's offsets, len(counts) + 1 entries, from 0) from group sizes. O(n)."""
+    return np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64)))).astype(np.int64)
+
+
 def group_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     """Sums of values[ptr[i]:ptr[i + 1]] for each i (0 for an empty group): the totals of a CSR's groups. O(n)."""
     sums = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))

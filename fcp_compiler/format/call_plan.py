@@ -15,7 +15,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
 from fcp_compiler.algorithms.keys import lookup
-from fcp_compiler.algorithms.ranges import expand_ranges, offsets_within
+from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets, offsets_within
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
@@ -154,26 +154,13 @@ class _Units:
         return lookup(self.unit_key, self.unit_of_key, (rank * 2 + kind) * self.num_blocks + blocks, -1)
 
 
-def block_seg_ptr(program: RankProgram) -> np.ndarray:
-    """Each block's first segment (num_blocks + 1 entries): segments are stored by block."""
-    return np.searchsorted(program.tables.seg_block, np.arange(program.header.num_blocks + 1))
-
-
-def local_segments(program: RankProgram, seg_ptr: np.ndarray) -> np.ndarray:
-    """The rank's segments in plan-layout row order (its held blocks' segments, block by block); seg_ptr:
-    :func:`block_seg_ptr`."""
-    held = program.arrays["blocks"].astype(np.int64)
-    return expand_ranges(seg_ptr[held], seg_ptr[held + 1] - seg_ptr[held])
-
-
 def _units(stacked: StackedRanks) -> _Units:
     tables, a = stacked.tables, stacked.arrays
     num_blocks = stacked.header.num_blocks
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(num_blocks + 1))
     seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     held, held_rank = a["blocks"], stacked.rank_of("blocks")
     pull_rank = stacked.rank_of("pull_recv_block")
-    held_count = seg_ptr[held + 1] - seg_ptr[held]
+    local_segs, held_count, local_count = stacked.local_segments()
     pull_count = a["pull_recv_seg_count"]
     per_rank = stacked.count("blocks") + stacked.count("pull_recv_block")
     unit_base = np.cumsum(per_rank) - per_rank
@@ -181,12 +168,10 @@ def _units(stacked: StackedRanks) -> _Units:
     pull_unit = unit_base[pull_rank] + stacked.count("blocks")[pull_rank] + stacked.within("pull_recv_block")
     unit_count = np.empty(held.size + pull_count.size, dtype=np.int64)
     unit_count[held_unit], unit_count[pull_unit] = held_count, pull_count
-    ptr = np.concatenate(([0], np.cumsum(unit_count))).astype(np.int64)
+    ptr = offsets(unit_count)
     seg, row, source = (np.empty(int(ptr[-1]), dtype=np.int64) for _ in range(3))
-    local_segs = expand_ranges(seg_ptr[held], held_count)
     local_len = seg_len[local_segs]
     held_at = expand_ranges(ptr[held_unit], held_count)
-    local_count = np.bincount(held_rank, weights=held_count, minlength=stacked.num_ranks).astype(np.int64)
     seg[held_at], row[held_at], source[held_at] = local_segs, offsets_within(local_len, local_count), LOCAL
     pull_at = expand_ranges(ptr[pull_unit], pull_count)
     pull_segs = a["pull_recv_segs"]
@@ -197,7 +182,7 @@ def _units(stacked: StackedRanks) -> _Units:
                            (pull_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]])
     units = np.concatenate([held_unit, held_unit, pull_unit])
     order = np.argsort(keys, kind="stable")
-    local_rows = np.bincount(np.repeat(held_rank, held_count), weights=local_len, minlength=stacked.num_ranks)
+    local_rows = group_sums(local_len, offsets(local_count))
     return _Units(ptr=ptr, seg=seg, row=row, source=source, unit_key=keys[order], unit_of_key=units[order],
                   local_len=local_len, local_base=(np.cumsum(local_rows) - local_rows).astype(np.int64),
                   num_blocks=num_blocks)

@@ -30,7 +30,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
-from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
+from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
 from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_table
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
@@ -231,8 +231,8 @@ class _Facts:
     def of(cls, stacked: StackedRanks, table: RequestTable, calls: CallArrays) -> "_Facts":
         a, tables = stacked.arrays, stacked.tables
         seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-        recv_rows = group_sums(seg_len[a["pull_recv_segs"]], _ptr(a["pull_recv_seg_count"]))
-        send_rows = group_sums(seg_len[a["pull_send_segs"]], _ptr(a["pull_send_seg_count"]))
+        recv_rows = group_sums(seg_len[a["pull_recv_segs"]], offsets(a["pull_recv_seg_count"]))
+        send_rows = group_sums(seg_len[a["pull_send_segs"]], offsets(a["pull_send_seg_count"]))
         block_tokens = np.bincount(tables.seg_block, weights=seg_len, minlength=stacked.header.num_blocks)
         plan_tokens = np.bincount(stacked.rank_of("blocks"), weights=block_tokens[a["blocks"]],
                                   minlength=stacked.num_ranks).astype(np.int64)
@@ -256,11 +256,6 @@ class _Facts:
                    q_rows=q_rows, kv_rows=kv_rows, q_whole_store=whole,
                    q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
                    kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
-
-
-def _ptr(counts: np.ndarray) -> np.ndarray:
-    """Group bounds (a CSR's offsets) from group sizes."""
-    return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
 
 
 def _runs_per_call(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:
@@ -306,11 +301,7 @@ def _send_copies(stacked: StackedRanks) -> np.ndarray:
     a, tables = stacked.arrays, stacked.tables
     seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     num_segs = seg_len.size
-    held, held_rank = a["blocks"], stacked.rank_of("blocks")
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(stacked.header.num_blocks + 1))
-    held_count = seg_ptr[held + 1] - seg_ptr[held]
-    local = expand_ranges(seg_ptr[held], held_count)
-    local_count = np.bincount(held_rank, weights=held_count, minlength=stacked.num_ranks).astype(np.int64)
+    local, _, local_count = stacked.local_segments()
     # Stores, numbered over all ranks: rank r's plan layout, then each of its received pulls.
     recv_base = stacked.base("pull_recv_round")
     layout_store = recv_base + np.arange(stacked.num_ranks)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.ranges import group_sums
+from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets
 from fcp_compiler.format.plan_format import RANK_ARRAYS, GlobalTables, PlanHeader, RankProgram, expand_whole_blocks
 
 
@@ -50,21 +50,26 @@ class StackedRanks:
         return StackedRanks(header=self.header, tables=self.tables, ranks=self.ranks[low:high], arrays=arrays,
                             bounds=bounds)
 
+    def local_segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's segments in plan-layout row order (its held blocks' segments, block by block), ranks one
+        after another: (the segments, each held block's segment count, each rank's segment count)."""
+        seg_ptr = self.tables.block_seg_offsets
+        held = self.arrays["blocks"]
+        held_count = seg_ptr[held + 1] - seg_ptr[held]
+        per_rank = np.bincount(self.rank_of("blocks"), weights=held_count, minlength=self.num_ranks)
+        return expand_ranges(seg_ptr[held], held_count), held_count, per_rank.astype(np.int64)
+
     def within(self, name: str) -> np.ndarray:
         """Each row's index within its rank's rows of array `name` (int64 [rows])."""
         rows = self.arrays[name].size
         return np.arange(rows) - np.repeat(self.base(name), self.count(name))
 
 
-def _bounds(counts) -> np.ndarray:
-    return np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64)))).astype(np.int64)
-
-
 def stack_programs(programs: list[RankProgram]) -> StackedRanks:
     """Stack decoded (expanded) rank programs of one plan, in the order given (at least one)."""
     assert programs, "no ranks to stack"
     arrays = {name: np.concatenate([p.arrays[name] for p in programs]).astype(np.int64) for name in RANK_ARRAYS}
-    bounds = {name: _bounds([p.arrays[name].size for p in programs]) for name in RANK_ARRAYS}
+    bounds = {name: offsets([p.arrays[name].size for p in programs]) for name in RANK_ARRAYS}
     return StackedRanks(header=programs[0].header, tables=programs[0].tables,
                         ranks=np.asarray([p.rank for p in programs], dtype=np.int64), arrays=arrays, bounds=bounds)
 
@@ -79,7 +84,7 @@ def stack_columns(header: PlanHeader, tables: GlobalTables, columns: dict[str, t
     block_seg_offsets = tables.block_seg_offsets
     for side in ("send", "recv"):
         expand_whole_blocks(arrays, side, block_seg_offsets, np.diff(block_seg_offsets))
-        bounds[f"pull_{side}_segs"] = _bounds(group_sums(arrays[f"pull_{side}_seg_count"],
+        bounds[f"pull_{side}_segs"] = offsets(group_sums(arrays[f"pull_{side}_seg_count"],
                                                          bounds[f"pull_{side}_seg_count"]))
     num_ranks = bounds["blocks"].size - 1
     return StackedRanks(header=header, tables=tables, ranks=np.arange(num_ranks, dtype=np.int64), arrays=arrays,
