@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fcp_compiler.format.plan_format import PlanReader, RankProgram, TransferKind, expand_ranges, tiles_during_reshuffle
+from fcp_compiler.format.call_plan import tiles_during_reshuffle
+from fcp_compiler.format.plan_format import PlanReader, RankProgram, TransferKind, expand_ranges
 
 LAYOUTS = ("plan", "user")
 

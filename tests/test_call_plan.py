@@ -276,13 +276,29 @@ def test_the_calls_of_all_ranks_at_once_are_each_ranks_own():
     assert together == alone and len({call[0] for call in alone}) > 4
 
 
+def _plain_early_tiles(program):
+    """Stage-0 tiles whose query and key blocks the rank holds with every token received from itself, written
+    plainly (a token at a time)."""
+    a, tables = program.arrays, program.tables
+    own = set()
+    for peer, offset, length in zip(a["reshuffle_recv_peer"], a["reshuffle_recv_offset"], a["reshuffle_recv_length"]):
+        if peer == program.rank:
+            own.update(range(int(offset), int(offset) + int(length)))
+    seg_tokens = np.bincount(tables.seg_block, weights=tables.seg_end - tables.seg_start).astype(int)
+    stays, row = set(), 0
+    for block in a["blocks"].tolist():
+        if all(token in own for token in range(row, row + seg_tokens[block])):
+            stays.add(block)
+        row += seg_tokens[block]
+    return np.asarray([stage == 0 and q in stays and k in stays for stage, q, k in zip(
+        a["tile_stage"].tolist(), a["tile_q_block"].tolist(), a["tile_kv_block"].tolist())], dtype=bool)
+
+
 def _plain_step_requests(program, layout):
     """A step's requests written plainly: in the user layout the stage-0 tiles that run during the reshuffle first,
     then each forward stage's other tiles, then each backward stage's, each in tile row order."""
-    from fcp_compiler.format.plan_format import tiles_during_reshuffle
-
     a, header = program.arrays, program.header
-    early = tiles_during_reshuffle(program) if layout == "user" else np.zeros(a["tile_stage"].size, dtype=bool)
+    early = _plain_early_tiles(program) if layout == "user" else np.zeros(a["tile_stage"].size, dtype=bool)
     requests = [Request(pass_name="fwd", stage=-1, tiles=tuple(np.flatnonzero(early).tolist()))] if early.any() else []
     for stage in range(header.num_fwd_stages):
         rows = np.flatnonzero((a["tile_stage"] == stage) & ~early)

@@ -21,8 +21,8 @@ from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
-from fcp_compiler.format.plan_format import (PlanReader, TransferKind, stack_ranks, stacked_pull_tokens,
-                                             tiles_during_reshuffle)
+from fcp_compiler.format.call_plan import tiles_during_reshuffle
+from fcp_compiler.format.plan_format import PlanReader, TransferKind, stack_ranks, stacked_pull_tokens
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
 
 

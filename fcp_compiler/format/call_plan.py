@@ -102,9 +102,17 @@ def step_requests(program: RankProgram, layout: str | None = None) -> list[Reque
                                                   bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
+def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:
+    """Which of a rank's tiles may run while the input reshuffle is in flight: stage-0 tiles whose query and key
+    blocks the rank holds and whose tokens all stay on it (a run from the rank to itself). Bool per tile row; all
+    False in the plan layout, which has no reshuffle."""
+    if program.header.layout is Layout.PLAN:
+        return np.zeros(program.arrays["tile_stage"].size, dtype=bool)
+    return _stacked_tiles_during_reshuffle(stack_programs([program]))
+
+
 def _stacked_tiles_during_reshuffle(stacked: StackedRanks) -> np.ndarray:
-    """:func:`fcp_compiler.format.plan_format.tiles_during_reshuffle` of every stacked rank: stage-0 tiles whose
-    query and key blocks the rank holds with all their tokens staying on it."""
+    """:func:`tiles_during_reshuffle` of every stacked rank at once."""
     a, tables = stacked.arrays, stacked.tables
     num_blocks = stacked.header.num_blocks
     if stacked.header.layout is Layout.PLAN:

@@ -449,26 +449,6 @@ def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
                               f"{detail['msg']}") from None
 
 
-def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:
-    """Which of a rank's tiles may run while the input reshuffle is in flight: stage-0 tiles whose query and key
-    blocks the rank holds and whose tokens all stay on it (a run from the rank to itself). Bool per tile row; all
-    False in the plan layout, which has no reshuffle."""
-    a, tables = program.arrays, program.tables
-    if program.header.layout is Layout.PLAN:
-        return np.zeros(a["tile_stage"].size, dtype=bool)
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
-    block_tokens = np.add.reduceat(tables.seg_end - tables.seg_start, seg_ptr[:-1])
-    held = a["blocks"]
-    mine = a["reshuffle_recv_peer"] == program.rank
-    stays = np.zeros(int(block_tokens[held].sum()), dtype=bool)
-    stays[expand_ranges(a["reshuffle_recv_offset"][mine], a["reshuffle_recv_length"][mine])] = True
-    block_stays = np.zeros(program.header.num_blocks, dtype=bool)
-    if held.size:
-        starts = np.concatenate(([0], np.cumsum(block_tokens[held])[:-1]))
-        block_stays[held] = np.logical_and.reduceat(stays, starts) if stays.size else True
-    return (a["tile_stage"] == 0) & block_stays[a["tile_q_block"]] & block_stays[a["tile_kv_block"]]
-
-
 def stack_ranks(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
     """One per-rank array concatenated over ranks, and the rank of each row."""
     values = [program.arrays[name] for program in programs]
