@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fcp_runtime.attention as attention  # noqa: E402
 from conftest import compile_valid  # noqa: E402
-from fcp_compiler.format.memory import pass_messages, rank_peak_bytes  # noqa: E402
+from fcp_compiler.format.memory import rank_peak_bytes, stacked_messages  # noqa: E402
+from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
 
@@ -115,7 +116,7 @@ def test_received_buffers_live_from_their_post_to_their_last_use():
         program = reader.rank(rank)
         runtime = load_rank_plan(plan.to_bytes(), rank)
         for name, executed in (("fwd", runtime.forward), ("bwd", runtime.backward)):
-            messages = pass_messages(program, name)
+            messages = stacked_messages(stack_programs([program]), name)
             freed = np.full(messages.pull_recv_stage.size, -1)
             for stage, rows in enumerate(executed.free_after):
                 freed[rows] = stage
@@ -125,7 +126,6 @@ def test_received_buffers_live_from_their_post_to_their_last_use():
 
 def test_a_sent_pull_is_copied_exactly_when_its_rows_are_not_one_run_of_its_store():
     from fcp_compiler.format.memory import _send_copies
-    from fcp_compiler.format.stacked import stack_programs
 
     plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
                          node_fan_out=True)

@@ -10,7 +10,8 @@ import pytest
 from conftest import compile_valid
 from fcp_compiler import compile_plan
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.format.memory import least_peak_bytes, ranks_peak_bytes
+from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
+from fcp_compiler.format.stacked import stack_programs
 from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
 from fcp_compiler.format.validate import PlanInvalidError, validate_plan
 
@@ -29,7 +30,7 @@ def unbudgeted():
 
 def test_the_header_states_each_ranks_account_and_the_validator_holds_it(unbudgeted):
     reader = PlanReader(unbudgeted.to_bytes())
-    peaks = ranks_peak_bytes(reader.ranks())
+    peaks = stacked_peak_bytes(stack_programs(reader.ranks()))
     assert reader.header.max_buffer_bytes_fwd == peaks[:, 0].tolist()
     assert reader.header.max_buffer_bytes_bwd == peaks[:, 1].tolist()
     assert reader.header.memory_budget_bytes is None
@@ -52,7 +53,7 @@ def test_no_schedule_goes_below_the_least_peak(unbudgeted):
     block_tokens = np.bincount(reader.tables.seg_block, weights=seg_tokens)
     tokens = np.asarray([block_tokens[p.arrays["blocks"]].sum() for p in reader.ranks()])
     least = least_peak_bytes(reader.header, tokens)
-    peaks = ranks_peak_bytes(reader.ranks())
+    peaks = stacked_peak_bytes(stack_programs(reader.ranks()))
     assert (least <= peaks.max(axis=1)).all() and (least > 0).all()
 
 

@@ -97,12 +97,6 @@ class PassMessages:
     num_stages: int
 
 
-def pass_messages(program: RankProgram, pass_name: str) -> PassMessages:
-    """Where one pass's messages fall in its stages on this rank, and when each received pull is freed
-    (:func:`stacked_messages` of one rank)."""
-    return stacked_messages(stack_programs([program]), pass_name)
-
-
 def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
     """Where one pass's messages fall in its stages, on every stacked rank, and when each received pull is freed: at
     the end of the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of
@@ -159,17 +153,6 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
     calls = stacked_calls(stacked, table) if calls is None else calls
     peaks = _peaks(stacked, table, calls, Sizes.of(program.header, dtype))
     return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
-
-
-def ranks_peak_bytes(programs: list[RankProgram], layout: str | None = None, dtype: str | None = None) -> np.ndarray:
-    """:func:`rank_peak_bytes` of several ranks at once.
-
-    Returns:
-        int64 [len(programs), 2]: per rank, the forward's and the backward's peak bytes.
-    """
-    if not programs:
-        return np.zeros((0, 2), dtype=np.int64)
-    return stacked_peak_bytes(stack_programs(programs), layout, dtype)
 
 
 def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None) -> np.ndarray:
