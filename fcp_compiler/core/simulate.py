@@ -219,7 +219,7 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
                                  return_inverse=True)
     diagonal = np.bincount(entry, weights=kind[packed] == CAUSAL, minlength=entries.size) > 0
     # One causal and one unmasked call per slot, each cut as the call plan cuts a large backward call (call_parts).
-    seg_tokens = end - start
+    seg_tokens = sharding.seg_tokens
     call = (entries // num_segments) * 2 + diagonal
     query_rows = np.bincount(call, weights=seg_tokens[entries % num_segments], minlength=2 * num_slots)
     key_rows = np.bincount(call, weights=np.bincount(entry, weights=seg_tokens[k_seg[packed]],
