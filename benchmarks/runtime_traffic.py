@@ -1,4 +1,4 @@
-"""Data the runtime moves in HBM outside the attention kernels, and the device ops it launches (issue 22).
+"""Data the runtime moves in HBM outside the attention kernels, and the device ops it launches (issues 22, 33).
 
 Usage: python benchmarks/runtime_traffic.py [--main-tree PATH] [--eval-data DIR] [--dtype bf16]
 
@@ -16,8 +16,13 @@ other device op the executor issues and charges the bytes it reads and writes:
 It also reports the pass's peak device memory: every tensor an op creates (not a view, not an input it returns)
 counts from its creation until Python frees it, kernel outputs included, and a batch of messages holds its tensors
 until its work object is dropped, as a backend does; the call's inputs (and, backward, what the forward saved and
-the incoming gradient) are not counted. Beside it, what the plan's header states for that rank (max_buffer_bytes_fwd
-and _bwd, the memory account of fcp_compiler.format.memory; recomputed for another --dtype), which should equal it.
+the incoming gradient) are not counted. Beside it, what the memory account states for that rank, which should equal
+it: on the packing path the plan's header (max_buffer_bytes_fwd and _bwd; recomputed for another --dtype), on the
+range path fcp_compiler.format.memory.rank_range_peak_bytes.
+
+Each rank runs both kernel paths: "ranges", a range kernel (FFA's contract: keys read in place from the rank's rows
+and its arenas, results accumulated in the kernel) and "packing", flash-attn's varlen contract (inputs packed per
+call, results merged or added after it). Another tree (--main-tree) runs its own path, the packing one.
 
 Plans: the 256-GPU paper-like trace (traces/paper_lognormal_256gpu.json) and the MagiAttention-histogram-like batch
 at 256 GPUs (benchmarks/placement.py), at the busiest rank (most planned attention seconds) and the median one.
@@ -131,6 +136,19 @@ class MetaKernels:
             COUNTER.paused -= 1
 
 
+class MetaRangeKernels:
+    """The range contract's effects, moving nothing: it writes into the accumulators it is given."""
+
+    name = "meta-ranges"
+    ranges = True
+
+    def forward(self, q, k, v, q_ranges, k_ranges, masks, max_q, max_k, scale, out, lse):
+        return None
+
+    def backward(self, d_out, q, k, v, out, lse, q_ranges, k_ranges, masks, max_q, max_k, scale, dq, dk, dv):
+        return None
+
+
 class Work:
     """A batch of messages in flight: like a backend's work object, it holds their tensors until it is dropped."""
 
@@ -164,7 +182,7 @@ class FakeDist:
         return rank
 
 
-def measure(plan_path, rank, dtype):
+def measure(plan_path, rank, dtype, kernels):
     global COUNTER
     plan = load_rank_plan(plan_path, rank)
     attention.dist = FakeDist(attention.dist)
@@ -180,7 +198,7 @@ def measure(plan_path, rank, dtype):
         grad = torch.empty((tokens, plan.q_heads, plan.head_dim), dtype=dtype, device=meta)  # an input: not counted
         with COUNTER:
             if label == "fwd":
-                out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=MetaKernels())
+                out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=kernels)
             else:
                 out.backward(grad)
         top = sorted(COUNTER.by_op.items(), key=lambda item: -item[1][1])[:6]
@@ -191,7 +209,8 @@ def measure(plan_path, rank, dtype):
 
 
 plan_path, ranks, dtype = sys.argv[1], json.loads(sys.argv[2]), getattr(torch, sys.argv[3])
-print(json.dumps({str(rank): measure(plan_path, rank, dtype) for rank in ranks}))
+kernels = MetaRangeKernels() if sys.argv[4:] == ["ranges"] else MetaKernels()
+print(json.dumps({str(rank): measure(plan_path, rank, dtype, kernels) for rank in ranks}))
 '''
 
 
@@ -241,18 +260,28 @@ def _plans(tree: Path, folder: Path, batches: dict) -> dict[str, tuple[str, list
     return {name: (path, ranks) for name, (path, ranks) in json.loads(done.stdout).items()}
 
 
-def _run(tree: Path, path: Path, ranks: list[int], dtype: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _JOB_SCRIPT, str(path), json.dumps(ranks), dtype], text=True,
+def _run(tree: Path, path: Path, ranks: list[int], dtype: str, path_kind: str = "packing") -> dict:
+    done = subprocess.run([sys.executable, "-c", _JOB_SCRIPT, str(path), json.dumps(ranks), dtype, path_kind], text=True,
                           capture_output=True, cwd=tree, env={"PYTHONPATH": str(tree), "PATH": ""})
     if done.returncode:
         raise SystemExit(f"runtime_traffic: the run in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
+def _stated(reader, rank: int, dtype: str) -> dict[str, int]:
+    """The packing path's peak the header states for a rank (recomputed for another dtype or layout)."""
+    from fcp_compiler.format.memory import rank_peak_bytes
+
+    header = reader.header
+    if header.shape.dtype.value == DTYPES[dtype] and header.layout.value == "plan":
+        return {"fwd": header.max_buffer_bytes_fwd[rank], "bwd": header.max_buffer_bytes_bwd[rank]}
+    return rank_peak_bytes(reader.rank(rank), layout="plan", dtype=DTYPES[dtype])
+
+
 def main() -> None:
     import tempfile
 
-    from fcp_compiler.format.memory import rank_peak_bytes
+    from fcp_compiler.format.memory import rank_range_peak_bytes
     from fcp_compiler.format.plan_format import PlanReader
     from fcp_compiler.tools.report import table
 
@@ -267,30 +296,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         plans = {label: _plans(tree, Path(folder) / label, batches) for label, tree in trees.items()}
         for name, (path, ranks) in plans["this"].items():
-            measured = {label: _run(tree, plans[label][name][0], plans[label][name][1], args.dtype)
+            measured = {(label, "packing"): _run(tree, plans[label][name][0], plans[label][name][1], args.dtype)
                         for label, tree in trees.items()}
+            measured["this", "ranges"] = _run(HERE, path, ranks, args.dtype, "ranges")
             reader = PlanReader(path)
             for index, (rank, which) in enumerate(zip(ranks, ("busiest", "median"))):
-                ours = measured["this"][str(rank)]
-                header = reader.header
-                if header.shape.dtype.value == DTYPES[args.dtype] and header.layout.value == "plan":
-                    account = {"fwd": header.max_buffer_bytes_fwd[rank], "bwd": header.max_buffer_bytes_bwd[rank]}
-                else:  # the header states the plan's own dtype and layout
-                    account = rank_peak_bytes(reader.rank(rank), layout="plan", dtype=DTYPES[args.dtype])
-                for label in ("fwd", "bwd"):
-                    row = [f"{name} rank {rank} ({which})", label, f"{ours['tokens']}",
-                           f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}",
-                           f"{ours[label]['peak'] / 2 ** 30:.2f}", f"{account[label] / 2 ** 30:.2f}",
-                           f"{account[label] / ours[label]['peak']:.3f}"]
-                    if "main" in measured:
-                        base = measured["main"][str(plans["main"][name][1][index])][label]
-                        row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}", f"{base['peak'] / 2 ** 30:.2f}",
-                                f"{ours[label]['bytes'] / base['bytes']:.3f}" if base["bytes"] else "-",
-                                f"{ours[label]['ops'] / base['ops']:.3f}" if base["ops"] else "-"]
-                    rows.append(row)
-                    tops.append(f"{name} rank {rank} {label}: " + ", ".join(
-                        f"{op} x{count} {moved / 1e9:.2f} GB" for op, count, moved in ours[label]["top"]))
-    headers = ["plan, rank", "pass", "tokens", "HBM GB", "ops", "peak GiB", "stated GiB", "stated/peak"]
+                stated = {"packing": _stated(reader, rank, args.dtype),
+                          "ranges": rank_range_peak_bytes(reader.rank(rank), layout="plan", dtype=DTYPES[args.dtype])}
+                for kernels in ("ranges", "packing"):
+                    ours = measured["this", kernels][str(rank)]
+                    for label in ("fwd", "bwd"):
+                        row = [f"{name} rank {rank} ({which})", kernels, label, f"{ours['tokens']}",
+                               f"{ours[label]['bytes'] / 1e9:.2f}", f"{ours[label]['ops']}",
+                               f"{ours[label]['peak'] / 2 ** 30:.2f}", f"{stated[kernels][label] / 2 ** 30:.2f}",
+                               f"{stated[kernels][label] / ours[label]['peak']:.3f}"]
+                        if ("main", "packing") in measured:
+                            base = measured["main", "packing"][str(plans["main"][name][1][index])][label]
+                            row += [f"{base['bytes'] / 1e9:.2f}", f"{base['ops']}", f"{base['peak'] / 2 ** 30:.2f}",
+                                    f"{ours[label]['bytes'] / base['bytes']:.3f}" if base["bytes"] else "-",
+                                    f"{ours[label]['ops'] / base['ops']:.3f}" if base["ops"] else "-"]
+                        rows.append(row)
+                        tops.append(f"{name} rank {rank} {kernels} {label}: " + ", ".join(
+                            f"{op} x{count} {moved / 1e9:.2f} GB" for op, count, moved in ours[label]["top"]))
+    headers = ["plan, rank", "kernels", "pass", "tokens", "HBM GB", "ops", "peak GiB", "stated GiB", "stated/peak"]
     if "main" in trees:
         headers += ["main GB", "main ops", "main peak", "GB x main", "ops x main"]
     print(table(headers, rows))

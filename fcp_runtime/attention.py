@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
 from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
-from fcp_runtime.stage_calls import LOCAL, KernelCall, merge_runs, prepare_calls, stage_calls
+from fcp_runtime.stage_calls import LOCAL, KernelCall, RangeCall, arenas, merge_runs, prepare_calls, stage_calls
 
 
 class PlanMismatchError(RuntimeError):
@@ -85,11 +85,13 @@ def check_plan(plan: RankPlan, group=None) -> None:
 
 @dataclass
 class _Store:
-    """Rows of some segments: where each segment starts, and named tensors [rows, ...] (or [heads, rows])."""
+    """Rows of some segments: where each segment starts, and named tensors [rows, ...] (or [heads, rows]); a
+    received pull on the range path has its rows in an arena, from `arena_row` on."""
 
     seg_row: dict[int, int]
     rows: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    arena_row: int = -1
 
 
 def _wait_all(requests: list) -> None:
@@ -107,7 +109,9 @@ class _Executor:
         self.plan, self.group, self.scale, self.head_dim = plan, group, scale, head_dim
         self.device, self.dtype = device, dtype
         self.acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-        self.kernels = kernels if kernels is not None else default_kernels(device)
+        self.kernels = kernels if kernels is not None else default_kernels(device, plan.has_windows)
+        # A range kernel reads keys in place: pulls are received into arenas, calls are ranges over them.
+        self.ranges = bool(getattr(self.kernels, "ranges", False))
         self.live_tokens = 0  # received buffers under the plan's liveness rule (logged by recording())
 
     # --- layout -------------------------------------------------------------------------------------------------
@@ -172,7 +176,7 @@ class _Executor:
             _log("post", program.name, stage, len(program.messages[stage]),
                  tuple(m.pull for m in program.messages[stage] if m.what == "push_send"))
             tiles = [idx for idx in program.tiles[stage] if idx not in skip]
-            for call in stage_calls(plan, program.name, stage, tiles, self.device):
+            for call in stage_calls(plan, program.name, stage, tiles, self.device, self.ranges):
                 _log("tile", program.name, stage, call.tile_rows, call.pull_rows)
                 phase.run_call(call, local, remote)
             # Works, arrived stores and landed pushes are let go here, by helpers: a loop variable would keep the last
@@ -223,7 +227,8 @@ class _Executor:
         if message.what == "pull_recv":
             pull = plan.pull_recv[message.pull]
             store = self.new_store(pull.segs)
-            store.tensors = phase.pull_buffers(pull, store.rows)
+            store.arena_row = phase.arena_row(message.pull)
+            store.tensors = phase.pull_buffers(pull, store)
             self.allocate(name, stage, store.rows)
             arrived.append((message.pull, store))
             return self.ops(dist.irecv, pull.peer, pull.block, pull.kind, list(store.tensors.values()))
@@ -235,7 +240,7 @@ class _Executor:
         tensors = phase.push_buffers(pull, plan.pull_tokens(pull))
         self.allocate(name, stage, plan.pull_tokens(pull))
         returned.append((pull, tensors))
-        return self.ops(dist.irecv, pull.peer, pull.block, 2 + pull.kind, tensors)
+        return self.ops(dist.irecv, pull.peer, pull.block, 2 + pull.kind, phase.push_parts(tensors))
 
     def ops(self, operation, peer: int, block: int, code: int, tensors: list[torch.Tensor]) -> list:
         """One P2POp per tensor; tags (block, code, part) keep gloo's matching exact, and NCCL, which matches by
@@ -276,6 +281,7 @@ class _Posted:
     num_messages: int  # program.num_prefetched
     requests: list
     arrived: list  # (pull_recv row, its store) of the pulls it receives
+    arenas: _Arenas | None = None  # on the range path: the pass's arenas, its K,V pulls received into them
 
 
 @dataclass(kw_only=True)
@@ -320,7 +326,7 @@ class KVPrefetch:
             return
         executor = self.executor
         k, v = self.saved_kv
-        self.backward = _post_first(executor, _BackwardPass(executor, k.shape[1], k.shape[1]),
+        self.backward = _post_first(executor, _BackwardPass(executor, None, k.shape[1]),
                                     self.plan.backward, k, v)
 
 
@@ -337,10 +343,10 @@ def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tenso
     with torch.no_grad():
         requests = executor.post_batch(phase, program.name, 0, messages, local, {}, arrived, [])
     _log("prefetch", program.name, 0, len(messages))
-    return _Posted(num_messages=len(messages), requests=requests, arrived=arrived)
+    return _Posted(num_messages=len(messages), requests=requests, arrived=arrived, arenas=phase.arenas)
 
 
-def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) -> KVPrefetch:
+def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, kernels=None) -> KVPrefetch:
     """Post this rank's part of the forward's first-stage K,V pulls (its own blocks' K,V sent, the blocks its
     first stage reads received) as soon as K and V are projected, so that they cross while Q is projected; pass
     the result to :func:`fcp_attn_func` (`prefetched=`) with the same k and v, unchanged in between, and the
@@ -355,6 +361,8 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) ->
     Args:
         k, v: [plan tokens, kv_heads, head_dim], this rank's rows in the plan layout (rotary embedding applied).
         plan: this rank's plan; group: its process group (default: the world).
+        kernels: the kernels the fcp_attn_func call will use (default: the same default): a range kernel receives
+            the pulls into the pass's arena.
     Returns:
         the in-flight pulls, for one fcp_attn_func call.
     Raises:
@@ -368,19 +376,68 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None) ->
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != plan.plan_tokens:
         raise ValueError(f"prefetch_kv: expected k, v [{plan.plan_tokens}, kv_heads, head_dim] (rank {plan.rank}'s "
                          f"plan-layout rows), got {tuple(k.shape)}, {tuple(v.shape)}")
-    executor = _Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=_NO_KERNELS)
-    posted = _post_first(executor, _ForwardPass(executor, k.shape[1], k.shape[1]), plan.forward, k, v)
+    executor = _Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=kernels)
+    posted = _post_first(executor, _ForwardPass(executor, None, k.shape[1]), plan.forward, k, v)
     return KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens)
 
 
-_NO_KERNELS = object()  # prefetch_kv's executor only posts messages
+# Tensors of an arena laid out [heads, rows] (LSE) or [2, rows, ...] (dK and dV as halves): their rows are dim 1.
+_ROWS_DIM = {"lse": 1, "dkv": 1}
+
+
+class _Arenas:
+    """One pass's arenas on the range path: per kind (Q, K,V) named tensors whose rows hold the received pulls at
+    the rows the compiler placed them (fcp_compiler.format.arena); each made when its kind's first pull is posted."""
+
+    def __init__(self, offsets: list[int], make: dict):
+        self.offsets, self.make, self.tensors = offsets, make, {}
+
+    def of(self, kind: int) -> dict[str, torch.Tensor]:
+        if kind not in self.tensors:
+            self.tensors[kind] = self.make[kind]()
+        return self.tensors[kind]
+
+    def views(self, kind: int, row: int, rows: int, names) -> dict[str, torch.Tensor]:
+        """A pull's rows of the named tensors of its kind's arena, in place."""
+        tensors = self.of(kind)
+        return {name: tensors[name].narrow(_ROWS_DIM.get(name, 0), row, rows) for name in names}
+
+
+def _adopt(posted: _Posted | None) -> _Arenas | None:
+    """The arenas a prefetch received into, handed to the pass that takes its messages over (and let go by the
+    prefetch, which the caller may keep)."""
+    if posted is None:
+        return None
+    arenas_, posted.arenas = posted.arenas, None
+    return arenas_
+
+
+def _arenas(executor: _Executor, pass_name: str, make: dict, adopted: _Arenas | None) -> _Arenas | None:
+    """The pass's arenas on the range path (those a prefetch made, if it did), else None."""
+    if not executor.ranges:
+        return None
+    if adopted is not None:
+        adopted.make.update(make)  # the prefetch did not know the query heads
+        return adopted
+    return _Arenas(arenas(executor.plan)[pass_name].pull_offset.tolist(), make)
 
 
 class _ForwardPass:
     """What the forward pass moves and computes: K,V or Q pulled, partial O and LSE pushed back and merged."""
 
-    def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
+    def __init__(self, executor: _Executor, q_heads: int | None, kv_heads: int, adopted: _Arenas | None = None):
         self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
+        ex = executor
+        rows = arenas(ex.plan)["fwd"] if ex.ranges else None
+        self.arenas = _arenas(ex, "fwd", {
+            TransferKind.KV: lambda: {"k": ex.empty(rows.kv_rows, kv_heads), "v": ex.empty(rows.kv_rows, kv_heads)},
+            TransferKind.Q: lambda: {"q": ex.empty(rows.q_rows, self.hq),
+                                     "out": ex.empty(rows.q_rows, self.hq, ex.acc_dtype),
+                                     "lse": torch.empty((self.hq, rows.q_rows), dtype=ex.acc_dtype, device=ex.device)},
+        }, adopted)
+
+    def arena_row(self, pull_row: int) -> int:
+        return self.arenas.offsets[pull_row] if self.arenas is not None else -1
 
     def local_store(self, q, k, v) -> _Store:
         """The plan-layout store with empty output accumulators."""
@@ -393,18 +450,23 @@ class _ForwardPass:
         names = ("k", "v") if pull.kind == TransferKind.KV else ("q",)
         return [self.ex.payload_rows(local, name, pull.segs) for name in names]
 
-    def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
-        if pull.kind == TransferKind.KV:
-            return {"k": self.ex.empty(rows, self.hkv), "v": self.ex.empty(rows, self.hkv)}
-        return {"q": self.ex.empty(rows, self.hq)}
+    def pull_buffers(self, pull, store: _Store) -> dict[str, torch.Tensor]:
+        names = ("k", "v") if pull.kind == TransferKind.KV else ("q",)
+        if self.arenas is not None:
+            return self.arenas.views(pull.kind, store.arena_row, store.rows, names)
+        return {name: self.ex.empty(store.rows, self.hkv if pull.kind == TransferKind.KV else self.hq)
+                for name in names}
 
     def accumulators(self, pull, store: _Store) -> None:
-        if pull.kind == TransferKind.Q:
-            ex = self.ex
-            store.tensors["out"] = torch.zeros((store.rows, self.hq, ex.head_dim), dtype=ex.acc_dtype,
-                                               device=ex.device)
-            store.tensors["lse"] = torch.full((self.hq, store.rows), float("-inf"), dtype=ex.acc_dtype,
-                                              device=ex.device)
+        if pull.kind != TransferKind.Q:
+            return
+        ex = self.ex
+        if self.arenas is not None:  # the slot's earlier pull left its results there
+            views = self.arenas.views(pull.kind, store.arena_row, store.rows, ("out", "lse"))
+            store.tensors.update(out=views["out"].zero_(), lse=views["lse"].fill_(float("-inf")))
+            return
+        store.tensors["out"] = torch.zeros((store.rows, self.hq, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)
+        store.tensors["lse"] = torch.full((self.hq, store.rows), float("-inf"), dtype=ex.acc_dtype, device=ex.device)
 
     def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
         return [store.tensors["out"].contiguous(), store.tensors["lse"].contiguous()]
@@ -414,13 +476,26 @@ class _ForwardPass:
         return [ex.empty(rows, self.hq, ex.acc_dtype),
                 torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)]
 
+    @staticmethod
+    def push_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors a push is received into, as its sender sends them."""
+        return tensors
+
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
         out, lse = tensors
         merge_into(local.tensors["out"][rows], local.tensors["lse"][:, rows], out[part], lse[:, part])
 
-    def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
-        """One varlen forward call; each entry's partial output merges into its query rows' accumulators."""
+    def run_call(self, call, local: _Store, remote: dict[int, _Store]) -> None:
+        """One kernel call: a range call merges into the accumulators in the kernel; a packed varlen call's
+        entries' partial outputs merge into their query rows' accumulators here."""
         ex = self.ex
+        if isinstance(call, RangeCall):
+            queries = self.arenas.of(TransferKind.Q) if call.q_arena else local.tensors
+            keys = self.arenas.of(TransferKind.KV) if call.kv_arena else local.tensors
+            ex.kernels.forward(queries["q"], keys["k"], keys["v"], call.q_ranges.view(-1, 2),
+                               call.k_ranges.view(-1, 2), call.masks.view(-1, 2), call.max_q, call.max_k, ex.scale,
+                               queries["out"], queries["lse"])
+            return
         out, lse = self.attend(call, local, remote)
         for entry in call.q_index:
             store = ex.store_of(entry.source, local, remote)
@@ -442,12 +517,32 @@ class _ForwardPass:
                                   call.window)
 
 
+_BACKWARD_PULLED = {TransferKind.KV: ("k", "v"), TransferKind.Q: ("q", "do", "out", "lse")}
+
+
 class _BackwardPass:
     """What the backward pass moves and computes: K,V or (Q, dO, O, LSE) pulled, dK dV or dQ pushed back and
     summed; each tile recomputed from the final O and LSE."""
 
-    def __init__(self, executor: _Executor, q_heads: int, kv_heads: int):
+    def __init__(self, executor: _Executor, q_heads: int | None, kv_heads: int, adopted: _Arenas | None = None):
         self.ex, self.hq, self.hkv = executor, q_heads, kv_heads
+        ex = executor
+        rows = arenas(ex.plan)["bwd"] if ex.ranges else None
+
+        def kv_arena():
+            dkv = torch.empty((2, rows.kv_rows, kv_heads, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)
+            return {"k": ex.empty(rows.kv_rows, kv_heads), "v": ex.empty(rows.kv_rows, kv_heads), "dkv": dkv,
+                    "dk": dkv[0], "dv": dkv[1]}
+
+        def q_arena():
+            return {"q": ex.empty(rows.q_rows, self.hq), "do": ex.empty(rows.q_rows, self.hq),
+                    "out": ex.empty(rows.q_rows, self.hq),
+                    "lse": torch.empty((self.hq, rows.q_rows), dtype=ex.acc_dtype, device=ex.device),
+                    "dq": ex.empty(rows.q_rows, self.hq, ex.acc_dtype)}
+        self.arenas = _arenas(ex, "bwd", {TransferKind.KV: kv_arena, TransferKind.Q: q_arena}, adopted)
+
+    def arena_row(self, pull_row: int) -> int:
+        return self.arenas.offsets[pull_row] if self.arenas is not None else -1
 
     def local_store(self, q, k, v, out, lse, d_out) -> _Store:
         """The plan-layout store with empty gradient accumulators."""
@@ -457,23 +552,32 @@ class _BackwardPass:
                                    dkv=dkv, dk=dkv[0], dv=dkv[1])
 
     def pull_payload(self, local: _Store, pull) -> list[torch.Tensor]:
-        ex = self.ex
-        if pull.kind == TransferKind.KV:
-            return [ex.payload_rows(local, "k", pull.segs), ex.payload_rows(local, "v", pull.segs)]
-        return [ex.payload_rows(local, "q", pull.segs), ex.payload_rows(local, "do", pull.segs),
-                ex.payload_rows(local, "out", pull.segs), ex.payload_rows(local, "lse", pull.segs, heads_first=True)]
+        return [self.ex.payload_rows(local, name, pull.segs, heads_first=name == "lse")
+                for name in _BACKWARD_PULLED[pull.kind]]
 
-    def pull_buffers(self, pull, rows: int) -> dict[str, torch.Tensor]:
-        ex = self.ex
+    def pull_buffers(self, pull, store: _Store) -> dict[str, torch.Tensor]:
+        ex, rows = self.ex, store.rows
+        lse = {"lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)} \
+            if pull.kind == TransferKind.Q else {}
+        if self.arenas is not None:  # the LSE arrives whole and is copied into its arena rows on arrival
+            names = ("k", "v") if pull.kind == TransferKind.KV else ("q", "do", "out")
+            return self.arenas.views(pull.kind, store.arena_row, rows, names) | lse
         if pull.kind == TransferKind.KV:
             return {"k": ex.empty(rows, self.hkv), "v": ex.empty(rows, self.hkv)}
-        return {"q": ex.empty(rows, self.hq), "do": ex.empty(rows, self.hq), "out": ex.empty(rows, self.hq),
-                "lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)}
+        return {"q": ex.empty(rows, self.hq), "do": ex.empty(rows, self.hq), "out": ex.empty(rows, self.hq)} | lse
 
     def accumulators(self, pull, store: _Store) -> None:
         """dK and dV as the halves of one [2, rows, kv_heads, head_dim] tensor (one zeroing, one message back, one
         add where it lands), or dQ."""
         ex = self.ex
+        if self.arenas is not None:
+            if pull.kind == TransferKind.KV:
+                dkv = self.arenas.views(pull.kind, store.arena_row, store.rows, ("dkv",))["dkv"].zero_()
+                store.tensors.update(dkv=dkv, dk=dkv[0], dv=dkv[1])
+            else:
+                views = self.arenas.views(pull.kind, store.arena_row, store.rows, ("lse", "dq"))
+                store.tensors.update(lse=views["lse"].copy_(store.tensors["lse"]), dq=views["dq"].zero_())
+            return
         if pull.kind == TransferKind.KV:
             dkv = torch.zeros((2, store.rows, self.hkv, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)
             store.tensors.update(dkv=dkv, dk=dkv[0], dv=dkv[1])
@@ -482,13 +586,23 @@ class _BackwardPass:
                                               device=ex.device)
 
     def push_payload(self, store: _Store, pull) -> list[torch.Tensor]:
-        return [store.tensors["dkv" if pull.kind == TransferKind.KV else "dq"]]
+        """dK and dV as two messages (each a run of rows, in an arena too), or dQ."""
+        if pull.kind == TransferKind.KV:
+            return [store.tensors["dk"], store.tensors["dv"]]
+        return [store.tensors["dq"]]
 
     def push_buffers(self, pull, rows: int) -> list[torch.Tensor]:
+        """One [2, rows, kv_heads, head_dim] buffer for dK and dV (one add where it lands), or dQ."""
         ex = self.ex
         if pull.kind == TransferKind.KV:
             return [torch.empty((2, rows, self.hkv, ex.head_dim), dtype=ex.acc_dtype, device=ex.device)]
         return [ex.empty(rows, self.hq, ex.acc_dtype)]
+
+    @staticmethod
+    def push_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors a push is received into, as its sender sends them: dK and dV into the halves of one buffer."""
+        (buffer,) = tensors
+        return [buffer[0], buffer[1]] if buffer.dim() == 4 else [buffer]
 
     def land(self, local: _Store, rows: slice, kind: int, tensors: list[torch.Tensor], part: slice) -> None:
         (tensor,) = tensors
@@ -497,9 +611,17 @@ class _BackwardPass:
         else:
             local.tensors["dq"][rows].add_(tensor[part])
 
-    def run_call(self, call: KernelCall, local: _Store, remote: dict[int, _Store]) -> None:
-        """One varlen backward call; dq, dk and dv of each entry add into the rows they belong to."""
+    def run_call(self, call, local: _Store, remote: dict[int, _Store]) -> None:
+        """One kernel call: a range call adds dq, dk and dv into the accumulators in the kernel; a packed varlen
+        call's results add into the rows they belong to here."""
         ex = self.ex
+        if isinstance(call, RangeCall):
+            queries = self.arenas.of(TransferKind.Q) if call.q_arena else local.tensors
+            keys = self.arenas.of(TransferKind.KV) if call.kv_arena else local.tensors
+            ex.kernels.backward(queries["do"], queries["q"], keys["k"], keys["v"], queries["out"], queries["lse"],
+                                call.q_ranges.view(-1, 2), call.k_ranges.view(-1, 2), call.masks.view(-1, 2),
+                                call.max_q, call.max_k, ex.scale, queries["dq"], keys["dk"], keys["dv"])
+            return
         dq, dkv = self.gradients(call, local, remote)
         ex.scatter_add(call.q_index, "dq", dq, local, remote)
         ex.scatter_add(call.kv_index, "dkv", dkv, local, remote, dim=1)
@@ -575,10 +697,13 @@ class _FcpAttention(torch.autograd.Function):
         executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
         if prefetched is not None:  # its received buffers are live already
             executor.live_tokens = prefetched.live_tokens
+            if (prefetched.forward.arenas is not None) != executor.ranges:
+                raise ValueError("prefetched: prefetch_kv was given other kernels than fcp_attn_func (a range kernel "
+                                 "receives into arenas, a packing one does not); pass both the same kernels")
         # Every call of both passes on the device now: the stage loops build and copy nothing.
-        prepare_calls(plan, layout, q.device)
+        prepare_calls(plan, layout, q.device, executor.ranges)
         hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
-        forward = _ForwardPass(executor, hq, hkv)
+        forward = _ForwardPass(executor, hq, hkv, _adopt(prefetched.forward if prefetched is not None else None))
         skip: frozenset[int] = frozenset()
         if layout == "plan":
             q_p, k_p, v_p = q, k, v
@@ -590,12 +715,13 @@ class _FcpAttention(torch.autograd.Function):
             local = forward.local_store(q_p, k_p, v_p)
             # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
             skip = plan.early_tiles
-            for call in stage_calls(plan, "fwd", -1, sorted(skip), q.device):
+            for call in stage_calls(plan, "fwd", -1, sorted(skip), q.device, executor.ranges):
                 _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
                 forward.run_call(call, local, {})
             finish()
         executor.run_stages(forward, plan.forward, local, skip=skip,
                             prefetched=prefetched.forward if prefetched is not None else None)
+        forward.arenas = None  # every pull is freed: the arenas go before the outputs are made
         out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
         ctx.executor, ctx.layout, ctx.prefetched = executor, layout, prefetched
@@ -611,10 +737,11 @@ class _FcpAttention(torch.autograd.Function):
         d_out = d_out.contiguous()
         d_out_p = d_out if ctx.layout == "plan" else _reshuffle(plan, d_out, True, executor.group)
         hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
-        backward = _BackwardPass(executor, hq, hkv)
-        local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
         prefetched = ctx.prefetched.backward if ctx.prefetched is not None else None
+        backward = _BackwardPass(executor, hq, hkv, _adopt(prefetched))
+        local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
         executor.run_stages(backward, plan.backward, local, prefetched=prefetched)
+        backward.arenas = None
         dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
         if ctx.layout == "plan":
             return dq_p, dk_p, dv_p, None, None, None, None, None, None

@@ -171,12 +171,126 @@ class TorchFlashKernels:
         return dq, dk, dv
 
 
+class ExactRangeKernels:
+    """The range contract in plain torch, range by range, every range read and accumulated in place: exact in fp32
+    and fp64. The CPU path, and the reference every other range backend is tested against.
+
+    The range contract (FFA's, MagiAttention's flex_flash_attn): q [Tq, Hq, D], k and v [Tk, Hkv, D]; range i
+    pairs query rows q_ranges[i] = (start, end) with key rows k_ranges[i], masked by masks[i] = (left, right) as
+    flash-attn's window, bottom-right aligned within the pair ((-1, -1): full; (-1, 0): causal). Ranges may overlap,
+    in queries and in keys. The forward merges every range's result into the accumulators out [Tq, Hq, D] and lse
+    [Hq, Tq] by log-sum-exp weights (rows no range touches keep theirs); the backward, given the final out and lse,
+    adds each range's share into dq, dk, dv (overlapping key ranges summed). All index tensors are int32 [n, 2].
+    """
+
+    name = "exact-ranges"
+    ranges = True
+
+    def forward(self, q, k, v, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float, out, lse) -> None:
+        """Merge each range's attention into out and lse (in place)."""
+        acc = lse.dtype
+        for (q0, q1), (k0, k1), window in zip(q_ranges.tolist(), k_ranges.tolist(), masks.tolist()):
+            qs, ks, vs = q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc)
+            scores = _entry_scores(qs, ks, scale, False, tuple(window))
+            part_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - part_lse[..., None]).nan_to_num_(0.0)
+            part = torch.einsum("hqk,khd->qhd", probs, _expand_kv(vs, qs.shape[1] // ks.shape[1]))
+            merge_into(out[q0:q1], lse[:, q0:q1], part, part_lse)
+
+    def backward(self, d_out, q, k, v, out, lse, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float,
+                 dq, dk, dv) -> None:
+        """Add each range's dq, dk, dv into the accumulators (in place)."""
+        acc = dq.dtype
+        for (q0, q1), (k0, k1), window in zip(q_ranges.tolist(), k_ranges.tolist(), masks.tolist()):
+            qs, ks, vs, dos, outs = (x.to(acc) for x in (q[q0:q1], k[k0:k1], v[k0:k1], d_out[q0:q1], out[q0:q1]))
+            group = qs.shape[1] // ks.shape[1]
+            # A row that sees no key anywhere (lse -inf) gets no gradient, as in flash-attn.
+            probs = torch.exp(_entry_scores(qs, ks, scale, False, tuple(window)) - lse[:, q0:q1].to(acc)[..., None])
+            probs = probs.nan_to_num_(0.0)
+            delta = (dos * outs).sum(-1).transpose(0, 1)
+            d_scores = probs * (torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group)) - delta[..., None])
+            lk, hkv, dim = ks.shape
+            dq[q0:q1] += torch.einsum("hqk,khd->qhd", d_scores, _expand_kv(ks, group)) * scale
+            dk[k0:k1] += (torch.einsum("hqk,qhd->khd", d_scores, qs) * scale).view(lk, hkv, group, dim).sum(2)
+            dv[k0:k1] += torch.einsum("hqk,qhd->khd", probs, dos).view(lk, hkv, group, dim).sum(2)
+
+
+class FlexFlashAttnKernels:
+    """MagiAttention's flex-flash-attention (FFA) behind the range contract: its forward accumulates into the out and
+    lse it is given, its backward into dq, dk, dv, with atomic sums over overlapping ranges (Hopper only). Masks are
+    FFA's attention types: full (0) and bottom-right causal (1); a sliding window has no type, so plans with
+    windows need another backend. Read from FFA's source (its _flex_flash_attn_forward / _backward); not yet run on
+    a GPU.
+
+    Args:
+        forward_func, backward_func: magi_attention.functional.flex_flash_attn's _flex_flash_attn_forward and
+            _flex_flash_attn_backward (or stand-ins with their contract), checked by their parameters' names.
+    """
+
+    name = "ffa"
+    ranges = True
+
+    def __init__(self, forward_func, backward_func):
+        check_parameters(forward_func, FFA_FORWARD_PARAMETERS, "FFA's _flex_flash_attn_forward",
+                         "MagiAttention's FFA")
+        check_parameters(backward_func, FFA_BACKWARD_PARAMETERS, "FFA's _flex_flash_attn_backward",
+                         "MagiAttention's FFA")
+        self.forward_func, self.backward_func = forward_func, backward_func
+
+    @classmethod
+    def installed(cls) -> "FlexFlashAttnKernels":  # pragma: no cover - needs magi_attention
+        """The installed MagiAttention's FFA kernels.
+
+        Raises:
+            ImportError: magi_attention is not installed.
+            RuntimeError: its functions take other arguments.
+        """
+        from magi_attention.functional.flex_flash_attn import _flex_flash_attn_backward, _flex_flash_attn_forward
+
+        return cls(_flex_flash_attn_forward, _flex_flash_attn_backward)
+
+    @staticmethod
+    def attention_types(masks: torch.Tensor) -> torch.Tensor:
+        """FFA's attn_type_map of the masks: 0 full, 1 causal.
+
+        Raises:
+            ValueError: a sliding window, which FFA has no type for.
+        """
+        full = (masks[:, 0] == -1) & (masks[:, 1] == -1)
+        causal = (masks[:, 0] == -1) & (masks[:, 1] == 0)
+        if not bool((full | causal).all()):
+            raise ValueError("FFA has no attention type for a sliding window; run plans with windows with the "
+                             "exact or the flash-attn kernels")
+        return causal.to(torch.int32)
+
+    def forward(self, q, k, v, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float, out,
+                lse) -> None:  # pragma: no cover - needs a GPU
+        # (q, k, v, out, lse, q_ranges, k_ranges, max_seqlen_q, max_seqlen_k, attn_type_map, merge_q_ranges, qk_map,
+        #  fwd_unique_count, softmax_scale, softcap, disable_fwd_atomic_reduction, out_type, deterministic, sm_margin)
+        self.forward_func(q, k, v, out, lse, q_ranges, k_ranges, max_q, max_k, self.attention_types(masks), None,
+                          None, None, scale, 0.0, False, out.dtype, False, 0)
+
+    def backward(self, d_out, q, k, v, out, lse, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float,
+                 dq, dk, dv) -> None:  # pragma: no cover - needs a GPU
+        self.backward_func(d_out, q, k, v, out.to(q.dtype), dq, dk, dv, lse, q_ranges, k_ranges, max_q, max_k,
+                           self.attention_types(masks), None, None, None, scale, 0.0, False, dq.dtype, dk.dtype,
+                           dv.dtype, False, 0)
+
+
 FLASH_MIN_VERSION = (2, 8)
 # flash-attn 2.8's _flash_attn_varlen_backward, positionally as FlashAttnKernels.backward calls it.
 FLASH_BACKWARD_PARAMETERS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q",
                              "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal",
                              "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic",
                              "rng_state")
+# MagiAttention's FFA functions, positionally as FlexFlashAttnKernels calls them.
+FFA_FORWARD_PARAMETERS = ("q", "k", "v", "out", "lse", "q_ranges", "k_ranges", "max_seqlen_q", "max_seqlen_k",
+                          "attn_type_map", "merge_q_ranges", "qk_map", "fwd_unique_count", "softmax_scale", "softcap",
+                          "disable_fwd_atomic_reduction", "out_type", "deterministic", "sm_margin")
+FFA_BACKWARD_PARAMETERS = ("dout", "q", "k", "v", "out", "dq", "dk", "dv", "softmax_lse", "q_ranges", "k_ranges",
+                           "max_seqlen_q", "max_seqlen_k", "attn_type_map", "merge_k_ranges", "bwd_kq_map",
+                           "bwd_unique_count", "softmax_scale", "softcap", "disable_bwd_dkv_atomic_reduction",
+                           "dq_type", "dk_type", "dv_type", "deterministic", "sm_margin")
 # torch's schemas: the positional arguments in order, then the keywords TorchFlashKernels passes.
 TORCH_FLASH_FORWARD_ARGUMENTS = (("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
                                   "is_causal", "return_debug_mask"),
@@ -186,7 +300,7 @@ TORCH_FLASH_BACKWARD_ARGUMENTS = (("grad_out", "query", "key", "value", "out", "
                                   ("scale", "window_size_left", "window_size_right"))
 
 
-def check_parameters(function, expected: tuple[str, ...], what: str) -> None:
+def check_parameters(function, expected: tuple[str, ...], what: str, needs: str | None = None) -> None:
     """Fail unless `function` takes at least the parameters `expected`, first and in this order.
 
     Raises:
@@ -201,7 +315,8 @@ def check_parameters(function, expected: tuple[str, ...], what: str) -> None:
     for position, (got, want) in enumerate(zip(names + ("<missing>",) * len(expected), expected)):
         if got != want:
             raise RuntimeError(f"{what} takes {got!r} as argument {position}, where the runtime passes {want!r}; "
-                               f"it needs flash-attn >= {'.'.join(map(str, FLASH_MIN_VERSION))}'s argument order")
+                               f"it needs {needs or 'flash-attn >= ' + '.'.join(map(str, FLASH_MIN_VERSION))}'s "
+                               f"argument order")
 
 
 def check_schema(operator, expected: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
@@ -223,20 +338,30 @@ def check_schema(operator, expected: tuple[tuple[str, ...], tuple[str, ...]]) ->
         raise RuntimeError(f"{operator._schema.name} has no keyword argument {missing[0]!r}")
 
 
-def default_kernels(device: torch.device):
-    """The kernels for a device: on CUDA, flash-attn when it is installed, else torch's own flash attention (never
-    the exact kernels, whose dense score matrices a CUDA batch would not fit); the exact kernels elsewhere.
+def default_kernels(device: torch.device, windows: bool = False):
+    """The kernels for a device, in order of preference: on CUDA, MagiAttention's FFA when it is installed and the
+    plan has no sliding window (a range kernel: keys read in place), else flash-attn, else torch's own flash
+    attention (never the exact kernels, whose dense score matrices a CUDA batch would not fit); elsewhere the exact
+    range kernels.
 
+    Args:
+        device: where the tensors are.
+        windows: whether the plan has sliding windows.
     Raises:
-        RuntimeError: on CUDA, an installed flash-attn older than 2.8 or with another backward, or a torch whose
-            flash attention schemas differ from what the runtime passes.
+        RuntimeError: on CUDA, an installed FFA or flash-attn whose functions take other arguments (or flash-attn
+            older than 2.8), or a torch whose flash attention schemas differ from what the runtime passes.
     """
     if device.type == "cuda":
+        if not windows:
+            try:
+                return FlexFlashAttnKernels.installed()
+            except ImportError:
+                pass
         try:
             return FlashAttnKernels.installed()
         except ImportError:
             return TorchFlashKernels()
-    return ExactKernels()
+    return ExactRangeKernels()
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

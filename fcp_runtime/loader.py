@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from fcp_runtime.kernels import default_kernels
 from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
 
@@ -56,6 +57,8 @@ class PlanningCollate:
         rank, world_size: this process's rank in the context-parallel group and the group's size.
         layout: "plan" (the default, dispatch once: this rank's plan-layout tokens) or "user" (its contiguous
             chunk of the concatenated batch); the plan is compiled for it.
+        ranges: build the kernel calls for a range kernel (True) or for a packing one (False); default: as the
+            runtime's default kernels on this machine (a range kernel on CPU or with MagiAttention's FFA installed).
         compile_options: forwarded to fcp_compiler.compile_plan (block_size, coalesce, profile, mask, ...).
 
     Each document is a 1-D-or-more tensor of its tokens, or a dict of per-token tensors of equal length (say
@@ -68,12 +71,13 @@ class PlanningCollate:
     [floor(r*T/N), floor((r+1)*T/N)).
     """
 
-    def __init__(self, rank: int, world_size: int, layout: str = "plan", **compile_options):
+    def __init__(self, rank: int, world_size: int, layout: str = "plan", ranges: bool | None = None,
+                 **compile_options):
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, {world_size})")
-        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.rank, self.world_size, self.layout, self.ranges = rank, world_size, layout, ranges
         self.compile_options = compile_options
 
     def __call__(self, documents: Sequence) -> dict:
@@ -86,7 +90,11 @@ class PlanningCollate:
         batch = BatchSpec(sequences=lengths, masks=[mask or "causal" for mask in masks]) if masks else lengths
         plan = compile_plan(batch, self.world_size, layout=self.layout, **self.compile_options)
         rank_plan: RankPlan = load_rank_plan(plan.to_bytes(), self.rank)
-        prepare_host(rank_plan, self.layout)  # the step's kernel calls, built here in the worker
+        ranges = self.ranges
+        if ranges is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            ranges = bool(getattr(default_kernels(device, rank_plan.has_windows), "ranges", False))
+        prepare_host(rank_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             rows, position_ids = rank_plan.token_index, rank_plan.position_ids
         else:

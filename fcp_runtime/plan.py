@@ -127,6 +127,11 @@ class RankPlan:
                                  f"has {int(self.seq_lengths[seq_idx])} with window {int(self.seq_window[seq_idx])} "
                                  f"(0: full)")
 
+    @property
+    def has_windows(self) -> bool:
+        """Whether a sequence has a sliding window (a window shorter than itself; 0 is a full mask)."""
+        return bool(((self.seq_window > 0) & (self.seq_window < self.seq_lengths)).any())
+
     def seg_len(self, seg: int) -> int:
         return int(self.seg_end[seg] - self.seg_start[seg])
 

@@ -1,5 +1,6 @@
-"""The varlen kernel calls of a step, as torch objects: the call plan the compiler decides
-(:func:`fcp_compiler.format.call_plan.rank_calls`), with the index tensors that read and merge its rows.
+"""The kernel calls of a step, as torch objects: the call plan the compiler decides, either as packed varlen calls
+(:func:`fcp_compiler.format.call_plan.rank_calls`, with the index tensors that read and merge their rows) or, for a
+range kernel, as ranges over the rank's rows and its arenas (:func:`fcp_compiler.format.arena.rank_range_calls`).
 
 A call's queries and keys are runs of rows of the rank's stores (its plan-layout rows, LOCAL, or a received pull's
 buffer); where a source's rows in a call are one run, they are read and written in place through views and no index
@@ -17,12 +18,13 @@ import numpy as np
 import torch
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
+from fcp_compiler.format.arena import Arenas, RangeCalls, rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
 from fcp_compiler.format.plan_format import expand_ranges
 from fcp_runtime.plan import RankPlan
 
-__all__ = ["LOCAL", "KernelCall", "RowIndex", "merge_runs", "plan_requests", "prepare_calls", "prepare_host",
-           "stage_calls"]
+__all__ = ["LOCAL", "KernelCall", "RangeCall", "RowIndex", "arenas", "merge_runs", "plan_requests", "prepare_calls",
+           "prepare_host", "stage_calls"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +57,23 @@ class KernelCall:
     pull_rows: tuple[int, ...]  # the received pulls it reads
     q_runs: tuple[tuple[int, int, int], ...] = ()  # the packed rows in order, as (source, first row, rows) runs
     kv_runs: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RangeCall:
+    """One range kernel call: its queries are rows of the query arena (q_arena) or of the rank's own rows, its keys
+    rows of the key arena (kv_arena) or of its own; range i pairs q_ranges[i] with k_ranges[i] under masks[i]
+    ((left, right), bottom-right aligned). Index tensors are int32, flat ([2 n]: view them as [n, 2])."""
+
+    q_arena: bool
+    kv_arena: bool
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    masks: torch.Tensor
+    max_q: int
+    max_k: int
+    tile_rows: tuple[int, ...]  # the plan tiles of the request this call belongs to (for the event log)
+    pull_rows: tuple[int, ...]  # the received pulls it reads
 
 
 def merge_runs(pieces) -> list[tuple[int, int, int, int]]:
@@ -118,16 +137,53 @@ def _kernel_calls(arrays: CallArrays, requests: list[Request]) -> list[list[Kern
     return per_request
 
 
-def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], device) -> list[KernelCall]:
-    """The kernel calls that compute `tiles` (rows of plan.tiles) of one stage (stage -1: the forward's tiles that
-    run during the user layout's reshuffle), cached per plan; built here only if :func:`prepare_calls` did not
-    build them before the stage loop."""
-    device = torch.device(device)
-    key = ("calls", pass_name, stage, tuple(tiles), device)
+def _range_calls(arrays: RangeCalls, requests: list[Request]) -> list[list[RangeCall]]:
+    """Per request, its range calls as torch objects (index tensors on the host)."""
+    per_request: list[list[RangeCall]] = [[] for _ in requests]
+    ptr = arrays.call_range_ptr.tolist()
+    pull_ptr = arrays.call_pull_ptr.tolist()
+    for call in range(arrays.num_calls):
+        low, high = ptr[call], ptr[call + 1]
+        q = np.stack([arrays.q_start[low:high], arrays.q_end[low:high]], axis=1)
+        k = np.stack([arrays.k_start[low:high], arrays.k_end[low:high]], axis=1)
+        masks = np.stack([arrays.left[low:high], arrays.right[low:high]], axis=1)
+        request = int(arrays.call_request[call])
+        per_request[request].append(RangeCall(
+            q_arena=bool(arrays.call_q_arena[call]), kv_arena=bool(arrays.call_kv_arena[call]),
+            q_ranges=_int32(q), k_ranges=_int32(k), masks=_int32(masks), max_q=int((q[:, 1] - q[:, 0]).max()),
+            max_k=int((k[:, 1] - k[:, 0]).max()), tile_rows=requests[request].tiles,
+            pull_rows=tuple(arrays.call_pull[pull_ptr[call]:pull_ptr[call + 1]].tolist())))
+    return per_request
 
-    def build() -> list[KernelCall]:
+
+def _int32(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32).reshape(-1))
+
+
+def arenas(plan: RankPlan) -> dict[str, Arenas]:
+    """Where this rank's received pulls sit in its arenas, per pass (:func:`fcp_compiler.format.arena.rank_arenas`;
+    cached on the plan)."""
+    return plan.cached("arenas", lambda: rank_arenas(plan.program))
+
+
+def _build(plan: RankPlan, requests: list[Request], ranges: bool) -> list[list]:
+    """Per request, its calls: range calls where `ranges`, else packed calls (index tensors on the host)."""
+    if ranges:
+        return _range_calls(rank_range_calls(plan.program, requests, arenas(plan)), requests)
+    return _kernel_calls(rank_calls(plan.program, requests), requests)
+
+
+def stage_calls(plan: RankPlan, pass_name: str, stage: int, tiles: list[int], device,
+                ranges: bool = False) -> list:
+    """The kernel calls that compute `tiles` (rows of plan.tiles) of one stage (stage -1: the forward's tiles that
+    run during the user layout's reshuffle): range calls where `ranges`, else packed calls; cached per plan; built
+    here only if :func:`prepare_calls` did not build them before the stage loop."""
+    device = torch.device(device)
+    key = ("calls", ranges, pass_name, stage, tuple(tiles), device)
+
+    def build() -> list:
         request = Request(pass_name=pass_name, stage=stage, tiles=tuple(tiles))
-        (calls,) = _kernel_calls(rank_calls(plan.program, [request]), [request])
+        (calls,) = _build(plan, [request], ranges)
         view = _device_views(device, [t for call in calls for t in _call_tensors(call)])
         return [_on(call, view) for call in calls]
     return plan.cached(key, build)
@@ -138,33 +194,33 @@ def plan_requests(plan: RankPlan, layout: str) -> list[Request]:
     return step_requests(plan.program, layout)
 
 
-def prepare_host(plan: RankPlan, layout: str) -> tuple[dict, torch.Tensor]:
-    """Build every call of a step on the host, its index tensors packed into one int32 buffer (cached on the plan):
-    a DataLoader worker may do this, off the training loop's thread. Returns ({(pass, stage, tiles): calls}, the
-    buffer)."""
+def prepare_host(plan: RankPlan, layout: str, ranges: bool = False) -> tuple[dict, torch.Tensor]:
+    """Build every call of a step on the host (range calls where `ranges`), its index tensors packed into one int32
+    buffer (cached on the plan): a DataLoader worker may do this, off the training loop's thread. Returns
+    ({(pass, stage, tiles): calls}, the buffer)."""
     def build():
         requests = plan_requests(plan, layout)
-        calls = _kernel_calls(rank_calls(plan.program, requests), requests)
+        calls = _build(plan, requests, ranges)
         host = {(r.pass_name, r.stage, r.tiles): request_calls for r, request_calls in zip(requests, calls)}
         tensors = [t for calls in host.values() for call in calls for t in _call_tensors(call)]
         flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int32)
         return host, flat
-    return plan.cached(("host calls", layout), build)
+    return plan.cached(("host calls", layout, ranges), build)
 
 
-def prepare_calls(plan: RankPlan, layout: str, device) -> None:
+def prepare_calls(plan: RankPlan, layout: str, device, ranges: bool = False) -> None:
     """Put every call of a step on `device` before the stage loop runs: the host buffer of
     :func:`prepare_host` (pinned on CUDA) moves with one non-blocking copy, and every call's index tensors become
     views of the copy; the stage loop then builds and copies nothing."""
     device = torch.device(device)
-    prepared = plan.cached(("prepared", layout), set)  # the devices this layout's calls are on already
+    prepared = plan.cached(("prepared", layout, ranges), set)  # the devices this layout's calls are on already
     if device in prepared:
         return
-    host, flat = prepare_host(plan, layout)
+    host, flat = prepare_host(plan, layout, ranges)
     view = _device_views(device, [flat])
     for (name, stage, tiles), calls in host.items():  # the order prepare_host packed them in
         on_device = [_on(call, view) for call in calls]
-        plan.cached(("calls", name, stage, tiles, device), lambda: on_device)
+        plan.cached(("calls", ranges, name, stage, tiles, device), lambda: on_device)
     prepared.add(device)
 
 
@@ -183,13 +239,18 @@ def _device_views(device: torch.device, tensors: list[torch.Tensor]):
     return view
 
 
-def _call_tensors(call: KernelCall) -> list[torch.Tensor]:
+def _call_tensors(call) -> list[torch.Tensor]:
+    if isinstance(call, RangeCall):
+        return [call.q_ranges, call.k_ranges, call.masks]
     return [t for index in call.q_index + call.kv_index for t in (index.positions, index.rows)] + [call.cu_q,
                                                                                                    call.cu_k]
 
 
-def _on(call: KernelCall, view) -> KernelCall:
+def _on(call, view):
     """The call with its tensors replaced by view(tensor), in :func:`_call_tensors` order."""
+    if isinstance(call, RangeCall):
+        return dataclasses.replace(call, q_ranges=view(call.q_ranges), k_ranges=view(call.k_ranges),
+                                   masks=view(call.masks))
     def index(entries):
         return tuple(dataclasses.replace(e, positions=view(e.positions), rows=view(e.rows)) for e in entries)
     q_index, kv_index = index(call.q_index), index(call.kv_index)

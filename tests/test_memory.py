@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fcp_runtime.attention as attention  # noqa: E402
 from conftest import compile_valid  # noqa: E402
-from fcp_compiler.format.memory import rank_peak_bytes, stacked_messages  # noqa: E402
+from fcp_compiler.format.liveness import stacked_messages  # noqa: E402
+from fcp_compiler.format.memory import rank_peak_bytes  # noqa: E402
 from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402

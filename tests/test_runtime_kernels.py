@@ -83,7 +83,7 @@ def test_on_cuda_without_flash_attn_the_kernels_are_torchs_flash_attention_never
         pass
     kernels = default_kernels(torch.device("cuda"))  # choosing needs no GPU: the schemas are checked, not run
     assert isinstance(kernels, TorchFlashKernels)
-    assert default_kernels(torch.device("cpu")).name == "exact"
+    assert default_kernels(torch.device("cpu")).name == "exact-ranges"
 
 
 def test_torch_flash_schemas_are_checked_by_name_and_position():

@@ -38,6 +38,18 @@ class _MetaKernels:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _MetaRangeKernels:
+    """The range contract on the meta device: it writes into the accumulators it is given."""
+
+    ranges = True
+
+    def forward(self, *args, **kwargs):
+        return None
+
+    def backward(self, *args, **kwargs):
+        return None
+
+
 class _NoMessages:
     """torch.distributed with point-to-point messages that move nothing."""
 
@@ -62,7 +74,8 @@ def rank_plan(plan_bytes):
     return load_rank_plan(plan_bytes, 1)
 
 
-def test_a_step_copies_its_index_tensors_in_one_copy(rank_plan, monkeypatch):
+@pytest.mark.parametrize("kernels", [_MetaKernels, _MetaRangeKernels])
+def test_a_step_copies_its_index_tensors_in_one_copy(rank_plan, monkeypatch, kernels):
     monkeypatch.setattr(attention, "dist", _NoMessages(attention.dist))
     monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
     meta = torch.device("meta")
@@ -71,7 +84,7 @@ def test_a_step_copies_its_index_tensors_in_one_copy(rank_plan, monkeypatch):
     k = torch.empty(rank_plan.plan_tokens, rank_plan.kv_heads, rank_plan.head_dim, device=meta, requires_grad=True)
     v = torch.empty_like(k, requires_grad=True)
     with _HostToDevice() as copies:
-        out = attention.fcp_attn_func(q, k, v, rank_plan, layout="plan", kernels=_MetaKernels())
+        out = attention.fcp_attn_func(q, k, v, rank_plan, layout="plan", kernels=kernels())
         out.backward(torch.empty_like(out))
     assert sum(len(program.tiles[s]) for program in (rank_plan.forward, rank_plan.backward)
                for s in range(program.num_stages)) > 0
@@ -98,3 +111,23 @@ def test_prepared_calls_are_the_calls_the_stage_loop_would_build(plan_bytes, lay
             for mine, other in zip(a.q_index + a.kv_index, b.q_index + b.kv_index):
                 assert (mine.source, mine.span) == (other.source, other.span)
                 assert torch.equal(mine.positions, other.positions) and torch.equal(mine.rows, other.rows)
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_prepared_range_calls_are_the_range_calls_the_stage_loop_would_build(plan_bytes, layout):
+    prepared, lazy = load_rank_plan(plan_bytes, 1), load_rank_plan(plan_bytes, 1)
+    prepare_host(prepared, layout, ranges=True)
+    prepare_calls(prepared, layout, "cpu", ranges=True)
+    calls = 0
+    for request in plan_requests(prepared, layout):
+        name, stage, tiles = request.pass_name, request.stage, list(request.tiles)
+        ours = stage_calls(prepared, name, stage, tiles, "cpu", ranges=True)
+        theirs = stage_calls(lazy, name, stage, tiles, "cpu", ranges=True)
+        assert len(ours) == len(theirs) <= 4  # one per (query tensor, key tensor)
+        calls += len(ours)
+        for a, b in zip(ours, theirs):
+            assert (a.q_arena, a.kv_arena, a.max_q, a.max_k, a.tile_rows, a.pull_rows) == \
+                (b.q_arena, b.kv_arena, b.max_q, b.max_k, b.tile_rows, b.pull_rows)
+            for mine, other in ((a.q_ranges, b.q_ranges), (a.k_ranges, b.k_ranges), (a.masks, b.masks)):
+                assert torch.equal(mine, other)
+    assert calls > 0

@@ -32,6 +32,7 @@ from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
 from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_table
+from fcp_compiler.format.liveness import PassMessages, stacked_messages
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
@@ -78,62 +79,6 @@ class Sizes:
         dtype_bytes = DTYPE_BYTES[dtype]
         return cls(q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=dtype_bytes,
                    acc_bytes=4 if dtype_bytes == 2 else dtype_bytes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PassMessages:
-    """One pass's messages on stacked ranks (:class:`StackedRanks`): per row its rank (position in the stack) and the
-    stage it is posted in; per received pull the end of its buffer's life; pull rows that pushes name are rows of
-    the stacked pull_send arrays."""
-
-    pull_recv_rank: np.ndarray
-    pull_recv_stage: np.ndarray
-    pull_recv_last: np.ndarray
-    pull_send_rank: np.ndarray
-    pull_send_stage: np.ndarray
-    push_recv_rank: np.ndarray
-    push_recv_stage: np.ndarray
-    push_recv_pull: np.ndarray
-    num_stages: int
-
-
-def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
-    """Where one pass's messages fall in its stages, on every stacked rank, and when each received pull is freed: at
-    the end of the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of
-    its relay's send, whichever is last (and never before it arrives)."""
-    a, header = stacked.arrays, stacked.header
-    forward = pass_name == "fwd"
-    coalesce = header.coalesce if forward else header.bwd_coalesce
-    suffix = "round" if forward else "bwd_round"
-    recv_rank, send_rank = stacked.rank_of("pull_recv_round"), stacked.rank_of("pull_send_round")
-    recv_base, send_base = stacked.base("pull_recv_round"), stacked.base("pull_send_round")
-    recv_stage, send_stage = a[f"pull_recv_{suffix}"] // coalesce, a[f"pull_send_{suffix}"] // coalesce
-    tile_stage = a["tile_stage"] if forward else a["tile_bwd_stage"]
-    push_send_stage = a[f"{pass_name}_push_send_round"] // coalesce
-    push_send_pull = a[f"{pass_name}_push_send_pull"] + recv_base[stacked.rank_of(f"{pass_name}_push_send_round")]
-    push_recv_rank = stacked.rank_of(f"{pass_name}_push_recv_round")
-    push_recv_stage = a[f"{pass_name}_push_recv_round"] // coalesce
-    push_recv_pull = a[f"{pass_name}_push_recv_pull"] + send_base[push_recv_rank]
-    last = recv_stage.copy()
-    num_blocks = header.num_blocks
-    # Each received pull's (rank, kind, block), sorted, to find the pull a tile reads.
-    pull_key = (recv_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]
-    order = np.argsort(pull_key, kind="stable")
-    tile_rank = stacked.rank_of("tile_stage")
-    for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
-        row = lookup(pull_key[order], order, (tile_rank * 2 + kind) * num_blocks + blocks, -1)
-        np.maximum.at(last, row[row >= 0], tile_stage[row >= 0])
-    np.maximum.at(last, push_send_pull, push_send_stage)
-    source = a["pull_send_source"]
-    source = np.where(source >= 0, source + recv_base[send_rank], -1)  # a relay's own received row
-    relayed = source[push_recv_pull]  # a relay's pushed-back gradient lands in its received buffer
-    np.maximum.at(last, relayed[relayed >= 0], push_recv_stage[relayed >= 0])
-    relays = np.flatnonzero(source >= 0)  # a relay keeps the block until it has sent it on
-    np.maximum.at(last, source[relays], send_stage[relays])
-    return PassMessages(pull_recv_rank=recv_rank, pull_recv_stage=recv_stage, pull_recv_last=last,
-                        pull_send_rank=send_rank, pull_send_stage=send_stage, push_recv_rank=push_recv_rank,
-                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull,
-                        num_stages=header.num_fwd_stages if forward else header.num_bwd_stages)
 
 
 def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None,
@@ -416,3 +361,75 @@ def _call_transients(facts: _Facts, sizes: Sizes, forward: bool) -> np.ndarray:
     outputs = q_rows * sizes.q + 2 * kv_rows * sizes.kv
     adds = np.maximum(facts.q_indexed[1] * (sizes.q + sizes.q_acc), facts.kv_indexed[1] * 2 * (sizes.kv + sizes.kv_acc))
     return outputs + np.maximum(inputs, adds)
+
+
+def rank_range_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None) -> dict[str, int]:
+    """The peak bytes of the tensors the runtime creates in each pass on this rank when its kernel reads ranges in
+    place (a range kernel: :mod:`fcp_compiler.format.arena`): as :func:`rank_peak_bytes`, but the received pulls
+    live in one arena per kind, from the stage that posts the kind's first pull to the end of the pass (their
+    accumulators in it), the kernels make nothing, a backward Q pull's LSE arrives in a buffer of its own that goes
+    when it is copied in place, and a forward Q pull's LSE is copied to be pushed back (its arena rows are not one
+    run); the index tensors are the ranges.
+
+    Args:
+        program: the rank's slice of the plan.
+        layout: "plan" or "user" (default: the plan's).
+        dtype: the attention inputs' dtype (default: the plan's).
+    Returns:
+        {"fwd": bytes, "bwd": bytes}.
+    """
+    from fcp_compiler.format.arena import rank_arenas, rank_range_calls
+    from fcp_compiler.format.call_plan import step_requests
+
+    stacked = stack_programs([program])
+    sizes = Sizes.of(program.header, dtype)
+    a = stacked.arrays
+    arenas = rank_arenas(program)
+    seg_len = (stacked.tables.seg_end - stacked.tables.seg_start).astype(np.int64)
+    recv_rows = group_sums(seg_len[a["pull_recv_segs"]], offsets(a["pull_recv_seg_count"]))
+    send_rows = group_sums(seg_len[a["pull_send_segs"]], offsets(a["pull_send_seg_count"]))
+    tokens = int(seg_len[stacked.local_segments()[0]].sum())
+    ranges = rank_range_calls(program, step_requests(program, layout), arenas).q_start.size
+    out = {}
+    for name in ("fwd", "bwd"):
+        messages = stacked_messages(stacked, name)
+        out[name] = _range_pass_peak(a, messages, arenas[name], recv_rows, send_rows, _send_copies(stacked), tokens,
+                                     sizes, name)
+    out["fwd"] += 4 * 6 * ranges  # q_ranges, k_ranges and masks: int32 [ranges, 2] each, for the whole step
+    return out
+
+
+def _range_pass_peak(a: dict, messages: PassMessages, arenas, recv_rows: np.ndarray, send_rows: np.ndarray,
+                     send_copies: np.ndarray, tokens: int, sizes: Sizes, name: str) -> int:
+    """One pass's peak on the range path (:func:`rank_range_peak_bytes`)."""
+    forward = name == "fwd"
+    base, outputs = (int(x[0]) for x in _own_bytes(np.asarray([tokens]), sizes, forward))
+    num_stages = max(messages.num_stages, 1)
+    live = np.zeros(num_stages)
+    kinds = a["pull_recv_kind"]
+    per_row = {TransferKind.KV: 2 * sizes.kv if forward else 2 * (sizes.kv + sizes.kv_acc),
+               TransferKind.Q: sizes.q + sizes.q_acc + sizes.lse if forward else 3 * sizes.q + sizes.lse + sizes.q_acc}
+    extent = {TransferKind.KV: arenas.kv_rows, TransferKind.Q: arenas.q_rows}
+    for kind in (TransferKind.KV, TransferKind.Q):
+        posted = messages.pull_recv_stage[kinds == kind]
+        if posted.size:  # made when the kind's first pull is posted, kept to the pass's end
+            live[int(posted.min()):] += per_row[kind] * extent[kind]
+    if not forward:  # a Q pull's LSE, received whole, until it is copied into the arena after the stage's wait
+        live += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, np.where(kinds == TransferKind.Q, sizes.lse * recv_rows, 0),
+                          1, num_stages)[0]
+    push_kv = a["pull_send_kind"][messages.push_recv_pull] == TransferKind.KV
+    push_rows = send_rows[messages.push_recv_pull]
+    push_bytes = push_rows * (np.where(push_kv, 0, sizes.q_acc + sizes.lse) if forward else
+                              np.where(push_kv, 2 * sizes.kv_acc, sizes.q_acc))
+    live += _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, 1, num_stages)[0]
+    send_kv = a["pull_send_kind"] == TransferKind.KV
+    if forward:
+        copy = np.where(send_copies, np.where(send_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
+    else:
+        copy = np.where(send_kv, np.where(send_copies, 2 * sizes.kv, 0),
+                        np.where(send_copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+    live += _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, 1, num_stages)[0]
+    if forward:  # a Q pull's results go back from its arena rows: the LSE ([heads, rows]) is copied to be sent
+        live += _per_slot(messages.push_send_rank, messages.push_send_stage,
+                          sizes.lse * recv_rows[messages.push_send_pull], 1, num_stages)[0]
+    return base + int(max(live.max(), outputs))

@@ -1,0 +1,115 @@
+"""Arenas and range calls (fcp_compiler/algorithms/arena.py, fcp_compiler/format/arena.py): buffers live at once
+never share rows, and on compiled plans every visible (query, key) token pair of every tile is computed exactly
+once by the range calls, reading each pull where the arena placed it at that stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import compile_valid
+from fcp_compiler.algorithms.arena import max_live, place_buffers
+from fcp_compiler.format.arena import rank_arenas, rank_range_calls
+from fcp_compiler.format.call_plan import rank_calls, step_requests
+from fcp_compiler.format.inputs import BatchSpec
+from fcp_compiler.format.liveness import stacked_messages
+from fcp_compiler.format.plan_format import PlanReader, TransferKind
+from fcp_compiler.format.stacked import stack_programs
+from test_call_plan import MASKS, _needed, _store_tokens
+
+
+def _check_placement(rows, first, last, offset, extent):
+    """No two buffers live in a common stage overlap, and all lie inside the arena."""
+    assert (offset >= 0).all() and (offset + rows <= extent).all()
+    for i in range(rows.size):
+        for j in range(i):
+            if first[i] <= last[j] and first[j] <= last[i] and rows[i] and rows[j]:
+                assert offset[i] + rows[i] <= offset[j] or offset[j] + rows[j] <= offset[i], (i, j)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_buffers_live_together_never_overlap_and_the_arena_is_near_the_live_peak(seed):
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 40))
+    rows = rng.integers(1, 9, count) if seed % 3 else np.full(count, 4)
+    first = rng.integers(0, 12, count)
+    last = first + rng.integers(0, 5, count)
+    offset, extent = place_buffers(rows, first, last, rng.permutation(count))
+    _check_placement(rows, first, last, offset, extent)
+    assert max_live(rows, first, last) <= extent <= rows.sum()
+    if seed % 3 == 0:  # equal sizes: first fit in order of start needs exactly the live peak
+        assert extent == max_live(rows, first, last)
+
+
+def test_buffers_of_one_stage_sit_side_by_side_in_order_where_a_gap_holds_them():
+    # Stage 0: two buffers, freed after it; stage 1: three buffers whose total fits the freed gap, in `order`.
+    offset, extent = place_buffers([3, 3, 2, 1, 2], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 2, 0, 1])
+    assert extent == 6
+    assert offset[3] == 0 and offset[4] == 1 and offset[2] == 3  # by order: 3, 4, 2, one run
+
+
+def _arena_tokens(program, arenas, messages, stores, pass_name, stage):
+    """What each arena row holds at `stage`: the tokens of the pulls live then (a row two live pulls claim fails)."""
+    a = program.arrays
+    held = {}
+    for kind, size in ((TransferKind.Q, arenas[pass_name].q_rows), (TransferKind.KV, arenas[pass_name].kv_rows)):
+        tokens = np.full(size, -1, dtype=np.int64)
+        for row in np.flatnonzero(a["pull_recv_kind"] == kind).tolist():
+            if messages[pass_name].pull_recv_stage[row] <= stage <= messages[pass_name].pull_recv_last[row]:
+                at = arenas[pass_name].pull_offset[row]
+                assert (tokens[at:at + stores[row].size] == -1).all(), "two live pulls share arena rows"
+                tokens[at:at + stores[row].size] = stores[row]
+        held[kind] = tokens
+    return held
+
+
+def _range_pairs(calls, index, local, held, total):
+    """Every (query token, key token) pair the request's range calls compute, as codes."""
+    computed = [np.zeros(0, dtype=np.int64)]
+    for call in np.flatnonzero(calls.call_request == index).tolist():
+        q_tokens = held[TransferKind.Q] if calls.call_q_arena[call] else local
+        k_tokens = held[TransferKind.KV] if calls.call_kv_arena[call] else local
+        for r in range(calls.call_range_ptr[call], calls.call_range_ptr[call + 1]):
+            q = q_tokens[calls.q_start[r]:calls.q_end[r]]
+            k = k_tokens[calls.k_start[r]:calls.k_end[r]]
+            assert (q >= 0).all() and (k >= 0).all(), "a range reads arena rows no live pull holds"
+            shift = np.arange(k.size)[None, :] - np.arange(q.size)[:, None] - (k.size - q.size)
+            visible = np.ones(shift.shape, bool)
+            if calls.right[r] >= 0:
+                visible &= shift <= calls.right[r]
+            if calls.left[r] >= 0:
+                visible &= shift >= -calls.left[r]
+            qq, kk = np.nonzero(visible)
+            computed.append(q[qq] * total + k[kk])
+    return np.sort(np.concatenate(computed))
+
+
+@pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
+                                         ("window", "plan"), ("mixed", "user")])
+def test_range_calls_compute_every_visible_token_pair_exactly_once_from_the_arenas(mask, layout):
+    lengths = [1500, 700, 90, 900, 260, 600]
+    masks = MASKS[mask]
+    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
+                                      else [masks] * len(lengths)})
+    plan = compile_valid(batch, 4, block_size=128, coalesce=2, layout=layout)
+    reader = PlanReader(plan.to_bytes())
+    merged = pieces = 0
+    for rank in range(reader.header.num_ranks):
+        program = reader.rank(rank)
+        requests = step_requests(program)
+        arenas = rank_arenas(program)
+        calls = rank_range_calls(program, requests, arenas)
+        stacked = stack_programs([program])
+        messages = {name: stacked_messages(stacked, name) for name in ("fwd", "bwd")}
+        stores = _store_tokens(program)
+        total = int(program.tables.seq_lengths.sum())
+        for index, request in enumerate(requests):
+            held = _arena_tokens(program, arenas, messages, stores, request.pass_name, request.stage)
+            computed = _range_pairs(calls, index, stores[-1], held, total)
+            assert not (computed[1:] == computed[:-1]).any(), (rank, request, "a pair computed twice")
+            assert np.array_equal(computed, np.sort(_needed(program, request.tiles))), (rank, request)
+            assert (np.bincount(calls.call_request, minlength=len(requests)) <= 4).all()  # per (query, key) tensor
+        merged += calls.q_start.size
+        pieces += rank_calls(program, requests).key_rows.size
+    # Key pieces that are consecutive arena or local rows became one range.
+    assert 0 < merged < pieces
