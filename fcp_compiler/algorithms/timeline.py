@@ -56,6 +56,9 @@ class PassInput:
     # bool [flows]: stage-0 messages both ends post before the pass starts (simulate_pass's prefetch_start); None:
     # none are
     flow_prefetch: np.ndarray | None = None
+    # float [stages, ranks]: seconds of data movement outside the kernels on each rank's compute stream in each stage
+    # (the runtime's copies, zeroings and landings, at HBM bandwidth); None: none
+    stage_extra_s: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,19 +166,23 @@ class _TraceRecorder:
             self.events.append({"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": int(dst[i]),
                                 "tid": TRACKS[(self.label, "recv")], "args": {"from": int(src[i])}})
 
-    def compute(self, rank_start, rank_end, mask, stage_name) -> None:
-        # Tiles of the stage back to back, stretched over the compute window (launch cost first).
+    def compute(self, rank_start, rank_end, mask, stage_name, moving=None) -> None:
+        # Tiles of the stage back to back, stretched over the compute window (launch cost first, then the data the
+        # runtime moves outside the kernels, `moving` seconds per rank).
         data, track = self.data, TRACKS[(self.label, "compute")]
         for rank in np.flatnonzero(rank_end > rank_start).tolist():
             tiles = np.flatnonzero(mask & (data.tile_rank == rank))
             span = rank_end[rank] - rank_start[rank]
             launch = self.links.launch_s if tiles.size and stage_name != "reshuffle" else 0.0
-            scale = (span - launch) / max(float(data.tile_seconds[tiles].sum()), 1e-30)
+            moved = float(moving[rank]) if moving is not None else 0.0
+            # The window past the launch is the tiles' and the data movement's, stretched alike (by messages' SMs).
+            scale = (span - launch) / max(float(data.tile_seconds[tiles].sum()) + moved, 1e-30)
             t = rank_start[rank]
-            if launch:
-                self.events.append({"name": f"launch {stage_name}", "ph": "X", "ts": (self.time_offset + t) * 1e6,
-                                    "dur": launch * 1e6, "pid": rank, "tid": track})
-                t += launch
+            for name, duration in ((f"launch {stage_name}", launch), (f"data movement {stage_name}", moved * scale)):
+                if duration:
+                    self.events.append({"name": name, "ph": "X", "ts": (self.time_offset + t) * 1e6,
+                                        "dur": duration * 1e6, "pid": rank, "tid": track})
+                    t += duration
             for tile in tiles.tolist():
                 dur = float(data.tile_seconds[tile]) * scale
                 name = data.tile_name[tile] if data.tile_name is not None else "tile"
@@ -235,6 +242,8 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
             t0, ends, comm_end, has_comm = _exchange(start, src, dst, nbytes, links, n)
         launches = data.stage_calls[stage] if data.stage_calls is not None else has_tiles[stage]
         work = work_by[stage] + launches * links.launch_s
+        if data.stage_extra_s is not None:
+            work = work + data.stage_extra_s[stage]
         compute_end = _compute_end(start, work, comm_end, has_comm, links.sm_fraction)
         if times is not None:
             times.add(stage, start, compute_end, comm_end, src, dst, t0, ends)
@@ -242,7 +251,8 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
         if record:
             names = [data.flow_name[i] for i in idx.tolist()] if data.flow_name is not None else None
             trace.messages(t0, ends, src, dst, names, f"stage {stage}")
-            trace.compute(start, compute_end, (data.tile_stage == stage) & ~early, f"stage {stage}")
+            trace.compute(start, compute_end, (data.tile_stage == stage) & ~early, f"stage {stage}",
+                          data.stage_extra_s[stage] if data.stage_extra_s is not None else None)
         start = np.maximum(compute_end, comm_end)
 
     src, dst, nbytes = data.reshuffle_out

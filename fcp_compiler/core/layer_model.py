@@ -16,7 +16,9 @@ import numpy as np
 from fcp_compiler.algorithms.layer_bound import Machine, PassCosts, efficiency_cap, layer_lower_bound
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import AttentionShape, Batch, HardwareProfile
+from fcp_compiler.format.memory import Sizes
 from fcp_compiler.format.models import ModelPreset
+from fcp_compiler.format.traffic import own_bytes_per_token
 
 BACKWARD_WORK = 2.5  # backward tile FLOPs relative to forward (docs/DESIGN.md section 3)
 BACKWARD_LINEAR_WORK = 2.0  # a linear layer's backward: the input's and the weights' gradients
@@ -91,14 +93,18 @@ def layer_bounds(batch: Batch, shape: AttentionShape, profile: HardwareProfile, 
     visible = visible_pairs(0, lengths, 0, lengths, windows).astype(np.float64)
     forward_pair = pair_seconds_at_best(lengths, shape, profile)
     linear = LayerCosts.of(model, profile).linear_seconds_per_token
+    # Every token's accumulators are made and its outputs cast by the rank that holds it, on its compute stream,
+    # whatever the schedule: per token, like the linear layers (fcp_compiler.format.traffic).
+    sizes = Sizes.of_shape(shape)
+    own = {forward: sum(own_bytes_per_token(sizes, forward)) / (profile.hbm_gbps * 1e9) for forward in (True, False)}
     machine = Machine(num_ranks=num_ranks, gpus_per_node=profile.gpus_per_node, token_cap=token_cap,
                       nvlink_bytes_per_s=profile.nvlink_gbps * 1e9, nic_bytes_per_s=profile.network_gbps * 1e9)
     q_bytes, kv_bytes = float(shape.q_bytes_per_token), float(shape.kv_bytes_per_token)
-    forward = PassCosts(pair_seconds=forward_pair, linear_seconds_per_token=linear, q_row_bytes=q_bytes,
+    forward = PassCosts(pair_seconds=forward_pair, linear_seconds_per_token=linear + own[True], q_row_bytes=q_bytes,
                         kv_row_bytes=kv_bytes)
     # A backward query row travels with its output, the output's gradient and its log-sum-exp.
     backward = PassCosts(pair_seconds=forward_pair * BACKWARD_WORK,
-                         linear_seconds_per_token=linear * BACKWARD_LINEAR_WORK,
+                         linear_seconds_per_token=linear * BACKWARD_LINEAR_WORK + own[False],
                          q_row_bytes=3 * q_bytes + LSE_BYTES * shape.q_heads, kv_row_bytes=kv_bytes)
     return {"fwd": layer_lower_bound(lengths, windows, visible, forward, machine),
             "bwd": layer_lower_bound(lengths, windows, visible, backward, machine)}

@@ -1,8 +1,11 @@
 """Simulation of a compiled plan: each rank's layer (linear layers around attention) forward and backward, on the
 timing model of :mod:`fcp_compiler.algorithms.timeline`, beside the certified lower bound; figures and Chrome traces.
 
-It reads what the runtime reads (the plan file) and charges what the runtime runs (one launch per kernel call, as
-:func:`kernel_calls` counts them). The compiler's floor (:mod:`fcp_compiler.core.floor`) scores its candidates with it.
+It reads what the runtime reads (the plan file) and charges what the runtime runs: one launch per kernel call, as
+:func:`kernel_calls` counts them, and the data the runtime moves outside the kernels on the range path
+(:mod:`fcp_compiler.format.traffic`: packed sends, accumulators zeroed, pushes landed) at the profile's HBM bandwidth,
+on the compute stream of the stage that moves it. The compiler's floor (:mod:`fcp_compiler.core.floor`) scores its
+candidates with it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassR
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.call_plan import tiles_during_reshuffle
+from fcp_compiler.format.memory import Sizes
 from fcp_compiler.format.plan_format import PlanReader, TransferKind, stack_ranks, stacked_pull_tokens
+from fcp_compiler.format.stacked import stack_programs
+from fcp_compiler.format.traffic import stacked_range_traffic
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
 
 
@@ -62,6 +68,10 @@ class Simulation:
     # Per rank, the device memory each pass peaks at (the plan header's, by the memory account), and its budget.
     peak_bytes: dict | None = None
     memory_budget_bytes: int | None = None
+    # Per pass, the bytes each rank's runtime moves outside the kernels (fcp_compiler.format.traffic; charged on its
+    # compute stream at hbm_bytes_per_s).
+    moved_bytes: dict | None = None
+    hbm_bytes_per_s: float = 0.0
 
     @property
     def layer_end_fwd(self) -> np.ndarray:
@@ -117,9 +127,14 @@ class Simulation:
                      "eta_bwd": float(self.backward.end[r] / self.backward.compute[r]) if self.backward.compute[r]
                      else 0.0,
                      **({f"peak_bytes_{key}": int(self.peak_bytes[key][r]) for key in ("fwd", "bwd")}
-                        if self.peak_bytes else {})} for r in range(self.num_ranks)]
+                        if self.peak_bytes else {}),
+                     **({f"moved_bytes_{key}": float(self.moved_bytes[key][r]) for key in ("fwd", "bwd")}
+                        if self.moved_bytes else {})} for r in range(self.num_ranks)]
         memory = {f"peak_bytes_{key}": int(max(self.peak_bytes[key])) for key in ("fwd", "bwd")} \
             if self.peak_bytes else {}
+        if self.moved_bytes:  # the busiest rank's data movement outside the kernels, and what it is charged
+            memory |= {f"moved_bytes_{key}": float(self.moved_bytes[key].max(initial=0.0)) for key in ("fwd", "bwd")}
+            memory["hbm_bytes_per_s"] = self.hbm_bytes_per_s
         return {
             "makespan_fwd_s": fwd, "makespan_bwd_s": bwd,
             "attention_mfu_fwd": mfu_fwd, "attention_mfu_bwd": mfu_bwd,
@@ -280,7 +295,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     """
     header, tables, programs, profile, tiles = _read_with_costs(source, profile)
     n = header.num_ranks
-    fwd_input, bwd_input, tile_idx = _pass_inputs(header, tables, programs, tiles, profile, record)
+    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, tables, programs, tiles, profile, record)
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
@@ -316,13 +331,15 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       layout=header.layout.value, rank_tokens=rank_tokens,
                       kv_prefetch=kv_ready is not None,
                       peak_bytes={"fwd": header.max_buffer_bytes_fwd, "bwd": header.max_buffer_bytes_bwd},
-                      memory_budget_bytes=header.memory_budget_bytes)
+                      memory_budget_bytes=header.memory_budget_bytes, moved_bytes=moved,
+                      hbm_bytes_per_s=profile.hbm_gbps * 1e9)
 
 
 def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):
     """Both passes' timing-model inputs from a plan's programs: messages (pulls and the pass's pushes, in bytes and
-    stages), tiles (seconds, stages, kernel calls) and, in the user layout, the reshuffles. Returns (forward,
-    backward, each stacked tile's index in `tiles`)."""
+    stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
+    reshuffles. Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves
+    outside the kernels)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(programs, tiles, record)
     # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
@@ -351,7 +368,7 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
     in_user_layout = header.layout is Layout.USER
 
     def pass_input(prefix, pull_bytes, pull_round, push_bytes_of, stages, seconds_of_tiles, num_stages, shuffle_in,
-                   shuffle_out):
+                   shuffle_out, moved):
         # Tiles that run during the input reshuffle are not a stage's calls.
         in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
         calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs,
@@ -370,20 +387,22 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
             tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
             reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
             reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
-            stage_calls=calls,
+            stage_calls=calls, stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
             # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
             flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
                                           np.zeros(push_row.size, dtype=bool))))
 
+    traffic = stacked_range_traffic(stack_programs(programs), Sizes.of(header))
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
     fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
-                           tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes)
+                           tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes, traffic["fwd"])
     bwd_input = pass_input("bwd", bwd_pull_bytes, r_bwd_round,
                            lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV, kv_bytes, q_bytes),
                            tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
-                           q_bytes + kv_bytes)
-    return fwd_input, bwd_input, tile_idx
+                           q_bytes + kv_bytes, traffic["bwd"])
+    moved = {name: traffic[name].bytes.sum(axis=1) for name in ("fwd", "bwd")}
+    return fwd_input, bwd_input, tile_idx, moved
 
 
 def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,

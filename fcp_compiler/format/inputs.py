@@ -201,6 +201,8 @@ class HardwareProfile(BaseModel):
                                                                "direction (>= 0.001)")
     nvlink_gbps: float = Field(..., ge=MIN_RATE, description="per-GPU NVLink bandwidth inside a node, GB/s per "
                                                               "direction (>= 0.001)")
+    hbm_gbps: float = Field(3350.0, ge=MIN_RATE, description="device memory (HBM) bandwidth, GB/s: what the runtime's "
+                                                           "data movement outside the kernels is charged (>= 0.001)")
     gpus_per_node: int = Field(8, ge=1, description="GPUs a node holds (NVLink inside, a NIC each across)")
     latency_us: float = Field(10.0, ge=0, description="per-message latency, microseconds")
     launch_us: float = Field(5.0, ge=0, description="fixed cost of launching one stage's kernels, microseconds")
@@ -234,36 +236,37 @@ def _curve(points: list[tuple[int, float]]) -> list[EfficiencyPoint]:
 
 PRESET_PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
-        name="h100", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, gpus_per_node=8, latency_us=10.0,
-        comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
-        source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, NVLink 4 900 GB/s (450 per direction); "
-               "ConnectX-7 400 Gb/s InfiniBand = 50 GB/s per GPU; 6 of 132 SMs for communication (seed, GPU-X)"),
+        name="h100", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, hbm_gbps=3350.0, gpus_per_node=8,
+        latency_us=10.0, comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per "
+               "direction); ConnectX-7 400 Gb/s InfiniBand = 50 GB/s per GPU; 6 of 132 SMs for communication "
+               "(seed, GPU-X)"),
     "h200": HardwareProfile(
-        name="h200", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, gpus_per_node=8, latency_us=10.0,
-        comm_sm_fraction=8 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        name="h200", peak_tflops=989.0, network_gbps=50.0, nvlink_gbps=450.0, hbm_gbps=4800.0, gpus_per_node=8,
+        latency_us=10.0, comm_sm_fraction=8 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
         source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s; "
                "ConnectX-7 400 Gb/s = 50 GB/s per GPU; 8 of 132 SMs for communication (seed, GPU-Y)"),
     "a100": HardwareProfile(
-        name="a100", peak_tflops=312.0, network_gbps=25.0, nvlink_gbps=300.0, gpus_per_node=8, latency_us=10.0,
-        comm_sm_fraction=6 / 108, efficiency_curve=_curve(_AMPERE_CURVE),
-        source="NVIDIA A100 SXM datasheet: 312 TFLOP/s dense BF16, NVLink 3 600 GB/s (300 per direction); "
-               "HDR 200 Gb/s InfiniBand = 25 GB/s per GPU"),
+        name="a100", peak_tflops=312.0, network_gbps=25.0, nvlink_gbps=300.0, hbm_gbps=2039.0, gpus_per_node=8,
+        latency_us=10.0, comm_sm_fraction=6 / 108, efficiency_curve=_curve(_AMPERE_CURVE),
+        source="NVIDIA A100 SXM datasheet: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e (80 GB), NVLink 3 600 GB/s (300 "
+               "per direction); HDR 200 Gb/s InfiniBand = 25 GB/s per GPU"),
     "b200": HardwareProfile(
-        name="b200", peak_tflops=2250.0, network_gbps=50.0, nvlink_gbps=900.0, gpus_per_node=8, latency_us=8.0,
-        comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
-        source="NVIDIA DGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU, NVLink 5 1.8 TB/s (900 per direction); "
-               "ConnectX-7 400 Gb/s = 50 GB/s per GPU"),
+        name="b200", peak_tflops=2250.0, network_gbps=50.0, nvlink_gbps=900.0, hbm_gbps=8000.0, gpus_per_node=8,
+        latency_us=8.0, comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
+        source="NVIDIA DGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU, 8 TB/s HBM3e, NVLink 5 1.8 TB/s (900 "
+               "per direction); ConnectX-7 400 Gb/s = 50 GB/s per GPU"),
     # The seed's two anonymous GPUs, by the compute/network ratios of its Table 1 (BF16 tensor throughput over
     # network bandwidth): 5920 and 2500 FLOP per byte. Peaks are assumed (a Hopper- and a Blackwell-class GPU);
     # the network bandwidth follows from the ratio.
     "seed-x": HardwareProfile(
-        name="seed-x", peak_tflops=989.0, network_gbps=989.0 / 5.920, nvlink_gbps=450.0, gpus_per_node=8,
-        latency_us=10.0, comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
+        name="seed-x", peak_tflops=989.0, network_gbps=989.0 / 5.920, nvlink_gbps=450.0, hbm_gbps=3350.0,
+        gpus_per_node=8, latency_us=10.0, comm_sm_fraction=6 / 132, efficiency_curve=_curve(_HOPPER_CURVE),
         source="seed Table 1 GPU-X: 5920 FLOP/byte; 989 TFLOP/s assumed (Hopper class), so 167 GB/s per GPU; "
                "6 SMs for communication (seed)"),
     "seed-y": HardwareProfile(
-        name="seed-y", peak_tflops=2250.0, network_gbps=2250.0 / 2.500, nvlink_gbps=900.0, gpus_per_node=8,
-        latency_us=8.0, comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
+        name="seed-y", peak_tflops=2250.0, network_gbps=2250.0 / 2.500, nvlink_gbps=900.0, hbm_gbps=8000.0,
+        gpus_per_node=8, latency_us=8.0, comm_sm_fraction=8 / 148, efficiency_curve=_curve(_BLACKWELL_CURVE),
         source="seed Table 1 GPU-Y: 2500 FLOP/byte; 2.25 PFLOP/s assumed (Blackwell class), so 900 GB/s per GPU; "
                "8 SMs for communication (seed)"),
 }

@@ -32,10 +32,11 @@ class PassMessages:
     num_stages: int
 
 
-def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
+def stacked_messages(stacked: StackedRanks, pass_name: str, last_use: bool = True) -> PassMessages:
     """Where one pass's messages fall in its stages, on every stacked rank, and when each received pull is freed: at
     the end of the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of
-    its relay's send, whichever is last (and never before it arrives)."""
+    its relay's send, whichever is last (and never before it arrives). `last_use` False leaves the last out (each
+    pull's pull_recv_last is then its own stage): a pass over every tile that a caller of the stages alone skips."""
     a, header = stacked.arrays, stacked.header
     forward = pass_name == "fwd"
     coalesce = header.coalesce if forward else header.bwd_coalesce
@@ -50,7 +51,24 @@ def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
     push_recv_stage = a[f"{pass_name}_push_recv_round"] // coalesce
     push_recv_pull = a[f"{pass_name}_push_recv_pull"] + send_base[push_recv_rank]
     last = recv_stage.copy()
-    num_blocks = header.num_blocks
+    if last_use:
+        _last_uses(stacked, last, tile_stage, push_send_pull, push_send_stage, push_recv_pull, push_recv_stage,
+                   send_stage)
+    return PassMessages(pull_recv_rank=recv_rank, pull_recv_stage=recv_stage, pull_recv_last=last,
+                        pull_send_rank=send_rank, pull_send_stage=send_stage, push_recv_rank=push_recv_rank,
+                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull,
+                        push_send_rank=stacked.rank_of(f"{pass_name}_push_send_round"),
+                        push_send_stage=push_send_stage, push_send_pull=push_send_pull,
+                        num_stages=header.num_fwd_stages if forward else header.num_bwd_stages)
+
+
+def _last_uses(stacked: StackedRanks, last: np.ndarray, tile_stage, push_send_pull, push_send_stage, push_recv_pull,
+               push_recv_stage, send_stage) -> None:
+    """Raise each received pull's `last` stage to its last use: a tile reading it, the push back along it, a push
+    landing in it, its relay's send."""
+    a = stacked.arrays
+    recv_rank, send_rank = stacked.rank_of("pull_recv_round"), stacked.rank_of("pull_send_round")
+    recv_base, num_blocks = stacked.base("pull_recv_round"), stacked.header.num_blocks
     # Each received pull's (rank, kind, block), sorted, to find the pull a tile reads.
     pull_key = (recv_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]
     order = np.argsort(pull_key, kind="stable")
@@ -65,9 +83,3 @@ def stacked_messages(stacked: StackedRanks, pass_name: str) -> PassMessages:
     np.maximum.at(last, relayed[relayed >= 0], push_recv_stage[relayed >= 0])
     relays = np.flatnonzero(source >= 0)  # a relay keeps the block until it has sent it on
     np.maximum.at(last, source[relays], send_stage[relays])
-    return PassMessages(pull_recv_rank=recv_rank, pull_recv_stage=recv_stage, pull_recv_last=last,
-                        pull_send_rank=send_rank, pull_send_stage=send_stage, push_recv_rank=push_recv_rank,
-                        push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull,
-                        push_send_rank=stacked.rank_of(f"{pass_name}_push_send_round"),
-                        push_send_stage=push_send_stage, push_send_pull=push_send_pull,
-                        num_stages=header.num_fwd_stages if forward else header.num_bwd_stages)

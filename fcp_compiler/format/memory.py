@@ -32,6 +32,7 @@ from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
 from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_table
+from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
@@ -74,7 +75,11 @@ class Sizes:
     @classmethod
     def of(cls, header: PlanHeader, dtype: str | None = None) -> "Sizes":
         """The sizes of the plan's attention shape in `dtype` (default: the plan's)."""
-        shape = header.shape
+        return cls.of_shape(header.shape, dtype)
+
+    @classmethod
+    def of_shape(cls, shape: AttentionShape, dtype: str | None = None) -> "Sizes":
+        """The sizes of an attention shape in `dtype` (default: the shape's)."""
         dtype = shape.dtype.value if dtype is None else dtype
         dtype_bytes = DTYPE_BYTES[dtype]
         return cls(q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype_bytes=dtype_bytes,
@@ -226,6 +231,13 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
 def _send_copies(stacked: StackedRanks) -> np.ndarray:
     """Whether each sent pull's segments (stacked rows) are not one run of the store it is sent from (its rank's
     plan layout, or a received pull's buffer for a relay): the runtime packs those into a copy."""
+    return send_runs(stacked) > 1
+
+
+def send_runs(stacked: StackedRanks) -> np.ndarray:
+    """How many runs of consecutive rows each sent pull's segments (stacked rows) make in the store it is sent from
+    (its rank's plan layout, or a received pull's buffer for a relay), which is also where what comes back along it
+    lands (int64 per stacked pull_send row, at least 1)."""
     a, tables = stacked.arrays, stacked.tables
     seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     num_segs = seg_len.size
@@ -248,7 +260,7 @@ def _send_copies(stacked: StackedRanks) -> np.ndarray:
     broken = np.zeros(send_segs.size, dtype=bool)
     if send_segs.size > 1:
         broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
-    return np.bincount(send_of[broken], minlength=send_count.size) > 0
+    return 1 + np.bincount(send_of[broken], minlength=send_count.size).astype(np.int64)
 
 
 def _index_ints(calls: CallArrays, facts: _Facts, backward: np.ndarray) -> np.ndarray:

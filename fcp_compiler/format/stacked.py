@@ -66,12 +66,25 @@ class StackedRanks:
 
 
 def stack_programs(programs: list[RankProgram]) -> StackedRanks:
-    """Stack decoded (expanded) rank programs of one plan, in the order given (at least one)."""
+    """Stack decoded rank programs of one plan, in the order given (at least one); pulls a program stores as
+    seg_count 0 (unexpanded: a whole block) get their segment lists."""
     assert programs, "no ranks to stack"
     arrays = {name: np.concatenate([p.arrays[name] for p in programs]).astype(np.int64) for name in RANK_ARRAYS}
     bounds = {name: offsets([p.arrays[name].size for p in programs]) for name in RANK_ARRAYS}
-    return StackedRanks(header=programs[0].header, tables=programs[0].tables,
-                        ranks=np.asarray([p.rank for p in programs], dtype=np.int64), arrays=arrays, bounds=bounds)
+    return _expanded(programs[0].header, programs[0].tables, np.asarray([p.rank for p in programs], dtype=np.int64),
+                     arrays, bounds)
+
+
+def _expanded(header: PlanHeader, tables: GlobalTables, ranks: np.ndarray, arrays: dict[str, np.ndarray],
+              bounds: dict[str, np.ndarray]) -> StackedRanks:
+    """The stacked ranks with every whole-block pull's segment list written out (and its bounds)."""
+    block_seg_offsets = tables.block_seg_offsets
+    for side in ("send", "recv"):
+        if (arrays[f"pull_{side}_seg_count"] == 0).any():
+            expand_whole_blocks(arrays, side, block_seg_offsets, np.diff(block_seg_offsets))
+            bounds[f"pull_{side}_segs"] = offsets(group_sums(arrays[f"pull_{side}_seg_count"],
+                                                             bounds[f"pull_{side}_seg_count"]))
+    return StackedRanks(header=header, tables=tables, ranks=ranks, arrays=arrays, bounds=bounds)
 
 
 def stack_columns(header: PlanHeader, tables: GlobalTables, columns: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -81,11 +94,4 @@ def stack_columns(header: PlanHeader, tables: GlobalTables, columns: dict[str, t
     a reader's expanded programs do."""
     arrays = {name: np.asarray(columns[name][0], dtype=np.int64) for name in RANK_ARRAYS}
     bounds = {name: np.asarray(columns[name][1], dtype=np.int64) for name in RANK_ARRAYS}
-    block_seg_offsets = tables.block_seg_offsets
-    for side in ("send", "recv"):
-        expand_whole_blocks(arrays, side, block_seg_offsets, np.diff(block_seg_offsets))
-        bounds[f"pull_{side}_segs"] = offsets(group_sums(arrays[f"pull_{side}_seg_count"],
-                                                         bounds[f"pull_{side}_seg_count"]))
-    num_ranks = bounds["blocks"].size - 1
-    return StackedRanks(header=header, tables=tables, ranks=np.arange(num_ranks, dtype=np.int64), arrays=arrays,
-                        bounds=bounds)
+    return _expanded(header, tables, np.arange(bounds["blocks"].size - 1, dtype=np.int64), arrays, bounds)

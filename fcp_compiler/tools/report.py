@@ -333,6 +333,12 @@ def simulation_summary(figures: dict, trace=None) -> str:
         lines.append(f"  device memory (the plan's account of the runtime's tensors): busiest rank "
                      f"{figures['peak_bytes_fwd'] / 2**30:.2f} GiB forward, {figures['peak_bytes_bwd'] / 2**30:.2f} GiB "
                      f"backward" + (f" (budget {budget / 2**30:.2f} GiB)" if budget is not None else " (no budget)"))
+    if "moved_bytes_fwd" in figures:
+        rate = figures["hbm_bytes_per_s"]
+        lines.append(f"  data moved outside the kernels (range path, charged at {rate / 1e9:.0f} GB/s HBM): busiest "
+                     f"rank {figures['moved_bytes_fwd'] / 1e9:.2f} GB forward "
+                     f"({figures['moved_bytes_fwd'] / rate * 1e3:.2f} ms), {figures['moved_bytes_bwd'] / 1e9:.2f} GB "
+                     f"backward ({figures['moved_bytes_bwd'] / rate * 1e3:.2f} ms)")
     paths = [(name, figures[f"critical_path_{key}"]) for name, key in (("forward", "fwd"), ("backward", "bwd"))]
     if all(path is not None for _, path in paths):  # None: simulated without stage times
         lines.append("  critical path of each pass's attention (what ended each stage, back from the rank that ends "
