@@ -11,11 +11,10 @@ from conftest import compile_valid
 from fcp_compiler.algorithms.arena import max_live, place_buffers
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import rank_calls, step_requests
-from fcp_compiler.format.inputs import BatchSpec
 from fcp_compiler.format.liveness import stacked_messages
 from fcp_compiler.format.plan_format import PlanReader, TransferKind
 from fcp_compiler.format.stacked import stack_programs
-from test_call_plan import MASKS, _needed, _store_tokens
+from test_call_plan import _needed, _store_tokens, masked_plan
 
 
 def _check_placement(rows, first, last, offset, extent):
@@ -87,12 +86,7 @@ def _range_pairs(calls, index, local, held, total):
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
                                          ("window", "plan"), ("mixed", "user")])
 def test_range_calls_compute_every_visible_token_pair_exactly_once_from_the_arenas(mask, layout):
-    lengths = [1500, 700, 90, 900, 260, 600]
-    masks = MASKS[mask]
-    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
-                                      else [masks] * len(lengths)})
-    plan = compile_valid(batch, 4, block_size=128, coalesce=2, layout=layout)
-    reader = PlanReader(plan.to_bytes())
+    reader = PlanReader(masked_plan(mask, layout).to_bytes())
     merged = pieces = 0
     for rank in range(reader.header.num_ranks):
         program = reader.rank(rank)

@@ -210,6 +210,15 @@ MASKS = {"causal": "causal", "full": "full", "window": {"kind": "sliding_window"
                    {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
 
 
+def masked_plan(mask: str, layout: str):
+    """Six sequences, long and short, on 4 ranks in blocks of 128, under one of MASKS."""
+    lengths = [1500, 700, 90, 900, 260, 600]
+    masks = MASKS[mask]
+    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
+                                      else [masks] * len(lengths)})
+    return compile_valid(batch, 4, block_size=128, coalesce=2, layout=layout)
+
+
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
                                          ("window", "plan"), ("mixed", "user"), ("offloaded", "plan"),
                                          ("small calls", "plan"), ("small calls", "user")])
@@ -224,11 +233,7 @@ def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, l
         plan = compile_valid([1024, 100, 60], 8, block_size=256, coalesce=2, mask="full", floor=False)
         assert any(PlanReader(plan.to_bytes()).rank(rank).arrays["blocks"].size == 0 for rank in range(8))
     else:
-        lengths = [1500, 700, 90, 900, 260, 600]
-        masks = MASKS[mask]
-        batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
-                                          else [masks] * len(lengths)})
-        plan = compile_valid(batch, 4, block_size=128, coalesce=2, layout=layout)
+        plan = masked_plan(mask, layout)
     reader = PlanReader(plan.to_bytes())
     for rank in range(reader.header.num_ranks):
         program = reader.rank(rank)

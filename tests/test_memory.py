@@ -78,7 +78,8 @@ class _HeldMessages:
     get_global_rank = staticmethod(lambda group, rank: rank)
 
 
-def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
+def meta_replay(plan_bytes: bytes, rank: int, kernels, mode) -> dict:
+    """One rank's forward and backward on meta tensors (bf16, plan layout), each pass under a fresh `mode()`."""
     plan = load_rank_plan(plan_bytes, rank)
     meta = torch.device("meta")
     q = torch.empty((plan.plan_tokens, plan.q_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
@@ -87,11 +88,15 @@ def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
                     requires_grad=True)
     v = torch.empty_like(k, requires_grad=True)
     grad = torch.empty_like(q)
-    with _Peak() as forward:
-        out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=_MetaKernels())
-    with _Peak() as backward:
+    with mode() as forward:
+        out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=kernels)
+    with mode() as backward:
         out.backward(grad)
-    return {"fwd": forward.peak, "bwd": backward.peak}
+    return {"fwd": forward, "bwd": backward}
+
+
+def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
+    return {name: mode.peak for name, mode in meta_replay(plan_bytes, rank, _MetaKernels(), _Peak).items()}
 
 
 @pytest.mark.parametrize("fan_out", [False, True])

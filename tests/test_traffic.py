@@ -19,8 +19,8 @@ from fcp_compiler.format.memory import Sizes, rank_range_peak_bytes  # noqa: E40
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_compiler.format.traffic import stacked_range_traffic  # noqa: E402
-from fcp_runtime.plan import load_rank_plan  # noqa: E402
-from test_memory import _HeldMessages  # noqa: E402
+from test_memory import _HeldMessages, meta_replay  # noqa: E402
+from test_runtime_stage_calls import MetaRangeKernels  # noqa: E402
 
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}
 
@@ -55,34 +55,6 @@ class _Count(TorchDispatchMode):
         return out
 
 
-class _MetaRangeKernels:
-    """The range contract: it writes into the accumulators it is given, and creates nothing."""
-
-    ranges = True
-
-    def forward(self, *args, **kwargs):
-        return None
-
-    def backward(self, *args, **kwargs):
-        return None
-
-
-def _replay(plan_bytes: bytes, rank: int) -> dict[str, _Count]:
-    plan = load_rank_plan(plan_bytes, rank)
-    meta = torch.device("meta")
-    q = torch.empty((plan.plan_tokens, plan.q_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
-                    requires_grad=True)
-    k = torch.empty((plan.plan_tokens, plan.kv_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
-                    requires_grad=True)
-    v = torch.empty_like(k, requires_grad=True)
-    grad = torch.empty_like(q)
-    with _Count() as forward:
-        out = attention.fcp_attn_func(q, k, v, plan, layout="plan", kernels=_MetaRangeKernels())
-    with _Count() as backward:
-        out.backward(grad)
-    return {"fwd": forward, "bwd": backward}
-
-
 @pytest.mark.parametrize("fan_out", [False, True])
 def test_the_range_accounts_are_what_a_replay_of_the_runtime_counts(monkeypatch, fan_out):
     monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
@@ -96,7 +68,7 @@ def test_the_range_accounts_are_what_a_replay_of_the_runtime_counts(monkeypatch,
     traffic = stacked_range_traffic(stack_programs(programs), Sizes.of(reader.header, "bf16"))
     q_pulls = 0
     for rank, program in enumerate(programs):
-        replay = _replay(data, rank)
+        replay = meta_replay(data, rank, MetaRangeKernels(), _Count)
         peaks = rank_range_peak_bytes(program, layout="plan", dtype="bf16")
         q_pulls += int((program.arrays["pull_recv_kind"] == 0).sum())
         for name in ("fwd", "bwd"):
