@@ -9,10 +9,15 @@ final out and lse of the query rows, returns this call's share of dq, dk, dv (D 
 the out it is given, so calls over disjoint key sets sum to the full gradient); dk and dv may be the two halves of
 one [2, Tk, Hkv, D] tensor, which the runtime then adds in one go.
 
-Backends: :class:`ExactKernels`, an exact implementation in plain torch (any dtype, any device; the CPU path and the
-tests); :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
+Backends: :class:`ExactKernels`, an exact implementation in plain torch (any dtype, any device; the tests of the
+packing path); :class:`FlashAttnKernels`, which calls flash-attn's own functions with 2.8's argument order (CUDA, bf16
 and fp16) or any module that implements the same contract; and :class:`TorchFlashKernels`, torch's own flash
 attention, on CUDA when flash-attn is not installed.
+
+A second contract, of ranges (:class:`ExactRangeKernels` states it), reads keys in place and accumulates in the
+kernel; kernels that take it say so with ``ranges = True``, and the runtime then receives pulls into arenas and runs
+range calls (:mod:`fcp_compiler.format.arena`). Backends: :class:`ExactRangeKernels` (plain torch; the CPU default)
+and :class:`FlexFlashAttnKernels` (MagiAttention's FFA, Hopper). :func:`default_kernels` picks one.
 """
 
 from __future__ import annotations

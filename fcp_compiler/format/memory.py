@@ -31,7 +31,8 @@ import numpy as np
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
-from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_table
+from fcp_compiler.format.arena import rank_arenas, rank_range_calls
+from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_requests, step_table
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
@@ -390,9 +391,6 @@ def rank_range_peak_bytes(program: RankProgram, layout: str | None = None, dtype
     Returns:
         {"fwd": bytes, "bwd": bytes}.
     """
-    from fcp_compiler.format.arena import rank_arenas, rank_range_calls
-    from fcp_compiler.format.call_plan import step_requests
-
     stacked = stack_programs([program])
     sizes = Sizes.of(program.header, dtype)
     a = stacked.arrays
@@ -427,8 +425,8 @@ def _range_pass_peak(a: dict, messages: PassMessages, arenas, recv_rows: np.ndar
         if posted.size:  # made when the kind's first pull is posted, kept to the pass's end
             live[int(posted.min()):] += per_row[kind] * extent[kind]
     if not forward:  # a Q pull's LSE, received whole, until it is copied into the arena after the stage's wait
-        live += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, np.where(kinds == TransferKind.Q, sizes.lse * recv_rows, 0),
-                          1, num_stages)[0]
+        lse = np.where(kinds == TransferKind.Q, sizes.lse * recv_rows, 0)
+        live += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, lse, 1, num_stages)[0]
     push_kv = a["pull_send_kind"][messages.push_recv_pull] == TransferKind.KV
     push_rows = send_rows[messages.push_recv_pull]
     push_bytes = push_rows * (np.where(push_kv, 0, sizes.q_acc + sizes.lse) if forward else
@@ -441,7 +439,8 @@ def _range_pass_peak(a: dict, messages: PassMessages, arenas, recv_rows: np.ndar
         copy = np.where(send_kv, np.where(send_copies, 2 * sizes.kv, 0),
                         np.where(send_copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
     live += _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, 1, num_stages)[0]
-    if forward:  # a Q pull's results go back from its arena rows: the LSE ([heads, rows]) is copied to be sent
+    if forward and sizes.q_heads > 1:  # a Q pull's results go back from its arena rows: the LSE ([heads, rows]) is
+        # copied to be sent (one head's rows are contiguous)
         live += _per_slot(messages.push_send_rank, messages.push_send_stage,
                           sizes.lse * recv_rows[messages.push_send_pull], 1, num_stages)[0]
     return base + int(max(live.max(), outputs))
