@@ -75,3 +75,15 @@ def test_group_sums_and_offsets_within_are_per_group_sums_and_prefixes(groups):
     assert group_sums(values, ptr).tolist() == [sum(g) for g in groups]
     assert offsets_within(values, counts).tolist() == [sum(g[:i]) for g in groups for i in range(len(g))]
     assert offsets(counts).tolist() == [sum(len(g) for g in groups[:i]) for i in range(len(groups) + 1)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lexsort_ints_is_np_lexsort(seed):
+    from fcp_compiler.algorithms.keys import lexsort_ints
+
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(0, 400))
+    # Narrow keys (packed into one sort, radix or not), keys with negatives, and keys too wide to pack together.
+    high = [3, 1 << 20, 1 << 40][seed % 3]
+    keys = [rng.integers(-5 if seed % 2 else 0, high, size) for _ in range(1 + seed % 3)]
+    assert np.array_equal(lexsort_ints(keys), np.lexsort(keys))

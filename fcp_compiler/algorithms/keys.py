@@ -63,6 +63,31 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+def lexsort_ints(keys) -> np.ndarray:
+    """np.lexsort(keys) for int arrays (the last key primary, ties by position), by one stable sort of a single
+    int64 key where the keys' ranges fit in 63 bits together (several times faster than np.lexsort on millions of
+    rows), else np.lexsort itself. O(n k) to pack, plus one sort.
+
+    Args:
+        keys: int arrays of one length, as np.lexsort takes them.
+    Returns:
+        int64, the permutation np.lexsort gives.
+    """
+    keys = [np.asarray(key) for key in keys]
+    if not keys or keys[0].size == 0:
+        return np.zeros(0 if not keys else keys[0].size, dtype=np.int64)
+    lows = [int(key.min()) for key in keys]
+    widths = [(int(key.max()) - low).bit_length() for key, low in zip(keys, lows)]
+    if sum(widths) > 62:
+        return np.lexsort(keys)
+    packed = np.zeros(keys[0].size, dtype=np.int64)
+    shift = 0
+    for key, low, width in zip(keys, lows, widths):  # the first key lowest, the last (primary) highest
+        packed |= (key.astype(np.int64) - low) << shift
+        shift += width
+    return stable_order(packed, 1 << shift)
+
+
 def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(keys, return_counts=True) for int keys by one sort (see :func:`sorted_unique`)."""
     ordered = np.sort(np.asarray(keys, dtype=np.int64))

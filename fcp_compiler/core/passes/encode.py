@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.core.ir import Reshuffle
 from fcp_compiler.format.plan_format import RANK_ARRAYS, assemble_sections, encode_section, int32_bytes
@@ -41,7 +42,7 @@ def _add_pulls(out: _RankSlicer, transfers, forward, backward, num_ranks: int) -
     block_segs = np.diff(transfers.assignment.tiles.sharding.block_seg_offsets)
     written = np.where(seg_count == block_segs[transfers.edge_block], 0, seg_count)
     sides = (("send", transfers.edge_src, transfers.edge_dst), ("recv", transfers.edge_dst, transfers.edge_src))
-    side_order = {side: np.lexsort((edge_ids, forward.edge_round, me)) for side, me, _ in sides}
+    side_order = {side: lexsort_ints((edge_ids, forward.edge_round, me)) for side, me, _ in sides}
     row_of_edge = {}
     for side, me, _ in sides:
         order = side_order[side]
@@ -71,10 +72,10 @@ def _add_pushes(out: _RankSlicer, transfers, forward, backward, row_of_edge: dic
         push_edge, push_round = program.push_edge, program.push_round
         sender = transfers.edge_dst[push_edge]
         receiver = transfers.edge_src[push_edge]
-        by_sender = np.lexsort((row_of_edge["recv"][push_edge], push_round, sender))
+        by_sender = lexsort_ints((row_of_edge["recv"][push_edge], push_round, sender))
         out.add((f"{prefix}_push_send_round", f"{prefix}_push_send_pull"), sender[by_sender], push_round[by_sender],
                 row_of_edge["recv"][push_edge[by_sender]])
-        by_receiver = np.lexsort((row_of_edge["send"][push_edge], push_round, receiver))
+        by_receiver = lexsort_ints((row_of_edge["send"][push_edge], push_round, receiver))
         out.add((f"{prefix}_push_recv_round", f"{prefix}_push_recv_pull"), receiver[by_receiver],
                 push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
 
