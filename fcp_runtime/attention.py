@@ -765,7 +765,8 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         group: the process group (default: the world); its size must be the plan's.
         softmax_scale: default head_dim ** -0.5.
         layout: "plan" or "user"; default the layout the plan was compiled for.
-        kernels: the varlen kernels (default: flash-attn on CUDA, the exact kernels elsewhere).
+        kernels: the kernels, of either contract (fcp_runtime.kernels; default: default_kernels, a range kernel
+            on CPU and where MagiAttention's FFA is installed, else flash-attn on CUDA).
         prefetched: what :func:`prefetch_kv` posted for this call, with these k and v (plan layout).
     Returns:
         out, q's shape and layout.

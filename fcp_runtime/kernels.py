@@ -343,6 +343,19 @@ def check_schema(operator, expected: tuple[tuple[str, ...], tuple[str, ...]]) ->
         raise RuntimeError(f"{operator._schema.name} has no keyword argument {missing[0]!r}")
 
 
+def default_takes_ranges(device: torch.device, windows: bool = False) -> bool:
+    """Whether :func:`default_kernels` gives a range kernel for this device and plan, without making it (a
+    DataLoader worker builds the matching calls): on CPU always, on CUDA where MagiAttention is installed and the
+    plan has no sliding window."""
+    if device.type != "cuda":
+        return True
+    if windows:
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("magi_attention") is not None
+
+
 def default_kernels(device: torch.device, windows: bool = False):
     """The kernels for a device, in order of preference: on CUDA, MagiAttention's FFA when it is installed and the
     plan has no sliding window (a range kernel: keys read in place), else flash-attn, else torch's own flash

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fcp_runtime.kernels import default_kernels
+from fcp_runtime.kernels import default_takes_ranges
 from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
 
@@ -93,7 +93,7 @@ class PlanningCollate:
         ranges = self.ranges
         if ranges is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            ranges = bool(getattr(default_kernels(device, rank_plan.has_windows), "ranges", False))
+            ranges = default_takes_ranges(device, rank_plan.has_windows)
         prepare_host(rank_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             rows, position_ids = rank_plan.token_index, rank_plan.position_ids

@@ -150,3 +150,16 @@ def test_the_ffa_adapter_refuses_functions_with_other_arguments():
 def test_the_cpu_default_is_the_exact_range_kernel():
     assert default_kernels(torch.device("cpu")).name == "exact-ranges"
     assert default_kernels(torch.device("cpu"), windows=True).ranges
+
+
+def test_the_loader_builds_the_calls_the_default_kernels_run():
+    from fcp_runtime.kernels import default_takes_ranges
+
+    for windows in (False, True):
+        cpu = torch.device("cpu")
+        assert default_takes_ranges(cpu, windows) == default_kernels(cpu, windows).ranges
+        try:
+            chosen = default_kernels(torch.device("cuda"), windows)  # choosing needs no GPU
+        except (ImportError, RuntimeError):
+            continue
+        assert default_takes_ranges(torch.device("cuda"), windows) == bool(getattr(chosen, "ranges", False))
