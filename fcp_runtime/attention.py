@@ -559,12 +559,11 @@ class _BackwardPass:
         ex, rows = self.ex, store.rows
         lse = {"lse": torch.empty((self.hq, rows), dtype=ex.acc_dtype, device=ex.device)} \
             if pull.kind == TransferKind.Q else {}
+        names = tuple(name for name in _BACKWARD_PULLED[pull.kind] if name != "lse")
         if self.arenas is not None:  # the LSE arrives whole and is copied into its arena rows on arrival
-            names = ("k", "v") if pull.kind == TransferKind.KV else ("q", "do", "out")
             return self.arenas.views(pull.kind, store.arena_row, rows, names) | lse
-        if pull.kind == TransferKind.KV:
-            return {"k": ex.empty(rows, self.hkv), "v": ex.empty(rows, self.hkv)}
-        return {"q": ex.empty(rows, self.hq), "do": ex.empty(rows, self.hq), "out": ex.empty(rows, self.hq)} | lse
+        heads = self.hkv if pull.kind == TransferKind.KV else self.hq
+        return {name: ex.empty(rows, heads) for name in names} | lse
 
     def accumulators(self, pull, store: _Store) -> None:
         """dK and dV as the halves of one [2, rows, kv_heads, head_dim] tensor (one zeroing, one message back, one

@@ -46,6 +46,28 @@ def _entry_scores(q, k, scale: float, causal: bool, window: tuple[int, int] = (-
     return scores
 
 
+def _entry_attention(qs, ks, vs, scale: float, causal: bool, window: tuple[int, int]):
+    """One entry's (out [q, Hq, D], lse [Hq, q]) in the inputs' dtype; a row that sees no key gets out 0, lse -inf."""
+    scores = _entry_scores(qs, ks, scale, causal, window)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    return torch.einsum("hqk,khd->qhd", probs, _expand_kv(vs, qs.shape[1] // ks.shape[1])), lse
+
+
+def _entry_gradients(dos, qs, ks, vs, outs, lse, scale: float, causal: bool, window: tuple[int, int]):
+    """One entry's share of (dq, dk, dv), given the final out and lse of its query rows (D = rowsum(dO * out));
+    a row that sees no key anywhere (lse -inf) gets no gradient, as in flash-attn."""
+    group = qs.shape[1] // ks.shape[1]
+    probs = torch.exp(_entry_scores(qs, ks, scale, causal, window) - lse[..., None]).nan_to_num_(0.0)
+    delta = (dos * outs).sum(-1).transpose(0, 1)
+    d_scores = probs * (torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group)) - delta[..., None])
+    lk, hkv, dim = ks.shape
+    dq = torch.einsum("hqk,khd->qhd", d_scores, _expand_kv(ks, group)) * scale
+    dk = (torch.einsum("hqk,qhd->khd", d_scores, qs) * scale).view(lk, hkv, group, dim).sum(2)
+    dv = torch.einsum("hqk,qhd->khd", probs, dos).view(lk, hkv, group, dim).sum(2)
+    return dq, dk, dv
+
+
 def _bounds(cu: torch.Tensor) -> list[int]:
     return cu.tolist()
 
@@ -63,13 +85,8 @@ class ExactKernels:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=lse_dtype, device=q.device)
         bq, bk = _bounds(cu_q), _bounds(cu_k)
         for i in range(len(bq) - 1):
-            qs, ks, vs = q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]
-            scores = _entry_scores(qs.to(lse_dtype), ks.to(lse_dtype), scale, causal, window)
-            entry_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - entry_lse[..., None])
-            group = qs.shape[1] // ks.shape[1]
-            out[bq[i]:bq[i + 1]] = torch.einsum("hqk,khd->qhd", probs, _expand_kv(vs.to(lse_dtype), group))
-            lse[:, bq[i]:bq[i + 1]] = entry_lse
+            qs, ks, vs = (x.to(lse_dtype) for x in (q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]))
+            out[bq[i]:bq[i + 1]], lse[:, bq[i]:bq[i + 1]] = _entry_attention(qs, ks, vs, scale, causal, window)
         return out, lse
 
     def backward(self, d_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
@@ -82,15 +99,7 @@ class ExactKernels:
         for i in range(len(bq) - 1):
             rq, rk = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
             qs, ks, vs, dos, outs = (x.to(acc) for x in (q[rq], k[rk], v[rk], d_out[rq], out[rq]))
-            group = qs.shape[1] // ks.shape[1]
-            probs = torch.exp(_entry_scores(qs, ks, scale, causal, window) - lse[:, rq][..., None])
-            delta = (dos * outs).sum(-1).transpose(0, 1)
-            d_probs = torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group))
-            d_scores = probs * (d_probs - delta[..., None])
-            lk, hkv, dim = ks.shape
-            dq[rq] = torch.einsum("hqk,khd->qhd", d_scores, _expand_kv(ks, group)) * scale
-            dk[rk] = (torch.einsum("hqk,qhd->khd", d_scores, qs) * scale).view(lk, hkv, group, dim).sum(2)
-            dv[rk] = torch.einsum("hqk,qhd->khd", probs, dos).view(lk, hkv, group, dim).sum(2)
+            dq[rq], dk[rk], dv[rk] = _entry_gradients(dos, qs, ks, vs, outs, lse[:, rq], scale, causal, window)
         return dq, dk, dv
 
 
@@ -196,11 +205,7 @@ class ExactRangeKernels:
         acc = lse.dtype
         for (q0, q1), (k0, k1), window in zip(q_ranges.tolist(), k_ranges.tolist(), masks.tolist()):
             qs, ks, vs = q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc)
-            scores = _entry_scores(qs, ks, scale, False, tuple(window))
-            part_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - part_lse[..., None]).nan_to_num_(0.0)
-            part = torch.einsum("hqk,khd->qhd", probs, _expand_kv(vs, qs.shape[1] // ks.shape[1]))
-            merge_into(out[q0:q1], lse[:, q0:q1], part, part_lse)
+            merge_into(out[q0:q1], lse[:, q0:q1], *_entry_attention(qs, ks, vs, scale, False, tuple(window)))
 
     def backward(self, d_out, q, k, v, out, lse, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float,
                  dq, dk, dv) -> None:
@@ -208,16 +213,11 @@ class ExactRangeKernels:
         acc = dq.dtype
         for (q0, q1), (k0, k1), window in zip(q_ranges.tolist(), k_ranges.tolist(), masks.tolist()):
             qs, ks, vs, dos, outs = (x.to(acc) for x in (q[q0:q1], k[k0:k1], v[k0:k1], d_out[q0:q1], out[q0:q1]))
-            group = qs.shape[1] // ks.shape[1]
-            # A row that sees no key anywhere (lse -inf) gets no gradient, as in flash-attn.
-            probs = torch.exp(_entry_scores(qs, ks, scale, False, tuple(window)) - lse[:, q0:q1].to(acc)[..., None])
-            probs = probs.nan_to_num_(0.0)
-            delta = (dos * outs).sum(-1).transpose(0, 1)
-            d_scores = probs * (torch.einsum("qhd,khd->hqk", dos, _expand_kv(vs, group)) - delta[..., None])
-            lk, hkv, dim = ks.shape
-            dq[q0:q1] += torch.einsum("hqk,khd->qhd", d_scores, _expand_kv(ks, group)) * scale
-            dk[k0:k1] += (torch.einsum("hqk,qhd->khd", d_scores, qs) * scale).view(lk, hkv, group, dim).sum(2)
-            dv[k0:k1] += torch.einsum("hqk,qhd->khd", probs, dos).view(lk, hkv, group, dim).sum(2)
+            dq_part, dk_part, dv_part = _entry_gradients(dos, qs, ks, vs, outs, lse[:, q0:q1].to(acc), scale, False,
+                                                         tuple(window))
+            dq[q0:q1] += dq_part
+            dk[k0:k1] += dk_part
+            dv[k0:k1] += dv_part
 
 
 class FlexFlashAttnKernels:

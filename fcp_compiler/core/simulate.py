@@ -26,7 +26,7 @@ from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.call_plan import tiles_during_reshuffle
 from fcp_compiler.format.memory import Sizes
-from fcp_compiler.format.plan_format import PlanReader, TransferKind, stack_ranks, stacked_pull_tokens
+from fcp_compiler.format.plan_format import PlanReader, TransferKind, stack_ranks
 from fcp_compiler.format.stacked import stack_programs
 from fcp_compiler.format.traffic import stacked_range_traffic
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
@@ -295,7 +295,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     """
     header, tables, programs, profile, tiles = _read_with_costs(source, profile)
     n = header.num_ranks
-    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, tables, programs, tiles, profile, record)
+    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, programs, tiles, profile, record)
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
@@ -335,7 +335,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       hbm_bytes_per_s=profile.hbm_gbps * 1e9)
 
 
-def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, record: bool):
+def _pass_inputs(header, programs, tiles, profile: HardwareProfile, record: bool):
     """Both passes' timing-model inputs from a plan's programs: messages (pulls and the pass's pushes, in bytes and
     stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
     reshuffles. Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves
@@ -350,7 +350,8 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
     r_round, r_me = stack_ranks(programs, "pull_recv_round")
     r_bwd_round, r_kind, r_block, r_peer = (stack_ranks(programs, f"pull_recv_{name}")[0]
                                             for name in ("bwd_round", "kind", "block", "peer"))
-    r_tokens = stacked_pull_tokens(programs, tables)
+    stacked = stack_programs(programs)  # every rank's arrays at once, whole-block pulls written out
+    r_tokens = stacked.pull_tokens("recv").astype(np.float64)
     recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
@@ -392,7 +393,7 @@ def _pass_inputs(header, tables, programs, tiles, profile: HardwareProfile, reco
             flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
                                           np.zeros(push_row.size, dtype=bool))))
 
-    traffic = stacked_range_traffic(stack_programs(programs), Sizes.of(header))
+    traffic = stacked_range_traffic(stacked, Sizes.of(header))
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
     fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),

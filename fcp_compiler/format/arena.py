@@ -23,7 +23,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.arena import place_buffers
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
-from fcp_compiler.algorithms.ranges import group_sums, offsets
+from fcp_compiler.algorithms.ranges import offsets
 from fcp_compiler.format.call_plan import Request, rank_calls
 from fcp_compiler.format.liveness import stacked_messages
 from fcp_compiler.format.plan_format import RankProgram, TransferKind
@@ -52,10 +52,9 @@ def rank_arenas(program: RankProgram) -> dict[str, Arenas]:
     """
     stacked = stack_programs([program])
     tables, a = stacked.tables, stacked.arrays
-    seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     segs, counts = a["pull_recv_segs"], a["pull_recv_seg_count"]
     ptr = offsets(counts)
-    rows = group_sums(seg_len[segs], ptr)
+    rows = stacked.pull_tokens("recv")
     first_seg = segs[np.minimum(ptr[:-1], max(segs.size - 1, 0))] if segs.size else np.zeros(0, dtype=np.int64)
     # Within a stage, pulls in sequence order: a sequence's blocks that arrive together become one run.
     order = np.empty(counts.size, dtype=np.int64)

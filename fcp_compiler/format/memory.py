@@ -30,7 +30,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
-from fcp_compiler.algorithms.ranges import group_sums, offsets, offsets_within
+from fcp_compiler.algorithms.ranges import offsets_within
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_requests, step_table
 from fcp_compiler.format.inputs import AttentionShape
@@ -163,13 +163,9 @@ class _Facts:
 
     @classmethod
     def of(cls, stacked: StackedRanks, table: RequestTable, calls: CallArrays) -> "_Facts":
-        a, tables = stacked.arrays, stacked.tables
-        seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-        recv_rows = group_sums(seg_len[a["pull_recv_segs"]], offsets(a["pull_recv_seg_count"]))
-        send_rows = group_sums(seg_len[a["pull_send_segs"]], offsets(a["pull_send_seg_count"]))
-        block_tokens = np.bincount(tables.seg_block, weights=seg_len, minlength=stacked.header.num_blocks)
-        plan_tokens = np.bincount(stacked.rank_of("blocks"), weights=block_tokens[a["blocks"]],
-                                  minlength=stacked.num_ranks).astype(np.int64)
+        a = stacked.arrays
+        recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
+        plan_tokens = stacked.plan_tokens()
         call_rank = table.request_rank[calls.call_request].astype(np.int64)
         entry_call = calls.entry_call
         key_call = entry_call[calls.key_entry]
@@ -305,30 +301,18 @@ def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray
     num_stages = max(messages.num_stages, 1)
     is_kv = facts.pull_recv_kind == TransferKind.KV
     rows = facts.pull_recv_rows
-    if forward:
-        buffer = np.where(is_kv, 2 * sizes.kv, sizes.q) * rows
-        accumulator = np.where(is_kv, 0, sizes.q_acc + sizes.lse) * rows
-    else:
-        buffer = np.where(is_kv, 2 * sizes.kv, 3 * sizes.q + sizes.lse) * rows
-        accumulator = np.where(is_kv, 2 * sizes.kv_acc, sizes.q_acc) * rows
+    buffer_row, accumulator_row = _received_row_bytes(sizes, forward)
+    buffer = np.where(is_kv, buffer_row[TransferKind.KV], buffer_row[TransferKind.Q]) * rows
+    accumulator = np.where(is_kv, accumulator_row[TransferKind.KV], accumulator_row[TransferKind.Q]) * rows
     rank = messages.pull_recv_rank
     first, last = messages.pull_recv_stage, np.maximum(messages.pull_recv_last, messages.pull_recv_stage)
     # Buffers during stage s's calls: posted at or before s, not yet freed; accumulators of those arrived before s.
     during = _interval_sums(rank, first, last, buffer, num_ranks, num_stages) + \
         _interval_sums(rank, first + 1, last, accumulator, num_ranks, num_stages)
     after = during + _interval_sums(rank, first, first, accumulator, num_ranks, num_stages)
-    send_kind = facts.pull_send_kind[messages.push_recv_pull] == TransferKind.KV
-    push_rows = facts.pull_send_rows[messages.push_recv_pull]
-    push_bytes = push_rows * (np.where(send_kind, 0, sizes.q_acc + sizes.lse) if forward else
-                              np.where(send_kind, 2 * sizes.kv_acc, sizes.q_acc))
+    push_bytes = _push_buffer_bytes(facts.pull_send_kind, facts.pull_send_rows, messages, sizes, forward)
     pushes = _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, num_ranks, num_stages)
-    send_is_kv = facts.pull_send_kind == TransferKind.KV
-    copies, send_rows = facts.pull_send_copies, facts.pull_send_rows
-    if forward:
-        copy = np.where(copies, np.where(send_is_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
-    else:
-        copy = np.where(send_is_kv, np.where(copies, 2 * sizes.kv, 0),
-                        np.where(copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+    copy = _send_copy_bytes(facts.pull_send_kind, facts.pull_send_copies, facts.pull_send_rows, sizes, forward)
     sends = _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, num_ranks, num_stages)
     transient = _call_transients(facts, sizes, forward)
     mine = stage_of_call >= 0
@@ -338,6 +322,35 @@ def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray
     peak = np.maximum((posted + largest.reshape(num_ranks, num_stages)).max(axis=1),
                       (after + pushes + sends).max(axis=1))
     return (base + np.maximum(peak, outputs)).astype(np.int64)
+
+
+def _received_row_bytes(sizes: Sizes, forward: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """Per kind of received pull, the bytes a row of it holds: (its buffer, from its post; its accumulators, from its
+    arrival: forward Q its O and LSE, backward K,V its dK, dV, backward Q its dQ)."""
+    if forward:
+        return {TransferKind.KV: 2 * sizes.kv, TransferKind.Q: sizes.q}, \
+            {TransferKind.KV: 0, TransferKind.Q: sizes.q_acc + sizes.lse}
+    return {TransferKind.KV: 2 * sizes.kv, TransferKind.Q: 3 * sizes.q + sizes.lse}, \
+        {TransferKind.KV: 2 * sizes.kv_acc, TransferKind.Q: sizes.q_acc}
+
+
+def _push_buffer_bytes(send_kind: np.ndarray, send_rows: np.ndarray, messages: PassMessages, sizes: Sizes,
+                       forward: bool) -> np.ndarray:
+    """Per received push, the bytes of its buffer (forward: O and LSE of a Q pull; backward: dK, dV or dQ)."""
+    kv = send_kind[messages.push_recv_pull] == TransferKind.KV
+    rows = send_rows[messages.push_recv_pull]
+    return rows * (np.where(kv, 0, sizes.q_acc + sizes.lse) if forward else
+                   np.where(kv, 2 * sizes.kv_acc, sizes.q_acc))
+
+
+def _send_copy_bytes(send_kind: np.ndarray, copies: np.ndarray, send_rows: np.ndarray, sizes: Sizes,
+                     forward: bool) -> np.ndarray:
+    """Per sent pull, the bytes of the packed copy the runtime sends (where its rows are not one run; a backward Q
+    pull's LSE, always)."""
+    kv = send_kind == TransferKind.KV
+    if forward:
+        return np.where(copies, np.where(kv, 2 * sizes.kv, sizes.q), 0) * send_rows
+    return np.where(kv, np.where(copies, 2 * sizes.kv, 0), np.where(copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
 
 
 def _per_slot(rank: np.ndarray, stage: np.ndarray, values: np.ndarray, num_ranks: int, num_stages: int) -> np.ndarray:
@@ -395,10 +408,8 @@ def rank_range_peak_bytes(program: RankProgram, layout: str | None = None, dtype
     sizes = Sizes.of(program.header, dtype)
     a = stacked.arrays
     arenas = rank_arenas(program)
-    seg_len = (stacked.tables.seg_end - stacked.tables.seg_start).astype(np.int64)
-    recv_rows = group_sums(seg_len[a["pull_recv_segs"]], offsets(a["pull_recv_seg_count"]))
-    send_rows = group_sums(seg_len[a["pull_send_segs"]], offsets(a["pull_send_seg_count"]))
-    tokens = int(seg_len[stacked.local_segments()[0]].sum())
+    recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
+    tokens = int(stacked.plan_tokens()[0])
     ranges = rank_range_calls(program, step_requests(program, layout), arenas).q_start.size
     out = {}
     for name in ("fwd", "bwd"):
@@ -417,27 +428,18 @@ def _range_pass_peak(a: dict, messages: PassMessages, arenas, recv_rows: np.ndar
     num_stages = max(messages.num_stages, 1)
     live = np.zeros(num_stages)
     kinds = a["pull_recv_kind"]
-    per_row = {TransferKind.KV: 2 * sizes.kv if forward else 2 * (sizes.kv + sizes.kv_acc),
-               TransferKind.Q: sizes.q + sizes.q_acc + sizes.lse if forward else 3 * sizes.q + sizes.lse + sizes.q_acc}
+    buffer_row, accumulator_row = _received_row_bytes(sizes, forward)
     extent = {TransferKind.KV: arenas.kv_rows, TransferKind.Q: arenas.q_rows}
     for kind in (TransferKind.KV, TransferKind.Q):
         posted = messages.pull_recv_stage[kinds == kind]
         if posted.size:  # made when the kind's first pull is posted, kept to the pass's end
-            live[int(posted.min()):] += per_row[kind] * extent[kind]
+            live[int(posted.min()):] += (buffer_row[kind] + accumulator_row[kind]) * extent[kind]
     if not forward:  # a Q pull's LSE, received whole, until it is copied into the arena after the stage's wait
         lse = np.where(kinds == TransferKind.Q, sizes.lse * recv_rows, 0)
         live += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, lse, 1, num_stages)[0]
-    push_kv = a["pull_send_kind"][messages.push_recv_pull] == TransferKind.KV
-    push_rows = send_rows[messages.push_recv_pull]
-    push_bytes = push_rows * (np.where(push_kv, 0, sizes.q_acc + sizes.lse) if forward else
-                              np.where(push_kv, 2 * sizes.kv_acc, sizes.q_acc))
+    push_bytes = _push_buffer_bytes(a["pull_send_kind"], send_rows, messages, sizes, forward)
     live += _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, 1, num_stages)[0]
-    send_kv = a["pull_send_kind"] == TransferKind.KV
-    if forward:
-        copy = np.where(send_copies, np.where(send_kv, 2 * sizes.kv, sizes.q), 0) * send_rows
-    else:
-        copy = np.where(send_kv, np.where(send_copies, 2 * sizes.kv, 0),
-                        np.where(send_copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+    copy = _send_copy_bytes(a["pull_send_kind"], send_copies, send_rows, sizes, forward)
     live += _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, 1, num_stages)[0]
     if forward and sizes.q_heads > 1:  # a Q pull's results go back from its arena rows: the LSE ([heads, rows]) is
         # copied to be sent (one head's rows are contiguous)

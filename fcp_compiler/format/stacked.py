@@ -59,6 +59,17 @@ class StackedRanks:
         per_rank = np.bincount(self.rank_of("blocks"), weights=held_count, minlength=self.num_ranks)
         return expand_ranges(seg_ptr[held], held_count), held_count, per_rank.astype(np.int64)
 
+    def pull_tokens(self, side: str) -> np.ndarray:
+        """Tokens each stacked pull of `side` ("send" or "recv") carries (int64 per row)."""
+        seg_len = (self.tables.seg_end - self.tables.seg_start).astype(np.int64)
+        return group_sums(seg_len[self.arrays[f"pull_{side}_segs"]], offsets(self.arrays[f"pull_{side}_seg_count"]))
+
+    def plan_tokens(self) -> np.ndarray:
+        """Tokens each stacked rank holds in the plan layout (int64 [num_ranks])."""
+        seg_len = (self.tables.seg_end - self.tables.seg_start).astype(np.int64)
+        local, _, local_count = self.local_segments()
+        return group_sums(seg_len[local], offsets(local_count)).astype(np.int64)
+
     def within(self, name: str) -> np.ndarray:
         """Each row's index within its rank's rows of array `name` (int64 [rows])."""
         rows = self.arrays[name].size

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.ranges import group_sums, offsets
 from fcp_compiler.format.liveness import PassMessages, stacked_messages
 from fcp_compiler.format.memory import Sizes, send_runs
 from fcp_compiler.format.plan_format import TransferKind
@@ -60,12 +59,9 @@ def stacked_range_traffic(stacked: StackedRanks, sizes: Sizes, index_bytes: np.n
         index_bytes: per rank, the bytes of its step's range index tensors, copied to the device once at the
             forward's start (None: 0; a few KB).
     """
-    a, tables = stacked.arrays, stacked.tables
-    seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-    recv_rows = group_sums(seg_len[a["pull_recv_segs"]], offsets(a["pull_recv_seg_count"]))
-    send_rows = group_sums(seg_len[a["pull_send_segs"]], offsets(a["pull_send_seg_count"]))
-    local, _, local_count = stacked.local_segments()
-    tokens = group_sums(seg_len[local], offsets(local_count)).astype(np.float64)
+    a = stacked.arrays
+    recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
+    tokens = stacked.plan_tokens().astype(np.float64)
     runs = send_runs(stacked)
     out = {}
     for name in ("fwd", "bwd"):
