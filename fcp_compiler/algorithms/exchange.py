@@ -32,28 +32,23 @@ class _Slots:
 
     def place(self, a: int, b: int, ready: int) -> int:
         """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
-        both have one; return that round. (Called once a message, hundreds of thousands of times a plan: the slot
-        updates are written out here rather than called.)"""
-        send_full, recv_full = self.send_full, self.recv_full
-        taken = (send_full[a] | recv_full[b]) >> ready
-        rnd = ready + (~taken & (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
+        both have one; return that round. (Called once a message, hundreds of thousands of times a plan.)"""
+        taken = (self.send_full[a] | self.recv_full[b]) >> ready
+        rnd = ready + (taken ^ (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
         bit = 1 << rnd
-        # Slots fill in order, so a round's slot j is taken only if slot j - 1 is; taking the last marks it full.
-        masks = self.send[a]
-        for slot, mask in enumerate(masks):
-            if not mask & bit:
-                masks[slot] = mask | bit
-                break
-        else:
-            send_full[a] |= bit
-        masks = self.recv[b]
-        for slot, mask in enumerate(masks):
-            if not mask & bit:
-                masks[slot] = mask | bit
-                break
-        else:
-            recv_full[b] |= bit
+        _take(self.send[a], self.send_full, a, bit)
+        _take(self.recv[b], self.recv_full, b, bit)
         return rnd
+
+
+def _take(masks: list[int], full: list[int], end: int, bit: int) -> None:
+    """Take `end`'s first free slot in the round of `bit`: slots fill in order, so a round's slot j is taken only
+    if slot j - 1 is, and taking the last (the only one of a one-slot end) marks the round full."""
+    for slot, mask in enumerate(masks):
+        if not mask & bit:
+            masks[slot] = mask | bit
+            return
+    full[end] |= bit
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
@@ -77,12 +72,26 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
         int64 [M], the round of each new message.
     """
     slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
-    placed = [0] * ready_round.size
-    ready_list, src_list, dst_list = ready_round.tolist(), src.tolist(), dst.tolist()
-    for message in np.lexsort((np.arange(ready_round.size), ready_round)).tolist():
-        a, b = src_list[message], dst_list[message]
-        placed[message] = slots.place(a, b, ready_list[message])
-    return np.asarray(placed, dtype=np.int64)
+    send, recv, send_full, recv_full = slots.send, slots.recv, slots.send_full, slots.recv_full
+    order = np.argsort(ready_round, kind="stable")
+    rounds = []
+    # _Slots.place written out: this loop runs once a message, millions of times over a floor's candidates.
+    for a, b, ready in zip(src[order].tolist(), dst[order].tolist(), ready_round[order].tolist()):
+        taken = (send_full[a] | recv_full[b]) >> ready
+        rnd = ready + (taken ^ (taken + 1)).bit_length() - 1
+        bit = 1 << rnd
+        if send[a]:
+            _take(send[a], send_full, a, bit)
+        else:  # a one-slot end: its only slot taken, the round is full
+            send_full[a] |= bit
+        if recv[b]:
+            _take(recv[b], recv_full, b, bit)
+        else:
+            recv_full[b] |= bit
+        rounds.append(rnd)
+    placed = np.empty(ready_round.size, dtype=np.int64)
+    placed[order] = rounds
+    return placed
 
 
 def spread_messages(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, work: np.ndarray,

@@ -143,7 +143,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             load[scan.first[moved], moved_ranks] -= moved_work
             row[moved_ranks] += moved_work
             stage[order[moved]] = target
-            scan.moved[moved] = True
+            scan.move(moved)
             skips += ~fits
             ranks, position, gap, skips = scan.step(ranks, position, gap, skips)
     return stage
@@ -151,21 +151,22 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
 
 class _Scan:
     """Each rank's movable tiles, by earliest stage, scanned from the latest back: where a rank's candidates for a
-    target stage begin, and the next unmoved one before a position."""
+    target stage begin, and the next unmoved one before a position.
+
+    Moved tiles are skipped through pointers: `skip[p]` is p for an unmoved position, and for a moved one a
+    position at or before p - 1 with every position between the two moved (a union-find without ranks, the
+    pointers shortened as they are followed). A lookup follows a few pointers, not the whole scan order: recomputing
+    the last unmoved position of every position once a stage was O(T x S), most of a compile at small blocks."""
 
     def __init__(self, order: np.ndarray, work: np.ndarray, first: np.ndarray, before: np.ndarray, num_stages: int,
                  num_ranks: int):
         self.work, self.first, self.before, self.width = work, first, before, num_stages + 1
         self.low = before[np.arange(num_ranks) * self.width]  # each rank's first position
-        self.moved = np.zeros(order.size, dtype=bool)
-        self.previous = np.arange(order.size)  # the last unmoved position at or before each, -1 for none
+        self.skip = np.arange(order.size)
 
     def start(self, ranks: np.ndarray, target: int, gap: np.ndarray) -> tuple[np.ndarray, ...]:
         """The ranks with candidates for `target` (tiles whose earliest stage is before it): ranks, each one's last
         unmoved candidate's position, and its gap."""
-        # Tiles moved to later stages are passed over; those this stage moves lie above every position still to
-        # scan, so the positions are recomputed once a stage.
-        self.previous = np.maximum.accumulate(np.where(self.moved, -1, np.arange(self.moved.size)))
         position = self._unmoved(self.before[ranks * self.width + target] - 1)
         keep = position >= self.low[ranks]
         return ranks[keep], position[keep], gap[keep]
@@ -176,8 +177,26 @@ class _Scan:
         keep = (position >= self.low[ranks]) & (skips < MAX_SKIPS)
         return ranks[keep], position[keep], gap[keep], skips[keep]
 
+    def move(self, positions: np.ndarray) -> None:
+        """Mark the tiles at `positions` (distinct) moved: each now skips to where its predecessor does."""
+        self.skip[positions] = np.where(positions > 0, self.skip[np.maximum(positions - 1, 0)], -1)
+
     def _unmoved(self, position: np.ndarray) -> np.ndarray:
-        return np.where(position >= 0, self.previous[np.maximum(position, 0)], -1)
+        """The last unmoved position at or before each (-1 for none)."""
+        found = position.copy()
+        pending = np.flatnonzero(found >= 0)
+        while pending.size:
+            at = found[pending]
+            to = self.skip[at]
+            moving = to != at
+            if not moving.any():
+                break
+            pending = pending[moving]
+            found[pending] = to[moving]
+            pending = pending[found[pending] >= 0]
+        starts = position >= 0
+        self.skip[position[starts]] = found[starts]  # the pointers followed from here are shortened
+        return found
 
 
 class _LiveBuffers:

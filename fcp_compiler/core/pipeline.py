@@ -335,15 +335,14 @@ def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callab
     """The refitted plan, or the fastest of the floor's other candidates that fits `budget` as the floor scheduled it,
     where it simulates faster than the refit (another placement may hold less at its own stages than the winner
     does at smaller ones). Candidates are tried fastest first, as long as they simulated faster than the refit (or
-    the first one that fits, where nothing was refitted). Returns (plan, peaks), or None."""
+    the first one that fits, where nothing was refitted): `others(limit)` gives (name, plan, its simulated layer
+    seconds). Returns (plan, peaks), or None."""
     best = None if refit is None else refit[:2]
     limit = math.inf if refit is None else refit[2]
-    for name, candidate in others(limit):
+    for name, candidate, seconds in others(limit):
         peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
         if peaks.max() > budget:
             continue
-        figures = timer.run("floor", _layer_figures, candidate)
-        seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
         if seconds < limit:
             best, record["kept"] = (candidate, peaks), name
         break
@@ -440,9 +439,12 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
 @dataclass(slots=True, kw_only=True)
 class _FloorRun:
     """The floor's candidates as they are scheduled: the placements made (each placed and routed once, whichever
-    switches schedule it), the scores, and the plans kept. Only the best plan so far, and the least memory among
-    those over the budget, are kept (each candidate's IR is hundreds of MB at thousands of ranks); floor.choose
-    makes the same choice from the scores alone."""
+    switches schedule it), the scores, and the plans kept: every scored candidate's plan (the memory budget may
+    keep one of them, and scheduling it again costs what scoring it did), the least memory among those over the
+    live-buffer budget. A candidate is scored only where the floor schedules several, so the plans kept are bounded
+    by floor.TILE_BUDGET tiles in all (about 20 MB for each of the 7 at 256 ranks); at thousands of ranks, where each
+    IR is hundreds of MB, the only candidate is not scored and none is kept. floor.choose makes the same choice from
+    the scores alone."""
 
     timer: _PassTimer
     batch: Batch
@@ -456,6 +458,7 @@ class _FloorRun:
     pruned: dict = field(default_factory=dict)
     bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
+    finished: dict = field(default_factory=dict)  # score index -> (plan, figures) of each scored candidate
     best: tuple | None = None
     least: tuple | None = None
     progress: Callable[[dict], None] | None = None
@@ -500,6 +503,8 @@ class _FloorRun:
             busy_lower_bound_s=self.bounds[candidate.placement])
         if fits and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
             self.best = (score, plan, figures)
+        if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
+            self.finished[len(self.scores)] = (plan, figures)
         if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
             self.least = (score, transfers, candidate.fan_out, schedule)
         self.scores.append(score)
@@ -509,15 +514,11 @@ class _FloorRun:
 
     def others(self, winner: int, limit: float):
         """The scored candidates but the winner that fit the live-buffer budget and simulated faster than `limit`,
-        fastest first, each scheduled again as it was scored: (its name, its plan)."""
+        fastest first, as they were scored: (its name, its plan, its layer seconds)."""
         faster = sorted((score.layer_seconds, index) for index, score in enumerate(self.scores)
                         if index != winner and score.layer_seconds < limit and score.max_buffer_tokens <= self.budget)
-        for _, index in faster:
-            score = self.scores[index]
-            rounds = _rounds(self.timer, self.routed[score.candidate.placement], self.options, score.candidate.fan_out)
-            schedule, _ = _fit_memory(self.timer, rounds, self.options, self.budget)
-            if schedule is not None:
-                yield score.name, _finish(self.timer, schedule, self.options, self.digest, relays=score.relays)
+        for seconds, index in faster:
+            yield self.scores[index].name, self.finished[index][0], seconds
 
     def _place(self, placement: Placement) -> bool:
         """Place and route `placement`; False (and the reason in `pruned`) where it is refused, cannot win, or
