@@ -22,9 +22,9 @@ STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfer
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
 # "memory": the returned plan's memory account (and, over the budget, its refits' passes, already listed).
 PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "fan_out", "schedule_rounds", "coalesce", "relay", "reshuffle",
-          "encode", "memory"]
+          "memory", "encode"]
 USER_LAYOUT_PASSES = ["shard", "cost", "assign", "localize", "plan_transfers", "fan_out", "schedule_rounds", "coalesce", "relay",
-                      "reshuffle", "encode", "memory"]
+                      "reshuffle", "memory", "encode"]
 
 
 @given(st.lists(st.integers(1, 12000), min_size=1, max_size=25), st.integers(1, 9),

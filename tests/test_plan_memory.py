@@ -123,19 +123,17 @@ def test_the_simulator_reports_the_memory_the_plan_states(unbudgeted):
 def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winner(monkeypatch):
     import fcp_compiler.core.pipeline as pipeline
 
-    # Plans stand in as (name, peak bytes, simulated seconds); the account and the simulator read them.
+    # Plans stand in as (name, peak bytes); the account reads them, and the floor gives each one's seconds.
     monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields: np.array([[1, final[1]]]))
-    monkeypatch.setattr(pipeline, "_layer_figures", lambda plan: {"layer_makespan_fwd_s": plan[0][2],
-                                                                  "layer_makespan_bwd_s": 0.0})
     timer = pipeline._PassTimer()
 
     def others(candidates):
         def listed(limit):
-            return ((name, ((name, peak, seconds), {}, b"")) for name, peak, seconds in candidates
+            return ((name, ((name, peak), {}, None), seconds) for name, peak, seconds in candidates
                     if seconds < limit)
         return listed
 
-    refit = ((("refit", 90, 1.10), {}, b""), np.array([[1, 90]]), 1.10)
+    refit = ((("refit", 90), {}, None), np.array([[1, 90]]), 1.10)
     record = {}
     kept = pipeline._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05)]), 100,
                                           record)

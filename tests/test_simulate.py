@@ -12,7 +12,9 @@ from fcp_compiler import CompileOptions
 from fcp_compiler.tools.ablation import run_ablation
 from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, simulate_pass
-from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.core.plan_memory import stack_plan
+from fcp_compiler.core.simulate import HeldPlan, simulate_plan
+from fcp_compiler.format.inputs import BatchSpec
 from fcp_compiler.tools.report import simulation_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +122,24 @@ def test_the_layer_figures_need_no_attention_alone_pass(layout):
     assert figures["layer_makespan_fwd_s"] == full["layer_makespan_fwd_s"]
     summary = simulation_summary(figures, None)  # prints what it has, without the critical paths
     assert "layer ms" in summary and "critical path" not in summary
+
+
+@pytest.mark.parametrize("mask, layout", [("causal", "plan"), ("causal", "user"), ("sliding_window:200", "plan"),
+                                          ("mixed", "user")])
+def test_a_plan_held_unencoded_simulates_as_its_file(mask, layout):
+    """The floor simulates its candidates from their IR, stacked as the encoder lays them out (HeldPlan): every
+    figure, the reshuffles and the data movement included, must be the file's."""
+    lengths = [3000, 700, 90, 1500, 260, 1200, 5000, 64, 2100]
+    if mask == "mixed":
+        plan = compile_valid(BatchSpec.model_validate({**MIXED_MASKS, "sequences": lengths[:6]}), 4, block_size=256,
+                             coalesce=2, layout=layout)
+    else:
+        plan = compile_valid(lengths, 4, block_size=256, coalesce=2, mask=mask, layout=layout)
+    held = HeldPlan(stacked=stack_plan(plan.ir, {name: getattr(plan.header, name) for name in type(plan.header).model_fields}), tiles=plan.ir.tiles)
+    from_file = simulate_plan(plan.to_bytes(), record=True)
+    from_ir = simulate_plan(held, record=True)
+    assert from_ir.figures() == from_file.figures()
+    assert from_ir.chrome_trace() == from_file.chrome_trace()
 
 
 def test_communication_takes_its_sm_share_from_compute():

@@ -19,7 +19,7 @@ from fcp_compiler.core.floor import Placement
 from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule, TileSet, Transfers, ZigzagMode
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
-from fcp_compiler.core.plan_memory import plan_peak_bytes
+from fcp_compiler.core.plan_memory import plan_peak_bytes, stack_plan
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import (LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward,
                                                complete_backward, forward_peak, max_buffer_tokens, pass_peaks,
@@ -34,13 +34,13 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
-from fcp_compiler.core.simulate import LAYER_STATS, busy_lower_bound, simulate_plan
+from fcp_compiler.core.simulate import LAYER_STATS, HeldPlan, busy_lower_bound, simulate_plan
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
                                         too_many_sequences)
 from fcp_compiler.format.memory import least_peak_bytes
-from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram, with_header_fields
+from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
 
 # _fit_memory aims this share of the memory budget when it shrinks the stages of a plan over it.
@@ -278,7 +278,8 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     memory = {"max_buffer_bytes_fwd": peaks[:, 0].tolist(), "max_buffer_bytes_bwd": peaks[:, 1].tolist(),
               "memory_budget_bytes": budget}
     record.update(peak_bytes_fwd=int(peaks[:, 0].max()), peak_bytes_bwd=int(peaks[:, 1].max()))
-    return (plan[0], {**plan[1], **memory}, with_header_fields(plan[2], **memory)), record
+    fields = {**plan[1], **memory}
+    return (plan[0], fields, timer.run("encode", encode, plan[0], fields)), record
 
 
 # Schedules within the memory budget the refit compares by simulated layer time (the first ones down the ladder:
@@ -581,9 +582,10 @@ def _same_placement(first: Assignment, second: Assignment) -> bool:
 
 
 def _layer_figures(plan: tuple) -> dict:
-    """The simulated layer figures of a finished plan (final IR, header fields, bytes)."""
-    final, _, data = plan
-    return simulate_plan(CompiledPlan(data=data, ir=final, stats={}, _reader=PlanReader(data)),
+    """The simulated layer figures of a finished plan (final IR, header fields, ...), from its arrays as the
+    encoder lays them out (nothing encoded)."""
+    final, fields, _ = plan
+    return simulate_plan(HeldPlan(stacked=stack_plan(final, fields), tiles=final.tiles),
                          attention_alone=False).layer_figures()
 
 
@@ -686,12 +688,14 @@ def _rounds(timer: _PassTimer, transfers: Transfers, options: CompileOptions, wi
 
 def _finish(timer: _PassTimer, schedule: Schedule, options: CompileOptions, digest: str,
             relays: bool = True) -> tuple:
-    """relay (FCP, unless `relays` is off), reshuffle and encode: (final IR, header fields, plan bytes)."""
+    """relay (FCP, unless `relays` is off) and reshuffle: (final IR, header fields, None). Only the plan
+    compile_plan returns is encoded (by :func:`_within_budget`, once its header's memory figures are known); the
+    floor's candidates and the budget's refits are simulated and accounted from their IR."""
     if relays and options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their star senders
         schedule = timer.run("relay", relay, schedule)
     final = timer.run("reshuffle", reshuffle, schedule)
     header_fields = _header_fields(final, options, schedule.rounds.transfers.assignment.token_cap, digest)
-    return final, header_fields, timer.run("encode", encode, final, header_fields)
+    return final, header_fields, None
 
 
 def _place(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, placement: Placement,

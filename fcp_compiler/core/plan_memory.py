@@ -10,7 +10,23 @@ from fcp_compiler.core.ir import Reshuffle
 from fcp_compiler.core.passes.encode import global_columns, rank_columns
 from fcp_compiler.format.memory import stacked_peak_bytes
 from fcp_compiler.format.plan_format import GlobalTables, PlanHeader
-from fcp_compiler.format.stacked import stack_columns
+from fcp_compiler.format.stacked import StackedRanks, stack_columns
+
+
+def stack_plan(final: Reshuffle, header_fields: dict) -> StackedRanks:
+    """Every rank of the plan stacked from the encoder's columns, as a reader of its file would stack them (no
+    section is encoded or decoded).
+
+    Args:
+        final: the plan's last IR object.
+        header_fields: its header fields (compile_plan's, before the sections are laid out).
+    Returns:
+        the StackedRanks.
+    """
+    header = PlanHeader.model_construct(**header_fields)  # the fields compile_plan has just made, not a file's
+    tables = GlobalTables(**{name: np.asarray(values, dtype=np.int64)
+                             for name, values in global_columns(final).items()})
+    return stack_columns(header, tables, rank_columns(final))
 
 
 def plan_peak_bytes(final: Reshuffle, header_fields: dict) -> np.ndarray:
@@ -22,7 +38,4 @@ def plan_peak_bytes(final: Reshuffle, header_fields: dict) -> np.ndarray:
     Returns:
         int64 [num_ranks, 2].
     """
-    header = PlanHeader.model_construct(**header_fields)  # the fields compile_plan has just made, not a file's
-    tables = GlobalTables(**{name: np.asarray(values, dtype=np.int64)
-                             for name, values in global_columns(final).items()})
-    return stacked_peak_bytes(stack_columns(header, tables, rank_columns(final)))
+    return stacked_peak_bytes(stack_plan(final, header_fields))

@@ -17,17 +17,17 @@ import numpy as np
 
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
-from fcp_compiler.core.ir import Batch, Sharding
+from fcp_compiler.core.ir import Batch, Sharding, TileSet
 from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
-from fcp_compiler.format.call_plan import tiles_during_reshuffle
+from fcp_compiler.format.call_plan import stacked_tiles_during_reshuffle
 from fcp_compiler.format.memory import Sizes
-from fcp_compiler.format.plan_format import PlanReader, TransferKind, stack_ranks
-from fcp_compiler.format.stacked import stack_programs
+from fcp_compiler.format.plan_format import PlanReader, TransferKind
+from fcp_compiler.format.stacked import StackedRanks, stack_programs
 from fcp_compiler.format.traffic import stacked_range_traffic
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
 
@@ -253,19 +253,16 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
     return calls.reshape(num_stages, num_ranks)
 
 
-def _reshuffle_flows(programs, bytes_per_token: float):
-    src, dst, nbytes = [], [], []
-    for program in programs:
-        peers = program.arrays["reshuffle_send_peer"]
-        lengths = program.arrays["reshuffle_send_length"]
-        remote = peers != program.rank
-        per_peer = np.bincount(peers[remote], weights=lengths[remote], minlength=len(programs))
-        targets = np.flatnonzero(per_peer)
-        src.append(np.full(targets.size, program.rank))
-        dst.append(targets)
-        nbytes.append(per_peer[targets] * bytes_per_token)
-    return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),
-            np.concatenate(nbytes).astype(np.float64))
+def _reshuffle_flows(stacked: StackedRanks, bytes_per_token: float):
+    """The input reshuffle's flows: per (rank, peer) pair with tokens to move, by rank then peer, the bytes."""
+    a, n = stacked.arrays, stacked.num_ranks
+    rank = stacked.ranks[stacked.rank_of("reshuffle_send_peer")]
+    peers = a["reshuffle_send_peer"]
+    remote = peers != rank
+    per_pair = np.bincount(rank[remote] * n + peers[remote], weights=a["reshuffle_send_length"][remote],
+                           minlength=n * n)
+    pairs = np.flatnonzero(per_pair)
+    return pairs // n, pairs % n, per_pair[pairs] * bytes_per_token
 
 
 def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False,
@@ -293,15 +290,15 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     Raises:
         InvalidInputError: an unknown model name.
     """
-    header, tables, programs, profile, tiles = _read_with_costs(source, profile)
+    header, tables, stacked, profile, tiles = _read_with_costs(source, profile)
     n = header.num_ranks
-    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, programs, tiles, profile, record)
+    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record)
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
     # Attention alone is recorded only when there is no layer around it to record.
     attention_record = record and layer_model is None
-    rank_tokens = _layer_tokens(header, tables, programs)
+    rank_tokens = _layer_tokens(header, tables, stacked)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
     prefetch = header.kv_prefetch if kv_prefetch is None else kv_prefetch
     # Attention alone has no projection to overlap.
@@ -335,24 +332,23 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       hbm_bytes_per_s=profile.hbm_gbps * 1e9)
 
 
-def _pass_inputs(header, programs, tiles, profile: HardwareProfile, record: bool):
-    """Both passes' timing-model inputs from a plan's programs: messages (pulls and the pass's pushes, in bytes and
+def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool):
+    """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
     stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
     reshuffles. Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves
     outside the kernels)."""
     n, shape = header.num_ranks, header.shape
-    tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(programs, tiles, record)
+    tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
     # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
     # blocks).
     pairs = tiles.segment_pairs() if tiles.has_pairs else None
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile, pairs)
     bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs)
-    r_round, r_me = stack_ranks(programs, "pull_recv_round")
-    r_bwd_round, r_kind, r_block, r_peer = (stack_ranks(programs, f"pull_recv_{name}")[0]
-                                            for name in ("bwd_round", "kind", "block", "peer"))
-    stacked = stack_programs(programs)  # every rank's arrays at once, whole-block pulls written out
+    a = stacked.arrays
+    r_round, r_me = a["pull_recv_round"], stacked.rank_of("pull_recv_round")
+    r_bwd_round, r_kind, r_block, r_peer = (a[f"pull_recv_{name}"] for name in ("bwd_round", "kind", "block", "peer"))
     r_tokens = stacked.pull_tokens("recv").astype(np.float64)
-    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_round"].size for p in programs])))
+    recv_base = stacked.base("pull_recv_round")
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
         if record else None
@@ -361,9 +357,8 @@ def _pass_inputs(header, programs, tiles, profile: HardwareProfile, record: bool
         return header.coalesce if prefix == "fwd" else header.bwd_coalesce
 
     def pushes(prefix):
-        push_round, sender = stack_ranks(programs, f"{prefix}_push_send_round")
-        pull, _ = stack_ranks(programs, f"{prefix}_push_send_pull")
-        return push_round // rounds_per_stage(prefix), pull + recv_base[sender]
+        push_round, sender = a[f"{prefix}_push_send_round"], stacked.rank_of(f"{prefix}_push_send_round")
+        return push_round // rounds_per_stage(prefix), a[f"{prefix}_push_send_pull"] + recv_base[sender]
 
     no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
     in_user_layout = header.layout is Layout.USER
@@ -386,8 +381,8 @@ def _pass_inputs(header, programs, tiles, profile: HardwareProfile, record: bool
             flow_stage=np.concatenate((pull_round // rounds_per_stage(prefix), push_stage)), flow_name=names,
             tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
             tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
-            reshuffle_in=_reshuffle_flows(programs, shuffle_in) if in_user_layout else no_flows,
-            reshuffle_out=_swap(_reshuffle_flows(programs, shuffle_out)) if in_user_layout else no_flows,
+            reshuffle_in=_reshuffle_flows(stacked, shuffle_in) if in_user_layout else no_flows,
+            reshuffle_out=_swap(_reshuffle_flows(stacked, shuffle_out)) if in_user_layout else no_flows,
             stage_calls=calls, stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
             # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
             flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
@@ -454,43 +449,56 @@ def _linear_events(forward: PassResult, backward: PassResult, phases: dict, kv_r
                                           "tid": track})
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldPlan:
+    """A plan as the compiler holds it, not encoded: every rank's arrays stacked as the encoder lays them out
+    (core.plan_memory.stack_plan) and its tiles, costed on its own profile. The floor simulates its candidates so,
+    since only the plan it keeps is written."""
+
+    stacked: StackedRanks
+    tiles: TileSet
+
+
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
-    """(header, tables, programs, profile, tiles): the plan's ranks, unexpanded (each pull's tokens suffice), and its
-    tiles costed on `profile` (default: the plan's own; a CompiledPlan's costs are reused on its own profile)."""
-    compiled_tiles = None
-    if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
-        compiled_tiles = source.ir.tiles
-        source = PlanReader(source.to_bytes(), encoded_here=True)  # the compiler's own bytes, checked as written
-    reader = source if isinstance(source, PlanReader) else PlanReader(source)
-    header, tables = reader.header, reader.tables
+    """(header, tables, stacked ranks, profile, tiles): the plan's ranks stacked, and its tiles costed on `profile`
+    (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile)."""
+    if isinstance(source, HeldPlan):
+        stacked, compiled_tiles = source.stacked, source.tiles
+    else:
+        compiled_tiles = None
+        if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
+            compiled_tiles = source.ir.tiles
+            source = PlanReader(source.to_bytes(), encoded_here=True)  # the compiler's own bytes, checked as written
+        reader = source if isinstance(source, PlanReader) else PlanReader(source)
+        # Unexpanded reads (each pull's tokens suffice); stacking writes whole-block pulls out once, for all ranks.
+        stacked = stack_programs(reader.ranks(expand=False))
+    header, tables = stacked.header, stacked.tables
     profile = profile or header.profile
-    programs = reader.ranks(expand=False)
     if compiled_tiles is not None and compiled_tiles.profile == profile:
-        return header, tables, programs, profile, compiled_tiles
+        return header, tables, stacked, profile, compiled_tiles
     sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, windows=tables.seq_window),
                         block_size=header.block_size, zigzag=header.zigzag, seg_block=tables.seg_block,
                         seg_seq=tables.seg_seq, seg_start=tables.seg_start, seg_end=tables.seg_end)
-    return header, tables, programs, profile, _tile_costs(header, sharding, programs, profile)
+    return header, tables, stacked, profile, _tile_costs(header, sharding, stacked, profile)
 
 
-def _stack_tiles(programs, tiles, record: bool) -> tuple:
+def _stack_tiles(stacked: StackedRanks, tiles, record: bool) -> tuple:
     """Every rank's tiles stacked: (index in `tiles`, rank, forward stage, backward stage, whether it runs during
     the input reshuffle, and trace names when recording)."""
+    a = stacked.arrays
     keys = tiles.tile_q_block * tiles.sharding.num_blocks + tiles.tile_kv_block
-    tile_q, tile_rank = stack_ranks(programs, "tile_q_block")
-    tile_kv, _ = stack_ranks(programs, "tile_kv_block")
+    tile_q, tile_kv, tile_rank = a["tile_q_block"], a["tile_kv_block"], stacked.rank_of("tile_q_block")
     tile_idx = np.searchsorted(keys, tile_q * tiles.sharding.num_blocks + tile_kv)
-    early = np.concatenate([tiles_during_reshuffle(program) for program in programs])
+    early = stacked_tiles_during_reshuffle(stacked)
     names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
-    return (tile_idx, tile_rank, stack_ranks(programs, "tile_stage")[0], stack_ranks(programs, "tile_bwd_stage")[0],
-            early, names)
+    return tile_idx, tile_rank, a["tile_stage"], a["tile_bwd_stage"], early, names
 
 
-def _tile_costs(header, sharding: Sharding, programs, profile: HardwareProfile):
+def _tile_costs(header, sharding: Sharding, stacked: StackedRanks, profile: HardwareProfile):
     """The plan's tiles costed on `profile`: in closed form for a ring where the compiler costs it so, else pair
     by pair."""
     if header.planner == "ring" and ring_in_closed_form(sharding):
-        held, held_rank = stack_ranks(programs, "blocks")
+        held, held_rank = stacked.arrays["blocks"], stacked.rank_of("blocks")
         block_rank = np.empty(header.num_blocks, dtype=np.int64)
         block_rank[held] = held_rank
         return ring_cost(sharding, block_rank, header.num_ranks, header.shape, profile)
@@ -539,12 +547,12 @@ def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None) -> f
     return float(forward.max()) + float(backward.max())
 
 
-def _layer_tokens(header, tables, programs) -> np.ndarray:
+def _layer_tokens(header, tables, stacked: StackedRanks) -> np.ndarray:
     """Tokens each rank's linear layers see: the user layout's even chunks, or the plan layout's blocks."""
     n = header.num_ranks
     if header.layout is Layout.USER:
         return np.diff((np.arange(n + 1) * header.total_tokens) // n).astype(np.float64)
-    held, held_rank = stack_ranks(programs, "blocks")
+    held, held_rank = stacked.arrays["blocks"], stacked.rank_of("blocks")
     block_tokens = np.bincount(tables.seg_block, weights=tables.seg_end - tables.seg_start,
                                minlength=header.num_blocks)
     return np.bincount(held_rank, weights=block_tokens[held], minlength=n)

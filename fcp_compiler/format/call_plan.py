@@ -68,7 +68,7 @@ def step_table(stacked: StackedRanks, layout: str | None = None) -> RequestTable
     layout = header.layout.value if layout is None else layout
     num_fwd, num_bwd = header.num_fwd_stages, header.num_bwd_stages
     tile_rank = stacked.rank_of("tile_stage")
-    early = _stacked_tiles_during_reshuffle(stacked) if layout == Layout.USER.value else \
+    early = stacked_tiles_during_reshuffle(stacked) if layout == Layout.USER.value else \
         np.zeros(tile_rank.size, dtype=bool)
     has_early = (np.bincount(tile_rank[early], minlength=stacked.num_ranks) > 0).astype(np.int64)
     per_rank = has_early + num_fwd + num_bwd
@@ -108,10 +108,10 @@ def tiles_during_reshuffle(program: RankProgram) -> np.ndarray:
     False in the plan layout, which has no reshuffle."""
     if program.header.layout is Layout.PLAN:
         return np.zeros(program.arrays["tile_stage"].size, dtype=bool)
-    return _stacked_tiles_during_reshuffle(stack_programs([program]))
+    return stacked_tiles_during_reshuffle(stack_programs([program]))
 
 
-def _stacked_tiles_during_reshuffle(stacked: StackedRanks) -> np.ndarray:
+def stacked_tiles_during_reshuffle(stacked: StackedRanks) -> np.ndarray:
     """:func:`tiles_during_reshuffle` of every stacked rank at once."""
     a, tables = stacked.arrays, stacked.tables
     num_blocks = stacked.header.num_blocks

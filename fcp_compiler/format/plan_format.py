@@ -468,18 +468,6 @@ def stacked_pull_tokens(programs: list[RankProgram], tables: GlobalTables) -> np
     return np.where(counts == 0, block_tokens[blocks], listed)
 
 
-def with_header_fields(data: bytes, **changes: object) -> bytes:
-    """The plan `data` (just encoded, by this process) with some header fields replaced; every section, and so each
-    section's digest, stays as it is."""
-    reader = PlanReader(data, encoded_here=True)
-    fields = reader.header.model_dump()
-    fields.update(changes)
-    header = PlanHeader(**fields)
-    header_bytes = msgpack.packb(header.model_dump(mode="json"), use_bin_type=True)
-    return b"".join([MAGIC, struct.pack("<I", len(header_bytes)), hashlib.sha256(header_bytes).digest(), header_bytes,
-                     memoryview(data)[reader.body_offset:]])
-
-
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:
     """Read just one rank's program from a plan file or bytes."""
     return PlanReader(source).rank(rank)
