@@ -127,19 +127,20 @@ def test_the_layer_figures_need_no_attention_alone_pass(layout):
 @pytest.mark.parametrize("mask, layout", [("causal", "plan"), ("causal", "user"), ("sliding_window:200", "plan"),
                                           ("mixed", "user")])
 def test_a_plan_held_unencoded_simulates_as_its_file(mask, layout):
-    """The floor simulates its candidates from their IR, stacked as the encoder lays them out (HeldPlan): every
-    figure, the reshuffles and the data movement included, must be the file's."""
+    """The floor simulates its candidates from their IR, stacked as the encoder lays them out (HeldPlan), and a
+    CompiledPlan is simulated so too: every figure, the reshuffles and the data movement included, and the trace
+    must be the file's."""
     lengths = [3000, 700, 90, 1500, 260, 1200, 5000, 64, 2100]
     if mask == "mixed":
         plan = compile_valid(BatchSpec.model_validate({**MIXED_MASKS, "sequences": lengths[:6]}), 4, block_size=256,
                              coalesce=2, layout=layout)
     else:
         plan = compile_valid(lengths, 4, block_size=256, coalesce=2, mask=mask, layout=layout)
-    held = HeldPlan(stacked=stack_plan(plan.ir, {name: getattr(plan.header, name) for name in type(plan.header).model_fields}), tiles=plan.ir.tiles)
+    held = HeldPlan(stacked=stack_plan(plan.ir, plan.header), tiles=plan.ir.tiles)
     from_file = simulate_plan(plan.to_bytes(), record=True)
-    from_ir = simulate_plan(held, record=True)
-    assert from_ir.figures() == from_file.figures()
-    assert from_ir.chrome_trace() == from_file.chrome_trace()
+    for from_ir in (simulate_plan(held, record=True), simulate_plan(plan, record=True)):  # a CompiledPlan: its IR
+        assert from_ir.figures() == from_file.figures()
+        assert from_ir.chrome_trace() == from_file.chrome_trace()
 
 
 def test_communication_takes_its_sm_share_from_compute():

@@ -13,17 +13,18 @@ from fcp_compiler.format.plan_format import GlobalTables, PlanHeader
 from fcp_compiler.format.stacked import StackedRanks, stack_columns
 
 
-def stack_plan(final: Reshuffle, header_fields: dict) -> StackedRanks:
+def stack_plan(final: Reshuffle, header: PlanHeader | dict) -> StackedRanks:
     """Every rank of the plan stacked from the encoder's columns, as a reader of its file would stack them (no
     section is encoded or decoded).
 
     Args:
         final: the plan's last IR object.
-        header_fields: its header fields (compile_plan's, before the sections are laid out).
+        header: its header, or its header fields (compile_plan's, before the sections are laid out).
     Returns:
         the StackedRanks.
     """
-    header = PlanHeader.model_construct(**header_fields)  # the fields compile_plan has just made, not a file's
+    if not isinstance(header, PlanHeader):
+        header = PlanHeader.model_construct(**header)  # the fields compile_plan has just made, not a file's
     tables = GlobalTables(**{name: np.asarray(values, dtype=np.int64)
                              for name, values in global_columns(final).items()})
     return stack_columns(header, tables, rank_columns(final))

@@ -18,6 +18,7 @@ import numpy as np
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
 from fcp_compiler.core.ir import Batch, Sharding, TileSet
+from fcp_compiler.core.plan_memory import stack_plan
 from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
@@ -461,14 +462,14 @@ class HeldPlan:
 
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     """(header, tables, stacked ranks, profile, tiles): the plan's ranks stacked, and its tiles costed on `profile`
-    (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile)."""
+    (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile). A CompiledPlan
+    is read from its IR, as the encoder lays it out, not decoded from its bytes (a 4096-rank plan is 100 MB)."""
     if isinstance(source, HeldPlan):
         stacked, compiled_tiles = source.stacked, source.tiles
+    elif hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: its IR and tile costs, not its bytes
+        stacked, compiled_tiles = stack_plan(source.ir, source.header), source.ir.tiles
     else:
         compiled_tiles = None
-        if hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: reuse its tile costs
-            compiled_tiles = source.ir.tiles
-            source = PlanReader(source.to_bytes(), encoded_here=True)  # the compiler's own bytes, checked as written
         reader = source if isinstance(source, PlanReader) else PlanReader(source)
         # Unexpanded reads (each pull's tokens suffice); stacking writes whole-block pulls out once, for all ranks.
         stacked = stack_programs(reader.ranks(expand=False))
