@@ -175,15 +175,22 @@ def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     partners = _swap_partners(on_top, top, bin_of, loads)
     if partners.size == 0:
         return None
-    partner_bins = bin_of[partners][None, :]
+    partner_bins = bin_of[partners]
+    partner_weights, partner_sizes = weights[partners][None, :], sizes[partners][None, :]
+    partner_loads = loads[partner_bins][None, :]
+    # The size checks as one comparison each: x's size against the room y's bin has once y leaves it, and y's size
+    # against the room the top bin has once x leaves it (integers: the same test as summing, without the sums).
+    partner_room = (capacity - used[partner_bins] + sizes[partners])[None, :]
     best = None
     for start, stop in _row_chunks(on_top.size, partners.size):
         rows = on_top[start:stop]
-        delta = weights[rows][:, None] - weights[partners][None, :]
-        swap_ok = delta > 0
-        swap_ok &= used[top] - sizes[rows][:, None] + sizes[partners][None, :] <= capacity
-        swap_ok &= used[partner_bins] - sizes[partners][None, :] + sizes[rows][:, None] <= capacity
-        score = np.where(swap_ok, np.maximum(loads[top] - delta, loads[partner_bins] + delta), np.inf)
+        row_weights, row_sizes = weights[rows][:, None], sizes[rows][:, None]
+        swap_ok = row_weights > partner_weights  # delta > 0
+        swap_ok &= partner_sizes <= capacity - used[top] + row_sizes
+        swap_ok &= row_sizes <= partner_room
+        delta = row_weights - partner_weights
+        score = np.maximum(loads[top] - delta, partner_loads + delta)
+        score[~swap_ok] = np.inf
         flat = int(np.argmin(score))
         if np.isfinite(score.flat[flat]) and (best is None or score.flat[flat] < best[0]):
             best = (float(score.flat[flat]), int(rows[flat // partners.size]), int(partners[flat % partners.size]))
