@@ -86,7 +86,8 @@ class Score:
     layer_makespan_bwd_s: float
     max_buffer_tokens: int
     relays: bool = True  # False: relays would have held blocks past the budget the schedule met, so none were made
-    busy_lower_bound_s: float = 0.0  # its placement's busiest rank's layer work (no schedule is faster)
+    # Its placement's busiest rank's layer work (no schedule is faster); None for the only candidate (not bounded).
+    busy_lower_bound_s: float | None = 0.0
     seconds: float = 0.0  # what placing (where it was the first candidate of its placement) and scheduling it took
 
     @property

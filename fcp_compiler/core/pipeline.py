@@ -538,11 +538,14 @@ class _FloorRun:
         # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
         # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
         fastest = self.best[0].layer_seconds if self.best is not None else math.inf
-        bound = timer.run("floor", busy_lower_bound, assignment, options.layout, options.model)
+        # The only candidate the floor's work allows is compared with nothing, so it is not bounded (it costs a
+        # pass over every segment pair: seconds at small blocks).
+        bound = None if self.alone else timer.run("floor", busy_lower_bound, assignment, options.layout,
+                                                   options.model)
         self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
                 and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike
-        if bound >= fastest or same:  # cannot win, or schedules exactly as an earlier placement does
+        if (bound is not None and bound >= fastest) or same:  # cannot win, or schedules exactly as an earlier placement does
             self.pruned[placement] = (bound, same[0] if same else None, None)
             return False
         self.placed_by[placement] = assignment
