@@ -545,7 +545,8 @@ class _FloorRun:
         self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
                 and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike
-        if (bound is not None and bound >= fastest) or same:  # cannot win, or schedules exactly as an earlier placement does
+        # Cannot win, or schedules exactly as an earlier placement does.
+        if (bound is not None and bound >= fastest) or same:
             self.pruned[placement] = (bound, same[0] if same else None, None)
             return False
         self.placed_by[placement] = assignment
