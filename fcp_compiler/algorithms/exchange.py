@@ -7,48 +7,52 @@ import numpy as np
 
 class _Slots:
     """Which rounds each end's send and receive slots are taken in: per end, the mask of rounds whose slots are all
-    taken (a Python int), and one mask per slot but the last (a round's last slot taken is a full round)."""
+    taken (a Python int), and, for an end of several slots, how many are taken in each round not yet full (a dict
+    per end: taking a slot is one count, not a scan of one big-int mask a slot)."""
 
     def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
                  fixed_dst: np.ndarray):
         slots = np.ones(num_ends, dtype=np.int64) if capacity is None else capacity
-        self.send, self.send_full = self._masks(fixed_src, fixed_round, slots)
-        self.recv, self.recv_full = self._masks(fixed_dst, fixed_round, slots)
+        self.capacity = slots.tolist()
+        self.send_full, self.send = self._masks(fixed_src, fixed_round, slots)
+        self.recv_full, self.recv = self._masks(fixed_dst, fixed_round, slots)
 
     @staticmethod
-    def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> tuple[list[list[int]], list[int]]:
-        """Per end, one bit mask a slot: slot j has the rounds in which more than j messages use the end (fixed
-        messages beyond an end's slots, the arbitrary rounds of an ablation, only fill it); the last slot's is
-        the end's full rounds, returned apart."""
+    def _masks(ends: np.ndarray, rounds: np.ndarray, slots: np.ndarray) -> tuple[list[int], list[dict[int, int]]]:
+        """Per end, the bit mask of its full rounds (those with at least its slots of messages: fixed messages
+        beyond an end's slots, the arbitrary rounds of an ablation, only fill it), and the message count of each
+        round it uses but does not fill (empty for a one-slot end)."""
         width = int(rounds.max(initial=-1)) + 1
-        counts = np.bincount(ends * width + rounds, minlength=slots.size * width).reshape(slots.size, width) \
-            if width else np.zeros((slots.size, 0), dtype=np.int64)
-        out: list[list[int]] = [[] for _ in range(slots.size)]
-        for slot in range(int(slots.max(initial=0))):
-            packed = np.packbits(counts > slot, axis=1, bitorder="little")
-            for end in np.flatnonzero(slots > slot).tolist():
-                out[end].append(int.from_bytes(packed[end].tobytes(), "little"))
-        return [masks[:-1] for masks in out], [masks[-1] if masks else 0 for masks in out]
+        num_ends = slots.size
+        counts = np.bincount(ends * width + rounds, minlength=num_ends * width).reshape(num_ends, width) \
+            if width else np.zeros((num_ends, 0), dtype=np.int64)
+        packed = np.packbits(counts >= slots[:, None], axis=1, bitorder="little")
+        data, row_bytes = packed.tobytes(), packed.shape[1]
+        full = [int.from_bytes(data[end * row_bytes:(end + 1) * row_bytes], "little") for end in range(num_ends)]
+        partial: list[dict[int, int]] = [{} for _ in range(num_ends)]
+        end_idx, round_idx = np.nonzero((counts > 0) & (counts < slots[:, None]))
+        for end, rnd, count in zip(end_idx.tolist(), round_idx.tolist(), counts[end_idx, round_idx].tolist()):
+            partial[end][rnd] = count
+        return full, partial
 
     def place(self, a: int, b: int, ready: int) -> int:
         """Take a's first free send slot and b's first free receive slot in the earliest round >= ready in which
         both have one; return that round. (Called once a message, hundreds of thousands of times a plan.)"""
         taken = (self.send_full[a] | self.recv_full[b]) >> ready
         rnd = ready + (taken ^ (taken + 1)).bit_length() - 1  # lowest clear bit at or after `ready`
-        bit = 1 << rnd
-        _take(self.send[a], self.send_full, a, bit)
-        _take(self.recv[b], self.recv_full, b, bit)
+        _take(self.send[a], self.send_full, self.capacity[a], a, rnd)
+        _take(self.recv[b], self.recv_full, self.capacity[b], b, rnd)
         return rnd
 
 
-def _take(masks: list[int], full: list[int], end: int, bit: int) -> None:
-    """Take `end`'s first free slot in the round of `bit`: slots fill in order, so a round's slot j is taken only
-    if slot j - 1 is, and taking the last (the only one of a one-slot end) marks the round full."""
-    for slot, mask in enumerate(masks):
-        if not mask & bit:
-            masks[slot] = mask | bit
-            return
-    full[end] |= bit
+def _take(counts: dict[int, int], full: list[int], capacity: int, end: int, rnd: int) -> None:
+    """Take one of `end`'s slots in round `rnd` (not full): the last one taken marks the round full."""
+    taken = counts.get(rnd, 0) + 1
+    if taken < capacity:
+        counts[rnd] = taken
+    else:
+        counts.pop(rnd, None)
+        full[end] |= 1 << rnd
 
 
 def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, num_ranks: int,
@@ -59,9 +63,9 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
 
     An end has capacity[end] slots a round (default 1: every round stays a matching of senders to receivers over
     all messages). Greedy list scheduling in order of ready round (ties by index): not optimal in rounds, but a
-    message waits only for rounds whose endpoints are full. Free rounds are found with bit masks (Python ints), one
-    per end and slot, so each message costs O(capacity) big-int operations: O((F + M) * K * R / 64) for F fixed
-    and M new messages over R rounds with K slots an end.
+    message waits only for rounds whose endpoints are full. Free rounds are found with bit masks of full rounds
+    (Python ints), one per end, and an end of several slots counts its messages per round, so each message costs
+    O(R / 64) big-int operations: O((F + M) * R / 64) for F fixed and M new messages over R rounds.
 
     Args:
         ready_round, src, dst: int [M], the new messages.
@@ -72,22 +76,22 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
         int64 [M], the round of each new message.
     """
     slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
-    send, recv, send_full, recv_full = slots.send, slots.recv, slots.send_full, slots.recv_full
+    send, recv, send_full, recv_full, slots_of = slots.send, slots.recv, slots.send_full, slots.recv_full, \
+        slots.capacity
     order = np.argsort(ready_round, kind="stable")
     rounds = []
     # _Slots.place written out: this loop runs once a message, millions of times over a floor's candidates.
     for a, b, ready in zip(src[order].tolist(), dst[order].tolist(), ready_round[order].tolist()):
         taken = (send_full[a] | recv_full[b]) >> ready
         rnd = ready + (taken ^ (taken + 1)).bit_length() - 1
-        bit = 1 << rnd
-        if send[a]:
-            _take(send[a], send_full, a, bit)
-        else:  # a one-slot end: its only slot taken, the round is full
-            send_full[a] |= bit
-        if recv[b]:
-            _take(recv[b], recv_full, b, bit)
+        if slots_of[a] == 1:  # a one-slot end: its only slot taken, the round is full
+            send_full[a] |= 1 << rnd
         else:
-            recv_full[b] |= bit
+            _take(send[a], send_full, slots_of[a], a, rnd)
+        if slots_of[b] == 1:
+            recv_full[b] |= 1 << rnd
+        else:
+            _take(recv[b], recv_full, slots_of[b], b, rnd)
         rounds.append(rnd)
     placed = np.empty(ready_round.size, dtype=np.int64)
     placed[order] = rounds

@@ -7,6 +7,7 @@ rounds (and, where the class changes, its receiver has one too), and no tile mov
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,7 @@ class _StageLoads:
 
     def __init__(self, edges: RelayEdges, src: np.ndarray, idx: np.ndarray, links: RelayLinks, num_ranks: int):
         self.links = links
+        self.node = links.node.tolist()
         senders, receivers = src[idx], edges.dst[idx]
         link = self.link(senders, receivers)
         seconds = self.seconds(senders, receivers, edges.nbytes[idx])
@@ -120,16 +122,16 @@ class _Busy:
         self.rounds = rounds
         self.slots = np.array([links.nvlink_lanes, 1])
 
-    def free(self, edge: int, holders: np.ndarray, receiver: int, old_cls: int) -> np.ndarray:
-        """Per holder, whether it may send `edge` in its rounds (and its receiver receive it, if the class
-        changes)."""
-        cls = (self.links.node[holders] != self.links.node[receiver]).astype(np.int64)
-        ok = np.ones(holders.size, dtype=bool)
+    def free(self, rounds: list[int], holder: int, receiver: int, cls: int, old_cls: int) -> bool:
+        """Whether `holder` may send a pull to `receiver` in class `cls` (1: the NIC) in the pull's rounds, `rounds`
+        (one a pass), and, where the class changes from `old_cls`, its receiver receive it."""
+        slots = int(self.slots[cls])
         for p in (0, 1):
-            rnd = int(self.rounds[p][edge])
-            ok &= self.send[p][holders * 2 + cls, rnd] < self.slots[cls]
-            ok &= (cls == old_cls) | (self.recv[p][receiver * 2 + cls, rnd] < self.slots[cls])
-        return ok
+            if self.send[p][holder * 2 + cls, rounds[p]] >= slots:
+                return False
+            if cls != old_cls and self.recv[p][receiver * 2 + cls, rounds[p]] >= slots:
+                return False
+        return True
 
     def move(self, edge: int, old: int, new: int, receiver: int) -> None:
         node = self.links.node
@@ -264,30 +266,41 @@ def _relay_stage(edges: RelayEdges, links: RelayLinks, idx: np.ndarray, src: np.
 def _move_one(edges: RelayEdges, loads: _StageLoads, edge: int, top: int, top_time: float, src: np.ndarray,
               parent: np.ndarray, busy: _Busy, by_block: np.ndarray, block_start: np.ndarray,
               max_gap: int) -> bool:
-    """Re-source `edge` (sent by `top`) from its best holder if that lowers the busiest of the link ends involved."""
+    """Re-source `edge` (sent by `top`) from its best holder if that lowers the busiest of the link ends involved:
+    the holder, free in the pull's rounds, that leaves the largest of (old sender, holder, receiver) link times
+    lowest, the first of equals. (Plain Python over the few candidates: a pull has a handful, and this runs once a
+    pull tried.)"""
     candidates = _candidates(edges, parent, by_block, block_start, edge, max_gap)
-    receiver, nbytes = int(edges.dst[edge]), float(edges.nbytes[edge])
-    holders = edges.dst[candidates]
-    free = busy.free(edge, holders, receiver, int(loads.link(np.int64(top), np.int64(receiver))) ^ 1)
-    candidates, holders = candidates[free], holders[free]
     if candidates.size == 0:
         return False
-    seconds = loads.seconds(holders, np.int64(receiver), nbytes)
-    link = loads.link(holders, np.int64(receiver))
-    holder_send = loads.send[holders].copy()
-    holder_send[np.arange(holders.size), link] += seconds
-    old_link = int(loads.link(np.int64(top), np.int64(receiver)))
-    old_seconds = float(loads.seconds(np.int64(top), np.int64(receiver), nbytes))
-    recv = np.repeat(loads.recv[receiver][None, :], holders.size, axis=0)
-    recv[:, old_link] -= old_seconds
-    recv[np.arange(holders.size), link] += seconds
-    top_after = loads.send[top].copy()
+    receiver, nbytes = int(edges.dst[edge]), float(edges.nbytes[edge])
+    links, node = loads.links, loads.node
+    bandwidth = (links.nic_bytes_per_s, links.nvlink_bytes_per_s)  # by link: 1 inside a node
+    old_link = int(node[top] == node[receiver])
+    old_seconds = nbytes / bandwidth[old_link]
+    top_after = loads.send[top].tolist()
     top_after[old_link] -= old_seconds
-    worst = np.maximum(np.maximum(holder_send.max(axis=1), recv.max(axis=1)), top_after.max())
-    best = int(np.argmin(worst))
-    if worst[best] >= top_time * (1.0 - 1e-9):
+    top_worst = max(top_after)
+    receiver_times = loads.recv[receiver].tolist()
+    receiver_times[old_link] -= old_seconds
+    rounds = [int(busy.rounds[p][edge]) for p in (0, 1)]
+    best, best_worst = -1, math.inf
+    for index, holder in enumerate(edges.dst[candidates].tolist()):
+        link = int(node[holder] == node[receiver])
+        if not busy.free(rounds, holder, receiver, 1 - link, 1 - old_link):
+            continue
+        seconds = nbytes / bandwidth[link]
+        holder_send = loads.send[holder].tolist()
+        holder_send[link] += seconds
+        after = receiver_times.copy()
+        after[link] += seconds
+        worst = max(max(max(holder_send), max(after)), top_worst)
+        if worst < best_worst:
+            best, best_worst = index, worst
+    if best < 0 or best_worst >= top_time * (1.0 - 1e-9):
         return False
-    chosen, holder = int(candidates[best]), int(holders[best])
+    chosen = int(candidates[best])
+    holder = int(edges.dst[chosen])
     loads.add(top, receiver, nbytes, -1.0)
     loads.add(holder, receiver, nbytes, 1.0)
     busy.move(edge, top, holder, receiver)
