@@ -119,3 +119,61 @@ def test_stage_counts_are_bounded_by_the_rank_sections_bytes_and_a_reader_stays_
     assert peak < 100 * len(data), f"{peak} bytes traced for a {len(data)}-byte plan"
     with pytest.raises(PlanFormatError):
         validate_plan(data)  # the header's counts are not the ones the plan has
+
+
+def _structure_error(check) -> str | None:
+    try:
+        check()
+    except PlanFormatError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_all_ranks_checked_at_once_refuse_as_rank_by_rank(layout):
+    """PlanReader.ranks checks every rank's arrays in one pass (check_ranks_arrays): over random edits of random
+    arrays (values off by a few, out of range, rows added or dropped), it must refuse exactly what the rank-by-rank
+    checks refuse, with the first bad rank's message, and pass what they pass."""
+    from fcp_compiler.format.plan_format import RANK_ARRAYS
+    from fcp_compiler.format.plan_structure import check_rank_arrays, check_ranks_arrays
+
+    reader = PlanReader(compile_plan(LENGTHS, 4, block_size=256, layout=layout).to_bytes())
+    tables = reader.tables
+    header, sizes = reader.header, (tables.seg_block.size, reader._block_tokens, reader._block_num_segments)
+    rng = np.random.default_rng(7)
+    outcomes = {"refused": 0, "passed": 0}
+    for _ in range(300):
+        ranks = [reader._decode_rank(rank) for rank in range(reader.header.num_ranks)]
+        for _ in range(int(rng.integers(1, 3))):
+            rank, name = int(rng.integers(len(ranks))), RANK_ARRAYS[int(rng.integers(len(RANK_ARRAYS)))]
+            values, edit = ranks[rank][name].copy(), int(rng.integers(4))
+            if edit == 0 and values.size:
+                values[rng.integers(values.size)] += int(rng.integers(-3, 4))
+            elif edit == 1 and values.size:
+                values[rng.integers(values.size)] = int(rng.integers(-2, 400))
+            elif edit == 2:
+                values = np.append(values, int(rng.integers(0, 10)))
+            elif values.size:
+                values = values[:-1]
+            ranks[rank][name] = values
+
+        def one_by_one():
+            for rank, arrays in enumerate(ranks):
+                check_rank_arrays(f"rank {rank}", header, arrays, *sizes, rank)
+
+        expected = _structure_error(one_by_one)
+        assert _structure_error(lambda: check_ranks_arrays(lambda rank: f"rank {rank}", header, ranks,
+                                                           *sizes)) == expected
+        outcomes["passed" if expected is None else "refused"] += 1
+    assert min(outcomes.values()) > 50  # both outcomes were exercised
+
+
+def test_a_plan_from_elsewhere_passes_the_all_ranks_check_without_falling_back():
+    """A valid plan passes the all-ranks check itself (not only after the rank-by-rank fallback, which would cost
+    what the check is there to save)."""
+    from fcp_compiler.format.plan_structure import _Joined, _ranks_pass
+
+    reader = PlanReader(compile_plan(LENGTHS, 4, block_size=256).to_bytes())
+    ranks = [reader._decode_rank(rank) for rank in range(reader.header.num_ranks)]
+    assert _ranks_pass(reader.header, _Joined(ranks), reader.tables.seg_block.size, reader._block_tokens,
+                       reader._block_num_segments)

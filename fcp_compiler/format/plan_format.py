@@ -30,7 +30,7 @@ from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 from fcp_compiler.format.models import MODEL_PRESETS, NO_MODEL
-from fcp_compiler.format.plan_structure import check_rank_arrays, check_tables
+from fcp_compiler.format.plan_structure import check_rank_arrays, check_ranks_arrays, check_tables
 from fcp_compiler.format.safe_io import open_regular_file
 
 
@@ -397,20 +397,40 @@ class PlanReader:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.header.num_ranks:
             raise PlanFormatError(f"rank {rank!r} is out of range for a plan of {self.header.num_ranks} ranks "
                                   f"(0..{self.header.num_ranks - 1})")
-        what = f"{self.origin} rank {rank} section"
-        arrays = _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
-                                               f"rank {rank}'s section"), RANK_ARRAYS, what)
-        tables = self.tables
+        arrays = self._decode_rank(rank)
         if not self._encoded_here:
-            check_rank_arrays(what, self.header, arrays, tables.seg_block.size, self._block_tokens,
+            tables = self.tables
+            check_rank_arrays(self._rank_what(rank), self.header, arrays, tables.seg_block.size, self._block_tokens,
                               self._block_num_segments, rank)
+        return self._program(rank, arrays, expand)
+
+    def ranks(self, expand: bool = True) -> list[RankProgram]:
+        """Every rank's program (see :meth:`rank` for `expand`), structurally checked in one pass over all ranks
+        (:func:`check_ranks_arrays`: the same checks, and the same message for the first bad rank).
+
+        Raises:
+            PlanFormatError: a corrupt section, or an index out of range.
+        """
+        decoded = [self._decode_rank(rank) for rank in range(self.header.num_ranks)]
+        if not self._encoded_here:
+            tables = self.tables
+            check_ranks_arrays(self._rank_what, self.header, decoded, tables.seg_block.size, self._block_tokens,
+                               self._block_num_segments)
+        return [self._program(rank, arrays, expand) for rank, arrays in enumerate(decoded)]
+
+    def _rank_what(self, rank: int) -> str:
+        return f"{self.origin} rank {rank} section"
+
+    def _decode_rank(self, rank: int) -> dict[str, np.ndarray]:
+        """One rank's arrays, its section checked against its sha256 and decoded (no structural check)."""
+        return _decode_section(self._section(self.header.rank_sections[rank], self.header.rank_sha256[rank],
+                                             f"rank {rank}'s section"), RANK_ARRAYS, self._rank_what(rank))
+
+    def _program(self, rank: int, arrays: dict[str, np.ndarray], expand: bool) -> RankProgram:
+        tables = self.tables
         for side in ("send", "recv") if expand else ():
             expand_whole_blocks(arrays, side, self._block_seg_offsets, self._block_num_segments)
         return RankProgram(rank=rank, header=self.header, tables=tables, arrays=arrays)
-
-    def ranks(self, expand: bool = True) -> list[RankProgram]:
-        """Every rank's program (see :meth:`rank` for `expand`)."""
-        return [self.rank(rank, expand) for rank in range(self.header.num_ranks)]
 
 
 def expand_whole_blocks(arrays: dict[str, np.ndarray], side: str, block_seg_offsets: np.ndarray,

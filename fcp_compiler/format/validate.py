@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
-from fcp_compiler.algorithms.keys import sorted_unique, sorted_unique_counts
+from fcp_compiler.algorithms.keys import lexsort_ints, sorted_unique, sorted_unique_counts
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
@@ -226,7 +226,7 @@ def _check_segments_tile_sequences(plan: _Plan) -> None:
         _fail(0, f"segment {bad} is empty or names no sequence")
     if (np.diff(seg_block) < 0).any() or seg_block[0] != 0:
         _fail(0, "segments are not sorted by block")
-    by_seq = np.lexsort((seg_start, seg_seq))
+    by_seq = lexsort_ints((seg_start, seg_seq))
     s_seq, s_start, s_end = seg_seq[by_seq], seg_start[by_seq], seg_end[by_seq]
     first = np.ones(seg_block.size, dtype=bool)
     first[1:] = s_seq[1:] != s_seq[:-1]
@@ -336,11 +336,11 @@ class _Pulls:
     @property
     def send_order(self) -> np.ndarray:
         """Sent rows in (sender, receiver, kind, block) order; recv_order lists the received rows the same way."""
-        return np.lexsort((self.send_block, self.send_kind, self.send_peer, self.send_me))
+        return lexsort_ints((self.send_block, self.send_kind, self.send_peer, self.send_me))
 
     @property
     def recv_order(self) -> np.ndarray:
-        return np.lexsort((self.block, self.kind, self.me, self.peer))
+        return lexsort_ints((self.block, self.kind, self.me, self.peer))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -422,8 +422,8 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
     if pulls.me.size != num_pulls:
         _fail(2, f"{num_pulls} pulls are sent but {pulls.me.size} are received")
     fwd_send_round, fwd_recv_round = plan.stacked("pull_send_round")[0], plan.stacked("pull_recv_round")[0]
-    s_key = np.lexsort((pulls.send_block, pulls.send_kind, pulls.send_peer, pulls.send_me, fwd_send_round))
-    r_key = np.lexsort((pulls.block, pulls.kind, pulls.me, pulls.peer, fwd_recv_round))
+    s_key = lexsort_ints((pulls.send_block, pulls.send_kind, pulls.send_peer, pulls.send_me, fwd_send_round))
+    r_key = lexsort_ints((pulls.block, pulls.kind, pulls.me, pulls.peer, fwd_recv_round))
     send_rows = np.stack([fwd_send_round, pulls.send_me, pulls.send_peer, pulls.send_kind, pulls.send_block,
                           pulls.send_count])[:, s_key]
     recv_rows = np.stack([fwd_recv_round, pulls.peer, pulls.me, pulls.kind, pulls.block, pulls.count])[:, r_key]
@@ -471,11 +471,13 @@ def _check_data_before_use(plan: _Plan, blocks: _Blocks, tiles: _Tiles, pulls: _
     """
     _check_pulls_agree(plan, blocks, pulls)
     facts = []
+    send_order, recv_order = pulls.send_order, pulls.recv_order  # sorts of millions of rows: once for both passes
+    reads = _check_tiles_pulled(plan, blocks, pulls, tiles)
     for program in _pass_programs(plan):
         # The sender and the receiver of each pull agree on its round in this pass.
-        if not np.array_equal(program.send_round[pulls.send_order], program.recv_round[pulls.recv_order]):
+        if not np.array_equal(program.send_round[send_order], program.recv_round[recv_order]):
             _fail(2, f"{program.label}: a pull's sender and receiver disagree on its round")
-        last_use = _check_tiles_after_data(plan, blocks, pulls, tiles, program)
+        last_use = _check_tiles_after_data(pulls, tiles, reads, program)
         push = _check_pushes(plan, pulls, program, last_use)
         facts.append(_PassFacts(program=program, last_use=last_use, push=push,
                                 relay_last=_check_relay_order(pulls, program, push)))
@@ -608,12 +610,24 @@ def _pass_peak_buffer(facts: _PassFacts, pulls: _Pulls, num_ranks: int) -> int:
     return int(peak.max(initial=0))
 
 
-def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Tiles,
-                            program: _PassProgram) -> np.ndarray:
-    """2. Every tile's remote Q and K,V arrive (with the segments it reads) in an earlier stage of the pass.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TileReads:
+    """Per kind of data a tile reads (Q, then K,V): its name, the tiles reading it remotely, and the received pull
+    row each of those reads (the same in both passes)."""
+
+    kind: int
+    what: str
+    block: np.ndarray  # per tile, the block it reads this kind of
+    remote: np.ndarray  # bool per tile
+    rows: np.ndarray  # per remote tile, its pull's row in the stacked pull_recv table
+
+
+def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Tiles) -> tuple[_TileReads, ...]:
+    """2. Every tile's remote Q and K,V is pulled by its rank, with the segments it reads (which pull a tile reads is
+    the same in both passes: found once).
 
     Returns:
-        per received pull row, the last stage a tile uses it.
+        per kind, the pull each remote tile reads.
     """
     num_blocks, num_ranks, num_segments = blocks.num_blocks, plan.num_ranks, plan.tables.seg_block.size
     owner, seg_block = blocks.owner, plan.tables.seg_block
@@ -621,14 +635,12 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
     pull_key = pulls.kind * num_blocks * num_ranks + pulls.block * num_ranks + pulls.me
     pull_order = np.argsort(pull_key, kind="stable")
     sorted_key = pull_key[pull_order]
-    last_use = np.full(num_pulls, -1, dtype=np.int64)
-    check_segments = program.label == "fwd"  # which segments a pull carries is the same in both passes
-    if check_segments:
-        tile_sorted = np.argsort(tiles.key, kind="stable")
-        pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
-        pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
-        carried = sorted_unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
+    tile_sorted = np.argsort(tiles.key, kind="stable")
+    pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
+    pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
+    carried = sorted_unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
                             + np.repeat(pulls.me, pulls.count)) if num_pulls else np.zeros(0, dtype=np.int64)
+    reads = []
     for kind, what, tile_block, needed_seg in ((TransferKind.Q, "Q", tiles.q, tiles.q_seg),
                                                (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
         remote = owner[tile_block] != tiles.rank
@@ -640,17 +652,6 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
             t = int(np.flatnonzero(missing)[0])
             _fail(2, f"rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv {int(tiles.kv[t])}) without "
                      f"pulling the {what} of block {int(tile_block[t])}")
-        rows = pull_order[pos[remote]]
-        arrival = program.recv_round[rows] // program.coalesce
-        late = arrival >= program.tile_stage[remote]
-        if late.any():
-            t = int(np.flatnonzero(remote)[np.argmax(late)])
-            _fail(2, f"{program.label}: rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv "
-                     f"{int(tiles.kv[t])}) in stage {int(program.tile_stage[t])}, but the {what} of block "
-                     f"{int(tile_block[t])} arrives in stage {int(arrival[np.argmax(late)])}")
-        np.maximum.at(last_use, rows, program.tile_stage[remote])
-        if not check_segments:
-            continue
         # Every segment a remote tile reads must be among those its pull carries.
         pair_rank = tiles.rank[pair_tile]
         pair_remote = owner[seg_block[needed_seg]] != pair_rank
@@ -660,6 +661,29 @@ def _check_tiles_after_data(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: 
             bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
             _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
                      f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
+        reads.append(_TileReads(kind=kind, what=what, block=tile_block, remote=remote, rows=pull_order[pos[remote]]))
+    return tuple(reads)
+
+
+def _check_tiles_after_data(pulls: _Pulls, tiles: _Tiles, reads: tuple[_TileReads, ...],
+                            program: _PassProgram) -> np.ndarray:
+    """2. Every tile's remote Q and K,V arrive in an earlier stage of the pass.
+
+    Returns:
+        per received pull row, the last stage a tile uses it.
+    """
+    num_pulls = pulls.kind.size
+    last_use = np.full(num_pulls, -1, dtype=np.int64)
+    for read in reads:
+        remote, rows = read.remote, read.rows
+        arrival = program.recv_round[rows] // program.coalesce
+        late = arrival >= program.tile_stage[remote]
+        if late.any():
+            t = int(np.flatnonzero(remote)[np.argmax(late)])
+            _fail(2, f"{program.label}: rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv "
+                     f"{int(tiles.kv[t])}) in stage {int(program.tile_stage[t])}, but the {read.what} of block "
+                     f"{int(read.block[t])} arrives in stage {int(arrival[np.argmax(late)])}")
+        np.maximum.at(last_use, rows, program.tile_stage[remote])
     # A pull no tile reads must be re-sent (a forwarder of node fan-out).
     forwarded = np.zeros(num_pulls, dtype=bool)
     forwarded[pulls.send_source[pulls.send_source >= 0]] = True
@@ -699,8 +723,8 @@ def _check_pushes(plan: _Plan, pulls: _Pulls, program: _PassProgram, last_use: n
     g_send = recv_pull + send_base[receiver]
     arrived = np.stack([pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send],
                         pulls.send_me[g_send], recv_round])
-    sent = sent[:, np.lexsort(sent[::-1])]
-    arrived = arrived[:, np.lexsort(arrived[::-1])]
+    sent = sent[:, lexsort_ints(sent[::-1])]
+    arrived = arrived[:, lexsort_ints(arrived[::-1])]
     if not np.array_equal(sent, arrived):
         _fail(2, f"{prefix}: a push leaves and arrives differently")
     # Each pull of these kinds returns exactly once, after the last tile that used it.
