@@ -61,8 +61,9 @@ def _placed_one_at_a_time(ready, src, dst, capacity, fixed_round, fixed_src, fix
 
 @given(st.integers(1, 6), st.integers(0, 80), st.integers(0, 200), st.sampled_from([1, 2, 3]), st.integers(0, 10_000))
 def test_placed_messages_take_the_plain_greedys_rounds(num_ends, num_fixed, num_new, most_slots, seed):
-    """place_messages finds free rounds with bit masks, one per end and slot: the rounds must be the plain greedy's,
-    with several slots an end, fixed messages beyond an end's slots, and messages that wait many rounds."""
+    """place_messages finds free rounds with a bit mask of full rounds an end and counts an end of several slots
+    takes a round: the rounds must be the plain greedy's, with several slots an end, fixed messages beyond an end's
+    slots, and messages that wait many rounds."""
     rng = np.random.default_rng(seed)
     capacity = rng.integers(1, most_slots + 1, size=num_ends)
     fixed_round = rng.integers(0, 12, size=num_fixed)

@@ -140,8 +140,20 @@ class _ReferenceBuffers:
         return True
 
 
-@given(st.integers(1, 4), st.integers(1, 60), st.integers(0, 2**16), st.booleans())
-def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget):
+@given(st.integers(1, 4), st.integers(1, 60), st.integers(0, 2**16), st.booleans(), st.sampled_from([0, 2, 10**6]))
+def test_the_scan_over_unmoved_tiles_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget, python_ranks):
+    """Whichever way the ranks fill a stage (numpy steps over all of them, one rank at a time in Python, or numpy
+    steps until PYTHON_RANKS are left), the stages are the plain greedy's."""
+    from fcp_compiler.algorithms import leveling
+
+    default, leveling.PYTHON_RANKS = leveling.PYTHON_RANKS, python_ranks
+    try:
+        _scan_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget)
+    finally:
+        leveling.PYTHON_RANKS = default
+
+
+def _scan_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget):
     from fcp_compiler.algorithms.leveling import BufferLimit
 
     rng = np.random.default_rng(seed)

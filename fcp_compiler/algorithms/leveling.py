@@ -18,6 +18,9 @@ def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_st
 
 
 MAX_SKIPS = 8  # per rank and target stage, candidates passed over (too long for the gap, or over the budget)
+# Ranks still scanning a target stage at or under which they finish it one at a time in Python (a numpy step over
+# all of them costs about as much as a dozen candidates one by one: at small blocks a stage has thousands of steps).
+PYTHON_RANKS = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +92,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
 
     Within a target stage the ranks fill independently (a rank's tiles read only buffers on that rank), so every
     rank takes its next candidate in one numpy step: the steps a stage takes are the longest rank's scan, not the
-    sum over ranks.
+    sum over ranks. Once PYTHON_RANKS or fewer are still scanning, each finishes alone in plain Python (at 8 ranks
+    and 64-token blocks a stage takes thousands of steps over one or two ranks).
 
     Objective: sum over stages of max over ranks of work (greedy, not optimal with indivisible tiles; never worse
     than the earliest placement), subject to the buffer budget. O(T log T + S * (T + N * K * S)) for T tiles, S
@@ -134,6 +138,10 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         ranks, position, gap = scan.start(ranks, target, gap[ranks])
         skips = np.zeros(ranks.size, dtype=np.int64)
         while ranks.size:
+            if ranks.size <= PYTHON_RANKS:  # a numpy step would cost more than these few ranks' candidates
+                for rank, at, room, skipped in zip(ranks.tolist(), position.tolist(), gap.tolist(), skips.tolist()):
+                    _fill_rank(scan, buffers, load, stage, order, target, rank, at, room, skipped)
+                break
             work = scan.work[position]
             fits = work <= gap
             if buffers is not None and fits.any():
@@ -147,6 +155,30 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             skips += ~fits
             ranks, position, gap, skips = scan.step(ranks, position, gap, skips)
     return stage
+
+
+def _fill_rank(scan: "_Scan", buffers: "_LiveBuffers | None", load: np.ndarray, stage: np.ndarray, order: np.ndarray,
+               target: int, rank: int, position: int, gap: float, skips: int) -> None:
+    """One rank's fill of `target` from scan position `position` on, as the numpy steps of :func:`level_stages` make
+    it (a rank's fill reads and writes only its own tiles, loads and buffers), one candidate at a time."""
+    work, first, low = scan.work, scan.first, int(scan.low[rank])
+    row = load[target]
+    while True:
+        tile_work = float(work[position])
+        fits = tile_work <= gap
+        if fits and buffers is not None:
+            fits = buffers.extend_one(position, rank, target)
+        if fits:
+            gap -= tile_work
+            load[first[position], rank] -= tile_work
+            row[rank] += tile_work
+            stage[order[position]] = target
+            scan.move_one(position)
+        else:
+            skips += 1
+        position = scan.unmoved_one(position - 1)
+        if position < low or skips >= MAX_SKIPS:
+            return
 
 
 class _Scan:
@@ -180,6 +212,22 @@ class _Scan:
     def move(self, positions: np.ndarray) -> None:
         """Mark the tiles at `positions` (distinct) moved: each now skips to where its predecessor does."""
         self.skip[positions] = np.where(positions > 0, self.skip[np.maximum(positions - 1, 0)], -1)
+
+    def move_one(self, position: int) -> None:
+        """:meth:`move` of one position."""
+        self.skip[position] = self.skip[position - 1] if position > 0 else -1
+
+    def unmoved_one(self, position: int) -> int:
+        """:meth:`_unmoved` of one position."""
+        found = position
+        while found >= 0:
+            to = int(self.skip[found])
+            if to == found:
+                break
+            found = to
+        if position >= 0:
+            self.skip[position] = found
+        return found
 
     def _unmoved(self, position: np.ndarray) -> np.ndarray:
         """The last unmoved position at or before each (-1 for none)."""
@@ -216,6 +264,22 @@ class _LiveBuffers:
         read = np.maximum(self.buffer, 0)
         self.hold = limit.buffer_hold[read].astype(np.int64)
         self.tokens = limit.buffer_tokens[read].astype(np.int64)  # token counts, whatever array they came in
+
+    def extend_one(self, position: int, rank: int, target: int) -> bool:
+        """:meth:`extend` of one scan position."""
+        buffer = int(self.buffer[position])
+        if buffer < 0 or self.last[buffer] >= target:
+            return True
+        hold = int(self.hold[position])
+        low, high = int(self.last[buffer]) + hold + 1, target + hold + 1
+        row = self.live[rank]
+        window = row[max(low, 0):high]
+        most = max(int(window.max()), 0) if window.size else 0
+        if most + int(self.tokens[position]) > self.budget:
+            return False
+        window += self.tokens[position]
+        self.last[buffer] = target
+        return True
 
     def extend(self, positions: np.ndarray, ranks: np.ndarray, target: int) -> np.ndarray:
         """Keep the buffer of the tile at each scan position, on its rank (distinct ranks), live until `target`
