@@ -157,7 +157,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     return stage
 
 
-def _fill_rank(scan: "_Scan", buffers: "_LiveBuffers | None", load: np.ndarray, stage: np.ndarray, order: np.ndarray,
+def _fill_rank(scan: _Scan, buffers: _LiveBuffers | None, load: np.ndarray, stage: np.ndarray, order: np.ndarray,
                target: int, rank: int, position: int, gap: float, skips: int) -> None:
     """One rank's fill of `target` from scan position `position` on, as the numpy steps of :func:`level_stages` make
     it (a rank's fill reads and writes only its own tiles, loads and buffers), one candidate at a time."""
