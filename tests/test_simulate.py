@@ -137,8 +137,11 @@ def test_a_plan_held_unencoded_simulates_as_its_file(mask, layout):
     else:
         plan = compile_valid(lengths, 4, block_size=256, coalesce=2, mask=mask, layout=layout)
     held = HeldPlan(stacked=stack_plan(plan.ir, plan.header), tiles=plan.ir.tiles)
+    # The floor holds its tile sets' segment pairs for all its candidates: held so, the plan simulates alike.
+    with_pairs = HeldPlan(stacked=held.stacked, tiles=plan.ir.tiles, pairs=plan.ir.tiles.segment_pairs())
     from_file = simulate_plan(plan.to_bytes(), record=True)
-    for from_ir in (simulate_plan(held, record=True), simulate_plan(plan, record=True)):  # a CompiledPlan: its IR
+    for from_ir in (simulate_plan(held, record=True), simulate_plan(with_pairs, record=True),
+                    simulate_plan(plan, record=True)):  # a CompiledPlan: its IR
         assert from_ir.figures() == from_file.figures()
         assert from_ir.chrome_trace() == from_file.chrome_trace()
 

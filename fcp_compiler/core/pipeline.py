@@ -401,7 +401,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         assert run.best[0] is scores[winner]
         plan, figures = run.best[1], run.best[2]
         if not run.alone:
-            plan, figures, last_stage = _backward_last_stage(timer, plan, figures, options, digest, budget)
+            plan, figures, last_stage = _backward_last_stage(timer, plan, figures, options, digest, budget,
+                                                             run.pairs_of(plan[0].tiles))
     else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
         assert run.least[0] is scores[winner]
         _, transfers, with_fan_out, schedule = run.least
@@ -419,7 +420,7 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
-                         budget: int) -> tuple[tuple, dict, dict | None]:
+                         budget: int, pairs: tuple | None = None) -> tuple[tuple, dict, dict | None]:
     """The winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last stage
     back in their earliest (:func:`remote_tiles_out_of_last_stage`) where that simulates faster and fits the memory
     budget. Returns (plan, its figures, the comparison for the stats: None where no tile would move)."""
@@ -427,7 +428,8 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
     if moved is None:
         return plan, figures, None
     other = _finish(timer, moved, options, digest, relays=False)  # the winner's relays are in its schedule already
-    other_figures = timer.run("floor", _layer_figures, other) if other[1]["max_buffer_tokens"] <= budget else None
+    other_figures = timer.run("floor", _layer_figures, other, pairs) \
+        if other[1]["max_buffer_tokens"] <= budget else None
     levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
         if other_figures is not None else None
@@ -460,9 +462,20 @@ class _FloorRun:
     bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
     finished: dict = field(default_factory=dict)  # score index -> (plan, figures) of each scored candidate
+    pairs: dict = field(default_factory=dict)  # id(tile set) -> (tile set, its segment pairs): see pairs_of
     best: tuple | None = None
     least: tuple | None = None
     progress: Callable[[dict], None] | None = None
+
+    def pairs_of(self, tiles: TileSet) -> tuple | None:
+        """The segment pairs of a tile set the floor's candidates share (FCP's placements one, the equal-chunk ones
+        another), built once: every simulation and bound reads them. None for closed-form tiles."""
+        if not tiles.has_pairs:
+            return None
+        held = self.pairs.get(id(tiles))
+        if held is None or held[0] is not tiles:
+            held = self.pairs[id(tiles)] = (tiles, tiles.segment_pairs())
+        return held[1]
 
     @property
     def alone(self) -> bool:
@@ -493,7 +506,8 @@ class _FloorRun:
             fits = peak <= budget
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
-        figures = timer.run("floor", _layer_figures, plan) if fits and not self.alone else None
+        figures = timer.run("floor", _layer_figures, plan, self.pairs_of(plan[0].tiles)) \
+            if fits and not self.alone else None
         unscored = math.nan if fits else math.inf
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
@@ -541,7 +555,7 @@ class _FloorRun:
         # The only candidate the floor's work allows is compared with nothing, so it is not bounded (it costs a
         # pass over every segment pair: seconds at small blocks).
         bound = None if self.alone else timer.run("floor", busy_lower_bound, assignment, options.layout,
-                                                   options.model)
+                                                   options.model, self.pairs_of(assignment.tiles))
         self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
                 and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike
@@ -585,11 +599,11 @@ def _same_placement(first: Assignment, second: Assignment) -> bool:
         np.array_equal(first.tile_rank, second.tile_rank)
 
 
-def _layer_figures(plan: tuple) -> dict:
+def _layer_figures(plan: tuple, pairs: tuple | None = None) -> dict:
     """The simulated layer figures of a finished plan (final IR, header fields, ...), from its arrays as the
-    encoder lays them out (nothing encoded)."""
+    encoder lays them out (nothing encoded); `pairs`: its tiles' segment pairs, when the caller holds them."""
     final, fields, _ = plan
-    return simulate_plan(HeldPlan(stacked=stack_plan(final, fields), tiles=final.tiles),
+    return simulate_plan(HeldPlan(stacked=stack_plan(final, fields), tiles=final.tiles, pairs=pairs),
                          attention_alone=False).layer_figures()
 
 

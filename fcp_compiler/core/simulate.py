@@ -294,7 +294,8 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     """
     header, tables, stacked, profile, tiles = _read_with_costs(source, profile)
     n = header.num_ranks
-    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record)
+    held_pairs = source.pairs if isinstance(source, HeldPlan) and tiles is source.tiles else None
+    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record, held_pairs)
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
@@ -334,16 +335,18 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       hbm_bytes_per_s=profile.hbm_gbps * 1e9)
 
 
-def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool):
+def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool,
+                 pairs: tuple | None = None):
     """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
     stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
-    reshuffles. Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves
-    outside the kernels)."""
+    reshuffles (`pairs`: tiles.segment_pairs(), when the caller holds them). Returns (forward, backward, each stacked
+    tile's index in `tiles`, per pass the bytes each rank moves outside the kernels)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
     # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
     # blocks).
-    pairs = tiles.segment_pairs() if tiles.has_pairs else None
+    if pairs is None and tiles.has_pairs:
+        pairs = tiles.segment_pairs()
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile, pairs)
     bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs)
     a = stacked.arrays
@@ -459,6 +462,7 @@ class HeldPlan:
 
     stacked: StackedRanks
     tiles: TileSet
+    pairs: tuple | None = None  # tiles.segment_pairs(), where the holder keeps them for several plans of one tile set
 
 
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
@@ -514,7 +518,7 @@ def _single_gpu_efficiency(lengths: np.ndarray, windows: np.ndarray, profile: Ha
     return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths.astype(np.float64))).sum())
 
 
-def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None) -> float:
+def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None, pairs: tuple | None = None) -> float:
     """A lower bound on the simulated layer makespan, forward plus backward, of every plan scheduled from this
     placement (any stages, rounds, fan-out or relays; ranks renumbered): the busiest rank's compute alone.
 
@@ -529,6 +533,7 @@ def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None) -> f
         assignment: the placement (tiles and where each runs, blocks and where each lives).
         layout: the plan's layout.
         model: the layer around attention (None: attention alone).
+        pairs: the tiles' segment_pairs(), when the caller holds them.
     Returns:
         seconds.
     """
@@ -536,7 +541,7 @@ def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None) -> f
     curve = np.array([point.efficiency for point in tiles.profile.efficiency_curve])
     assert (np.diff(curve) >= 0).all(), "the bound needs an efficiency curve that rises with the call's size"
     seconds = coalesced_seconds(tiles, np.arange(tiles.num_tiles), assignment.tile_rank,
-                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile)
+                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile, pairs)
     attention = np.bincount(assignment.tile_rank, weights=seconds, minlength=num_ranks)
     if layout is Layout.USER:
         total = tiles.sharding.batch.total_tokens
