@@ -474,7 +474,7 @@ class _FloorRun:
             return None
         held = self.pairs.get(id(tiles))
         if held is None or held[0] is not tiles:
-            held = self.pairs[id(tiles)] = (tiles, tiles.segment_pairs())
+            held = self.pairs[id(tiles)] = (tiles, self.timer.run("floor", tiles.segment_pairs))
         return held[1]
 
     @property
