@@ -211,16 +211,18 @@ def _ranks_pass(header, joined: _Joined, num_segments: int, block_tokens: np.nda
         if rows is None:
             return False
         pull_rows[side] = rows
+        columns = {}  # each joined once: the block and count columns are read again below
         for name, high in (("round", max(header.num_rounds, 1)), ("bwd_round", max(header.num_bwd_rounds, 1)),
                            ("kind", 2), ("block", header.num_blocks), ("peer", header.num_ranks),
                            ("seg_count", num_segments + 1)):
-            if not _inside(joined.values(f"pull_{side}_{name}"), 0, high):
+            columns[name] = joined.values(f"pull_{side}_{name}")
+            if not _inside(columns[name], 0, high):
                 return False
-        counts, segs = joined.values(f"pull_{side}_seg_count"), f"pull_{side}_segs"
+        counts, segs = columns["seg_count"], f"pull_{side}_segs"
         if not np.array_equal(joined.rank_sums(counts, rows), joined.rows(segs)) or \
                 not _inside(joined.values(segs), 0, num_segments):
             return False
-        expanded = np.where(counts == 0, block_num_segments[joined.values(f"pull_{side}_block")], counts)
+        expanded = np.where(counts == 0, block_num_segments[columns["block"]], counts)
         if (joined.rank_sums(expanded, rows) > most).any():
             return False
     if not _inside(joined.values("pull_send_source"), -1, np.repeat(pull_rows["recv"], pull_rows["send"])):
