@@ -369,3 +369,29 @@ def test_a_large_packed_call_is_cut_into_calls_of_consecutive_entries():
             assert set(got[real[mine]].tolist()) == set(range(parts[call])) if n else parts[call] == 1
             assert (got >= 0).all() and (got < parts[call]).all()
     assert most > 2  # the cases do cut calls
+
+
+@pytest.mark.parametrize("max_tiles", [1, 5, 40])
+def test_calls_grouped_a_few_requests_at_a_time_are_the_whole_tables(max_tiles, monkeypatch):
+    from fcp_compiler.format import call_plan
+    from fcp_compiler.format.call_plan import calls_in_parts, stacked_calls, step_table
+    from fcp_compiler.format.memory import stacked_peak_bytes
+    from fcp_compiler.format.stacked import stack_programs
+
+    spec = BatchSpec.model_validate({"masks": ["causal", "full", {"kind": "sliding_window", "window": 300}, "causal",
+                                              "full", "causal"], "sequences": [3000, 700, 2900, 1500, 260, 64]})
+    plan = compile_valid(spec, 4, block_size=256, coalesce=2, layout="user")
+    stacked = stack_programs(PlanReader(plan.to_bytes()).ranks())
+    table = step_table(stacked)
+    whole = _ours(next(iter(calls_in_parts(stacked, table, max_tiles=10 ** 9)))[1])
+    parts = list(calls_in_parts(stacked, table, max_tiles=max_tiles))
+    assert len(parts) > 3 and len({rank for rank in table.request_rank}) == 4
+    joined = []
+    for first, calls in parts:
+        joined += [(request + first, *rest) for request, *rest in _ours(calls)]
+    assert joined == whole
+    monkeypatch.setattr(call_plan, "PART_TILES", 10 ** 9)
+    peaks = stacked_peak_bytes(stacked)
+    monkeypatch.setattr(call_plan, "PART_TILES", max_tiles)
+    assert _ours(stacked_calls(stacked, table)) == whole
+    assert (stacked_peak_bytes(stacked) == peaks).all()

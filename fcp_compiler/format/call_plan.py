@@ -9,6 +9,7 @@ over the rank's segment pairs (benchmarks/runtime_traffic.py reports it).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,8 @@ from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets, o
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
+
+PART_TILES = 20_000  # tiles of the requests whose calls are grouped together (calls_in_parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +58,14 @@ class RequestTable:
                    request_stage=np.asarray([r.stage for _, r in flat], dtype=np.int64),
                    tile=tiles + stacked.base("tile_stage")[rank[tile_request]] if tiles.size else tiles,
                    tile_request=tile_request)
+
+    def requests_between(self, low: int, high: int, tile_bounds: np.ndarray) -> "RequestTable":
+        """Requests low..high-1 as a table of their own (request ids from 0); tile_bounds: each request's first row
+        of `tile`, and the end."""
+        first, last = int(tile_bounds[low]), int(tile_bounds[high])
+        return RequestTable(request_rank=self.request_rank[low:high], request_backward=self.request_backward[low:high],
+                            request_stage=self.request_stage[low:high], tile=self.tile[first:last],
+                            tile_request=self.tile_request[first:last] - low)
 
 
 def step_table(stacked: StackedRanks, layout: str | None = None) -> RequestTable:
@@ -217,27 +228,72 @@ def ranks_calls(programs: list[RankProgram], requests: list[list[Request]]) -> C
 
 
 def stacked_calls(stacked: StackedRanks, table: RequestTable) -> CallArrays:
-    """The kernel calls of every stacked rank's requests (call_request indexes the table's requests), in one
-    grouping over all their segment pairs; each call's rows are its own rank's.
+    """The kernel calls of every stacked rank's requests (call_request indexes the table's requests), grouped over
+    all their segment pairs; each call's rows are its own rank's.
 
     Raises:
         PlanFormatError: as :func:`rank_calls`.
     """
+    firsts, parts = zip(*calls_in_parts(stacked, table))
+    return parts[0] if len(parts) == 1 else concatenate_calls(list(parts), list(firsts))
+
+
+def calls_in_parts(stacked: StackedRanks, table: RequestTable,
+                   max_tiles: int | None = None) -> Iterator[tuple[int, CallArrays]]:
+    """:func:`stacked_calls`, a run of consecutive requests of about `max_tiles` (default PART_TILES) tiles at a
+    time (at least one request). Calls never span requests, so each part's calls are the whole table's calls of its
+    requests, in order. The parts bound the temporaries: one pass over a rank's millions of segment pairs (64-token
+    blocks) spent more time faulting in fresh pages than computing.
+
+    Yields:
+        (the part's first request, its calls), call_request counted from that request.
+    Raises:
+        PlanFormatError: as :func:`rank_calls`, for the first part with a tile that reads a block it does not have.
+    """
+    max_tiles = PART_TILES if max_tiles is None else max_tiles
     units = _units(stacked)
-    pairs = _pairs(stacked, table, units)
-    calls = plan_calls(*pairs, units.local_len, split_requests=table.request_backward)
-    entry_rank = table.request_rank[calls.call_request][calls.entry_call]
-    rows = np.where(calls.entry_q_source == LOCAL, calls.entry_q_row - units.local_base[entry_rank],
-                    calls.entry_q_row)
-    return dataclasses.replace(calls, entry_q_row=rows)
+    tile_rank = stacked.rank_of("tile_stage")
+    num_requests = table.request_rank.size
+    tile_bounds = np.searchsorted(table.tile_request, np.arange(num_requests + 1))
+    low = 0
+    while True:  # once at least, for a table without requests
+        high = int(np.searchsorted(tile_bounds, tile_bounds[low] + max_tiles, side="right")) - 1
+        high = min(max(high, low + 1), num_requests)
+        part = table if (low, high) == (0, num_requests) else table.requests_between(low, high, tile_bounds)
+        calls = plan_calls(*_pairs(stacked, part, units, tile_rank), units.local_len,
+                           split_requests=part.request_backward)
+        entry_rank = part.request_rank[calls.call_request][calls.entry_call]
+        rows = np.where(calls.entry_q_source == LOCAL, calls.entry_q_row - units.local_base[entry_rank],
+                        calls.entry_q_row)
+        yield low, dataclasses.replace(calls, entry_q_row=rows)
+        if high >= num_requests:
+            return
+        low = high
 
 
-def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units) -> list[np.ndarray]:
+def concatenate_calls(parts: list[CallArrays], first_requests: list[int] | None = None) -> CallArrays:
+    """Calls of consecutive parts as one CallArrays (each part's pointers shifted past the parts before it; its
+    call_request by its first request, where given)."""
+    firsts = first_requests or [0] * len(parts)
+    joined = {}
+    for name in ("call_causal", "call_left", "call_right", "entry_q_source", "entry_q_row", "entry_q_rows",
+                 "key_source", "key_row", "key_rows"):
+        joined[name] = np.concatenate([getattr(calls, name) for calls in parts])
+    joined["call_request"] = np.concatenate([calls.call_request + first for calls, first in zip(parts, firsts)])
+    for name, items in (("call_entry_ptr", "entry_q_rows"), ("entry_key_ptr", "key_rows")):
+        shifts = np.cumsum([0] + [getattr(calls, items).size for calls in parts[:-1]])
+        joined[name] = np.concatenate([[0]] + [getattr(calls, name)[1:] + shift
+                                               for calls, shift in zip(parts, shifts)]).astype(np.int64)
+    return CallArrays(**joined)
+
+
+def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units, rank_of_tile: np.ndarray) -> list[np.ndarray]:
     """The requests' segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
-    k_source, k_seg, k_row, k_start, k_end, window), in request, tile, then segment order."""
+    k_source, k_seg, k_row, k_start, k_end, window), in request, tile, then segment order, the keys no query of a
+    pair sees left out; rank_of_tile: each stacked tile's rank (its position in the stack)."""
     a, tables = stacked.arrays, stacked.tables
     tiles = table.tile
-    tile_rank = stacked.rank_of("tile_stage")[tiles]
+    tile_rank = rank_of_tile[tiles]
     q_unit = units.unit_of(tile_rank, TransferKind.Q, a["tile_q_block"][tiles])
     k_unit = units.unit_of(tile_rank, TransferKind.KV, a["tile_kv_block"][tiles])
     if (q_unit < 0).any() or (k_unit < 0).any():
@@ -265,10 +321,18 @@ def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units) -> list[np
     k_pick = k_entry[k_order[expand_ranges(low, matches)]]
     pair_tile = np.repeat(q_tile, matches)
     q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
+    # Pairs whose keys no query sees are dropped here, before their columns are gathered (plan_calls would drop
+    # them too): about half of a causal zig-zag sequence's pairs.
+    window = tables.seq_window[tables.seg_seq[q_seg]]
+    visible = (window == 0) | ((tables.seg_start[k_seg] < tables.seg_end[q_seg]) &
+                               (tables.seg_start[q_seg] - tables.seg_end[k_seg] + 1 < window))
+    if not visible.all():
+        q_pick, k_pick, pair_tile, q_seg, k_seg, window = (column[visible] for column in (
+            q_pick, k_pick, pair_tile, q_seg, k_seg, window))
     # The gap rule finds local segments by row: local query rows are counted over every rank's layout end to end.
     q_source = units.source[q_pick]
     q_row = units.row[q_pick] + np.where(q_source == LOCAL, units.local_base[tile_rank[pair_tile]], 0)
     pairs = [table.tile_request[pair_tile], q_source, q_seg, q_row, tables.seg_start[q_seg],
              tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick], tables.seg_start[k_seg],
-             tables.seg_end[k_seg], tables.seq_window[tables.seg_seq[q_seg]]]
+             tables.seg_end[k_seg], window]
     return [np.asarray(column, dtype=np.int64) for column in pairs]

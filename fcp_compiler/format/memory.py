@@ -24,6 +24,7 @@ meta-device replay of the runtime records.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup
 from fcp_compiler.algorithms.ranges import offsets_within
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
-from fcp_compiler.format.call_plan import Request, RequestTable, stacked_calls, step_requests, step_table
+from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_requests, step_table
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
@@ -101,8 +102,8 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
     """
     stacked = stack_programs([program])
     table = step_table(stacked, layout) if requests is None else RequestTable.of(stacked, [requests])
-    calls = stacked_calls(stacked, table) if calls is None else calls
-    peaks = _peaks(stacked, table, calls, Sizes.of(program.header, dtype))
+    parts = calls_in_parts(stacked, table) if calls is None else [(0, calls)]
+    peaks = _peaks(stacked, table, parts, Sizes.of(program.header, dtype))
     return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
 
 
@@ -122,29 +123,29 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
         high = max(low + 1, int(np.searchsorted(tiles, (tiles[low - 1] if low else 0) + CHUNK_TILES, side="right")))
         chunk = stacked.ranks_between(low, min(high, stacked.num_ranks))
         table = step_table(chunk, layout)
-        peaks.append(_peaks(chunk, table, stacked_calls(chunk, table), sizes))
+        peaks.append(_peaks(chunk, table, calls_in_parts(chunk, table), sizes))
         low = high
     return np.concatenate(peaks) if peaks else np.zeros((0, 2), dtype=np.int64)
 
 
-def _peaks(stacked: StackedRanks, table: RequestTable, calls: CallArrays, sizes: Sizes) -> np.ndarray:
-    facts = _Facts.of(stacked, table, calls)
-    backward = table.request_backward[calls.call_request]
-    index_bytes = 4 * np.bincount(facts.call_rank, weights=_index_ints(calls, facts, backward),
-                                  minlength=stacked.num_ranks)
+def _peaks(stacked: StackedRanks, table: RequestTable, parts: Iterable[tuple[int, CallArrays]],
+           sizes: Sizes) -> np.ndarray:
+    stores = _Stores.of(stacked)
+    figures = _CallFigures.join([_CallFigures.of(stacked, stores, table, first, calls, sizes)
+                                 for first, calls in parts])
+    index_bytes = 4 * np.bincount(figures.rank, weights=figures.index_ints, minlength=stacked.num_ranks)
     out = np.zeros((stacked.num_ranks, 2), dtype=np.int64)
-    stage = np.maximum(table.request_stage[calls.call_request], 0)
     for column, name in enumerate(("fwd", "bwd")):
-        stage_of_call = np.where(backward == (name == "bwd"), stage, -1)
+        stage_of_call = np.where(figures.backward == (name == "bwd"), figures.stage, -1)
         messages = stacked_messages(stacked, name)
-        out[:, column] = _pass_peak(stacked.num_ranks, messages, stage_of_call, facts, sizes, name)
+        out[:, column] = _pass_peak(stacked.num_ranks, messages, stage_of_call, stores, figures, sizes, name)
     out[:, 0] += index_bytes.astype(np.int64)
     return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Facts:
-    """Rows of each store of each rank and, per call, how its query and key pieces pack."""
+class _Stores:
+    """Rows of each store of the accounted ranks: each rank's plan layout, and every pull it receives and sends."""
 
     plan_tokens: np.ndarray  # per rank
     pull_recv_kind: np.ndarray  # stacked over ranks
@@ -152,6 +153,47 @@ class _Facts:
     pull_send_kind: np.ndarray
     pull_send_rows: np.ndarray
     pull_send_copies: np.ndarray  # whether a sent pull's rows are not one run of the store they are sent from
+
+    @classmethod
+    def of(cls, stacked: StackedRanks) -> "_Stores":
+        a = stacked.arrays
+        return cls(plan_tokens=stacked.plan_tokens(), pull_recv_kind=a["pull_recv_kind"],
+                   pull_recv_rows=stacked.pull_tokens("recv"), pull_send_kind=a["pull_send_kind"],
+                   pull_send_rows=stacked.pull_tokens("send"), pull_send_copies=_send_copies(stacked))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _CallFigures:
+    """Per kernel call: its rank (position in the stack), pass and stage, the most bytes it holds at once in its
+    pass (:func:`_call_transients`), and the int32 values of its index tensors (:func:`_index_ints`)."""
+
+    rank: np.ndarray
+    backward: np.ndarray  # bool
+    stage: np.ndarray  # the stage of its request, at least 0
+    transient: np.ndarray
+    index_ints: np.ndarray
+
+    @classmethod
+    def of(cls, stacked: StackedRanks, stores: _Stores, table: RequestTable, first: int, calls: CallArrays,
+           sizes: Sizes) -> "_CallFigures":
+        """The figures of one part's calls (call_request counted from request `first` of the table)."""
+        request = calls.call_request + first
+        facts = _Facts.of(stacked, stores, table.request_rank[request].astype(np.int64), calls)
+        backward = table.request_backward[request]
+        transient = np.where(backward, _call_transients(facts, sizes, False), _call_transients(facts, sizes, True))
+        return cls(rank=facts.call_rank, backward=backward, stage=np.maximum(table.request_stage[request], 0),
+                   transient=transient, index_ints=_index_ints(calls, facts, backward))
+
+    @classmethod
+    def join(cls, parts: list["_CallFigures"]) -> "_CallFigures":
+        """The figures of consecutive parts' calls as one."""
+        return cls(**{name: np.concatenate([getattr(part, name) for part in parts]) for name in cls.__slots__})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Facts:
+    """Per call, how its query and key pieces pack."""
+
     call_rank: np.ndarray  # per call
     q_runs: np.ndarray  # per call: runs of its packed queries, keys
     kv_runs: np.ndarray
@@ -162,11 +204,8 @@ class _Facts:
     kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's
 
     @classmethod
-    def of(cls, stacked: StackedRanks, table: RequestTable, calls: CallArrays) -> "_Facts":
-        a = stacked.arrays
-        recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
-        plan_tokens = stacked.plan_tokens()
-        call_rank = table.request_rank[calls.call_request].astype(np.int64)
+    def of(cls, stacked: StackedRanks, stores: _Stores, call_rank: np.ndarray, calls: CallArrays) -> "_Facts":
+        recv_rows = stores.pull_recv_rows
         entry_call = calls.entry_call
         key_call = entry_call[calls.key_entry]
         q_pieces = (entry_call, calls.entry_q_source, calls.entry_q_row, calls.entry_q_rows)
@@ -177,14 +216,11 @@ class _Facts:
         head = np.minimum(calls.call_entry_ptr[:-1], max(calls.entry_q_source.size - 1, 0))
         first_source = calls.entry_q_source[head] if calls.entry_q_source.size else np.zeros(0, dtype=np.int64)
         recv_row = np.minimum(stacked.base("pull_recv_round")[call_rank] + first_source, max(recv_rows.size - 1, 0))
-        store_rows = np.where(first_source == LOCAL, plan_tokens[call_rank],
+        store_rows = np.where(first_source == LOCAL, stores.plan_tokens[call_rank],
                               recv_rows[recv_row] if recv_rows.size else 0)
         whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows)
-        return cls(plan_tokens=plan_tokens, pull_recv_kind=a["pull_recv_kind"], pull_recv_rows=recv_rows,
-                   pull_send_kind=a["pull_send_kind"], pull_send_rows=send_rows,
-                   pull_send_copies=_send_copies(stacked), call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs,
-                   q_rows=q_rows, kv_rows=kv_rows, q_whole_store=whole,
-                   q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
+        return cls(call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows,
+                   q_whole_store=whole, q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
                    kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
 
 
@@ -290,17 +326,17 @@ def least_peak_bytes(header: PlanHeader, rank_tokens: np.ndarray, dtype: str | N
     return np.maximum(*(np.add(*_own_bytes(tokens, sizes, forward)) for forward in (True, False))).astype(np.int64)
 
 
-def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray, facts: _Facts,
-               sizes: Sizes, name: str) -> np.ndarray:
+def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray, stores: _Stores,
+               calls: _CallFigures, sizes: Sizes, name: str) -> np.ndarray:
     """Each rank's peak in one pass: per stage, what lives while its calls run (its posts, the largest call's
     temporaries) and what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the
     end. Returns int64 [ranks]."""
     forward = name == "fwd"
-    tokens = facts.plan_tokens
+    tokens = stores.plan_tokens
     base, outputs = _own_bytes(tokens, sizes, forward)
     num_stages = max(messages.num_stages, 1)
-    is_kv = facts.pull_recv_kind == TransferKind.KV
-    rows = facts.pull_recv_rows
+    is_kv = stores.pull_recv_kind == TransferKind.KV
+    rows = stores.pull_recv_rows
     buffer_row, accumulator_row = _received_row_bytes(sizes, forward)
     buffer = np.where(is_kv, buffer_row[TransferKind.KV], buffer_row[TransferKind.Q]) * rows
     accumulator = np.where(is_kv, accumulator_row[TransferKind.KV], accumulator_row[TransferKind.Q]) * rows
@@ -310,14 +346,13 @@ def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray
     during = _interval_sums(rank, first, last, buffer, num_ranks, num_stages) + \
         _interval_sums(rank, first + 1, last, accumulator, num_ranks, num_stages)
     after = during + _interval_sums(rank, first, first, accumulator, num_ranks, num_stages)
-    push_bytes = _push_buffer_bytes(facts.pull_send_kind, facts.pull_send_rows, messages, sizes, forward)
+    push_bytes = _push_buffer_bytes(stores.pull_send_kind, stores.pull_send_rows, messages, sizes, forward)
     pushes = _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, num_ranks, num_stages)
-    copy = _send_copy_bytes(facts.pull_send_kind, facts.pull_send_copies, facts.pull_send_rows, sizes, forward)
+    copy = _send_copy_bytes(stores.pull_send_kind, stores.pull_send_copies, stores.pull_send_rows, sizes, forward)
     sends = _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, num_ranks, num_stages)
-    transient = _call_transients(facts, sizes, forward)
     mine = stage_of_call >= 0
     largest = np.zeros(num_ranks * num_stages)
-    np.maximum.at(largest, facts.call_rank[mine] * num_stages + stage_of_call[mine], transient[mine])
+    np.maximum.at(largest, calls.rank[mine] * num_stages + stage_of_call[mine], calls.transient[mine])
     posted = during + pushes + sends
     peak = np.maximum((posted + largest.reshape(num_ranks, num_stages)).max(axis=1),
                       (after + pushes + sends).max(axis=1))
