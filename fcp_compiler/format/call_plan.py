@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
-from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.keys import lookup, sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets, offsets_within
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind
@@ -166,6 +166,18 @@ class _Units:
     local_len: np.ndarray  # every rank's local segments' lengths, in layout order, ranks one after another
     local_base: np.ndarray  # per rank: its first row among them
     num_blocks: int
+    # Per entry, its segment's sequence, positions in it, and the sequence's window (gathered once, read per pair).
+    seq: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    window: np.ndarray
+    # The entries of each unit grouped by sequence: by_seq lists them by (unit, sequence), in entry order within a
+    # group; group g is (unit, sequence) key group_key[g] (sorted), entries by_seq[group_low[g]:][:group_size[g]].
+    by_seq: np.ndarray
+    group_key: np.ndarray
+    group_low: np.ndarray
+    group_size: np.ndarray
+    num_seqs: int
 
     def unit_of(self, rank: np.ndarray, kind: int, blocks: np.ndarray) -> np.ndarray:
         """The unit a tile of `rank` reads a block of `kind` from (a held block serves both kinds); -1 where there
@@ -202,9 +214,17 @@ def _units(stacked: StackedRanks) -> _Units:
     units = np.concatenate([held_unit, held_unit, pull_unit])
     order = np.argsort(keys, kind="stable")
     local_rows = group_sums(local_len, offsets(local_count))
+    num_seqs = int(tables.seq_lengths.size)
+    entry_seq = tables.seg_seq[seg].astype(np.int64)
+    entry_key = np.repeat(np.arange(unit_count.size), unit_count) * num_seqs + entry_seq
+    by_seq = np.argsort(entry_key, kind="stable")
+    group_key, group_low = sorted_unique(entry_key[by_seq], return_index=True)
     return _Units(ptr=ptr, seg=seg, row=row, source=source, unit_key=keys[order], unit_of_key=units[order],
                   local_len=local_len, local_base=(np.cumsum(local_rows) - local_rows).astype(np.int64),
-                  num_blocks=num_blocks)
+                  num_blocks=num_blocks, seq=entry_seq, start=tables.seg_start[seg].astype(np.int64),
+                  end=tables.seg_end[seg].astype(np.int64), window=tables.seq_window[entry_seq].astype(np.int64),
+                  by_seq=by_seq, group_key=group_key, group_low=group_low,
+                  group_size=np.diff(np.append(group_low, by_seq.size)), num_seqs=num_seqs)
 
 
 def rank_calls(program: RankProgram, requests: list[Request]) -> CallArrays:
@@ -306,33 +326,23 @@ def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units, rank_of_ti
     q_count = units.ptr[q_unit + 1] - units.ptr[q_unit]
     q_entry = expand_ranges(units.ptr[q_unit], q_count)
     q_tile = np.repeat(np.arange(tiles.size), q_count)
-    k_count = units.ptr[k_unit + 1] - units.ptr[k_unit]
-    k_entry = expand_ranges(units.ptr[k_unit], k_count)
-    k_tile = np.repeat(np.arange(tiles.size), k_count)
-    num_seqs = tables.seq_lengths.size
-    q_key = q_tile * num_seqs + tables.seg_seq[units.seg[q_entry]]
-    k_key = k_tile * num_seqs + tables.seg_seq[units.seg[k_entry]]
-    # Key segments come by tile, and mostly by sequence within it: most batches need no sort.
-    k_order = np.arange(k_key.size) if (k_key[1:] >= k_key[:-1]).all() else np.argsort(k_key, kind="stable")
-    low = np.searchsorted(k_key[k_order], q_key, side="left")
-    high = np.searchsorted(k_key[k_order], q_key, side="right")
-    matches = high - low
+    group = lookup(units.group_key, np.arange(units.group_key.size), k_unit[q_tile] * units.num_seqs +
+                   units.seq[q_entry], -1)
+    matches = np.where(group >= 0, units.group_size[group], 0)
     q_pick = np.repeat(q_entry, matches)
-    k_pick = k_entry[k_order[expand_ranges(low, matches)]]
+    k_pick = units.by_seq[expand_ranges(units.group_low[group[matches > 0]], matches[matches > 0])]
     pair_tile = np.repeat(q_tile, matches)
-    q_seg, k_seg = units.seg[q_pick], units.seg[k_pick]
     # Pairs whose keys no query sees are dropped here, before their columns are gathered (plan_calls would drop
     # them too): about half of a causal zig-zag sequence's pairs.
-    window = tables.seq_window[tables.seg_seq[q_seg]]
-    visible = (window == 0) | ((tables.seg_start[k_seg] < tables.seg_end[q_seg]) &
-                               (tables.seg_start[q_seg] - tables.seg_end[k_seg] + 1 < window))
+    window = units.window[q_pick]
+    visible = (window == 0) | ((units.start[k_pick] < units.end[q_pick]) &
+                               (units.start[q_pick] - units.end[k_pick] + 1 < window))
     if not visible.all():
-        q_pick, k_pick, pair_tile, q_seg, k_seg, window = (column[visible] for column in (
-            q_pick, k_pick, pair_tile, q_seg, k_seg, window))
+        q_pick, k_pick, pair_tile, window = (column[visible] for column in (q_pick, k_pick, pair_tile, window))
     # The gap rule finds local segments by row: local query rows are counted over every rank's layout end to end.
     q_source = units.source[q_pick]
     q_row = units.row[q_pick] + np.where(q_source == LOCAL, units.local_base[tile_rank[pair_tile]], 0)
-    pairs = [table.tile_request[pair_tile], q_source, q_seg, q_row, tables.seg_start[q_seg],
-             tables.seg_end[q_seg], units.source[k_pick], k_seg, units.row[k_pick], tables.seg_start[k_seg],
-             tables.seg_end[k_seg], window]
+    pairs = [table.tile_request[pair_tile], q_source, units.seg[q_pick], q_row, units.start[q_pick],
+             units.end[q_pick], units.source[k_pick], units.seg[k_pick], units.row[k_pick], units.start[k_pick],
+             units.end[k_pick], window]
     return [np.asarray(column, dtype=np.int64) for column in pairs]
