@@ -352,3 +352,37 @@ def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_p
     capsys.readouterr()
     assert main(["simulate", str(plan), "--model", "gpt-9"]) == 2
     assert "model 'gpt-9' must be one of llama3-70b, llama3-8b or none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launch_kind", ["stages", "one launch", "reshuffle"])
+def test_coalesced_seconds_charge_each_query_segments_keys_in_a_launch_as_one_call(launch_kind):
+    from fcp_compiler.core.passes.cost import tile_efficiency
+    from fcp_compiler.core.simulate import coalesced_seconds
+
+    spec = BatchSpec.model_validate({"masks": ["causal", "full", {"kind": "sliding_window", "window": 300}, "causal"],
+                                     "sequences": [3000, 700, 2900, 90]})
+    plan = compile_valid(spec, 4, block_size=256, coalesce=2)
+    tiles, assignment = plan.ir.tiles, plan.ir.assignment
+    rng = np.random.default_rng(0)
+    plan_tiles = rng.permutation(tiles.num_tiles)  # a plan's tiles come in any order
+    rank = assignment.tile_rank[plan_tiles]
+    launch = {"stages": rng.integers(0, 3, plan_tiles.size), "one launch": np.zeros(plan_tiles.size, dtype=np.int64),
+              "reshuffle": rng.integers(-1, 2, plan_tiles.size)}[launch_kind]
+    ours = coalesced_seconds(tiles, plan_tiles, rank, launch, tiles.profile)
+    # Plainly: per (rank, launch, query segment), the query's tokens against all its keys' tokens in that launch.
+    pair_tile, q_seg, kv_seg, flops = tiles.segment_pairs()
+    where = {int(tile): position for position, tile in enumerate(plan_tiles)}
+    seg_tokens = tiles.sharding.seg_tokens
+    keys: dict = {}
+    for tile, q, kv in zip(pair_tile.tolist(), q_seg.tolist(), kv_seg.tolist()):
+        if tile in where:
+            group = (int(rank[where[tile]]), int(launch[where[tile]]), q)
+            keys[group] = keys.get(group, 0) + int(seg_tokens[kv])
+    expected = np.zeros(plan_tiles.size)
+    for tile, q, work in zip(pair_tile.tolist(), q_seg.tolist(), flops.tolist()):
+        if tile in where:
+            at = where[tile]
+            size = np.sqrt(float(seg_tokens[q]) * keys[(int(rank[at]), int(launch[at]), q)])
+            expected[at] += work / (tiles.profile.peak_tflops * 1e12 * float(tile_efficiency(tiles.profile, size)))
+    assert len(keys) > 20
+    np.testing.assert_allclose(ours, expected, rtol=1e-12)

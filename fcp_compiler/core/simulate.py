@@ -165,8 +165,49 @@ class Simulation:
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchGroups:
+    """A plan's segment pairs grouped as one pass launches them: by (rank, launch, query segment), a launch being a
+    stage (or the tiles run during the input reshuffle). :func:`coalesced_seconds` charges a group as one kernel
+    call, and :func:`kernel_calls` counts the calls its entries make: one grouping serves both.
+
+    pair_plan_tile: each pair's plan tile; group: each pair's group, groups in key order; group_pair: one pair of
+    each group (its rank, launch and query segment are the group's).
+    """
+
+    pair_plan_tile: np.ndarray
+    group: np.ndarray
+    group_pair: np.ndarray
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_pair.size)
+
+    @classmethod
+    def of(cls, tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch: np.ndarray,
+           pairs: tuple | None = None) -> "LaunchGroups":
+        """The groups of the plan tiles (each tile of `tiles` once: its index there, rank, launch: any int, one per
+        launch) of a TileSet with segment pairs (`pairs`: tiles.segment_pairs(), when the caller has them).
+        O(P log P) for P pairs."""
+        plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
+        plan_tile_of[tile_idx] = np.arange(tile_idx.size)
+        pair_tile, q_seg = (pairs if pairs is not None else tiles.segment_pairs())[:2]
+        pair_plan_tile = plan_tile_of[pair_tile]
+        launch = np.asarray(launch, dtype=np.int64)
+        low = int(launch.min()) if launch.size else 0
+        num_launches = int(launch.max()) - low + 1 if launch.size else 1
+        num_segments = tiles.sharding.num_segments
+        key = (tile_rank[pair_plan_tile] * num_launches + launch[pair_plan_tile] - low) * num_segments + q_seg
+        space = int(tile_rank.max() + 1 if tile_rank.size else 1) * num_launches * num_segments
+        _, group = unique_keys(key, space, return_inverse=True)
+        group_pair = np.zeros(int(group.max()) + 1 if group.size else 0, dtype=np.int64)
+        group_pair[group] = np.arange(group.size)
+        return cls(pair_plan_tile=pair_plan_tile, group=group, group_pair=group_pair)
+
+
 def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch_group: np.ndarray,
-                      profile: HardwareProfile, pairs: tuple | None = None) -> np.ndarray:
+                      profile: HardwareProfile, pairs: tuple | None = None,
+                      groups: LaunchGroups | None = None) -> np.ndarray:
     """Modelled time of each plan tile when a stage runs as one launch.
 
     Scheduling is at block size, execution at the stage: the tiles a rank runs in one launch for the same query
@@ -179,38 +220,34 @@ def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch
         tile_rank, launch_group: rank and launch (stage, or -1 for tiles run during the reshuffle) of each plan tile.
         profile: peak and efficiency curve.
         pairs: tiles.segment_pairs(), when the caller has them (they are built on each call).
+        groups: LaunchGroups.of(tiles, tile_idx, tile_rank, launch_group, pairs), when the caller has them.
     Returns:
         seconds per plan tile.
     """
     if not tiles.has_pairs:  # costed in closed form: each tile is one call (a ring step over every sequence)
         return tiles.tile_seconds[tile_idx]
-    sharding = tiles.sharding
-    plan_tile_of = np.empty(tiles.num_tiles, dtype=np.int64)
-    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_tile, q_seg, kv_seg, flops = pairs if pairs is not None else tiles.segment_pairs()
-    pair_plan_tile = plan_tile_of[pair_tile]
-    seg_tokens = sharding.seg_tokens
-    num_segments = sharding.num_segments
-    num_groups = int(launch_group.max()) + 2 if launch_group.size else 1  # launch -1 (reshuffle) maps to 0
-    key = ((tile_rank[pair_plan_tile] * num_groups + launch_group[pair_plan_tile] + 1) * num_segments + q_seg)
-    _, group = unique_keys(key, int(tile_rank.max() + 1 if tile_rank.size else 1) * num_groups * num_segments,
-                           return_inverse=True)
-    key_tokens = np.bincount(group, weights=seg_tokens[kv_seg])
-    query_tokens = np.zeros(key_tokens.size)
-    query_tokens[group] = seg_tokens[q_seg]
+    pairs = pairs if pairs is not None else tiles.segment_pairs()
+    groups = groups if groups is not None else LaunchGroups.of(tiles, tile_idx, tile_rank, launch_group, pairs)
+    _, q_seg, kv_seg, flops = pairs
+    seg_tokens = tiles.sharding.seg_tokens
+    key_tokens = np.bincount(groups.group, weights=seg_tokens[kv_seg], minlength=groups.num_groups)
+    query_tokens = seg_tokens[q_seg[groups.group_pair]].astype(np.float64)
     efficiency = tile_efficiency(profile, np.sqrt(query_tokens * key_tokens))
-    pair_seconds = flops / (profile.peak_tflops * 1e12 * efficiency[group])
-    return np.bincount(pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
+    pair_seconds = flops / (profile.peak_tflops * 1e12 * efficiency[groups.group])
+    return np.bincount(groups.pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
 
 
 def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 num_ranks: int, pairs: tuple | None = None, split: bool = False) -> np.ndarray:
+                 num_ranks: int, pairs: tuple | None = None, split: bool = False,
+                 groups: LaunchGroups | None = None, kinds: tuple | None = None) -> np.ndarray:
     """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
     query segment with its wholly visible keys, those holding their diagonal segment in one causal call, the rest
     in one unmasked call; under a sliding window each cut key segment (or a diagonal longer than the window) is an
     entry of its own, one call per distinct window, and as many calls as a query segment has entries in it
     (:mod:`fcp_compiler.algorithms.kernel_entries`). `pairs`: tiles.segment_pairs(), when the caller has them.
-    `split`: large packed calls are cut as the call plan cuts the backward's (call_parts).
+    `split`: large packed calls are cut as the call plan cuts the backward's (call_parts). `groups`:
+    LaunchGroups.of(tiles, tile_idx, tile_rank, stage, pairs), and `kinds`: :func:`pair_kinds` of the pairs, when
+    the caller has them.
 
     Returns:
         int64 [num_stages, num_ranks].
@@ -221,37 +258,47 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
         runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_slots) > 0
         per_run = 2 if bool(sharding.batch.seq_causal.any()) else 1
         return (runs * per_run).astype(np.int64).reshape(num_stages, num_ranks)
-    plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
-    plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-    pair_tile, q_seg, k_seg, _ = pairs if pairs is not None else tiles.segment_pairs()
-    pair_plan_tile = plan_tile_of[pair_tile]
-    slot = stage[pair_plan_tile] * num_ranks + tile_rank[pair_plan_tile]
-    start, end = sharding.seg_start, sharding.seg_end
-    kind, left, _, _ = classify_pairs(start[q_seg], end[q_seg], start[k_seg], end[k_seg],
-                                      sharding.batch.windows[sharding.seg_seq[q_seg]])
-    num_segments = sharding.num_segments
+    pairs = pairs if pairs is not None else tiles.segment_pairs()
+    groups = groups if groups is not None else LaunchGroups.of(tiles, tile_idx, tile_rank, stage, pairs)
+    _, q_seg, k_seg, _ = pairs
+    kind, left = kinds if kinds is not None else pair_kinds(tiles, pairs)
+    group_tile = groups.pair_plan_tile[groups.group_pair]
+    group_slot = stage[group_tile] * num_ranks + tile_rank[group_tile]
     packed = kind <= CAUSAL
-    entries, entry = unique_keys(slot[packed] * num_segments + q_seg[packed], num_slots * num_segments,
-                                 return_inverse=True)
-    diagonal = np.bincount(entry, weights=kind[packed] == CAUSAL, minlength=entries.size) > 0
+    # An entry is a group with packed pairs: a query segment's call in its slot, causal where it holds its diagonal.
+    packed_group = groups.group[packed]
+    has_packed = np.bincount(packed_group, minlength=groups.num_groups) > 0
+    diagonal = np.bincount(packed_group, weights=kind[packed] == CAUSAL, minlength=groups.num_groups) > 0
     # One causal and one unmasked call per slot, each cut as the call plan cuts a large backward call (call_parts).
     seg_tokens = sharding.seg_tokens
-    call = (entries // num_segments) * 2 + diagonal
-    query_rows = np.bincount(call, weights=seg_tokens[entries % num_segments], minlength=2 * num_slots)
-    key_rows = np.bincount(call, weights=np.bincount(entry, weights=seg_tokens[k_seg[packed]],
-                                                     minlength=entries.size), minlength=2 * num_slots)
+    call = (group_slot * 2 + diagonal)[has_packed]
+    query_rows = np.bincount(call, weights=seg_tokens[q_seg[groups.group_pair[has_packed]]], minlength=2 * num_slots)
+    key_rows = np.bincount(call, weights=np.bincount(packed_group, weights=seg_tokens[k_seg[packed]],
+                                                     minlength=groups.num_groups)[has_packed],
+                           minlength=2 * num_slots)
     count = np.bincount(call, minlength=2 * num_slots)
     parts = call_parts(count, query_rows.astype(np.int64), key_rows.astype(np.int64)) if split else 1
     calls = np.where(count > 0, parts, 0).reshape(num_slots, 2).sum(axis=1)
     cut = ~packed
     if cut.any():
         # One call per (slot, window kind, left), repeated as often as one query segment recurs in it.
-        groups, group_of = np.unique(np.stack([slot[cut], kind[cut], left[cut]]), axis=1, return_inverse=True)
+        slot = group_slot[groups.group[cut]]
+        groups_cut, group_of = np.unique(np.stack([slot, kind[cut], left[cut]]), axis=1, return_inverse=True)
         per_query, counts = np.unique(np.stack([group_of.ravel(), q_seg[cut]]), axis=1, return_counts=True)
-        most = np.zeros(groups.shape[1], dtype=np.int64)
+        most = np.zeros(groups_cut.shape[1], dtype=np.int64)
         np.maximum.at(most, per_query[0], counts)
-        calls += np.bincount(groups[0], weights=most, minlength=num_slots).astype(np.int64)
+        calls += np.bincount(groups_cut[0], weights=most, minlength=num_slots).astype(np.int64)
     return calls.reshape(num_stages, num_ranks)
+
+
+def pair_kinds(tiles, pairs: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Each segment pair's kernel entry kind and window left (:func:`classify_pairs`), the same in both passes."""
+    sharding = tiles.sharding
+    _, q_seg, k_seg, _ = pairs
+    start, end = sharding.seg_start, sharding.seg_end
+    kind, left, _, _ = classify_pairs(start[q_seg], end[q_seg], start[k_seg], end[k_seg],
+                                      sharding.batch.windows[sharding.seg_seq[q_seg]])
+    return kind, left
 
 
 def _reshuffle_flows(stacked: StackedRanks, bytes_per_token: float):
@@ -347,8 +394,13 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
     # blocks).
     if pairs is None and tiles.has_pairs:
         pairs = tiles.segment_pairs()
-    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, np.where(early, -1, tile_stage), profile, pairs)
-    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs)
+    # One grouping of the pairs a pass (coalesced_seconds and kernel_calls group them alike), and their kinds.
+    fwd_launch = np.where(early, -1, tile_stage)
+    groups = {name: LaunchGroups.of(tiles, tile_idx, tile_rank, launch, pairs) if tiles.has_pairs else None
+              for name, launch in (("fwd", fwd_launch), ("bwd", tile_bwd_stage))}
+    kinds = pair_kinds(tiles, pairs) if tiles.has_pairs else None
+    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, fwd_launch, profile, pairs, groups["fwd"])
+    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs, groups["bwd"])
     a = stacked.arrays
     r_round, r_me = a["pull_recv_round"], stacked.rank_of("pull_recv_round")
     r_bwd_round, r_kind, r_block, r_peer = (a[f"pull_recv_{name}"] for name in ("bwd_round", "kind", "block", "peer"))
@@ -373,7 +425,7 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
         # Tiles that run during the input reshuffle are not a stage's calls.
         in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
         calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs,
-                             split=prefix == "bwd")[:num_stages]
+                             split=prefix == "bwd", groups=groups[prefix], kinds=kinds)[:num_stages]
         push_stage, push_row = pushes(prefix)
         names = None
         if record:
