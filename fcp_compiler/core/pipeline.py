@@ -26,7 +26,7 @@ from fcp_compiler.core.passes.coalesce import (LEVELLING_STAGES, TIGHT_LEVELLING
                                                remote_tiles_out_of_last_stage, smaller_backward_rounds,
                                                with_backward_rounds)
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form
-from fcp_compiler.core.passes.encode import encode
+from fcp_compiler.core.passes.encode import encode, rank_columns
 from fcp_compiler.core.passes.fan_out import fan_out
 from fcp_compiler.core.passes.localize import group_nodes, localize
 from fcp_compiler.core.passes.relay import relay
@@ -256,7 +256,9 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
             least any schedule can have).
     """
     budget = options.resolved_memory_budget_bytes
-    peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1])
+    # The encoder's columns of the plan, read by the account and, where the plan is kept as it is, written out.
+    columns = timer.run("memory", rank_columns, plan[0])
+    peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1], columns)
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
@@ -265,7 +267,7 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
             found = _faster_within_budget(timer, refit, others, budget, record)
         if found is not None:
-            (plan, peaks), record["refitted"] = found, True
+            (plan, peaks), record["refitted"], columns = found, True, None
             record["kept"] = record["kept"] or "the winner, in smaller stages"
         elif options.memory_budget_is_strict:
             raise InfeasibleError(
@@ -279,7 +281,7 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
               "memory_budget_bytes": budget}
     record.update(peak_bytes_fwd=int(peaks[:, 0].max()), peak_bytes_bwd=int(peaks[:, 1].max()))
     fields = {**plan[1], **memory}
-    return (plan[0], fields, timer.run("encode", encode, plan[0], fields)), record
+    return (plan[0], fields, timer.run("encode", encode, plan[0], fields, columns)), record
 
 
 # Schedules within the memory budget the refit compares by simulated layer time (the first ones down the ladder:

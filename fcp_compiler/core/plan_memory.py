@@ -13,13 +13,15 @@ from fcp_compiler.format.plan_format import GlobalTables, PlanHeader
 from fcp_compiler.format.stacked import StackedRanks, stack_columns
 
 
-def stack_plan(final: Reshuffle, header: PlanHeader | dict) -> StackedRanks:
+def stack_plan(final: Reshuffle, header: PlanHeader | dict,
+               columns: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> StackedRanks:
     """Every rank of the plan stacked from the encoder's columns, as a reader of its file would stack them (no
     section is encoded or decoded).
 
     Args:
         final: the plan's last IR object.
         header: its header, or its header fields (compile_plan's, before the sections are laid out).
+        columns: rank_columns(final), when the caller has them.
     Returns:
         the StackedRanks.
     """
@@ -27,16 +29,18 @@ def stack_plan(final: Reshuffle, header: PlanHeader | dict) -> StackedRanks:
         header = PlanHeader.model_construct(**header)  # the fields compile_plan has just made, not a file's
     tables = GlobalTables(**{name: np.asarray(values, dtype=np.int64)
                              for name, values in global_columns(final).items()})
-    return stack_columns(header, tables, rank_columns(final))
+    return stack_columns(header, tables, rank_columns(final) if columns is None else columns)
 
 
-def plan_peak_bytes(final: Reshuffle, header_fields: dict) -> np.ndarray:
+def plan_peak_bytes(final: Reshuffle, header_fields: dict,
+                    columns: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """Each rank's peak bytes in the forward and the backward, in the plan's dtype and layout.
 
     Args:
         final: the plan's last IR object.
         header_fields: its header fields (shape, layout, stages: what the account reads).
+        columns: rank_columns(final), when the caller has them.
     Returns:
         int64 [num_ranks, 2].
     """
-    return stacked_peak_bytes(stack_plan(final, header_fields))
+    return stacked_peak_bytes(stack_plan(final, header_fields, columns))

@@ -27,6 +27,14 @@ class _RankSlicer:
         for name, column in zip(names, columns):
             self.columns[name] = (int32_bytes(column), bounds)
 
+    @classmethod
+    def of_columns(cls, num_ranks: int, columns: dict[str, tuple[np.ndarray, np.ndarray]]) -> "_RankSlicer":
+        """The slicer of :func:`rank_columns`' columns (their int32 values are sliced in place)."""
+        out = cls(num_ranks)
+        for name, (values, bounds) in columns.items():
+            out.columns[name] = (int32_bytes(values), bounds * 4)
+        return out
+
     def rank(self, rank: int) -> dict[str, memoryview]:
         return {name: data[bounds[rank]:bounds[rank + 1]] for name, (data, bounds) in self.columns.items()}
 
@@ -130,16 +138,19 @@ def global_columns(plan: Reshuffle) -> dict[str, np.ndarray]:
             "seg_end": sharding.seg_end}
 
 
-def encode(plan: Reshuffle, header_fields: dict) -> bytes:
+def encode(plan: Reshuffle, header_fields: dict,
+           columns: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> bytes:
     """Write the plan file bytes: header, batch-wide tables, then each rank's program (:func:`rank_columns`).
 
     Args:
         plan: the last IR object (it holds all the earlier ones).
         header_fields: every PlanHeader field but the section table.
+        columns: rank_columns(plan), when the caller has them (the memory account reads them too).
     Returns:
         the plan file's bytes (deterministic for the same IR and header).
     """
-    out = _slicer(plan)
+    out = _slicer(plan) if columns is None else _RankSlicer.of_columns(plan.num_ranks, columns)
+    del columns
     sections = [encode_section(out.rank(rank)) for rank in range(plan.num_ranks)]
     del out  # the int32 columns (millions of tile rows at small blocks) go before the file's bytes are joined
     return assemble_sections(header_fields, encode_section(global_columns(plan)), sections)
