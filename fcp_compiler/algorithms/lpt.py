@@ -109,7 +109,7 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
         move = _best_move(on_top, top, weights, sizes, loads, used, capacity)
         if move is not None and move[0] < best_score:
             best_score, best_action = move[0], ("move", move[1], move[2])
-        swap = _best_swap(on_top, top, weights, sizes, bin_of, loads, used, capacity)
+        swap = _best_swap(on_top, top, weights, sizes, bin_of, loads, used, capacity, best_score)
         if swap is not None and swap[0] < best_score:
             best_score, best_action = swap[0], ("swap", swap[1], swap[2])
         if best_action is None:
@@ -169,10 +169,23 @@ def _items_of_first_bins(items: np.ndarray, bin_of: np.ndarray, bin_order: np.nd
 
 
 def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray,
-               loads: np.ndarray, used: np.ndarray, capacity: int) -> tuple[float, int, int] | None:
+               loads: np.ndarray, used: np.ndarray, capacity: int,
+               below: float = np.inf) -> tuple[float, int, int] | None:
     """The swap of an item x of the top bin with a lighter item y elsewhere that leaves the lower maximum of the
-    two bins: (score, x, y), the first in (x, y) order among equals; None when no swap fits."""
+    two bins: (score, x, y), the first in (x, y) order among equals, among the swaps that score below `below`
+    (the best move's score: only a lower one is taken); None when no such swap fits."""
     partners = _swap_partners(on_top, top, bin_of, loads)
+    # A swap moving delta = w_x - w_y scores below `below` only if top - delta < below and L + delta < below (L: y's
+    # bin's load): w_x in (w_y + top - below, w_y + below - L). Partners with no top item's weight in that window
+    # cannot win, and are dropped before the (top items x partners) matrices: balanced bins leave windows far
+    # narrower than the weights. A slack covers the rounding of the scores.
+    top_load, top_weights = float(loads[top]), np.sort(weights[on_top])
+    slack = 1e-9 * max(abs(top_load), 1.0)
+    partner_weights = weights[partners]
+    nearest = np.searchsorted(top_weights, partner_weights + (top_load - below) - slack, side="right")
+    reach = top_weights[np.minimum(nearest, top_weights.size - 1)] < \
+        partner_weights + (below - loads[bin_of[partners]]) + slack
+    partners = partners[(nearest < top_weights.size) & reach]
     if partners.size == 0:
         return None
     partner_bins = bin_of[partners]
