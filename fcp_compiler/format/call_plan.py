@@ -272,7 +272,10 @@ def calls_in_parts(stacked: StackedRanks, table: RequestTable,
     """
     max_tiles = PART_TILES if max_tiles is None else max_tiles
     units = _units(stacked)
-    tile_rank = stacked.rank_of("tile_stage")
+    # Every stacked tile's rank and the units it reads, looked up once (a tile is in a forward and a backward part).
+    tile_rank, a = stacked.rank_of("tile_stage"), stacked.arrays
+    tile_units = (units.unit_of(tile_rank, TransferKind.Q, a["tile_q_block"]),
+                  units.unit_of(tile_rank, TransferKind.KV, a["tile_kv_block"]))
     num_requests = table.request_rank.size
     tile_bounds = np.searchsorted(table.tile_request, np.arange(num_requests + 1))
     low = 0
@@ -280,7 +283,7 @@ def calls_in_parts(stacked: StackedRanks, table: RequestTable,
         high = int(np.searchsorted(tile_bounds, tile_bounds[low] + max_tiles, side="right")) - 1
         high = min(max(high, low + 1), num_requests)
         part = table if (low, high) == (0, num_requests) else table.requests_between(low, high, tile_bounds)
-        calls = plan_calls(*_pairs(stacked, part, units, tile_rank), units.local_len,
+        calls = plan_calls(*_pairs(stacked, part, units, tile_rank, tile_units), units.local_len,
                            split_requests=part.request_backward)
         entry_rank = part.request_rank[calls.call_request][calls.entry_call]
         rows = np.where(calls.entry_q_source == LOCAL, calls.entry_q_row - units.local_base[entry_rank],
@@ -307,15 +310,15 @@ def concatenate_calls(parts: list[CallArrays], first_requests: list[int] | None 
     return CallArrays(**joined)
 
 
-def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units, rank_of_tile: np.ndarray) -> list[np.ndarray]:
+def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units, rank_of_tile: np.ndarray,
+           units_of_tile: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray]:
     """The requests' segment pairs as :func:`plan_calls` takes them (request, q_source, q_seg, q_row, q_start, q_end,
     k_source, k_seg, k_row, k_start, k_end, window), in request, tile, then segment order, the keys no query of a
-    pair sees left out; rank_of_tile: each stacked tile's rank (its position in the stack)."""
-    a, tables = stacked.arrays, stacked.tables
+    pair sees left out; rank_of_tile: each stacked tile's rank (its position in the stack); units_of_tile: the
+    units each stacked tile reads its queries and its keys from (-1: none)."""
     tiles = table.tile
     tile_rank = rank_of_tile[tiles]
-    q_unit = units.unit_of(tile_rank, TransferKind.Q, a["tile_q_block"][tiles])
-    k_unit = units.unit_of(tile_rank, TransferKind.KV, a["tile_kv_block"][tiles])
+    q_unit, k_unit = units_of_tile[0][tiles], units_of_tile[1][tiles]
     if (q_unit < 0).any() or (k_unit < 0).any():
         bad = int(np.flatnonzero((q_unit < 0) | (k_unit < 0))[0])
         rank = int(tile_rank[bad])
