@@ -2,8 +2,8 @@
 :func:`fcp_compiler.algorithms.call_plan.plan_calls`.
 
 The calls are derived from the plan file, not stored in it: every reader (the runtime, the validator, the memory
-account, the simulator's checks) gets the same calls from this one function, for the cost of one vectorized pass
-over the rank's segment pairs (benchmarks/runtime_traffic.py reports it).
+account, the simulator's checks) gets the same calls from this one function, for the cost of vectorized passes
+over the rank's segment pairs, a few requests at a time (benchmarks/runtime_traffic.py reports it).
 """
 
 from __future__ import annotations

@@ -108,15 +108,16 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
 
 
 def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None) -> np.ndarray:
-    """:func:`rank_peak_bytes` of every stacked rank, in one vectorized pass over all of them (one call plan).
+    """:func:`rank_peak_bytes` of every stacked rank, vectorized over ranks and their calls (the call plan of a group
+    of ranks, a few requests at a time: :func:`fcp_compiler.format.call_plan.calls_in_parts`).
 
     Returns:
         int64 [stacked.num_ranks, 2]: per rank, the forward's and the backward's peak bytes.
     """
     sizes = Sizes.of(stacked.header, dtype)
     peaks = []
-    # Each rank's account is its own: ranks go in groups of about CHUNK_TILES tiles, which bounds the memory of the
-    # segment pairs (millions at thousands of ranks) and changes no figure.
+    # Each rank's account is its own: ranks go in groups of about CHUNK_TILES tiles, which bounds the per-rank arrays
+    # a group stacks (the segment pairs are bounded by the call plan's parts) and changes no figure.
     tiles = np.cumsum(stacked.count("tile_stage"))
     low = 0
     while low < stacked.num_ranks:
