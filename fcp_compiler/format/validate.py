@@ -18,9 +18,8 @@ from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.memory import stacked_peak_bytes
-from fcp_compiler.format.plan_format import (PlanReader, TransferKind, expand_ranges, stack_ranks,
-                                             stacked_pull_tokens)
-from fcp_compiler.format.stacked import stack_programs
+from fcp_compiler.format.plan_format import PlanReader, TransferKind, expand_ranges
+from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 # Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
 # validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
@@ -149,11 +148,13 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Plan:
-    """What the validator reads: the header, the global tables and every rank's program."""
+    """What the validator reads: the header, the global tables, every rank's program as stored (a pull of a whole
+    block lists no segments), and every rank's arrays stacked once, each pull's segments listed."""
 
     header: object
     tables: object
     programs: list
+    stack: StackedRanks
 
     @property
     def num_ranks(self) -> int:
@@ -161,11 +162,11 @@ class _Plan:
 
     def stacked(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """One per-rank array over every rank, and the rank of each row."""
-        return stack_ranks(self.programs, name)
+        return self.stack.arrays[name], self.stack.rank_of(name)
 
     def row_base(self, name: str) -> np.ndarray:
-        """Per rank, the first stacked row of its `name` table."""
-        return np.concatenate(([0], np.cumsum([p.arrays[name].size for p in self.programs])))
+        """Per rank, the first stacked row of its `name` table (and the end)."""
+        return self.stack.bounds[name]
 
 
 def segment_pairs(reader: PlanReader) -> int:
@@ -199,7 +200,8 @@ def _read(reader: PlanReader) -> _Plan:
         raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
                               f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (the compiler refuses such "
                               f"plans too; a ring baseline over hundreds of GPUs is scored unvalidated)")
-    return _Plan(header=header, tables=tables, programs=reader.ranks())
+    programs = reader.ranks(expand=False)  # whole-block pulls are listed once, over the stack
+    return _Plan(header=header, tables=tables, programs=programs, stack=stack_programs(programs))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,7 +395,7 @@ def _stack_pulls(plan: _Plan) -> _Pulls:
     send_source = np.where(source >= 0, source + plan.row_base("pull_recv_round")[send["me"]], -1)
     return _Pulls(kind=recv["kind"], block=recv["block"], me=recv["me"], peer=recv["peer"], count=recv["seg_count"],
                   seg_first=recv["seg_first"], segs=recv["segs"],
-                  tokens=stacked_pull_tokens(plan.programs, plan.tables).astype(np.int64), send_me=send["me"],
+                  tokens=plan.stack.pull_tokens("recv"), send_me=send["me"],
                   send_kind=send["kind"], send_block=send["block"], send_peer=send["peer"],
                   send_count=send["seg_count"], send_seg_first=send["seg_first"], send_segs=send["segs"],
                   send_source=send_source)
@@ -581,7 +583,7 @@ def _check_memory_bytes(plan: _Plan) -> np.ndarray:
     tensor the runtime creates (:mod:`fcp_compiler.format.memory`), and within the budget the plan was compiled for.
     Returns the peaks (int64 [ranks, 2])."""
     header = plan.header
-    peaks = stacked_peak_bytes(stack_programs(plan.programs))
+    peaks = stacked_peak_bytes(plan.stack)
     for column, name in enumerate(("fwd", "bwd")):
         stated = np.asarray(getattr(header, f"max_buffer_bytes_{name}"), dtype=np.int64)
         wrong = np.flatnonzero(stated != peaks[:, column])
