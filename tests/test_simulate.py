@@ -386,3 +386,23 @@ def test_coalesced_seconds_charge_each_query_segments_keys_in_a_launch_as_one_ca
             expected[at] += work / (tiles.profile.peak_tflops * 1e12 * float(tile_efficiency(tiles.profile, size)))
     assert len(keys) > 20
     np.testing.assert_allclose(ours, expected, rtol=1e-12)
+
+
+def test_a_plans_tiles_are_found_in_its_tile_set_as_a_search_would_find_them():
+    import dataclasses
+
+    from fcp_compiler.core.simulate import _stack_tiles
+
+    plan = compile_valid([3000, 700, 2900, 90, 1500], 4, block_size=256, coalesce=2)
+    stacked, tiles = stack_plan(plan.ir, plan.header), plan.ir.tiles
+    keys = tiles.tile_q_block * tiles.sharding.num_blocks + tiles.tile_kv_block
+    wanted = stacked.arrays["tile_q_block"] * tiles.sharding.num_blocks + stacked.arrays["tile_kv_block"]
+    assert np.array_equal(_stack_tiles(stacked, tiles, False)[0], np.searchsorted(keys, wanted))
+    assert not np.array_equal(wanted, np.sort(wanted))  # the plan's order is not the tile set's
+    # A stack that repeats a tile is not a permutation of the tile set: searched tile by tile.
+    arrays = dict(stacked.arrays, tile_kv_block=stacked.arrays["tile_kv_block"].copy())
+    arrays["tile_q_block"] = arrays["tile_q_block"].copy()
+    arrays["tile_q_block"][1], arrays["tile_kv_block"][1] = arrays["tile_q_block"][0], arrays["tile_kv_block"][0]
+    repeated = dataclasses.replace(stacked, arrays=arrays)
+    found = _stack_tiles(repeated, tiles, False)[0]
+    assert found[1] == found[0] and np.array_equal(np.delete(found, 1), np.delete(np.searchsorted(keys, wanted), 1))

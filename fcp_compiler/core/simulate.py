@@ -21,7 +21,7 @@ from fcp_compiler.core.ir import Batch, Sharding, TileSet
 from fcp_compiler.core.plan_memory import stack_plan
 from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
-from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.keys import stable_order, unique_keys
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
@@ -544,9 +544,20 @@ def _stack_tiles(stacked: StackedRanks, tiles, record: bool) -> tuple:
     """Every rank's tiles stacked: (index in `tiles`, rank, forward stage, backward stage, whether it runs during
     the input reshuffle, and trace names when recording)."""
     a = stacked.arrays
-    keys = tiles.tile_q_block * tiles.sharding.num_blocks + tiles.tile_kv_block
+    num_blocks = tiles.sharding.num_blocks
+    keys = tiles.tile_q_block * num_blocks + tiles.tile_kv_block  # sorted
     tile_q, tile_kv, tile_rank = a["tile_q_block"], a["tile_kv_block"], stacked.rank_of("tile_q_block")
-    tile_idx = np.searchsorted(keys, tile_q * tiles.sharding.num_blocks + tile_kv)
+    wanted = tile_q * num_blocks + tile_kv
+    tile_idx = None
+    if wanted.size == keys.size and (wanted.size == 0 or (wanted.min() >= 0 and wanted.max() < num_blocks ** 2)):
+        # A plan runs every tile once: its keys sorted by radix are the TileSet's (millions of tiles at small
+        # blocks, where a search per tile took seconds); any other plan is searched tile by tile.
+        order = stable_order(wanted, num_blocks ** 2)
+        if np.array_equal(wanted[order], keys):
+            tile_idx = np.empty(wanted.size, dtype=np.int64)
+            tile_idx[order] = np.arange(wanted.size)
+    if tile_idx is None:
+        tile_idx = np.searchsorted(keys, wanted)
     early = stacked_tiles_during_reshuffle(stacked)
     names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
     return tile_idx, tile_rank, a["tile_stage"], a["tile_bwd_stage"], early, names
