@@ -188,3 +188,10 @@ def test_many_small_items_refine_in_bounded_memory_and_stay_feasible():
     loads = np.bincount(got, weights=weights, minlength=num_bins)
     assert not over_cap(got, sizes, num_bins, capacity).any()
     assert loads.max() <= np.bincount(start, weights=weights, minlength=num_bins).max()
+
+
+def test_refine_leaves_an_assignment_whose_top_bin_is_empty_as_it_is():
+    # Every load zero: the top bin (the first) holds no item, so there is nothing to move or swap out of it.
+    start = np.array([1, 1, 2, 2])
+    got = refine_moves_swaps(np.zeros(4), np.ones(4, dtype=np.int64), start, 3, 10)
+    assert np.array_equal(got, start)

@@ -174,6 +174,8 @@ def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     """The swap of an item x of the top bin with a lighter item y elsewhere that leaves the lower maximum of the
     two bins: (score, x, y), the first in (x, y) order among equals, among the swaps that score below `below`
     (the best move's score: only a lower one is taken); None when no such swap fits."""
+    if on_top.size == 0:  # an empty top bin (every load zero) has nothing to swap
+        return None
     partners = _swap_partners(on_top, top, bin_of, loads)
     # A swap moving delta = w_x - w_y scores below `below` only if top - delta < below and L + delta < below (L: y's
     # bin's load): w_x in (w_y + top - below, w_y + below - L). Partners with no top item's weight in that window
