@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs
+from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs, sees_any
 from fcp_compiler.algorithms.keys import lookup, sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
@@ -120,7 +120,7 @@ def plan_calls(request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg,
     """
     columns = [np.asarray(a, dtype=np.int64) for a in (request, q_source, q_seg, q_row, q_start, q_end, k_source,
                                                          k_seg, k_row, k_start, k_end, window)]
-    visible = (columns[11] == 0) | ((columns[9] < columns[5]) & (columns[4] - columns[10] + 1 < columns[11]))
+    visible = sees_any(columns[4], columns[5], columns[9], columns[10], columns[11])
     (request, q_source, q_seg, q_row, q_start, q_end, k_source, k_seg, k_row, k_start, k_end,
      window) = columns if visible.all() else (c[visible] for c in columns)
     kind, left, q_kept, k_first = classify_pairs(q_start, q_end, k_start, k_end, window)

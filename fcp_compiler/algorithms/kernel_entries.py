@@ -18,6 +18,13 @@ WINDOW_DIAGONAL = 2  # the diagonal longer than the window: its own entry, causa
 WINDOW_BEFORE = 3  # an earlier key segment partly out of reach: its own trimmed entry, window (left, -1)
 
 
+def sees_any(q_start, q_end, k_start, k_end, window) -> np.ndarray:
+    """Whether some query of each segment pair (same sequence; ends exclusive) sees some key of it: every pair
+    under a full mask (window 0), else keys that start before the queries end and end within the window of the
+    first query. Bool array; the pairs :func:`classify_pairs` takes are those where it holds."""
+    return (window == 0) | ((k_start < q_end) & (q_start - k_end + 1 < window))
+
+
 def classify_pairs(q_start, q_end, k_start, k_end, window) -> tuple[np.ndarray, ...]:
     """Classify visible segment pairs (same sequence, keys not after the queries under a causal-type mask).
 

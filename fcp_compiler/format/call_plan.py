@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
+from fcp_compiler.algorithms.kernel_entries import sees_any
 from fcp_compiler.algorithms.keys import lookup, sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets, offsets_within
 from fcp_compiler.errors import PlanFormatError
@@ -338,8 +339,7 @@ def _pairs(stacked: StackedRanks, table: RequestTable, units: _Units, rank_of_ti
     # Pairs whose keys no query sees are dropped here, before their columns are gathered (plan_calls would drop
     # them too): about half of a causal zig-zag sequence's pairs.
     window = units.window[q_pick]
-    visible = (window == 0) | ((units.start[k_pick] < units.end[q_pick]) &
-                               (units.start[q_pick] - units.end[k_pick] + 1 < window))
+    visible = sees_any(units.start[q_pick], units.end[q_pick], units.start[k_pick], units.end[k_pick], window)
     if not visible.all():
         q_pick, k_pick, pair_tile, window = (column[visible] for column in (q_pick, k_pick, pair_tile, window))
     # The gap rule finds local segments by row: local query rows are counted over every rank's layout end to end.
