@@ -1,12 +1,15 @@
 """Compile latency of `compile_plan` (lengths to serialised plan) per pass, and rank-slice read time.
 
 Usage: python benchmarks/compile_latency.py [--gpus 64,128,256,1024] [--repeats 5] [--seeds 3]
-                                           [--scaling 256,4096] [--against TREE [--turns 5] [--eval-data DIR]]
+                                           [--scaling 256,4096 [--pages]]
+                                           [--against TREE [--turns 5] [--eval-data DIR]]
 
 Batches are the paper-like trace (docs/DESIGN.md section 8: lognormal, median 4096, sigma 1.8, clipped to [64, 512K],
 32K tokens per GPU). Prints the median over seeds x repeats of the whole compile and of each pass. --scaling
 compiles seed 0 three times at each scale in a fresh process and prints the median, its ratio to the first scale
-and the process's peak RSS (--gpus '' skips the per-pass table).
+and the process's peak RSS (--gpus '' skips the per-pass table); with --pages, each scale is compiled again in a
+fresh process with NumPy's huge-page advice left as NumPy sets it (fcp_compiler.algorithms.pages: the compiler turns
+it off), and the process's user and system CPU seconds are printed beside each.
 
 --against TREE compares this checkout with another (a worktree of an earlier commit): fresh processes, the two trees
 taking turns, each compiling one batch once (compile_plan in process, imports excluded); it prints each tree's median
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--scaling", default="", help="scales for the fresh-process median and peak RSS table")
+    parser.add_argument("--pages", action="store_true", help="--scaling also with NumPy's huge-page advice on")
     parser.add_argument("--against", type=Path, help="another checkout to compare with, taking turns")
     parser.add_argument("--turns", type=int, default=5, help="fresh processes per tree and batch (--against)")
     parser.add_argument("--eval-data", type=Path, help="length files for the matrix's batch kinds (--against)")
@@ -46,7 +50,7 @@ def main() -> None:
         _against(args.against, args.turns, args.eval_data)
         return
     if args.scaling:
-        _scaling([int(value) for value in args.scaling.split(",")])
+        _scaling([int(value) for value in args.scaling.split(",")], args.pages)
     if not args.gpus:
         return
     for label, code in (("import fcp_compiler", "import fcp_compiler"),
@@ -98,24 +102,32 @@ def main() -> None:
 _SCALE_RUN = """
 import json, resource, statistics, sys
 from fcp_compiler import compile_plan
+from fcp_compiler.algorithms import pages
 from fcp_compiler.tools.traces import lognormal_batch
 gpus = int(sys.argv[1])
+if sys.argv[2] == "huge":
+    pages._SWITCH = None  # leave NumPy's huge-page advice as NumPy set it
 lengths = lognormal_batch(gpus * 32768, 4096, 1.8, 64, 524288, 0)
 seconds = [compile_plan(lengths, gpus).stats["compile_seconds"] for _ in range(3)]
-print(json.dumps({"median": statistics.median(seconds), "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"median": statistics.median(seconds), "rss_kb": usage.ru_maxrss, "user": usage.ru_utime,
+                  "system": usage.ru_stime}))
 """
 
 
-def _scaling(scales: list[int]) -> None:
-    """Median of three compiles at each scale, each scale in a fresh process (so that its peak RSS is its own)."""
-    print(f"{'gpus':>5} {'median s':>9} {'x first':>8} {'peak RSS GB':>12}")
+def _scaling(scales: list[int], pages: bool = False) -> None:
+    """Median of three compiles at each scale, each scale in a fresh process (so that its peak RSS is its own);
+    with `pages`, again in another with NumPy's huge-page advice on (the process's user and system seconds)."""
+    print(f"{'gpus':>5} {'pages':>6} {'median s':>9} {'x first':>8} {'peak RSS GB':>12} {'user s':>7} "
+          f"{'system s':>9}")
     first = None
     for gpus in scales:
-        result = json.loads(subprocess.run([sys.executable, "-c", _SCALE_RUN, str(gpus)], check=True,
-                                           capture_output=True, text=True).stdout)
-        first = first or result["median"]
-        print(f"{gpus:>5} {result['median']:>9.3f} {result['median'] / first:>8.1f} {result['rss_kb'] / 1e6:>12.2f}",
-              flush=True)
+        for kind in ("base", "huge") if pages else ("base",):
+            result = json.loads(subprocess.run([sys.executable, "-c", _SCALE_RUN, str(gpus), kind], check=True,
+                                               capture_output=True, text=True).stdout)
+            first = first or result["median"]
+            print(f"{gpus:>5} {kind:>6} {result['median']:>9.3f} {result['median'] / first:>8.1f} "
+                  f"{result['rss_kb'] / 1e6:>12.2f} {result['user']:>7.1f} {result['system']:>9.1f}", flush=True)
 
 
 _TURN_RUN = """

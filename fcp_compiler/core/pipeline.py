@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS, least_segment_pairs, segment_pairs
+from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.floor import Placement
@@ -173,6 +174,7 @@ def plan_digest(batch, num_ranks: int | None = None, *, options: CompileOptions 
     return inputs_digest(the_batch, options, cap)
 
 
+@base_pages()
 def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int | None = None, *,
                  options: CompileOptions | None = None, progress: Callable[[dict], None] | None = None,
                  **fields) -> CompiledPlan:

@@ -22,6 +22,7 @@ from fcp_compiler.core.plan_memory import stack_plan
 from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
 from fcp_compiler.algorithms.keys import stable_order, unique_keys
+from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
@@ -314,6 +315,7 @@ def _reshuffle_flows(stacked: StackedRanks, bytes_per_token: float):
     return pairs[moving] // n, pairs[moving] % n, per_pair[moving] * bytes_per_token
 
 
+@base_pages()
 def simulate_plan(source, profile: HardwareProfile | None = None, record: bool = False,
                   model: str | None = None, attention_alone: bool = True,
                   kv_prefetch: bool | None = None) -> Simulation:

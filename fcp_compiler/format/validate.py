@@ -16,6 +16,7 @@ from fcp_compiler.algorithms.keys import lexsort_ints, sorted_unique, sorted_uni
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
+from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.memory import stacked_peak_bytes
 from fcp_compiler.format.plan_format import PlanReader, TransferKind, expand_ranges
@@ -69,6 +70,7 @@ def _fail(invariant: int, message: str) -> None:
     raise PlanInvalidError(invariant, message)
 
 
+@base_pages()
 def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
     """Check every invariant of a plan; return counts, or raise naming the first broken invariant.
 
