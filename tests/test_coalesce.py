@@ -315,7 +315,7 @@ def test_fit_memory_keeps_the_first_order_to_fit_a_step_at_a_time_the_q_pulls_fi
 
     options, _, rounds = _earliest_rounds_case()
     timer = pipeline._PassTimer()
-    fitted, peak = pipeline._fit_memory(timer, rounds, options, budget)
+    fitted, peak, plain = pipeline._fit_memory(timer, rounds, options, budget)
     first = pipeline._schedule_at(timer, rounds, options, budget, q_first=True)
     chains = [list(pipeline._refits(timer, rounds, options, budget, first))]
     if first[3] and first[2] > budget:
@@ -325,6 +325,7 @@ def test_fit_memory_keeps_the_first_order_to_fit_a_step_at_a_time_the_q_pulls_fi
     fitting = [step for step in steps if step[0] is not None and step[1] <= budget]
     expected = fitting[0] if fitting else min(steps, key=lambda step: (step[0] is None, step[1]))
     assert peak == expected[1] and (fitted is None) == (expected[0] is None)
+    assert plain == (expected[0] is not None and expected is steps[0])  # coalesce's own schedule, Q pulls first
     if fitted is not None:
         assert peak == max(pass_peaks(fitted))
         assert np.array_equal(fitted.forward.edge_round, expected[0].forward.edge_round)

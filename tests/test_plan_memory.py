@@ -155,3 +155,39 @@ def test_fcp_diff_reports_memory_and_a_rise_in_it_as_a_regression(unbudgeted):
     assert "max_buffer_bytes_bwd" not in less["regressions"] and "memory_budget_bytes" in less["parameters"]
     more = diff_plans(PlanReader(budgeted.to_bytes()), PlanReader(unbudgeted.to_bytes()))
     assert "max_buffer_bytes_bwd" in more["regressions"]
+
+
+def test_the_budget_ladder_from_the_plans_own_schedule_is_the_ladder_from_its_rounds():
+    """The memory budget's first refit levels the backward of the plan's own schedule again (its forward is the
+    same call) instead of coalescing its rounds from the start: every step must be the one coalesce makes, and the
+    rounds are scheduled only when a step needs them."""
+    import dataclasses
+
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.passes.coalesce import coalesce
+
+    options = CompileOptions.of(8, coalesce=8)
+    batch = pipeline._to_batch(LENGTHS, None)
+    timer = pipeline._PassTimer()
+    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 8, 4096),
+                                 pipeline.Placement.LAYER)
+    rounds = pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
+    asked = []
+
+    def rounds_of():
+        asked.append(len(asked))
+        return rounds
+
+    from_rounds = list(pipeline._budget_ladder(timer, lambda: rounds, options))
+    ladder = pipeline._budget_ladder(timer, rounds_of, options, coalesce(rounds, 8))
+    for step, want in enumerate(from_rounds):
+        got = next(ladder)
+        assert asked == ([] if step < 2 else [0])  # c = 8 and its halved backward need no rounds
+        assert (got.coalesce, got.backward.coalesce) == (want.coalesce, want.backward.coalesce)
+        for part in ("forward", "backward"):
+            for name in (field.name for field in dataclasses.fields(getattr(want, part))):
+                assert np.array_equal(getattr(getattr(got, part), name), getattr(getattr(want, part), name)), \
+                    (step, part, name)
+        assert np.array_equal(got.tile_order, want.tile_order)
+    assert next(ladder, None) is None and len(from_rounds) > 2

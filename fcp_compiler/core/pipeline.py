@@ -214,20 +214,23 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats, rounds_of, others = _compile_with_floor(timer, the_batch, options,
-                                                                                         cap, digest, progress)
+        final, header_fields, data, floor_stats, rounds_of, others, plain = _compile_with_floor(
+            timer, the_batch, options, cap, digest, progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
-        schedule = None
+        schedule, plain = None, False
         if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
-            schedule, _ = _fit_memory(timer, rounds, options, _memory_budget(options))
+            schedule, _, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
         if schedule is None:
-            schedule = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
+            schedule, plain = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), True
         final, header_fields, data = _finish(timer, schedule, options, digest)
-        floor_stats, rounds_of, others = None, lambda: rounds, lambda limit: iter(())
+        floor_stats, rounds_of, others, plain = None, lambda: rounds, lambda limit: iter(()), \
+            schedule if plain else None
+        del schedule
     (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
-                                                                rounds_of, others)
+                                                                rounds_of, others, plain)
+    del plain
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
@@ -242,14 +245,17 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
 
 def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
-                   rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator]) -> tuple[tuple, dict]:
+                   rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator],
+                   plain: Schedule | None = None) -> tuple[tuple, dict]:
     """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
     over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
     the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was (its
     header then states no budget); a given one is refused. `rounds_of` gives the plan's rounds before relays (the
     relay pass re-sources pulls in them), which the refits coalesce again; `others(seconds)` the floor's other
-    candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`).
+    candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`);
+    `plain`: the plan's schedule before relays where it is coalesce's at the requested rounds a stage (the first
+    refit levels its backward again, :func:`_budget_ladder`), else None.
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -264,7 +270,7 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
-        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of)
+        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain)
         found = refit[:2] if refit is not None else None
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
             found = _faster_within_budget(timer, refit, others, budget, record)
@@ -294,7 +300,8 @@ BUDGET_CHOICES = 2
 
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
-                     record: dict, rounds_of: Callable[[], Rounds]) -> tuple[tuple, np.ndarray, float] | None:
+                     record: dict, rounds_of: Callable[[], Rounds],
+                     plain: Schedule | None = None) -> tuple[tuple, np.ndarray, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
     BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
     with its peaks and that time. None when no step fits, when a rank's own tokens' accumulators and outputs alone
@@ -308,13 +315,13 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
     # The default budget's refits are work the floor's tile budget bounds, as it bounds the candidates: each
     # schedules, encodes and accounts the whole plan (tens of seconds at thousands of ranks). A given budget is met
     # whatever it costs.
-    most = math.inf if options.memory_budget_is_strict else floor.TILE_BUDGET // max(final.tiles.num_tiles, 1)
+    most = _most_refits(options, final.tiles.num_tiles)
     if floor_bytes > budget or not options.pipelined or most == 0:
         record["unmet"] = "own tokens" if floor_bytes > budget else "work"
         return None
     record["unmet"] = "no schedule"
     fitting = []
-    for schedule in _budget_ladder(timer, rounds_of(), options):
+    for schedule in _budget_ladder(timer, rounds_of, options, plain):
         if record["refits"] == most:
             record["unmet"] = "work"
             break
@@ -333,6 +340,12 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         return None
     seconds, _, candidate, peaks = min(fitting, key=lambda choice: choice[:2])
     return candidate, peaks, seconds
+
+
+def _most_refits(options: CompileOptions, num_tiles: int) -> float:
+    """How many schedules :func:`_refit_to_budget` may try for a plan of `num_tiles` tiles: any number for a budget
+    the user gave, else what the floor's tile budget allows (0 past it)."""
+    return math.inf if options.memory_budget_is_strict else floor.TILE_BUDGET // max(num_tiles, 1)
 
 
 def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callable[[float], Iterator], budget: int,
@@ -354,18 +367,26 @@ def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callab
     return best
 
 
-def _budget_ladder(timer: _PassTimer, rounds: Rounds, options: CompileOptions):
-    """Schedules of `rounds` that hold less and less, step by step: at the requested rounds a stage (c), then at
-    about 3/4 as many each step down to one, the backward levelled within TIGHT_LEVELLING_STAGES (a tile levelling
-    delays keeps its pulled block live) and then, at the same c, with its stages halved too (a pulled block lives
-    until its gradient leaves two stages later). A rank receives at most a stage's rounds of messages at a time, so
-    its peak falls about with the stage."""
-    per_stage, tight = options.coalesce, TIGHT_LEVELLING_STAGES
-    block_size = rounds.transfers.assignment.tiles.sharding.block_size
+def _budget_ladder(timer: _PassTimer, rounds_of: Callable[[], Rounds], options: CompileOptions,
+                   plain: Schedule | None = None):
+    """Schedules of the rounds `rounds_of()` gives that hold less and less, step by step: at the requested rounds a
+    stage (c), then at about 3/4 as many each step down to one, the backward levelled within TIGHT_LEVELLING_STAGES
+    (a tile levelling delays keeps its pulled block live) and then, at the same c, with its stages halved too (a
+    pulled block lives until its gradient leaves two stages later). A rank receives at most a stage's rounds of
+    messages at a time, so its peak falls about with the stage. `plain`: coalesce's schedule of those rounds at c,
+    where the caller holds it; the first step then levels its backward again (the forward is the same call)."""
+    per_stage, tight, rounds = options.coalesce, TIGHT_LEVELLING_STAGES, None
     while per_stage >= 1:
-        # The forward levelled as usual (its peak is the backward's fraction); the backward within `tight`.
-        schedule = timer.run("coalesce", coalesce, rounds, per_stage, options.pipelined,
-                             buffer_budget=LEVELLING_STAGES * per_stage * block_size, levelling_stages=tight)
+        if plain is not None and per_stage == options.coalesce:
+            # Its forward is this step's (levelled as usual, Q pulls first where that pays): only the backward
+            # changes, which with_backward_rounds levels as complete_backward would at 2c rounds a stage.
+            schedule, plain = timer.run("coalesce", with_backward_rounds, plain, 2 * per_stage, tight), None
+        else:
+            rounds = rounds if rounds is not None else rounds_of()
+            block_size = rounds.transfers.assignment.tiles.sharding.block_size
+            # The forward levelled as usual (its peak is the backward's fraction); the backward within `tight`.
+            schedule = timer.run("coalesce", coalesce, rounds, per_stage, options.pipelined,
+                                 buffer_budget=LEVELLING_STAGES * per_stage * block_size, levelling_stages=tight)
         yield schedule
         if (halved := smaller_backward_rounds(per_stage)) is not None:
             yield timer.run("coalesce", with_backward_rounds, schedule, halved, tight)
@@ -388,7 +409,9 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
                         progress: Callable[[dict], None] | None = None) -> tuple:
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats, a function
-    giving the winner's rounds before relays: its placement's routed pulls, scheduled into rounds again)."""
+    giving the winner's rounds before relays (those its schedule was coalesced from), the function giving the other
+    candidates (_FloorRun.others), and the winner's schedule before relays where it is coalesce's at the requested
+    rounds a stage and the budget's refits may run, else None)."""
     started = time.perf_counter()
     run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
                     progress=progress)
@@ -400,27 +423,25 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         run.schedule(follower)
     scores, budget = run.scores, run.budget
     winner = floor.choose(scores, budget)
-    last_stage = None
+    last_stage, plain = None, None
     if run.best is not None:
         assert run.best[0] is scores[winner]
-        plan, figures = run.best[1], run.best[2]
+        _, plan, figures, rounds, plain = run.best
         if not run.alone:
             plan, figures, last_stage = _backward_last_stage(timer, plan, figures, options, digest, budget,
                                                              run.pairs_of(plan[0].tiles))
     else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
         assert run.least[0] is scores[winner]
         _, transfers, with_fan_out, schedule = run.least
-        schedule = schedule or timer.run("coalesce", coalesce, _rounds(timer, transfers, options, with_fan_out),
-                                         options.coalesce, options.pipelined)
+        rounds = schedule.rounds if schedule is not None else _rounds(timer, transfers, options, with_fan_out)
+        schedule = schedule or timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined)
         plan = _finish(timer, schedule, options, digest)
         figures = None if run.alone else _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS} if figures is not None else {}
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    chosen = scores[winner].candidate
-    return (*plan, floor_stats, lambda: _rounds(timer, run.routed[chosen.placement], options, chosen.fan_out),
-            lambda limit: run.others(winner, limit))
+    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
@@ -500,7 +521,8 @@ class _FloorRun:
             return True
         timer, options, budget = self.timer, self.options, self.budget
         transfers = self.routed[candidate.placement]
-        schedule, peak = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options, budget)
+        schedule, peak, plain = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options,
+                                            budget)
         fits, relays = schedule is not None and peak <= budget, True
         if fits:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, self.digest)
@@ -521,7 +543,10 @@ class _FloorRun:
             relays=relays, seconds=time.perf_counter() - started,
             busy_lower_bound_s=self.bounds[candidate.placement])
         if fits and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
-            self.best = (score, plan, figures)
+            # The rounds before relays, which the memory budget's refits schedule again, and the schedule itself
+            # where their first may start from it (its forward; held only where refits may run).
+            plain = schedule if plain and _most_refits(options, plan[0].tiles.num_tiles) > 0 else None
+            self.best = (score, plan, figures, schedule.rounds, plain)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
             self.finished[len(self.scores)] = (plan, figures)
         if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
@@ -611,7 +636,8 @@ def _layer_figures(plan: tuple, pairs: tuple | None = None) -> dict:
                          attention_alone=False).layer_figures()
 
 
-def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int) -> tuple[Schedule | None, int]:
+def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions,
+                budget: int) -> tuple[Schedule | None, int, bool]:
     """coalesce with the requested rounds a stage and, while the live buffers exceed the budget, again with less
     held (:func:`_refits`). Where coalesce moved the Q pulls into the first stage (such a pull holds its block from
     then on) and that leaves the plan over the budget, the rounds in their plain order are refitted beside it, a step
@@ -621,7 +647,8 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
 
     Returns:
         (the first schedule tried that fits, else the completed one with the fewest live buffer tokens, or None when
-        every forward half tried was over by more than half; its peak live buffer tokens before relays).
+        every forward half tried was over by more than half; its peak live buffer tokens before relays; whether it
+        is the first one tried, coalesce's at the requested rounds a stage).
     """
     first = _schedule_at(timer, rounds, options, budget, q_first=True)
     chains = [_refits(timer, rounds, options, budget, first)]
@@ -635,11 +662,11 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budg
                 chains.remove(chain)
                 continue
             if step[0] is not None and (step[1] <= budget or not options.pipelined):
-                return step
+                return (*step, step[0] is first[0])
             # Completed before not, then the fewest tokens; the first of equals (the Q pulls first) stays.
             if least is None or (step[0] is None, step[1]) < (least[0] is None, least[1]):
                 least = step
-    return least
+    return (*least, least[0] is not None and least[0] is first[0])
 
 
 def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int, first: tuple):
