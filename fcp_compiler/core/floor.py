@@ -111,17 +111,24 @@ def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = Tr
     a fan-out candidate won 9; each was FCP's own placement or the fastest direct one, and when FCP's own was over
     the budget with fan-out the others' fan-out won none (it fit on 3 of 29).
 
+    The attention-alone placement (its joint compute/traffic search) is tried only where the looser tolerances are
+    not: beside the layer placements at three tolerances it won 1 of the 54 batches of benchmarks/layer_objective.py's
+    matrix, by 0.04% (ProLong at 256 GPUs, seed 1), while its search and schedule took 15-26% of the compile time
+    (docs/RESULTS.md, issue 34's fourth steps); the other 53 plans stay byte-identical without it.
+
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).
         fan_out: the user's node fan-out switch; None tries both.
         tolerances: also the layer placement at the looser token tolerances of LAYER_TOLERANCES (not when the user
-            gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load).
+            gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load);
+            the attention placement is tried only without them.
     Returns:
         the candidates, FCP's own placement first (direct first: its fan-out holds more memory), the magi route
         last and direct only.
     """
     looser = [Placement.LAYER_TOKENS_5, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
-    placements = [Placement.LAYER] + looser + ([] if attention_only else [Placement.ATTENTION]) + [Placement.GREEDY]
+    attention = [] if attention_only or looser else [Placement.ATTENTION]
+    placements = [Placement.LAYER] + looser + attention + [Placement.GREEDY]
     if fan_out is None:
         own = [Candidate(placement=Placement.LAYER, fan_out=False), Candidate(placement=Placement.LAYER, fan_out=True)]
         others = [Candidate(placement=placement, fan_out=False) for placement in placements[1:]]
