@@ -124,7 +124,7 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
     import fcp_compiler.core.pipeline as pipeline
 
     # Plans stand in as (name, peak bytes); the account reads them, and the floor gives each one's seconds.
-    monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields: np.array([[1, final[1]]]))
+    monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields, stop_above=None: np.array([[1, final[1]]]))
     timer = pipeline._PassTimer()
 
     def others(candidates):
@@ -191,3 +191,20 @@ def test_the_budget_ladder_from_the_plans_own_schedule_is_the_ladder_from_its_ro
                     (step, part, name)
         assert np.array_equal(got.tile_order, want.tile_order)
     assert next(ladder, None) is None and len(from_rounds) > 2
+
+
+def test_an_account_stopped_above_a_peak_is_the_full_accounts_first_ranks(unbudgeted, monkeypatch):
+    """The budget's refits and the other candidates only ask whether a plan fits: the account may stop after the
+    first group of ranks with a peak above a limit, and what it returned is then the full account of those ranks."""
+    from fcp_compiler.format import memory
+
+    monkeypatch.setattr(memory, "CHUNK_TILES", 1)  # a group a rank
+    stacked = stack_programs(PlanReader(unbudgeted.to_bytes()).ranks())
+    full = stacked_peak_bytes(stacked)
+    assert np.array_equal(stacked_peak_bytes(stacked, stop_above=int(full.max())), full)  # none above: every rank
+    rank_peak = full.max(axis=1)
+    limits = sorted(set(rank_peak.tolist()))[:-1]
+    assert limits
+    for limit in limits:
+        stopped = stacked_peak_bytes(stacked, stop_above=limit)
+        assert np.array_equal(stopped, full[:int(np.argmax(rank_peak > limit)) + 1])

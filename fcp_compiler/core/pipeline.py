@@ -327,7 +327,10 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
             break
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
-        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
+        # A rank above both the budget and the least peak so far settles it: the plan is over, and its own peak,
+        # at least that rank's, leaves the least as it is.
+        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1],
+                          stop_above=max(budget, record["least_peak_bytes"]))
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         if peaks.max() > budget:
             continue
@@ -358,7 +361,7 @@ def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callab
     best = None if refit is None else refit[:2]
     limit = math.inf if refit is None else refit[2]
     for name, candidate, seconds in others(limit):
-        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1])
+        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1], stop_above=budget)
         if peaks.max() > budget:
             continue
         if seconds < limit:

@@ -107,12 +107,17 @@ def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str 
     return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
 
 
-def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None) -> np.ndarray:
+def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None,
+                       stop_above: int | None = None) -> np.ndarray:
     """:func:`rank_peak_bytes` of every stacked rank, vectorized over ranks and their calls (the call plan of a group
     of ranks, a few requests at a time: :func:`fcp_compiler.format.call_plan.calls_in_parts`).
 
+    Args:
+        stop_above: where given, the account stops after the first group of ranks with a peak above it (a caller
+            that only asks whether a plan fits a budget need not account the rest).
     Returns:
-        int64 [stacked.num_ranks, 2]: per rank, the forward's and the backward's peak bytes.
+        int64 [ranks accounted, 2]: per rank, the forward's and the backward's peak bytes; every stacked rank, unless
+        the account stopped above `stop_above` (then the ranks up to that group's last, and its peak is above it).
     """
     sizes = Sizes.of(stacked.header, dtype)
     peaks = []
@@ -126,6 +131,8 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
         table = step_table(chunk, layout)
         peaks.append(_peaks(chunk, table, calls_in_parts(chunk, table), sizes))
         low = high
+        if stop_above is not None and peaks[-1].max() > stop_above:
+            break
     return np.concatenate(peaks) if peaks else np.zeros((0, 2), dtype=np.int64)
 
 
