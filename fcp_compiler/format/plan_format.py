@@ -469,25 +469,6 @@ def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
                               f"{detail['msg']}") from None
 
 
-def stack_ranks(programs: list[RankProgram], name: str) -> tuple[np.ndarray, np.ndarray]:
-    """One per-rank array concatenated over ranks, and the rank of each row."""
-    values = [program.arrays[name] for program in programs]
-    ranks = np.repeat(np.arange(len(programs)), [v.size for v in values])
-    return (np.concatenate(values) if values else np.zeros(0, dtype=np.int64)), ranks
-
-
-def stacked_pull_tokens(programs: list[RankProgram], tables: GlobalTables) -> np.ndarray:
-    """Tokens of every received pull row, stacked over ranks; works on compact programs (seg_count 0: the whole
-    block) and expanded ones alike."""
-    counts, _ = stack_ranks(programs, "pull_recv_seg_count")
-    segs, _ = stack_ranks(programs, "pull_recv_segs")
-    blocks, _ = stack_ranks(programs, "pull_recv_block")
-    seg_tokens = tables.seg_end - tables.seg_start
-    listed = np.bincount(np.repeat(np.arange(counts.size), counts), weights=seg_tokens[segs], minlength=counts.size)
-    block_tokens = np.bincount(tables.seg_block, weights=seg_tokens, minlength=int(tables.seg_block[-1]) + 1)
-    return np.where(counts == 0, block_tokens[blocks], listed)
-
-
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:
     """Read just one rank's program from a plan file or bytes."""
     return PlanReader(source).rank(rank)

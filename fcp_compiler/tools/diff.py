@@ -6,7 +6,8 @@ import numpy as np
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.core.layer_model import LSE_BYTES
-from fcp_compiler.format.plan_format import PlanReader, stack_ranks, stacked_pull_tokens
+from fcp_compiler.format.plan_format import PlanReader
+from fcp_compiler.format.stacked import stack_programs
 
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
@@ -23,21 +24,20 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     """Quality figures of a plan, from the plan file alone (docs/DESIGN.md section 5)."""
     from fcp_compiler.core.simulate import simulate_plan
 
-    header, tables = reader.header, reader.tables
+    header = reader.header
     simulation = simulate_plan(reader)
     compute = simulation.planned_compute
-    programs = reader.ranks(expand=False)  # each pull's tokens suffice
+    stack = stack_programs(reader.ranks(expand=False))  # whole-block pulls listed once, over the stack
     kv_bytes, q_bytes = header.shape.kv_bytes_per_token, header.shape.q_bytes_per_token
-    kinds, pull_rank = stack_ranks(programs, "pull_recv_kind")
-    per_pull = stacked_pull_tokens(programs, tables)
+    kinds, pull_rank = stack.arrays["pull_recv_kind"], stack.rank_of("pull_recv_kind")
+    per_pull = stack.pull_tokens("recv")
     received = np.bincount(pull_rank, weights=per_pull * np.where(kinds == 0, kv_bytes, q_bytes),
                            minlength=header.num_ranks)
     bound, _ = makespan_lower_bound(float(compute.sum()), header.num_ranks, 0.0)  # tiles may move: mean bound
     # Forward messages across nodes: pulls, and partial outputs pushed back along Q pulls.
-    sender, _ = stack_ranks(programs, "pull_recv_peer")
-    push_row, push_rank = stack_ranks(programs, "fwd_push_send_pull")
-    recv_base = np.concatenate(([0], np.cumsum([p.arrays["pull_recv_peer"].size for p in programs])))
-    push_pull = push_row + recv_base[push_rank]
+    sender = stack.arrays["pull_recv_peer"]
+    push_rank = stack.rank_of("fwd_push_send_pull")
+    push_pull = stack.arrays["fwd_push_send_pull"] + stack.bounds["pull_recv_peer"][push_rank]
     push_bytes = per_pull[push_pull] * (q_bytes + LSE_BYTES * header.shape.q_heads)
     src = np.concatenate((sender, push_rank))
     dst = np.concatenate((pull_rank, sender[push_pull]))
