@@ -1,4 +1,4 @@
-"""Large numpy arrays in base pages while the compiler or the validator runs.
+"""Large numpy arrays in base pages while the compiler, the validator or the simulator runs.
 
 NumPy advises the kernel to back every large array with transparent huge pages (madvise MADV_HUGEPAGE). Where the
 kernel then compacts memory or clears a whole 2 MiB page at each first touch (THP defrag "madvise", the common
