@@ -129,7 +129,7 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
 
     def others(candidates):
         def listed(limit):
-            return ((name, ((name, peak), {}, None), seconds) for name, peak, seconds in candidates
+            return ((name, ((name, peak), {}, None), seconds, None) for name, peak, seconds in candidates
                     if seconds < limit)
         return listed
 

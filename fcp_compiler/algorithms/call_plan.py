@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs, sees_any
-from fcp_compiler.algorithms.keys import lookup, sorted_unique
+from fcp_compiler.algorithms.keys import lexsort_ints, lookup, sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
@@ -164,12 +164,12 @@ def _entries(request, q_source, q_seg, q_row, q_len, kind, left, q_kept) -> _Ent
     slot_of_query[packed_queries] = np.arange(packed_queries.size)
     cut_pairs = np.flatnonzero(~packed)
     pair_entry = np.empty(num_pairs, dtype=np.int64)
-    pair_entry[packed] = slot_of_query[query_of[packed]]
     pair_entry[cut_pairs] = packed_queries.size + np.arange(cut_pairs.size)
     # Per entry: a representative pair (a packed entry's first pair; the cut pair itself).
     first_pair = np.concatenate([query_first[packed_queries], cut_pairs]).astype(np.int64)
-    diagonal = np.zeros(packed_queries.size, dtype=bool)
-    np.logical_or.at(diagonal, slot_of_query[query_of[packed]], kind[packed] == CAUSAL)
+    packed_slot = slot_of_query[query_of[packed]]
+    pair_entry[packed] = packed_slot
+    diagonal = np.bincount(packed_slot[kind[packed] == CAUSAL], minlength=packed_queries.size) > 0
     cut_kind = kind[cut_pairs]
     causal = np.concatenate([diagonal, cut_kind == WINDOW_DIAGONAL])
     right = np.concatenate([np.full(packed_queries.size, -1), np.where(cut_kind == WINDOW_DIAGONAL, 0, -1)])
@@ -190,15 +190,41 @@ def _split_calls(e: _Entries) -> tuple[np.ndarray, np.ndarray]:
     Returns:
         (entry_sorted, call_ptr): the entries by (call, order), and each call's bounds in that list.
     """
-    by_query = np.lexsort((e.order, e.q_seg, e.q_source, e.right, e.left, 1 - e.causal, e.request))
-    query = np.stack([e.request, e.causal, e.left, e.right, e.q_source, e.q_seg])[:, by_query]
-    run_start = np.maximum.accumulate(np.where(_starts(query), np.arange(by_query.size), 0))
+    mask = _group_key([e.right, e.left, 1 - e.causal, e.request])  # a call's mask, by (request, causal first, ...)
+    query = _group_key([e.q_seg, e.q_source, mask])
+    by_query = np.lexsort((e.order, query))
+    run_start = np.maximum.accumulate(np.where(_run_starts(query[by_query]), np.arange(by_query.size), 0))
     repetition = np.empty(by_query.size, dtype=np.int64)
     repetition[by_query] = np.arange(by_query.size) - run_start
-    entry_sorted = np.lexsort((e.order, repetition, e.right, e.left, 1 - e.causal, e.request))
-    key = np.stack([e.request, e.causal, e.left, e.right, repetition])[:, entry_sorted]
-    call_ptr = np.append(np.flatnonzero(_starts(key)), entry_sorted.size).astype(np.int64)
+    call = _group_key([repetition, mask])
+    entry_sorted = np.lexsort((e.order, call))
+    call_ptr = np.append(np.flatnonzero(_run_starts(call[entry_sorted])), entry_sorted.size).astype(np.int64)
     return entry_sorted, call_ptr
+
+
+def _group_key(columns: list[np.ndarray]) -> np.ndarray:
+    """One int64 key per row that orders rows as np.lexsort(columns) does and is equal exactly where every column
+    is (the last column primary): the columns' ranges packed side by side where they fit in 63 bits, else each
+    row's rank among the distinct rows."""
+    lows = [int(column.min(initial=0)) for column in columns]
+    widths = [(int(column.max(initial=0)) - low).bit_length() for column, low in zip(columns, lows)]
+    if sum(widths) <= 62:
+        key = np.zeros(columns[0].size, dtype=np.int64)
+        shift = 0
+        for column, low, width in zip(columns, lows, widths):
+            key |= (column - low) << shift
+            shift += width
+        return key
+    order = np.lexsort(columns)
+    ordered = np.stack(columns)[:, order]
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.cumsum(_starts(ordered)) - 1
+    return rank
+
+
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """bool per entry of a sorted key array: whether it differs from the one before."""
+    return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
 
 
 def _starts(columns: np.ndarray) -> np.ndarray:
@@ -249,7 +275,7 @@ def _fill_gaps(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray,
     entry = np.concatenate([entry_sorted[kept], fill_entry])
     call = np.concatenate([entry_call[kept], fill_call])
     within = np.concatenate([kept, fill_position])  # kept: sorted order; filled: row order
-    final = np.lexsort((within, call))
+    final = lexsort_ints((within, call))
     return entry[final], call[final]
 
 

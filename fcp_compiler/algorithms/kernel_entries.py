@@ -37,13 +37,21 @@ def classify_pairs(q_start, q_end, k_start, k_end, window) -> tuple[np.ndarray, 
         the entry keeps (rows past k_end + w - 2 see no key of the segment); k_first, the first key row kept
         (keys before q_start - w + 1 are seen by no query). O(1) per pair.
     """
-    q_start, q_end, k_start, k_end, window = (np.asarray(a, dtype=np.int64) for a in (
-        q_start, q_end, k_start, k_end, window))
+    columns = [np.asarray(a, dtype=np.int64) for a in (q_start, q_end, k_start, k_end, window)]
+    shape = np.broadcast_shapes(*(column.shape for column in columns))
+    q_start, q_end, k_start, k_end, window = (np.broadcast_to(column, shape).ravel() for column in columns)
     diagonal = (q_start == k_start) & (window > 0)
     within = q_end - 1 - k_start <= window - 1  # the farthest pair is within reach: no key masked by the window
     kind = np.where(window == 0, UNMASKED, np.where(
         diagonal, np.where(within, CAUSAL, WINDOW_DIAGONAL), np.where(within, UNMASKED, WINDOW_BEFORE)))
-    q_stop = np.where(kind == WINDOW_BEFORE, np.minimum(q_end, k_end + window - 1), q_end)
-    k_first = np.where(kind == WINDOW_BEFORE, np.maximum(k_start, q_start - window + 1) - k_start, 0)
-    left = np.select([kind == WINDOW_DIAGONAL, kind == WINDOW_BEFORE], [window - 1, k_end - q_stop + window - 1], -1)
-    return kind, left, q_stop - q_start, k_first
+    # Only the pairs a window cuts have trimmed rows and a left extent (none under causal and full masks).
+    q_stop, left, k_first = q_end.copy(), np.full(kind.size, -1, dtype=np.int64), np.zeros(kind.size, dtype=np.int64)
+    cut = np.flatnonzero(kind >= WINDOW_DIAGONAL)
+    if cut.size:
+        before = kind[cut] == WINDOW_BEFORE
+        w, start = window[cut], k_start[cut]
+        stop = np.where(before, np.minimum(q_end[cut], k_end[cut] + w - 1), q_end[cut])
+        q_stop[cut] = stop
+        k_first[cut] = np.where(before, np.maximum(start, q_start[cut] - w + 1) - start, 0)
+        left[cut] = np.where(before, k_end[cut] - stop + w - 1, w - 1)
+    return tuple(column.reshape(shape) for column in (kind, left, q_stop - q_start, k_first))

@@ -258,7 +258,8 @@ class _LiveBuffers:
         self.live = live_tokens(limit.buffer_rank, limit.buffer_first, end, limit.buffer_tokens, num_ranks,
                                 int(max(end.max(initial=0), num_stages)) + 2)
         self.columns = np.arange(self.live.shape[1])
-        self.last = last.astype(np.int64)  # a copy
+        # A copy, with one more entry that no target reaches: the last stage of "buffer -1" (a tile reading none).
+        self.last = np.append(last.astype(np.int64), np.iinfo(np.int64).max)
         self.budget = limit.budget
         self.buffer = limit.tile_buffer[order]  # per scan position
         read = np.maximum(self.buffer, 0)
@@ -286,22 +287,27 @@ class _LiveBuffers:
         where the budget allows; bool per position, True where the tile may run there (its buffer extended, or
         none needed)."""
         buffer = self.buffer[positions]
-        need = buffer >= 0
-        if need.any():
-            need[need] = self.last[buffer[need]] < target
+        need = self.last[buffer] < target  # a tile without a buffer reads the entry no target reaches
         if not need.any():
             return np.ones(positions.size, dtype=bool)
         ok = ~need
         need = np.flatnonzero(need)
         positions, buffer, rank = positions[need], buffer[need], ranks[need]
         hold, tokens = self.hold[positions], self.tokens[positions]
-        # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold).
-        window = (self.columns >= (self.last[buffer] + hold + 1)[:, None]) & \
-            (self.columns < (target + hold + 1)[:, None])
-        rows = self.live[rank]
-        fits = np.where(window, rows, 0).max(axis=1) + tokens <= self.budget  # live tokens are never negative
-        rows += window * np.where(fits, tokens, 0)[:, None]
-        self.live[rank] = rows
+        # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold);
+        # only the columns some window spans are read and written (a few of the pass's stages).
+        low = self.last[buffer] + hold + 1
+        high = target + hold + 1
+        first, last = int(low.min()), int(high.max())
+        if first < last:
+            columns = self.columns[first:last]
+            window = (columns >= low[:, None]) & (columns < high[:, None])
+            rows = self.live[rank, first:last]
+            fits = np.where(window, rows, 0).max(axis=1) + tokens <= self.budget  # live tokens are never negative
+            rows += window * np.where(fits, tokens, 0)[:, None]
+            self.live[rank, first:last] = rows
+        else:
+            fits = tokens <= self.budget
         self.last[buffer[fits]] = target
         ok[need] = fits
         return ok

@@ -40,8 +40,9 @@ from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
                                         too_many_sequences)
-from fcp_compiler.format.memory import least_peak_bytes
+from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram
+from fcp_compiler.format.stacked import StackedRanks
 from fcp_compiler.format.safe_io import write_atomic
 
 # _fit_memory aims this share of the memory budget when it shrinks the stages of a plan over it.
@@ -327,14 +328,14 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
             break
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
+        stacked = timer.run("memory", stack_plan, candidate[0], candidate[1])  # the account's and the simulation's
         # A rank above both the budget and the least peak so far settles it: the plan is over, and its own peak,
         # at least that rank's, leaves the least as it is.
-        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1],
-                          stop_above=max(budget, record["least_peak_bytes"]))
+        peaks = _peak_bytes(timer, candidate, stacked, stop_above=max(budget, record["least_peak_bytes"]))
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         if peaks.max() > budget:
             continue
-        figures = timer.run("floor", _layer_figures, candidate)
+        figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
         fitting.append((figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], len(fitting), candidate,
                         peaks))
         if len(fitting) == BUDGET_CHOICES:
@@ -357,17 +358,26 @@ def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callab
     where it simulates faster than the refit (another placement may hold less at its own stages than the winner
     does at smaller ones). Candidates are tried fastest first, as long as they simulated faster than the refit (or
     the first one that fits, where nothing was refitted): `others(limit)` gives (name, plan, its simulated layer
-    seconds). Returns (plan, peaks), or None."""
+    seconds, its ranks as the floor stacked them to simulate it, or None). Returns (plan, peaks), or None."""
     best = None if refit is None else refit[:2]
     limit = math.inf if refit is None else refit[2]
-    for name, candidate, seconds in others(limit):
-        peaks = timer.run("memory", plan_peak_bytes, candidate[0], candidate[1], stop_above=budget)
+    for name, candidate, seconds, stacked in others(limit):
+        peaks = _peak_bytes(timer, candidate, stacked, stop_above=budget)
         if peaks.max() > budget:
             continue
         if seconds < limit:
             best, record["kept"] = (candidate, peaks), name
         break
     return best
+
+
+def _peak_bytes(timer: _PassTimer, plan: tuple, stacked: StackedRanks | None = None,
+                stop_above: int | None = None) -> np.ndarray:
+    """:func:`plan_peak_bytes` of a finished plan (final IR, header fields, ...), from its stacked ranks where the
+    caller holds them (the same arrays: stack_plan of the plan)."""
+    if stacked is None:
+        return timer.run("memory", plan_peak_bytes, plan[0], plan[1], stop_above=stop_above)
+    return timer.run("memory", stacked_peak_bytes, stacked, stop_above=stop_above)
 
 
 def _budget_ladder(timer: _PassTimer, rounds_of: Callable[[], Rounds], options: CompileOptions,
@@ -489,7 +499,8 @@ class _FloorRun:
     pruned: dict = field(default_factory=dict)
     bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
-    finished: dict = field(default_factory=dict)  # score index -> (plan, figures) of each scored candidate
+    # score index -> (plan, figures, stacked ranks) of each scored candidate (the stack its account reads too)
+    finished: dict = field(default_factory=dict)
     pairs: dict = field(default_factory=dict)  # id(tile set) -> (tile set, its segment pairs): see pairs_of
     best: tuple | None = None
     least: tuple | None = None
@@ -535,8 +546,9 @@ class _FloorRun:
             fits = peak <= budget
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
-        figures = timer.run("floor", _layer_figures, plan, self.pairs_of(plan[0].tiles)) \
-            if fits and not self.alone else None
+        stacked = timer.run("floor", stack_plan, plan[0], plan[1]) if fits and not self.alone else None
+        figures = timer.run("floor", _layer_figures, plan, self.pairs_of(plan[0].tiles), stacked) \
+            if stacked is not None else None
         unscored = math.nan if fits else math.inf
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
@@ -551,7 +563,7 @@ class _FloorRun:
             plain = schedule if plain and _most_refits(options, plan[0].tiles.num_tiles) > 0 else None
             self.best = (score, plan, figures, schedule.rounds, plain)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
-            self.finished[len(self.scores)] = (plan, figures)
+            self.finished[len(self.scores)] = (plan, figures, stacked)
         if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
             self.least = (score, transfers, candidate.fan_out, schedule)
         self.scores.append(score)
@@ -561,11 +573,12 @@ class _FloorRun:
 
     def others(self, winner: int, limit: float):
         """The scored candidates but the winner that fit the live-buffer budget and simulated faster than `limit`,
-        fastest first, as they were scored: (its name, its plan, its layer seconds)."""
+        fastest first, as they were scored: (its name, its plan, its layer seconds, its stacked ranks)."""
         faster = sorted((score.layer_seconds, index) for index, score in enumerate(self.scores)
                         if index != winner and score.layer_seconds < limit and score.max_buffer_tokens <= self.budget)
         for seconds, index in faster:
-            yield self.scores[index].name, self.finished[index][0], seconds
+            plan, _, stacked = self.finished[index]
+            yield self.scores[index].name, plan, seconds, stacked
 
     def _place(self, placement: Placement) -> bool:
         """Place and route `placement`; False (and the reason in `pruned`) where it is refused, cannot win, or
@@ -631,11 +644,13 @@ def _same_placement(first: Assignment, second: Assignment) -> bool:
         np.array_equal(first.tile_rank, second.tile_rank)
 
 
-def _layer_figures(plan: tuple, pairs: tuple | None = None) -> dict:
+def _layer_figures(plan: tuple, pairs: tuple | None = None, stacked: StackedRanks | None = None) -> dict:
     """The simulated layer figures of a finished plan (final IR, header fields, ...), from its arrays as the
-    encoder lays them out (nothing encoded); `pairs`: its tiles' segment pairs, when the caller holds them."""
+    encoder lays them out (nothing encoded); `pairs`: its tiles' segment pairs, and `stacked`: stack_plan of it,
+    when the caller holds them."""
     final, fields, _ = plan
-    return simulate_plan(HeldPlan(stacked=stack_plan(final, fields), tiles=final.tiles, pairs=pairs),
+    stacked = stack_plan(final, fields) if stacked is None else stacked
+    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs),
                          attention_alone=False).layer_figures()
 
 

@@ -32,11 +32,13 @@ class PassMessages:
     num_stages: int
 
 
-def stacked_messages(stacked: StackedRanks, pass_name: str, last_use: bool = True) -> PassMessages:
+def stacked_messages(stacked: StackedRanks, pass_name: str, last_use: bool = True,
+                     tile_pulls: tuple[np.ndarray, np.ndarray] | None = None) -> PassMessages:
     """Where one pass's messages fall in its stages, on every stacked rank, and when each received pull is freed: at
     the end of the stage of its last tile, of the push back along it, of a push landing in it (a relay's), or of
     its relay's send, whichever is last (and never before it arrives). `last_use` False leaves the last out (each
-    pull's pull_recv_last is then its own stage): a pass over every tile that a caller of the stages alone skips."""
+    pull's pull_recv_last is then its own stage): a pass over every tile that a caller of the stages alone skips.
+    `tile_pulls`: :func:`tile_pull_rows` of the stack, where the caller holds it (both passes read the same)."""
     a, header = stacked.arrays, stacked.header
     forward = pass_name == "fwd"
     coalesce = header.coalesce if forward else header.bwd_coalesce
@@ -53,7 +55,7 @@ def stacked_messages(stacked: StackedRanks, pass_name: str, last_use: bool = Tru
     last = recv_stage.copy()
     if last_use:
         _last_uses(stacked, last, tile_stage, push_send_pull, push_send_stage, push_recv_pull, push_recv_stage,
-                   send_stage)
+                   send_stage, tile_pull_rows(stacked) if tile_pulls is None else tile_pulls)
     return PassMessages(pull_recv_rank=recv_rank, pull_recv_stage=recv_stage, pull_recv_last=last,
                         pull_send_rank=send_rank, pull_send_stage=send_stage, push_recv_rank=push_recv_rank,
                         push_recv_stage=push_recv_stage, push_recv_pull=push_recv_pull,
@@ -62,19 +64,27 @@ def stacked_messages(stacked: StackedRanks, pass_name: str, last_use: bool = Tru
                         num_stages=header.num_fwd_stages if forward else header.num_bwd_stages)
 
 
-def _last_uses(stacked: StackedRanks, last: np.ndarray, tile_stage, push_send_pull, push_send_stage, push_recv_pull,
-               push_recv_stage, send_stage) -> None:
-    """Raise each received pull's `last` stage to its last use: a tile reading it, the push back along it, a push
-    landing in it, its relay's send."""
+def tile_pull_rows(stacked: StackedRanks) -> tuple[np.ndarray, np.ndarray]:
+    """Per stacked tile, the stacked pull_recv row its queries and its keys arrive in (-1: the rank holds the
+    block): (Q rows, K,V rows)."""
     a = stacked.arrays
-    recv_rank, send_rank = stacked.rank_of("pull_recv_round"), stacked.rank_of("pull_send_round")
-    recv_base, num_blocks = stacked.base("pull_recv_round"), stacked.header.num_blocks
+    recv_rank, num_blocks = stacked.rank_of("pull_recv_round"), stacked.header.num_blocks
     # Each received pull's (rank, kind, block), sorted, to find the pull a tile reads.
     pull_key = (recv_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]
     order = np.argsort(pull_key, kind="stable")
     tile_rank = stacked.rank_of("tile_stage")
-    for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])):
-        row = lookup(pull_key[order], order, (tile_rank * 2 + kind) * num_blocks + blocks, -1)
+    q_rows, kv_rows = (lookup(pull_key[order], order, (tile_rank * 2 + kind) * num_blocks + blocks, -1)
+                       for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])))
+    return q_rows, kv_rows
+
+
+def _last_uses(stacked: StackedRanks, last: np.ndarray, tile_stage, push_send_pull, push_send_stage, push_recv_pull,
+               push_recv_stage, send_stage, tile_pulls: tuple[np.ndarray, np.ndarray]) -> None:
+    """Raise each received pull's `last` stage to its last use: a tile reading it (`tile_pulls`: each tile's pull
+    rows, :func:`tile_pull_rows`), the push back along it, a push landing in it, its relay's send."""
+    a = stacked.arrays
+    send_rank, recv_base = stacked.rank_of("pull_send_round"), stacked.base("pull_recv_round")
+    for row in tile_pulls:
         np.maximum.at(last, row[row >= 0], tile_stage[row >= 0])
     np.maximum.at(last, push_send_pull, push_send_stage)
     source = a["pull_send_source"]

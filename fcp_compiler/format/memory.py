@@ -35,7 +35,7 @@ from fcp_compiler.algorithms.ranges import offsets_within
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_requests, step_table
 from fcp_compiler.format.inputs import AttentionShape
-from fcp_compiler.format.liveness import PassMessages, stacked_messages
+from fcp_compiler.format.liveness import PassMessages, stacked_messages, tile_pull_rows
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
@@ -143,9 +143,10 @@ def _peaks(stacked: StackedRanks, table: RequestTable, parts: Iterable[tuple[int
                                  for first, calls in parts])
     index_bytes = 4 * np.bincount(figures.rank, weights=figures.index_ints, minlength=stacked.num_ranks)
     out = np.zeros((stacked.num_ranks, 2), dtype=np.int64)
+    tile_pulls = tile_pull_rows(stacked)
     for column, name in enumerate(("fwd", "bwd")):
         stage_of_call = np.where(figures.backward == (name == "bwd"), figures.stage, -1)
-        messages = stacked_messages(stacked, name)
+        messages = stacked_messages(stacked, name, tile_pulls=tile_pulls)
         out[:, column] = _pass_peak(stacked.num_ranks, messages, stage_of_call, stores, figures, sizes, name)
     out[:, 0] += index_bytes.astype(np.int64)
     return out
