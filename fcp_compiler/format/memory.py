@@ -18,8 +18,8 @@ The runtime (fcp_runtime.attention) creates, per pass:
 
 `acc` is fp32 for bf16 and fp16 inputs, else the input dtype. Kernel workspaces are not counted (flash-attn's are
 small; the exact kernels are a test backend), nor, in the user layout, the reshuffle's buffers (the packed Q, K, V
-and what the all-to-all sends and receives); the account is exact in the plan layout. benchmarks/runtime_traffic.py compares this with the peak a
-meta-device replay of the runtime records.
+and what the all-to-all sends and receives); the account is exact in the plan layout.
+benchmarks/runtime_traffic.py compares this with the peak a meta-device replay of the runtime records.
 """
 
 from __future__ import annotations
