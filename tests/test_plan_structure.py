@@ -131,11 +131,12 @@ def _structure_error(check) -> str | None:
 
 @pytest.mark.parametrize("layout", ["plan", "user"])
 def test_all_ranks_checked_at_once_refuse_as_rank_by_rank(layout):
-    """PlanReader.ranks checks every rank's arrays in one pass (check_ranks_arrays): over random edits of random
-    arrays (values off by a few, out of range, rows added or dropped), it must refuse exactly what the rank-by-rank
-    checks refuse, with the first bad rank's message, and pass what they pass."""
+    """PlanReader.ranks checks every rank's arrays in one pass (check_ranks_arrays), and so does a read end to end
+    (check_joined_arrays): over random edits of random arrays (values off by a few, out of range, rows added or
+    dropped), each must refuse exactly what the rank-by-rank checks refuse, with the first bad rank's message, and
+    pass what they pass."""
     from fcp_compiler.format.plan_format import RANK_ARRAYS
-    from fcp_compiler.format.plan_structure import check_rank_arrays, check_ranks_arrays
+    from fcp_compiler.format.plan_structure import check_joined_arrays, check_rank_arrays, check_ranks_arrays
 
     reader = PlanReader(compile_plan(LENGTHS, 4, block_size=256, layout=layout).to_bytes())
     tables = reader.tables
@@ -164,6 +165,12 @@ def test_all_ranks_checked_at_once_refuse_as_rank_by_rank(layout):
         expected = _structure_error(one_by_one)
         assert _structure_error(lambda: check_ranks_arrays(lambda rank: f"rank {rank}", header, ranks,
                                                            *sizes)) == expected
+        # Read end to end (PlanReader.joined_ranks): the same verdict and message.
+        arrays = {name: np.concatenate([rank_arrays[name] for rank_arrays in ranks]) for name in RANK_ARRAYS}
+        bounds = {name: np.concatenate(([0], np.cumsum([rank_arrays[name].size for rank_arrays in ranks])))
+                  for name in RANK_ARRAYS}
+        assert _structure_error(lambda: check_joined_arrays(lambda rank: f"rank {rank}", header, arrays, bounds,
+                                                            *sizes)) == expected
         outcomes["passed" if expected is None else "refused"] += 1
     assert min(outcomes.values()) > 50  # both outcomes were exercised
 
@@ -177,3 +184,28 @@ def test_a_plan_from_elsewhere_passes_the_all_ranks_check_without_falling_back()
     ranks = [reader._decode_rank(rank) for rank in range(reader.header.num_ranks)]
     assert _ranks_pass(reader.header, _Joined(ranks), reader.tables.seg_block.size, reader._block_tokens,
                        reader._block_num_segments)
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_a_plan_read_end_to_end_stacks_as_its_programs_do(layout):
+    """stack_reader (the validator's, the simulator's and fcp diff's read) gives every array and bound that stacking
+    the decoded programs gives, and refuses a corrupt section with the same message."""
+    from fcp_compiler.format.stacked import stack_programs, stack_reader
+
+    data = compile_plan(LENGTHS, 4, block_size=256, layout=layout).to_bytes()
+    expected, got = stack_programs(PlanReader(data).ranks(expand=False)), stack_reader(PlanReader(data))
+    assert set(got.arrays) == set(expected.arrays) and set(got.bounds) == set(expected.bounds)
+    for name, values in expected.arrays.items():
+        assert got.arrays[name].dtype == values.dtype and np.array_equal(got.arrays[name], values), name
+        assert np.array_equal(got.bounds[name], expected.bounds[name]), name
+    assert np.array_equal(got.ranks, expected.ranks)
+    reader = PlanReader(data)
+    offset, length = reader.header.rank_sections[2]
+    corrupt = bytearray(data)
+    corrupt[reader.body_offset + offset + length // 2] ^= 0xFF
+    messages = []
+    for read in (lambda source: source.ranks(expand=False), stack_reader):
+        with pytest.raises(PlanFormatError) as error:
+            read(PlanReader(bytes(corrupt)))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "rank 2's section does not match its sha256" in messages[0]

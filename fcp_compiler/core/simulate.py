@@ -29,7 +29,7 @@ from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, 
 from fcp_compiler.format.call_plan import stacked_tiles_during_reshuffle
 from fcp_compiler.format.memory import Sizes
 from fcp_compiler.format.plan_format import PlanReader, TransferKind
-from fcp_compiler.format.stacked import StackedRanks, stack_programs
+from fcp_compiler.format.stacked import StackedRanks, stack_reader
 from fcp_compiler.format.traffic import stacked_range_traffic
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
 
@@ -530,8 +530,8 @@ def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     else:
         compiled_tiles = None
         reader = source if isinstance(source, PlanReader) else PlanReader(source)
-        # Unexpanded reads (each pull's tokens suffice); stacking writes whole-block pulls out once, for all ranks.
-        stacked = stack_programs(reader.ranks(expand=False))
+        # Read end to end, whole-block pulls written out once for all ranks (no rank decoded on its own).
+        stacked = stack_reader(reader)
     header, tables = stacked.header, stacked.tables
     profile = profile or header.profile
     if compiled_tiles is not None and compiled_tiles.profile == profile:

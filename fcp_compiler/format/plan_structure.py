@@ -159,6 +159,22 @@ def check_ranks_arrays(where: Callable[[int], str], header, ranks: list[dict[str
         check_rank_arrays(where(rank), header, arrays, num_segments, block_tokens, block_num_segments, rank)
 
 
+def check_joined_arrays(where: Callable[[int], str], header, arrays: dict[str, np.ndarray],
+                        bounds: dict[str, np.ndarray], num_segments: int, block_tokens: np.ndarray,
+                        block_num_segments: np.ndarray) -> None:
+    """:func:`check_ranks_arrays` of ranks read end to end (per name, every rank's values and each rank's bounds in
+    them, num_ranks + 1 entries): the same checks and the same message for the first bad rank.
+
+    Raises:
+        PlanFormatError: as :func:`check_rank_arrays`, for the first bad rank.
+    """
+    if _ranks_pass(header, _Stacked(arrays, bounds), num_segments, block_tokens, block_num_segments):
+        return
+    for rank in range(len(bounds["blocks"]) - 1):
+        rank_arrays = {name: values[bounds[name][rank]:bounds[name][rank + 1]] for name, values in arrays.items()}
+        check_rank_arrays(where(rank), header, rank_arrays, num_segments, block_tokens, block_num_segments, rank)
+
+
 class _Joined:
     """Every rank's arrays of a name end to end, with each rank's row count and each row's rank."""
 
@@ -182,6 +198,21 @@ class _Joined:
         ends = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
         bounds = np.concatenate(([0], np.cumsum(rows)))
         return ends[bounds[1:]] - ends[bounds[:-1]]
+
+
+class _Stacked(_Joined):
+    """:class:`_Joined` of arrays already end to end: per name the values and each rank's bounds in them."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], bounds: dict[str, np.ndarray]):
+        super().__init__([])
+        self.arrays, self.bounds = arrays, bounds
+        self.num_ranks = len(bounds["blocks"]) - 1
+
+    def rows(self, name: str) -> np.ndarray:
+        return np.diff(self.bounds[name])
+
+    def values(self, name: str) -> np.ndarray:
+        return self.arrays[name]
 
 
 def _inside(values: np.ndarray, low, high) -> bool:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets
-from fcp_compiler.format.plan_format import RANK_ARRAYS, GlobalTables, PlanHeader, RankProgram, expand_whole_blocks
+from fcp_compiler.format.plan_format import (RANK_ARRAYS, GlobalTables, PlanHeader, PlanReader, RankProgram,
+                                             expand_whole_blocks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +85,17 @@ def stack_programs(programs: list[RankProgram]) -> StackedRanks:
     bounds = {name: offsets([p.arrays[name].size for p in programs]) for name in RANK_ARRAYS}
     return _expanded(programs[0].header, programs[0].tables, np.asarray([p.rank for p in programs], dtype=np.int64),
                      arrays, bounds)
+
+
+def stack_reader(reader: PlanReader) -> StackedRanks:
+    """Every rank of a plan stacked as stack_programs(reader.ranks(expand=False)) stacks them, read in one pass
+    (:meth:`PlanReader.joined_ranks`: the same checks, no program decoded rank by rank).
+
+    Raises:
+        PlanFormatError: a corrupt section, or an index out of range.
+    """
+    arrays, bounds = reader.joined_ranks()
+    return _expanded(reader.header, reader.tables, np.arange(reader.header.num_ranks, dtype=np.int64), arrays, bounds)
 
 
 def _expanded(header: PlanHeader, tables: GlobalTables, ranks: np.ndarray, arrays: dict[str, np.ndarray],

@@ -20,7 +20,7 @@ from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.memory import stacked_peak_bytes
 from fcp_compiler.format.plan_format import PlanReader, TransferKind, expand_ranges
-from fcp_compiler.format.stacked import StackedRanks, stack_programs
+from fcp_compiler.format.stacked import StackedRanks, stack_reader
 
 # Coverage is checked by enumerating every (query segment, key segment) pair of a sequence: past this many the
 # validator refuses rather than exhaust memory (only a ring over hundreds of GPUs comes near it).
@@ -150,12 +150,11 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Plan:
-    """What the validator reads: the header, the global tables, every rank's program as stored (a pull of a whole
-    block lists no segments), and every rank's arrays stacked once, each pull's segments listed."""
+    """What the validator reads: the header, the global tables, and every rank's arrays stacked once, each pull's
+    segments listed."""
 
     header: object
     tables: object
-    programs: list
     stack: StackedRanks
 
     @property
@@ -202,8 +201,8 @@ def _read(reader: PlanReader) -> _Plan:
         raise PlanFormatError(f"the plan cuts its sequences into {num_pairs:,} segment pairs, more than the "
                               f"{MAX_VALIDATED_PAIRS:,} the validator enumerates (the compiler refuses such "
                               f"plans too; a ring baseline over hundreds of GPUs is scored unvalidated)")
-    programs = reader.ranks(expand=False)  # whole-block pulls are listed once, over the stack
-    return _Plan(header=header, tables=tables, programs=programs, stack=stack_programs(programs))
+    # Read end to end (whole-block pulls are listed once, over the stack), no rank decoded on its own.
+    return _Plan(header=header, tables=tables, stack=stack_reader(reader))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -763,66 +762,83 @@ def _merge_runs(key: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple
     return key[new], start[new], np.bincount(group, weights=length).astype(np.int64)
 
 
-def _tiles_exactly(start: np.ndarray, length: np.ndarray, total: int) -> bool:
-    """Whether the ranges [start, start + length) cover [0, total) exactly once."""
-    order = np.argsort(start, kind="stable")
-    start, end = start[order], start[order] + length[order]
-    return bool(start.size == 0 and total == 0 or start.size and start[0] == 0 and end[-1] == total
-                and (start[1:] == end[:-1]).all())
+def _runs_tile_ranks(rank: np.ndarray, start: np.ndarray, length: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Per rank, whether its ranges [start, start + length) (rows of `rank`, ascending) cover [0, totals[rank])
+    exactly once: bool [ranks]."""
+    num_ranks = totals.size
+    order = lexsort_ints((start, rank))  # each rank's ranges by start
+    rank, start = rank[order], start[order]
+    end = start + length[order]
+    count = np.bincount(rank, minlength=num_ranks)
+    ok = count == 0
+    ok &= totals == 0
+    if rank.size:
+        first, last = np.cumsum(count) - count, np.cumsum(count) - 1
+        has = count > 0
+        ends_right = np.zeros(num_ranks, dtype=bool)
+        ends_right[has] = (start[first[has]] == 0) & (end[last[has]] == totals[has])
+        gap = (rank[1:] == rank[:-1]) & (start[1:] != end[:-1])
+        ends_right &= np.bincount(rank[1:][gap], minlength=num_ranks) == 0
+        ok |= has & ends_right
+    return ok
 
 
-def _plan_side_runs(a: dict, rank: int, num_ranks: int, seq_offset, seg_seq, seg_start, seg_end, seg_ptr):
-    """The receiver's runs as global token ranges: each run of plan-layout positions cut where the rank's segments
-    (its blocks' segments, in order) end. Returns (pair key, global start, length) in packing order, and the rank's
-    plan-layout size."""
-    blocks = a["blocks"]
-    segs = expand_ranges(seg_ptr[blocks], seg_ptr[blocks + 1] - seg_ptr[blocks])
-    seg_len = seg_end[segs] - seg_start[segs]
-    local = np.concatenate(([0], np.cumsum(seg_len))).astype(np.int64)
-    offset, length = a["reshuffle_recv_offset"], a["reshuffle_recv_length"]
-    if (offset + length > local[-1]).any():
-        _fail(5, f"rank {rank} receives a reshuffle run outside its {int(local[-1])}-token plan layout")
-    first = np.searchsorted(local, offset, side="right") - 1
-    last = np.searchsorted(local, offset + length, side="left")  # exclusive
-    piece_seg = expand_ranges(first, last - first)
-    piece_run = np.repeat(np.arange(offset.size), last - first)
-    low = np.maximum(offset[piece_run], local[piece_seg])
-    high = np.minimum((offset + length)[piece_run], local[piece_seg + 1])
-    global_start = seq_offset[seg_seq[segs[piece_seg]]] + seg_start[segs[piece_seg]] + (low - local[piece_seg])
-    key = rank * num_ranks + a["reshuffle_recv_peer"][piece_run]
-    return (key, global_start, high - low), int(local[-1])
+def _first_reshuffle_fault(send_bad: np.ndarray, recv_outside: np.ndarray, recv_tiles: np.ndarray, chunk: np.ndarray,
+                           plan_tokens: np.ndarray) -> None:
+    """Fail on the first rank with a bad run, naming what a rank-by-rank check finds first: a run outside its user
+    chunk, one outside its plan layout, or a plan layout the runs do not tile."""
+    bad = send_bad | recv_outside | ~recv_tiles
+    if not bad.any():
+        return
+    rank = int(np.flatnonzero(bad)[0])
+    if send_bad[rank]:
+        _fail(5, f"rank {rank} sends a reshuffle run outside its {int(chunk[rank])}-token user chunk")
+    if recv_outside[rank]:
+        _fail(5, f"rank {rank} receives a reshuffle run outside its {int(plan_tokens[rank])}-token plan layout")
+    _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
 
 
 def _check_reshuffle(plan: _Plan) -> None:
     """5. Reshuffle bijection: the runs map user-layout tokens one to one onto plan-layout tokens, as both sides
     pack them.
 
-    Checked on ranges, never token by token: O(runs + segments) after sorting."""
-    programs, total_tokens, num_ranks, tables = plan.programs, plan.header.total_tokens, plan.num_ranks, plan.tables
-    lengths, seg_seq, seg_start, seg_end = tables.seq_lengths, tables.seg_seq, tables.seg_start, tables.seg_end
-    seg_ptr = np.searchsorted(tables.seg_block, np.arange(int(tables.seg_block[-1]) + 2))
+    Checked on ranges, never token by token, every rank at once: O(runs + segments) after sorting."""
+    stack, total_tokens, num_ranks, tables = plan.stack, plan.header.total_tokens, plan.num_ranks, plan.tables
+    a = stack.arrays
     bounds = (np.arange(num_ranks + 1, dtype=np.int64) * total_tokens) // num_ranks
-    seq_offset = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    sent, received = [], []
-    for program in programs:
-        rank, a = program.rank, program.arrays
-        # User side: each run is a token range of this rank's user-layout chunk.
-        length, offset = a["reshuffle_send_length"], a["reshuffle_send_offset"]
-        chunk = bounds[rank + 1] - bounds[rank]
-        if (length <= 0).any() or (offset < 0).any() or (offset + length > chunk).any():
-            _fail(5, f"rank {rank} sends a reshuffle run outside its {chunk}-token user chunk")
-        sent.append((a["reshuffle_send_peer"] * num_ranks + rank, bounds[rank] + offset, length))
-        runs, plan_tokens = _plan_side_runs(a, rank, num_ranks, seq_offset, seg_seq, seg_start, seg_end, seg_ptr)
-        if not _tiles_exactly(a["reshuffle_recv_offset"], a["reshuffle_recv_length"], plan_tokens):
-            _fail(5, f"rank {rank}'s plan layout is not filled exactly once by the reshuffle")
-        received.append(runs)
-    sent_key, sent_start, sent_length = (np.concatenate(column) for column in zip(*sent))
-    if not _tiles_exactly(sent_start, sent_length, total_tokens):
+    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths))).astype(np.int64)
+    # User side: each run is a token range of its rank's user-layout chunk.
+    send_rank, peer = stack.rank_of("reshuffle_send_peer"), a["reshuffle_send_peer"]
+    length, offset, chunk = a["reshuffle_send_length"], a["reshuffle_send_offset"], np.diff(bounds)
+    send_bad = np.bincount(send_rank[(length <= 0) | (offset < 0) | (offset + length > chunk[send_rank])],
+                           minlength=num_ranks) > 0
+    # Plan side: every rank's segments in layout order, end to end; a rank's plan-layout position p is base + p.
+    local, _, local_count = stack.local_segments()
+    edges = np.concatenate(([0], np.cumsum(tables.seg_end[local] - tables.seg_start[local]))).astype(np.int64)
+    base = edges[np.concatenate(([0], np.cumsum(local_count))).astype(np.int64)]
+    plan_tokens = np.diff(base)
+    recv_rank, recv_offset, recv_length = (stack.rank_of("reshuffle_recv_offset"), a["reshuffle_recv_offset"],
+                                           a["reshuffle_recv_length"])
+    recv_outside = np.bincount(recv_rank[recv_offset + recv_length > plan_tokens[recv_rank]], minlength=num_ranks) > 0
+    _first_reshuffle_fault(send_bad, recv_outside, _runs_tile_ranks(recv_rank, recv_offset, recv_length, plan_tokens),
+                           chunk, plan_tokens)
+    if not _tiles_exactly(bounds[send_rank] + offset, length, total_tokens):
         _fail(5, "the user layout's tokens are not each sent exactly once")
+    # The receiver's runs as global token ranges, each cut where its rank's segments end.
+    low_position = base[recv_rank] + recv_offset
+    high_position = low_position + recv_length
+    first = np.searchsorted(edges, low_position, side="right") - 1
+    pieces = np.searchsorted(edges, high_position, side="left") - first
+    piece_seg, piece_run = expand_ranges(first, pieces), np.repeat(np.arange(recv_offset.size), pieces)
+    low = np.maximum(low_position[piece_run], edges[piece_seg])
+    high = np.minimum(high_position[piece_run], edges[piece_seg + 1])
+    segs = local[piece_seg]
+    received = (recv_rank[piece_run] * num_ranks + a["reshuffle_recv_peer"][piece_run],
+                seq_offset[tables.seg_seq[segs]] + tables.seg_start[segs] + (low - edges[piece_seg]), high - low)
+    sent = (peer * num_ranks + send_rank, bounds[send_rank] + offset, length)
     # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare the token ranges pair by pair.
-    received_key, received_start, received_length = (np.concatenate(column) for column in zip(*received))
     sides = []
-    for key, start, length in ((sent_key, sent_start, sent_length), (received_key, received_start, received_length)):
+    for key, start, length in (sent, received):
         order = np.argsort(key, kind="stable")
         sides.append(np.stack(_merge_runs(key[order], start[order], length[order])))
     if sides[0].shape != sides[1].shape or not np.array_equal(*sides):
@@ -832,6 +848,14 @@ def _check_reshuffle(plan: _Plan) -> None:
         key = int(sides[0][0, bad]) if sides[0].shape[1] else 0
         _fail(5, f"tokens sent from user rank {key % num_ranks} to plan rank {key // num_ranks} do not land "
                  f"where the plan layout puts them")
+
+
+def _tiles_exactly(start: np.ndarray, length: np.ndarray, total: int) -> bool:
+    """Whether the ranges [start, start + length) cover [0, total) exactly once."""
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], start[order] + length[order]
+    return bool(start.size == 0 and total == 0 or start.size and start[0] == 0 and end[-1] == total
+                and (start[1:] == end[:-1]).all())
 
 
 def _check_relay_data(pulls: _Pulls) -> None:

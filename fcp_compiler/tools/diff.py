@@ -7,7 +7,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.core.layer_model import LSE_BYTES
 from fcp_compiler.format.plan_format import PlanReader
-from fcp_compiler.format.stacked import stack_programs
+from fcp_compiler.format.stacked import stack_reader
 
 # Quality figures and whether a higher value is worse.
 QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
@@ -27,7 +27,7 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     header = reader.header
     simulation = simulate_plan(reader)
     compute = simulation.planned_compute
-    stack = stack_programs(reader.ranks(expand=False))  # whole-block pulls listed once, over the stack
+    stack = stack_reader(reader)  # whole-block pulls listed once, over the stack
     kv_bytes, q_bytes = header.shape.kv_bytes_per_token, header.shape.q_bytes_per_token
     kinds, pull_rank = stack.arrays["pull_recv_kind"], stack.rank_of("pull_recv_kind")
     per_pull = stack.pull_tokens("recv")
