@@ -85,8 +85,8 @@ def validate_plan(source: str | bytes | PlanReader) -> ValidationReport:
        result is pushed after its last tile; a relay re-sends only after it receives, and pushes after the
        gradients it sums.
     3. :func:`_check_congestion_freedom`: every round of each pass is congestion-free per link class (NVLink inside
-       a node, nvlink_lanes matchings a round; the NIC across, one) over pulls and pushes; the header's per-class Delta, round and stage counts are the
-       ones the plan has.
+       a node, nvlink_lanes matchings a round; the NIC across, one) over pulls and pushes; the header's per-class
+       Delta, round and stage counts are the ones the plan has.
     4. :func:`_check_memory`: the token cap, the per-stage receive bound and the live buffers (equal to the header's
        max_buffer_tokens, by the liveness rule the runtime uses) hold; :func:`_check_memory_bytes`: each rank's
        peak bytes per pass are the header's max_buffer_bytes_fwd/_bwd, by the memory account of the tensors the
