@@ -87,3 +87,15 @@ def test_lexsort_ints_is_np_lexsort(seed):
     high = [3, 1 << 20, 1 << 40][seed % 3]
     keys = [rng.integers(-5 if seed % 2 else 0, high, size) for _ in range(1 + seed % 3)]
     assert np.array_equal(lexsort_ints(keys), np.lexsort(keys))
+
+
+@given(st.lists(st.integers(-(2**62), 2**62 - 1), max_size=300), st.integers(0, 3))
+def test_stable_argsort_is_numpys_stable_argsort(values, kind):
+    """One sort of packed values gives argsort's stable order: ties by index, negative keys, keys too wide to pack
+    beside their index (argsort itself then), booleans and floats (argsort itself)."""
+    from fcp_compiler.algorithms.keys import stable_argsort
+
+    keys = np.asarray(values, dtype=np.int64)
+    keys = (keys % 7 - 3, keys, keys > 0, keys.astype(np.float64))[kind]  # many ties; full range; bool; float
+    got = stable_argsort(keys)
+    assert got.dtype == np.int64 and np.array_equal(got, np.argsort(keys, kind="stable"))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs, sees_any
-from fcp_compiler.algorithms.keys import lexsort_ints, lookup, sorted_unique
+from fcp_compiler.algorithms.keys import lexsort_ints, lookup, sorted_unique, stable_argsort
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
@@ -192,12 +192,12 @@ def _split_calls(e: _Entries) -> tuple[np.ndarray, np.ndarray]:
     """
     mask = _group_key([e.right, e.left, 1 - e.causal, e.request])  # a call's mask, by (request, causal first, ...)
     query = _group_key([e.q_seg, e.q_source, mask])
-    by_query = np.lexsort((e.order, query))
+    by_query = lexsort_ints((e.order, query))
     run_start = np.maximum.accumulate(np.where(_run_starts(query[by_query]), np.arange(by_query.size), 0))
     repetition = np.empty(by_query.size, dtype=np.int64)
     repetition[by_query] = np.arange(by_query.size) - run_start
     call = _group_key([repetition, mask])
-    entry_sorted = np.lexsort((e.order, call))
+    entry_sorted = lexsort_ints((e.order, call))
     call_ptr = np.append(np.flatnonzero(_run_starts(call[entry_sorted])), entry_sorted.size).astype(np.int64)
     return entry_sorted, call_ptr
 
@@ -268,7 +268,7 @@ def _fill_gaps(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray,
     in_filled = np.flatnonzero(filled[entry_call])
     width = local_len.size + 1
     slot = entry_call[in_filled] * width + position[in_filled]
-    order = np.argsort(slot)
+    order = stable_argsort(slot)
     found = lookup(slot[order], entry_sorted[in_filled[order]], fill_call * width + fill_position, -1)
     fill_entry = np.where(found >= 0, found, -2 - fill_position)
     kept = np.flatnonzero(~filled[entry_call])
@@ -338,7 +338,7 @@ def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry
     pair_final = final_of_entry[e.pair_entry]
     # One int64 key, (entry, diagonal last, position): a stable sort of it is lexsort's order, at a third the cost.
     assert pair_final.size == 0 or (pair_final.min() >= 0 and pair_final.max() < 2**30 and k_start.max() < 2**32)
-    key_order = np.argsort((pair_final * 2 + k_causal) << 32 | k_start, kind="stable")
+    key_order = stable_argsort((pair_final * 2 + k_causal) << 32 | k_start)
     entry_key_ptr = np.concatenate(([0], np.cumsum(np.bincount(pair_final, minlength=entry.size)))).astype(np.int64)
     packed_call = (e.left[head] < 0) & (e.right[head] < 0) & (
         np.asarray(split_requests, dtype=bool)[e.request[head]] if split_requests is not None else False)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import expand_ranges
 
 
@@ -84,17 +84,17 @@ def _ranges(ptr: np.ndarray, items: np.ndarray, values: np.ndarray | None) -> tu
 def _least(values: np.ndarray, count: int) -> np.ndarray:
     """The first `count` positions of a stable argsort of `values` (ties by position), in O(N + c log c)."""
     if count >= values.size:
-        return np.argsort(values, kind="stable")
+        return stable_argsort(values)
     threshold = np.partition(values, count - 1)[count - 1]
     candidates = np.flatnonzero(values <= threshold)
-    return candidates[np.argsort(values[candidates], kind="stable")][:count]
+    return candidates[stable_argsort(values[candidates])][:count]
 
 
 def _same_segment(query_owner: np.ndarray, query_seg: np.ndarray,
                   target_seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (query, target) with the same segment, as (the query's owner, the target's position); queries are
     distinct per owner. O((Q + T) log T + hits)."""
-    order = np.argsort(target_seg, kind="stable")
+    order = stable_argsort(target_seg)
     ordered = target_seg[order]
     low = np.searchsorted(ordered, query_seg, side="left")
     counts = np.searchsorted(ordered, query_seg, side="right") - low

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.keys import stable_argsort, unique_keys
 from fcp_compiler.algorithms.ranges import expand_ranges
 
 # Segment pair kinds inside a tile (i, j): in the order the pairs of a tile are listed (query chunk, then key chunk
@@ -59,7 +59,7 @@ def dense_zigzag_sequences(seg_block: np.ndarray, seg_seq: np.ndarray, seg_start
              | (position >= num[seq]))
     bad = np.bincount(seq[wrong], minlength=num_sequences) > 0
     chosen = np.flatnonzero((num > 0) & ~bad)
-    order = np.argsort(first[chosen], kind="stable")
+    order = stable_argsort(first[chosen])
     chosen = chosen[order]
     return first[chosen], num[chosen].astype(np.int64), first_seg[first[chosen]].astype(np.int64)
 
@@ -85,7 +85,7 @@ def num_dense_pairs(num_blocks: np.ndarray) -> int:
     return int((num_blocks * (2 * num_blocks + 1)).sum())
 
 
-def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray):
+def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray, head: int = 0):
     """Every segment pair of dense zig-zag sequences (:func:`dense_zigzag_sequences`), grouped by tile in tile
     order: sequence m's n^2 tiles (i, j), row by row, are tiles tile_offset[m] + i n + j.
 
@@ -97,13 +97,16 @@ def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offse
     Args:
         first_seg, num_blocks: as :func:`dense_zigzag_sequences` returns them.
         tile_offset: int64, the index of each sequence's first tile.
+        head: rows left unwritten before the pairs, for a caller that lists other pairs first (the arrays hold
+            tens of millions of pairs at small blocks: joined after the fact, each would be copied whole).
     Returns:
-        (pair_tile, pair_q_seg, pair_kv_seg) int64 [P] and pair_self bool [P] (a chunk against itself).
+        (pair_tile, pair_q_seg, pair_kv_seg) int64 [head + P] and pair_self bool [head + P] (a chunk against
+        itself), the pairs from row `head` on.
     """
-    num_pairs = num_dense_pairs(num_blocks)
+    num_pairs = head + num_dense_pairs(num_blocks)
     pair_tile, pair_q_seg, pair_kv_seg = (np.empty(num_pairs, dtype=np.int64) for _ in range(3))
     pair_self = np.empty(num_pairs, dtype=bool)
-    first = 0
+    first = head
     for seg0, num, offset in zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist()):
         kind, step, itself = _by_offset(num)
         shape = (num, 2 * num + 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 
 class _Slots:
     """Which rounds each end's send and receive slots are taken in: per end, the mask of rounds whose slots are all
@@ -79,7 +81,7 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
     slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
     send, recv, send_full, recv_full, slots_of = slots.send, slots.recv, slots.send_full, slots.recv_full, \
         slots.capacity
-    order = np.argsort(ready_round, kind="stable")
+    order = stable_argsort(ready_round)
     rounds = []
     # _Slots.place written out: this loop runs once a message, millions of times over a floor's candidates.
     for a, b, ready in zip(src[order].tolist(), dst[order].tolist(), ready_round[order].tolist()):

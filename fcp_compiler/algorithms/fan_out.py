@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 NO_PARENT = -1
 # NVLink rounds that fit in one round (a NIC round): NVLink is that many times faster (9x on H100: 450 against
 # 50 GB/s), but every slot can bring a block to receive, so the buffers a stage may fill grow with it. Measured on
@@ -92,10 +94,10 @@ def _lpt_entries(group_node: np.ndarray, group_bytes: np.ndarray, lpt_order: np.
 
     Nodes share no NIC, so each node's groups form their own LPT; step k takes the k-th group of every node at
     once, in numpy (each rank's load sums in the same order as a loop over all groups would)."""
-    by_node = lpt_order[np.argsort(group_node[lpt_order], kind="stable")]
+    by_node = lpt_order[stable_argsort(group_node[lpt_order])]
     node_start = np.searchsorted(group_node[by_node], np.arange(num_nodes + 1))
     step = np.arange(by_node.size) - node_start[group_node[by_node]]
-    by_step = by_node[np.argsort(step, kind="stable")]
+    by_step = by_node[stable_argsort(step)]
     step_start = np.searchsorted(np.sort(step), np.arange(int(step.max(initial=-1)) + 2))
     load = np.zeros((num_nodes, gpus_per_node))
     load.reshape(-1)[num_ranks:] = np.inf  # a last node with fewer GPUs

@@ -27,6 +27,32 @@ def unique_keys(keys: np.ndarray, space: int, return_inverse: bool = False):
     return unique, position[keys]
 
 
+def stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable"), the same permutation, for integer keys by one sort of values: each key, less
+    the least, shifted above its index, so that ties keep index order. Sorting int64 values runs on SIMD where
+    argsort does not: 3-9x faster on 40 thousand to 15 million keys (the compiler's sorts). Keys whose range and
+    index need more than 62 bits together, and non-integer keys, are argsorted as they are. O(n log n).
+
+    Args:
+        keys: a 1-D array.
+    Returns:
+        int64 [n], the stable order.
+    """
+    keys = np.asarray(keys)
+    if keys.dtype.kind not in "iub" or keys.size < 2:
+        return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    low, high = int(keys.min()), int(keys.max())
+    shift = (keys.size - 1).bit_length()
+    if (high - low).bit_length() + shift > 62:
+        return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+    packed = np.subtract(keys, low, dtype=np.int64)
+    packed <<= shift
+    packed |= np.arange(keys.size, dtype=np.int64)
+    packed.sort()
+    packed &= (1 << shift) - 1
+    return packed
+
+
 def _run_starts(ordered: np.ndarray) -> np.ndarray:
     """bool per entry of a sorted array: whether it starts a run of equal keys."""
     return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
@@ -40,7 +66,7 @@ def sorted_unique(keys: np.ndarray, return_inverse: bool = False, return_index: 
     if not return_inverse and not return_index:
         ordered = np.sort(keys)
         return ordered[_run_starts(ordered)]
-    order = np.argsort(keys, kind="stable")
+    order = stable_argsort(keys)
     ordered = keys[order]
     first = _run_starts(ordered)
     out = [ordered[first]] + ([order[first]] if return_index else [])
@@ -52,15 +78,13 @@ def sorted_unique(keys: np.ndarray, return_inverse: bool = False, return_index: 
 
 
 def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
-    """np.argsort(keys, kind="stable") for int keys in [0, bound): by one or two 16-bit radix passes where bound
-    allows (numpy sorts 16-bit keys by radix, several times faster than a comparison sort of millions of int64)."""
+    """np.argsort(keys, kind="stable") for int keys in [0, bound): by one 16-bit radix pass where bound allows
+    (numpy sorts 16-bit keys by radix in O(n)), else by :func:`stable_argsort` (two radix passes and the gather
+    between them cost 2-6x its one sort of values)."""
     keys = np.asarray(keys)
     if bound <= 1 << 16:
         return np.argsort(keys.astype(np.uint16), kind="stable")
-    if bound <= 1 << 32:
-        order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
-        return order[np.argsort((keys >> 16).astype(np.uint16)[order], kind="stable")]
-    return np.argsort(keys, kind="stable")
+    return stable_argsort(keys)
 
 
 def lexsort_ints(keys) -> np.ndarray:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 
 def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_ranks: int,
                      ranks_per_node: int) -> np.ndarray:
@@ -43,7 +45,7 @@ def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_r
             parent[b] = a
             size[a] += size[b]
     roots = np.array([find(rank) for rank in range(num_ranks)], dtype=np.int64)
-    members = np.argsort(roots, kind="stable")
+    members = stable_argsort(roots)
     bounds = np.flatnonzero(np.diff(roots[members])) + 1
     groups = sorted(np.split(members, bounds), key=lambda group: (-group.size, int(group[0])))
     room = [ranks_per_node] * (num_ranks // ranks_per_node) + ([num_ranks % ranks_per_node]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 
 def split_heavy_blocks(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seconds: np.ndarray,
                        num_blocks: int, limit: float, piece: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,7 +75,7 @@ def offload_tiles(tile_q_block: np.ndarray, tile_kv_block: np.ndarray, tile_seco
     loads = np.bincount(tile_rank, weights=tile_seconds, minlength=num_ranks)
     if fixed_load is not None:
         loads = loads + fixed_load
-    for overloaded in np.argsort(-loads, kind="stable").tolist():
+    for overloaded in stable_argsort(-loads).tolist():
         exhausted: set[int] = set()
         past_target = False  # second pass: helpers may pass the target while they stay below this rank
         while loads[overloaded] > target:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 NO_PARENT = -1
 # Pulls of one sender tried in a row without a move before the sender is given up for the stage (bounds the work
 # on senders whose blocks have no free holder).
@@ -85,7 +87,7 @@ class _StageLoads:
 def busiest_send_seconds(edges: RelayEdges, src: np.ndarray, links: RelayLinks, num_ranks: int) -> np.ndarray:
     """Per stage, the most seconds any rank's send link (NIC or NVLink) is busy with the stage's pulls, when they
     leave `src`."""
-    by_stage = np.argsort(edges.stage, kind="stable")
+    by_stage = stable_argsort(edges.stage)
     bounds = np.searchsorted(edges.stage[by_stage], np.arange(int(edges.stage.max(initial=-1)) + 2))
     return np.array([_StageLoads(edges, src, by_stage[bounds[s]:bounds[s + 1]], links, num_ranks).send_time().max()
                      for s in range(bounds.size - 1)])
@@ -217,7 +219,7 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
     busy = _Busy(edges, src, links, num_ranks)
     by_block = np.lexsort((np.arange(edges.block.size), edges.block))
     block_start = np.searchsorted(edges.block[by_block], np.arange(int(edges.block.max()) + 2))
-    by_stage = np.argsort(edges.stage, kind="stable")
+    by_stage = stable_argsort(edges.stage)
     stage_start = np.searchsorted(edges.stage[by_stage], np.arange(int(edges.stage.max()) + 2))
     gained = 0.0
     for stage in range(stage_start.size - 1):

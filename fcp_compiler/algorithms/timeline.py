@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
 # Trace tracks (Chrome trace thread ids) of each rank's process.
 TRACKS = {("fwd", "compute"): 0, ("fwd", "send"): 1, ("fwd", "recv"): 2, ("bwd", "compute"): 3, ("bwd", "send"): 4,
           ("bwd", "recv"): 5}
@@ -229,7 +231,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     start = np.maximum(comm_end, compute_end)
     reshuffle_in = _slowest_message(src, dst, nbytes, links, n)
 
-    order = np.argsort(data.flow_stage, kind="stable")
+    order = stable_argsort(data.flow_stage)
     bounds = np.searchsorted(data.flow_stage[order], np.arange(data.num_stages + 1))
     times = _StageRecorder(data.num_stages, n) if stage_times else None
     for stage in range(data.num_stages):

@@ -179,9 +179,14 @@ class TileSet:
         listed = (self.listed_pair_tile, self.listed_pair_q_seg, self.listed_pair_kv_seg, self.listed_pair_flops)
         if dense.num_blocks.size == 0:
             return listed
-        pair_tile, q_seg, kv_seg, itself = dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset)
+        # The dense pairs written after room for the listed ones: no copy of tens of millions of rows to join them.
+        head = self.listed_pair_tile.size
+        pair_tile, q_seg, kv_seg, itself = dense_zigzag_pairs(dense.first_seg, dense.num_blocks, dense.tile_offset,
+                                                              head=head)
         flops = np.where(itself, dense.self_flops, dense.whole_flops)
-        return tuple(np.concatenate(pair) for pair in zip(listed, (pair_tile, q_seg, kv_seg, flops)))
+        for column, values in zip((pair_tile, q_seg, kv_seg, flops), listed):
+            column[:head] = values
+        return pair_tile, q_seg, kv_seg, flops
 
     @property
     def pair_tile(self) -> np.ndarray:

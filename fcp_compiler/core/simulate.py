@@ -292,13 +292,23 @@ def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.n
     return calls.reshape(num_stages, num_ranks)
 
 
+# Segment pairs classified at a time (pair_kinds): each part's temporaries stay a few MB, reused, where one pass over
+# the tens of millions of pairs of 64-token blocks spent most of its time faulting in fresh pages.
+KIND_PART_PAIRS = 1 << 20
+
+
 def pair_kinds(tiles, pairs: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment pair's kernel entry kind and window left (:func:`classify_pairs`), the same in both passes."""
+    """Each segment pair's kernel entry kind (int8) and window left (:func:`classify_pairs`), the same in both
+    passes, classified KIND_PART_PAIRS pairs at a time."""
     sharding = tiles.sharding
     _, q_seg, k_seg, _ = pairs
-    start, end = sharding.seg_start, sharding.seg_end
-    kind, left, _, _ = classify_pairs(start[q_seg], end[q_seg], start[k_seg], end[k_seg],
-                                      sharding.batch.windows[sharding.seg_seq[q_seg]])
+    start, end, window = sharding.seg_start, sharding.seg_end, sharding.batch.windows[sharding.seg_seq]
+    kind = np.empty(q_seg.size, dtype=np.int8)
+    left = np.empty(q_seg.size, dtype=np.int64)
+    for low in range(0, q_seg.size, KIND_PART_PAIRS):
+        q, k = q_seg[low:low + KIND_PART_PAIRS], k_seg[low:low + KIND_PART_PAIRS]
+        kind[low:low + q.size], left[low:low + q.size], _, _ = classify_pairs(start[q], end[q], start[k], end[k],
+                                                                              window[q])
     return kind, left
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.arena import place_buffers
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
+from fcp_compiler.algorithms.keys import stable_argsort
 from fcp_compiler.algorithms.ranges import offsets
 from fcp_compiler.format.call_plan import Request, rank_calls
 from fcp_compiler.format.liveness import stacked_messages
@@ -140,7 +141,7 @@ def range_calls(calls: CallArrays, request_backward: np.ndarray, arenas: dict[st
     last = np.append(first[1:], key_entry.size) - 1
     request = calls.call_request[call[first]]
     group = (request * 2 + q_arena[first]) * 2 + k_arena[first]
-    order = np.argsort(group, kind="stable")
+    order = stable_argsort(group)
     first, last, group = first[order], last[order], group[order]
     starts = np.flatnonzero(np.append(True, group[1:] != group[:-1])) if group.size else np.zeros(0, dtype=np.int64)
     # The pulls each call reads: every piece's query and key sources, by the call its range went to.

@@ -16,7 +16,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays, plan_calls
 from fcp_compiler.algorithms.kernel_entries import sees_any
-from fcp_compiler.algorithms.keys import lookup, sorted_unique
+from fcp_compiler.algorithms.keys import lookup, sorted_unique, stable_argsort
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets, offsets_within
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import Layout, RankProgram, TransferKind
@@ -89,7 +89,7 @@ def step_table(stacked: StackedRanks, layout: str | None = None) -> RequestTable
     forward = np.where(early, first[tile_rank], own + a["tile_stage"])
     backward = own + num_fwd + a["tile_bwd_stage"]
     request = np.concatenate([forward, backward])
-    order = np.argsort(request, kind="stable")  # within a request, tiles in row order
+    order = stable_argsort(request)  # within a request, tiles in row order
     rows = np.arange(tile_rank.size)
     request_rank = np.repeat(np.arange(stacked.num_ranks), per_rank)
     position = np.arange(request_rank.size) - first[request_rank] - has_early[request_rank]
@@ -143,7 +143,7 @@ def stacked_tiles_during_reshuffle(stacked: StackedRanks) -> np.ndarray:
                         a["reshuffle_recv_length"][mine])] = True
     held_stays = np.logical_and.reduceat(stays, held_start) if held.size else np.zeros(0, dtype=bool)
     held_key = held_rank * num_blocks + held
-    order = np.argsort(held_key, kind="stable")
+    order = stable_argsort(held_key)
     tile_rank = stacked.rank_of("tile_stage")
 
     def stays_of(blocks):
@@ -213,12 +213,12 @@ def _units(stacked: StackedRanks) -> _Units:
                            (held_rank * 2 + TransferKind.KV) * num_blocks + held,
                            (pull_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]])
     units = np.concatenate([held_unit, held_unit, pull_unit])
-    order = np.argsort(keys, kind="stable")
+    order = stable_argsort(keys)
     local_rows = group_sums(local_len, offsets(local_count))
     num_seqs = int(tables.seq_lengths.size)
     entry_seq = tables.seg_seq[seg].astype(np.int64)
     entry_key = np.repeat(np.arange(unit_count.size), unit_count) * num_seqs + entry_seq
-    by_seq = np.argsort(entry_key, kind="stable")
+    by_seq = stable_argsort(entry_key)
     group_key, group_low = sorted_unique(entry_key[by_seq], return_index=True)
     return _Units(ptr=ptr, seg=seg, row=row, source=source, unit_key=keys[order], unit_of_key=units[order],
                   local_len=local_len, local_base=(np.cumsum(local_rows) - local_rows).astype(np.int64),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_compiler.format.stacked import StackedRanks
 
@@ -71,7 +71,7 @@ def tile_pull_rows(stacked: StackedRanks) -> tuple[np.ndarray, np.ndarray]:
     recv_rank, num_blocks = stacked.rank_of("pull_recv_round"), stacked.header.num_blocks
     # Each received pull's (rank, kind, block), sorted, to find the pull a tile reads.
     pull_key = (recv_rank * 2 + a["pull_recv_kind"]) * num_blocks + a["pull_recv_block"]
-    order = np.argsort(pull_key, kind="stable")
+    order = stable_argsort(pull_key)
     tile_rank = stacked.rank_of("tile_stage")
     q_rows, kv_rows = (lookup(pull_key[order], order, (tile_rank * 2 + kind) * num_blocks + blocks, -1)
                        for kind, blocks in ((TransferKind.Q, a["tile_q_block"]), (TransferKind.KV, a["tile_kv_block"])))

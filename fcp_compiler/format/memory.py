@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
-from fcp_compiler.algorithms.keys import lookup
+from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets_within
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_requests, step_table
@@ -254,7 +254,7 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
     starts = np.concatenate(([True], call[1:] != call[:-1]))
     position = before - before[np.maximum.accumulate(np.where(starts, np.arange(call.size), 0))]
     sources = int(source.max()) + 2  # LOCAL is -1
-    order = np.argsort(call * sources + source + 1, kind="stable")  # by (call, source), then piece order
+    order = stable_argsort(call * sources + source + 1)  # by (call, source), then piece order
     c, s, r, p, n = call[order], source[order], row[order], position[order], rows[order]
     same = np.zeros(c.size, dtype=bool)
     same[1:] = (c[1:] == c[:-1]) & (s[1:] == s[:-1])
@@ -293,7 +293,7 @@ def send_runs(stacked: StackedRanks) -> np.ndarray:
     keys = np.concatenate([np.repeat(layout_store, local_count) * num_segs + local,
                            np.repeat(recv_store, recv_count) * num_segs + recv_segs])
     rows = np.concatenate([offsets_within(seg_len[local], local_count), offsets_within(seg_len[recv_segs], recv_count)])
-    order = np.argsort(keys, kind="stable")
+    order = stable_argsort(keys)
     send_rank, source = stacked.rank_of("pull_send_round"), a["pull_send_source"]
     send_store = np.where(source >= 0, layout_store[send_rank] + 1 + source, layout_store[send_rank])
     send_segs, send_count = a["pull_send_segs"], a["pull_send_seg_count"]

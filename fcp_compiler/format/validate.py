@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
-from fcp_compiler.algorithms.keys import lexsort_ints, sorted_unique, sorted_unique_counts
+from fcp_compiler.algorithms.keys import (lexsort_ints, sorted_unique, sorted_unique_counts,
+                                          stable_argsort)
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
 from fcp_compiler.algorithms.liveness import peak_live_tokens
@@ -277,7 +278,7 @@ def _visible_segment_pairs(tables) -> tuple[np.ndarray, np.ndarray]:
     The differences q - k of two segments cover [q_start - k_end + 1, q_end - 1 - k_start]: a pair is visible when
     that range meets [0, w - 1]."""
     seg_seq, seg_start, seg_end = tables.seg_seq, tables.seg_start, tables.seg_end
-    group = np.argsort(seg_seq, kind="stable")
+    group = stable_argsort(seg_seq)
     group_count = np.bincount(seg_seq, minlength=tables.seq_lengths.size)
     group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
     per = group_count[seg_seq[group]]
@@ -636,9 +637,9 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
     owner, seg_block = blocks.owner, plan.tables.seg_block
     num_pulls = pulls.kind.size
     pull_key = pulls.kind * num_blocks * num_ranks + pulls.block * num_ranks + pulls.me
-    pull_order = np.argsort(pull_key, kind="stable")
+    pull_order = stable_argsort(pull_key)
     sorted_key = pull_key[pull_order]
-    tile_sorted = np.argsort(tiles.key, kind="stable")
+    tile_sorted = stable_argsort(tiles.key)
     pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
     pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
     carried = sorted_unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
@@ -839,7 +840,7 @@ def _check_reshuffle(plan: _Plan) -> None:
     # Both sides pack a (user rank, plan rank) pair's runs in the same order: compare the token ranges pair by pair.
     sides = []
     for key, start, length in (sent, received):
-        order = np.argsort(key, kind="stable")
+        order = stable_argsort(key)
         sides.append(np.stack(_merge_runs(key[order], start[order], length[order])))
     if sides[0].shape != sides[1].shape or not np.array_equal(*sides):
         common = min(sides[0].shape[1], sides[1].shape[1])
@@ -852,7 +853,7 @@ def _check_reshuffle(plan: _Plan) -> None:
 
 def _tiles_exactly(start: np.ndarray, length: np.ndarray, total: int) -> bool:
     """Whether the ranges [start, start + length) cover [0, total) exactly once."""
-    order = np.argsort(start, kind="stable")
+    order = stable_argsort(start)
     start, end = start[order], start[order] + length[order]
     return bool(start.size == 0 and total == 0 or start.size and start[0] == 0 and end[-1] == total
                 and (start[1:] == end[:-1]).all())

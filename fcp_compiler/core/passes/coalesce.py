@@ -9,7 +9,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
-from fcp_compiler.algorithms.keys import stable_order
+from fcp_compiler.algorithms.keys import stable_argsort, stable_order
 from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling, stage_loads
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
@@ -476,5 +476,5 @@ def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round
     kept = kept[~delayed[kept]]
     moved = np.flatnonzero(delayed)
     key = (tile_rank * num_stages + tile_stage) * num_rounds + (arrival_round + 1)
-    moved = moved[np.argsort(key[moved], kind="stable")]
+    moved = moved[stable_argsort(key[moved])]
     return np.insert(kept, np.searchsorted(key[kept], key[moved]), moved)

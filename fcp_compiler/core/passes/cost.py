@@ -8,7 +8,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.chunk_pairs import chunk_pair_sums
 from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_sequences
-from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.keys import lexsort_ints, unique_keys
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS, segment_pairs
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
@@ -113,7 +113,7 @@ def _segment_pair_tiles(sharding: Sharding, shape: AttentionShape, profile: Hard
     # Segments of one sequence never overlap, so in start order (causal) a later key segment is never seen; the
     # earlier ones and the query segment itself are counted in closed form, under the sequence's window.
     seg_seq = sharding.seg_seq
-    by_seq = np.lexsort((sharding.seg_start, seg_seq))
+    by_seq = lexsort_ints((sharding.seg_start, seg_seq))
     group_count = np.bincount(seg_seq, minlength=sharding.batch.num_sequences)
     group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
     sorted_seq = seg_seq[by_seq]
@@ -221,7 +221,7 @@ def ring_cost(sharding: Sharding, block_rank: np.ndarray, num_ranks: int, shape:
     block_of_rank[block_rank] = np.arange(block_rank.size)
     q_rank, kv_rank = np.nonzero(pairs > 0)
     q_block, kv_block = block_of_rank[q_rank], block_of_rank[kv_rank]
-    order = np.lexsort((kv_block, q_block))
+    order = lexsort_ints((kv_block, q_block))
     empty = np.zeros(0, dtype=np.int64)
     return TileSet(sharding=sharding, shape=shape, profile=profile, tile_q_block=q_block[order],
                    tile_kv_block=kv_block[order], tile_flops=per_pair * pairs[q_rank, kv_rank][order],

@@ -108,12 +108,12 @@ def _slicer(plan: Reshuffle) -> _RankSlicer:
         plan.sharding
     forward, backward, num_ranks = schedule.forward, schedule.backward, plan.num_ranks
     out = _RankSlicer(num_ranks)
-    block_order = np.lexsort((np.arange(assignment.block_rank.size), assignment.block_rank))
+    block_order = lexsort_ints((np.arange(assignment.block_rank.size), assignment.block_rank))
     out.add(("blocks",), assignment.block_rank[block_order], block_order)
     # Runs are sorted by (user rank, plan rank, start): the user side's order. The plan side sorts by user rank.
     out.add(("reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length"), plan.run_user_rank,
             plan.run_plan_rank, plan.run_user_offset, plan.run_length)
-    recv_runs = np.lexsort((plan.run_global_start, plan.run_user_rank, plan.run_plan_rank))
+    recv_runs = lexsort_ints((plan.run_global_start, plan.run_user_rank, plan.run_plan_rank))
     out.add(("reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length"), plan.run_plan_rank[recv_runs],
             plan.run_user_rank[recv_runs], plan.run_plan_offset[recv_runs], plan.run_length[recv_runs])
     row_of_edge = _add_pulls(out, transfers, forward, backward, num_ranks)

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import node_fan_out
-from fcp_compiler.algorithms.keys import sorted_unique
+from fcp_compiler.algorithms.keys import lexsort_ints, sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.core.ir import TransferKind, Transfers
 
@@ -52,7 +52,7 @@ def _with_forwarders(transfers: Transfers, parent: np.ndarray, forward_group: np
     dst = np.concatenate((transfers.edge_dst, forward_rank))
     src = np.concatenate((transfers.edge_src, transfers.edge_src[forward_group]))
     counts = np.concatenate((np.diff(transfers.edge_seg_offsets), np.zeros(num_new, dtype=np.int64)))
-    order = np.lexsort((dst, block, kind))
+    order = lexsort_ints((dst, block, kind))
     position = np.empty(order.size, dtype=np.int64)
     position[order] = np.arange(order.size)
     segs = transfers.edge_segs[expand_ranges(transfers.edge_seg_offsets[:-1][order[order < num_edges]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.node_groups import group_into_nodes
 from fcp_compiler.algorithms.ranges import expand_ranges, user_layout_bounds
 from fcp_compiler.core.ir import Assignment, Transfers
@@ -72,7 +73,7 @@ def renumber(transfers: Transfers, perm: np.ndarray) -> Transfers:
                             block_rank=perm[assignment.block_rank], tile_rank=perm[assignment.tile_rank])
     # plan_transfers sorts by (kind, block, receiver); renumbering changes only the receiver order within a block.
     dst = perm[transfers.edge_dst]
-    order = np.lexsort((dst, transfers.edge_block, transfers.edge_kind))
+    order = lexsort_ints((dst, transfers.edge_block, transfers.edge_kind))
     counts = np.diff(transfers.edge_seg_offsets)[order]
     starts = transfers.edge_seg_offsets[:-1][order]
     positions = expand_ranges(starts, counts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.ranges import user_layout_bounds
 from fcp_compiler.core.ir import Reshuffle, Schedule
 
@@ -12,7 +13,7 @@ def plan_layout(block_rank: np.ndarray, seg_block: np.ndarray, seg_tokens: np.nd
                 num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """Rank and local offset of every segment in the plan layout: a rank's blocks by id, segments in order."""
     seg_rank = block_rank[seg_block]
-    order = np.lexsort((np.arange(seg_block.size), seg_rank))  # segments are already sorted by block
+    order = lexsort_ints((np.arange(seg_block.size), seg_rank))  # segments are already sorted by block
     ordered_tokens = seg_tokens[order]
     cumulative = np.cumsum(ordered_tokens) - ordered_tokens
     rank_first = np.searchsorted(seg_rank[order], np.arange(num_ranks))
@@ -52,7 +53,7 @@ def reshuffle(schedule: Schedule) -> Reshuffle:
     seg_of_piece, user_rank, start, end = seg_of_piece[keep], user_rank[keep], start[keep], end[keep]
     plan_rank = seg_rank[seg_of_piece]
     plan_offset = seg_offset[seg_of_piece] + start - global_start[seg_of_piece]
-    order = np.lexsort((start, plan_rank, user_rank))
+    order = lexsort_ints((start, plan_rank, user_rank))
     user_rank, plan_rank, start, end, plan_offset = (a[order] for a in (user_rank, plan_rank, start, end, plan_offset))
     length = end - start
     continues = np.zeros(start.size, dtype=bool)

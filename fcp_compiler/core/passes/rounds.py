@@ -6,6 +6,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.edge_colouring import bipartite_edge_colouring
 from fcp_compiler.algorithms.fan_out import nvlink_lanes
+from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.core.ir import Rounds, Transfers
 
 
@@ -13,7 +14,7 @@ def arbitrary_rounds(transfers: Transfers) -> Rounds:
     """Ablation: pulls in edge order, each receiver taking one a round and senders unconstrained (not matchings:
     a sender may serve several receivers at once, so links congest). Plans built this way fail validation."""
     dst = transfers.edge_dst
-    order = np.lexsort((np.arange(dst.size), dst))
+    order = lexsort_ints((np.arange(dst.size), dst))
     first = np.searchsorted(dst[order], dst[order])
     edge_round = np.empty(dst.size, dtype=np.int64)
     edge_round[order] = np.arange(dst.size) - first

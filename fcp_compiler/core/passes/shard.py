@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.packing import best_fit_decreasing
 from fcp_compiler.core.ir import Batch, Sharding
 
@@ -84,7 +85,7 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     seg_block_all = np.concatenate(seg_block)
     seg_seq_all = np.concatenate(seg_seq)
     seg_start_all = np.concatenate(seg_start)
-    order = np.lexsort((seg_start_all, seg_seq_all, seg_block_all))
+    order = lexsort_ints((seg_start_all, seg_seq_all, seg_block_all))
     return Sharding(batch=batch, block_size=block_size, zigzag=bool(zigzag), seg_block=seg_block_all[order],
                     seg_seq=seg_seq_all[order], seg_start=seg_start_all[order],
                     seg_end=np.concatenate(seg_end)[order])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_home_needs, dense_zigzag_pull_needs
-from fcp_compiler.algorithms.keys import unique_keys
+from fcp_compiler.algorithms.keys import lexsort_ints, unique_keys
 from fcp_compiler.algorithms.ranges import expand_ranges
 
 from fcp_compiler.core.ir import Assignment, TransferKind, Transfers
@@ -17,7 +17,7 @@ def _edges_from_segment_needs(seg_needed: np.ndarray, rank_needing: np.ndarray, 
     key = unique_keys(rank_needing * num_segments + seg_needed, num_ranks * num_segments)
     ranks, segs = key // num_segments, key % num_segments
     blocks = seg_block[segs]
-    order = np.lexsort((segs, ranks, blocks))
+    order = lexsort_ints((segs, ranks, blocks))
     ranks, segs, blocks = ranks[order], segs[order], blocks[order]
     new_edge = np.ones(segs.size, dtype=bool)
     new_edge[1:] = (blocks[1:] != blocks[:-1]) | (ranks[1:] != ranks[:-1])
