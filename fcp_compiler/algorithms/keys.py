@@ -23,8 +23,9 @@ def unique_keys(keys: np.ndarray, space: int, return_inverse: bool = False):
     unique = np.flatnonzero(present)
     if not return_inverse:
         return unique
-    position = np.cumsum(present) - 1
-    return unique, position[keys]
+    position = np.cumsum(present, dtype=np.int32)  # the space is below 2^31: half the pages of int64
+    position -= 1
+    return unique, position[keys].astype(np.int64)
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:

@@ -198,7 +198,10 @@ class LaunchGroups:
         low = int(launch.min()) if launch.size else 0
         num_launches = int(launch.max()) - low + 1 if launch.size else 1
         num_segments = tiles.sharding.num_segments
-        key = (tile_rank[pair_plan_tile] * num_launches + launch[pair_plan_tile] - low) * num_segments + q_seg
+        # (rank, launch) per plan tile first: one gather a pair, and the rest in place (tens of millions of pairs).
+        key = (tile_rank * num_launches + launch - low)[pair_plan_tile]
+        key *= num_segments
+        key += q_seg
         space = int(tile_rank.max() + 1 if tile_rank.size else 1) * num_launches * num_segments
         _, group = unique_keys(key, space, return_inverse=True)
         group_pair = np.zeros(int(group.max()) + 1 if group.size else 0, dtype=np.int64)
