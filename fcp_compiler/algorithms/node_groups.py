@@ -38,12 +38,18 @@ def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_r
             rank = parent[rank]
         return rank
 
+    # Each join leaves one group fewer, and no fewer than a node's worth of ranks each can remain: past that many
+    # joins the rest of the pairs (most of them, at hundreds of ranks) can join nothing.
+    joins_left = num_ranks - -(-num_ranks // ranks_per_node)
     for pair in key[np.lexsort((key, -pair_volume))].tolist():
+        if joins_left == 0:
+            break
         a, b = find(pair // num_ranks), find(pair % num_ranks)
         if a != b and size[a] + size[b] <= ranks_per_node:
             a, b = min(a, b), max(a, b)
             parent[b] = a
             size[a] += size[b]
+            joins_left -= 1
     roots = np.array([find(rank) for rank in range(num_ranks)], dtype=np.int64)
     members = stable_argsort(roots)
     bounds = np.flatnonzero(np.diff(roots[members])) + 1
