@@ -99,3 +99,11 @@ def test_stable_argsort_is_numpys_stable_argsort(values, kind):
     keys = (keys % 7 - 3, keys, keys > 0, keys.astype(np.float64))[kind]  # many ties; full range; bool; float
     got = stable_argsort(keys)
     assert got.dtype == np.int64 and np.array_equal(got, np.argsort(keys, kind="stable"))
+
+
+def test_stable_argsort_of_unsigned_keys_past_int64_is_numpys():
+    from fcp_compiler.algorithms.keys import stable_argsort
+
+    for keys in (np.array([2**63 + 5, 2**63 + 1, 2**63 + 5, 7], dtype=np.uint64),
+                 np.array([9, 3, 9, 0], dtype=np.uint64)):
+        assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable"))

@@ -44,7 +44,7 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
         return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
     low, high = int(keys.min()), int(keys.max())
     shift = (keys.size - 1).bit_length()
-    if (high - low).bit_length() + shift > 62:
+    if (high - low).bit_length() + shift > 62 or high >= 1 << 63:  # (unsigned keys past int64 too)
         return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
     packed = np.subtract(keys, low, dtype=np.int64)
     packed <<= shift

@@ -42,8 +42,8 @@ from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, 
                                         too_many_sequences)
 from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram
-from fcp_compiler.format.stacked import StackedRanks
 from fcp_compiler.format.safe_io import write_atomic
+from fcp_compiler.format.stacked import StackedRanks
 
 # _fit_memory aims this share of the memory budget when it shrinks the stages of a plan over it.
 FIT_MARGIN = 0.8
