@@ -428,10 +428,12 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
     fwd_send_round, fwd_recv_round = plan.stacked("pull_send_round")[0], plan.stacked("pull_recv_round")[0]
     s_key = lexsort_ints((pulls.send_block, pulls.send_kind, pulls.send_peer, pulls.send_me, fwd_send_round))
     r_key = lexsort_ints((pulls.block, pulls.kind, pulls.me, pulls.peer, fwd_recv_round))
-    send_rows = np.stack([fwd_send_round, pulls.send_me, pulls.send_peer, pulls.send_kind, pulls.send_block,
-                          pulls.send_count])[:, s_key]
-    recv_rows = np.stack([fwd_recv_round, pulls.peer, pulls.me, pulls.kind, pulls.block, pulls.count])[:, r_key]
-    if not np.array_equal(send_rows, recv_rows):
+    send_columns = (fwd_send_round, pulls.send_me, pulls.send_peer, pulls.send_kind, pulls.send_block,
+                    pulls.send_count)
+    recv_columns = (fwd_recv_round, pulls.peer, pulls.me, pulls.kind, pulls.block, pulls.count)
+    # Column by column (a million rows each at thousands of ranks); the rows are stacked only to name a mismatch.
+    if not all(np.array_equal(sent[s_key], received[r_key]) for sent, received in zip(send_columns, recv_columns)):
+        send_rows, recv_rows = np.stack(send_columns)[:, s_key], np.stack(recv_columns)[:, r_key]
         bad = int(np.flatnonzero((send_rows != recv_rows).any(axis=0))[0])
         _fail(2, f"the pull sent in round {int(send_rows[0, bad])} from rank {int(send_rows[1, bad])} to rank "
                  f"{int(send_rows[2, bad])} (block {int(send_rows[4, bad])}) is not received as sent")
@@ -727,9 +729,9 @@ def _check_pushes(plan: _Plan, pulls: _Pulls, program: _PassProgram, last_use: n
     g_send = recv_pull + send_base[receiver]
     arrived = np.stack([pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send],
                         pulls.send_me[g_send], recv_round])
-    sent = sent[:, lexsort_ints(sent[::-1])]
-    arrived = arrived[:, lexsort_ints(arrived[::-1])]
-    if not np.array_equal(sent, arrived):
+    # Each side's rows in (kind, block, puller, owner, round) order, compared row by row.
+    sent_order, arrived_order = lexsort_ints(sent[::-1]), lexsort_ints(arrived[::-1])
+    if not all(np.array_equal(one[sent_order], other[arrived_order]) for one, other in zip(sent, arrived)):
         _fail(2, f"{prefix}: a push leaves and arrives differently")
     # Each pull of these kinds returns exactly once, after the last tile that used it.
     returned = np.bincount(g_recv, minlength=num_pulls) if num_pulls else np.zeros(0, dtype=np.int64)
