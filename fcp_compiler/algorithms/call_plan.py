@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs, sees_any
-from fcp_compiler.algorithms.keys import lexsort_ints, lookup, sorted_unique, stable_argsort
+from fcp_compiler.algorithms.keys import (lexsort_ints, lookup, pack_columns, run_starts, sorted_unique,
+                                          stable_argsort)
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
@@ -193,38 +194,27 @@ def _split_calls(e: _Entries) -> tuple[np.ndarray, np.ndarray]:
     mask = _group_key([e.right, e.left, 1 - e.causal, e.request])  # a call's mask, by (request, causal first, ...)
     query = _group_key([e.q_seg, e.q_source, mask])
     by_query = lexsort_ints((e.order, query))
-    run_start = np.maximum.accumulate(np.where(_run_starts(query[by_query]), np.arange(by_query.size), 0))
+    run_start = np.maximum.accumulate(np.where(run_starts(query[by_query]), np.arange(by_query.size), 0))
     repetition = np.empty(by_query.size, dtype=np.int64)
     repetition[by_query] = np.arange(by_query.size) - run_start
     call = _group_key([repetition, mask])
     entry_sorted = lexsort_ints((e.order, call))
-    call_ptr = np.append(np.flatnonzero(_run_starts(call[entry_sorted])), entry_sorted.size).astype(np.int64)
+    call_ptr = np.append(np.flatnonzero(run_starts(call[entry_sorted])), entry_sorted.size).astype(np.int64)
     return entry_sorted, call_ptr
 
 
 def _group_key(columns: list[np.ndarray]) -> np.ndarray:
     """One int64 key per row that orders rows as np.lexsort(columns) does and is equal exactly where every column
-    is (the last column primary): the columns' ranges packed side by side where they fit in 63 bits, else each
+    is (the last column primary): the columns packed side by side (:func:`pack_columns`) where they fit, else each
     row's rank among the distinct rows."""
-    lows = [int(column.min(initial=0)) for column in columns]
-    widths = [(int(column.max(initial=0)) - low).bit_length() for column, low in zip(columns, lows)]
-    if sum(widths) <= 62:
-        key = np.zeros(columns[0].size, dtype=np.int64)
-        shift = 0
-        for column, low, width in zip(columns, lows, widths):
-            key |= (column - low) << shift
-            shift += width
-        return key
+    packed = pack_columns(columns) if columns[0].size else (columns[0].astype(np.int64), 1)
+    if packed is not None:
+        return packed[0]
     order = np.lexsort(columns)
     ordered = np.stack(columns)[:, order]
     rank = np.empty(order.size, dtype=np.int64)
     rank[order] = np.cumsum(_starts(ordered)) - 1
     return rank
-
-
-def _run_starts(ordered: np.ndarray) -> np.ndarray:
-    """bool per entry of a sorted key array: whether it differs from the one before."""
-    return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
 
 
 def _starts(columns: np.ndarray) -> np.ndarray:

@@ -54,8 +54,8 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
     return packed
 
 
-def _run_starts(ordered: np.ndarray) -> np.ndarray:
-    """bool per entry of a sorted array: whether it starts a run of equal keys."""
+def run_starts(ordered: np.ndarray) -> np.ndarray:
+    """bool per entry of a sorted array: whether it starts a run of equal keys (differs from the one before)."""
     return np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
 
 
@@ -66,10 +66,10 @@ def sorted_unique(keys: np.ndarray, return_inverse: bool = False, return_index: 
     keys = np.asarray(keys, dtype=np.int64)
     if not return_inverse and not return_index:
         ordered = np.sort(keys)
-        return ordered[_run_starts(ordered)]
+        return ordered[run_starts(ordered)]
     order = stable_argsort(keys)
     ordered = keys[order]
-    first = _run_starts(ordered)
+    first = run_starts(ordered)
     out = [ordered[first]] + ([order[first]] if return_index else [])
     if return_inverse:
         inverse = np.empty(keys.size, dtype=np.int64)
@@ -101,22 +101,31 @@ def lexsort_ints(keys) -> np.ndarray:
     keys = [np.asarray(key) for key in keys]
     if not keys or keys[0].size == 0:
         return np.zeros(0 if not keys else keys[0].size, dtype=np.int64)
-    lows = [int(key.min()) for key in keys]
-    widths = [(int(key.max()) - low).bit_length() for key, low in zip(keys, lows)]
+    packed = pack_columns(keys)
+    return np.lexsort(keys) if packed is None else stable_order(*packed)
+
+
+def pack_columns(columns: list[np.ndarray]) -> tuple[np.ndarray, int] | None:
+    """Int columns of one length (at least one row) as one int64 key per row that orders rows as
+    np.lexsort(columns) does (the last column primary) and is equal exactly where every column is: each column less
+    its least value, side by side, the first lowest. Returns (the keys, a bound above them), or None where the
+    columns' ranges need more than 62 bits together. O(n k)."""
+    lows = [int(column.min()) for column in columns]
+    widths = [(int(column.max()) - low).bit_length() for column, low in zip(columns, lows)]
     if sum(widths) > 62:
-        return np.lexsort(keys)
-    packed = np.zeros(keys[0].size, dtype=np.int64)
+        return None
+    packed = np.zeros(columns[0].size, dtype=np.int64)
     shift = 0
-    for key, low, width in zip(keys, lows, widths):  # the first key lowest, the last (primary) highest
-        packed |= (key.astype(np.int64) - low) << shift
+    for column, low, width in zip(columns, lows, widths):
+        packed |= (column.astype(np.int64) - low) << shift
         shift += width
-    return stable_order(packed, 1 << shift)
+    return packed, 1 << shift
 
 
 def sorted_unique_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(keys, return_counts=True) for int keys by one sort (see :func:`sorted_unique`)."""
     ordered = np.sort(np.asarray(keys, dtype=np.int64))
-    first = np.flatnonzero(_run_starts(ordered))
+    first = np.flatnonzero(run_starts(ordered))
     return ordered[first], np.diff(np.append(first, ordered.size))
 
 

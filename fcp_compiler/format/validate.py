@@ -725,10 +725,10 @@ def _check_pushes(plan: _Plan, pulls: _Pulls, program: _PassProgram, last_use: n
         _fail(2, f"{prefix}: {send_round.size} pushes leave but {recv_round.size} arrive")
     # The pull a push returns along, as (kind, block, puller, owner), and its round.
     g_recv = send_pull + recv_base[sender]  # row in the stacked pull_recv table
-    sent = np.stack([pulls.kind[g_recv], pulls.block[g_recv], pulls.me[g_recv], pulls.peer[g_recv], send_round])
+    sent = [pulls.kind[g_recv], pulls.block[g_recv], pulls.me[g_recv], pulls.peer[g_recv], send_round]
     g_send = recv_pull + send_base[receiver]
-    arrived = np.stack([pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send],
-                        pulls.send_me[g_send], recv_round])
+    arrived = [pulls.send_kind[g_send], pulls.send_block[g_send], pulls.send_peer[g_send], pulls.send_me[g_send],
+               recv_round]
     # Each side's rows in (kind, block, puller, owner, round) order, compared row by row.
     sent_order, arrived_order = lexsort_ints(sent[::-1]), lexsort_ints(arrived[::-1])
     if not all(np.array_equal(one[sent_order], other[arrived_order]) for one, other in zip(sent, arrived)):
