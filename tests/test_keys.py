@@ -107,3 +107,17 @@ def test_stable_argsort_of_unsigned_keys_past_int64_is_numpys():
     for keys in (np.array([2**63 + 5, 2**63 + 1, 2**63 + 5, 7], dtype=np.uint64),
                  np.array([9, 3, 9, 0], dtype=np.uint64)):
         assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable"))
+
+
+@given(st.integers(0, 10_000), st.integers(0, 3000), st.sampled_from(["left", "right"]), st.integers(0, 2))
+def test_search_sorted_is_numpys_searchsorted(seed, num_values, side, kind):
+    """Values searched in sorted order (from SEARCH_IN_ORDER on) land where np.searchsorted puts them: ties, values
+    outside the array, floats, a 2-D array of values."""
+    from fcp_compiler.algorithms.keys import search_sorted
+
+    rng = np.random.default_rng(seed)
+    ordered = np.sort(rng.integers(-50, 50, rng.integers(0, 200)))
+    values = rng.integers(-60, 60, num_values)
+    values = (values, values + 0.5, values.reshape(-1, 1) if num_values % 2 == 0 else values)[kind]
+    got = search_sorted(ordered, values, side)
+    assert got.shape == values.shape and np.array_equal(got, np.searchsorted(ordered, values, side=side))

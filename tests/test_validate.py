@@ -62,6 +62,36 @@ def test_a_duplicated_tile_breaks_coverage(plan_bytes):
     expect(edited(plan_bytes, duplicate), 1, "runs 2 times")
 
 
+def test_a_segment_no_pull_brings_breaks_data_before_use(plan_bytes):
+    """A pull of two segments that both its ends list with one fewer: a tile of the receiver reads the dropped one
+    (the validator enumerates the visible segment pairs by binary search, and names the first lacking pair)."""
+    found = {}
+
+    def drop_segment(arrays):
+        for rank, a in enumerate(arrays):
+            starts = np.concatenate(([0], np.cumsum(a["pull_recv_seg_count"])))
+            for row in np.flatnonzero(a["pull_recv_seg_count"] == 2).tolist():
+                if (a["pull_send_source"] == row).any():  # relayed on: its child would lack the segment too
+                    continue
+                peer, block, kind = (int(a[f"pull_recv_{name}"][row]) for name in ("peer", "block", "kind"))
+                sender = arrays[peer]
+                match = np.flatnonzero((sender["pull_send_peer"] == rank) & (sender["pull_send_block"] == block)
+                                       & (sender["pull_send_kind"] == kind))
+                send_starts = np.concatenate(([0], np.cumsum(sender["pull_send_seg_count"])))
+                dropped = int(a["pull_recv_segs"][starts[row] + 1])
+                a["pull_recv_segs"] = np.delete(a["pull_recv_segs"], starts[row] + 1)
+                a["pull_recv_seg_count"][row] = 1
+                sent = int(match[0])
+                assert sender["pull_send_segs"][send_starts[sent] + 1] == dropped
+                sender["pull_send_segs"] = np.delete(sender["pull_send_segs"], send_starts[sent] + 1)
+                sender["pull_send_seg_count"][sent] = 1
+                found.update(rank=rank, segment=dropped)
+                return
+
+    data = edited(plan_bytes, drop_segment)
+    expect(data, 2, f"rank {found['rank']} reads segment {found['segment']} of block .* but no pull brings it")
+
+
 def test_a_tile_before_its_data_breaks_data_before_use(plan_bytes):
     def too_early(arrays):
         for a in arrays:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, WINDOW_DIAGONAL, classify_pairs, sees_any
-from fcp_compiler.algorithms.keys import (lexsort_ints, lookup, pack_columns, run_starts, sorted_unique,
-                                          stable_argsort)
+from fcp_compiler.algorithms.keys import (lexsort_ints, lookup, pack_columns, run_starts, search_sorted,
+                                          sorted_unique, stable_argsort)
 from fcp_compiler.algorithms.ranges import expand_ranges, group_sums, offsets_within
 
 LOCAL = -1  # source of rows the rank holds in the plan layout; a source >= 0 is a received pull's store
@@ -242,7 +242,7 @@ def _fill_gaps(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray,
     local_ok = (e.q_source[entry_sorted] == LOCAL) & e.whole[entry_sorted]
     prefix = np.concatenate(([0], np.cumsum(local_len)))
     # Rows of distinct local segments are distinct: a whole local segment's position is its row's rank.
-    position = np.where(local_ok, np.searchsorted(prefix[:-1], e.q_row[entry_sorted]), 0)
+    position = np.where(local_ok, search_sorted(prefix[:-1], e.q_row[entry_sorted]), 0)
     heads = call_ptr[:-1]
     eligible = np.logical_and.reduceat(local_ok, heads)
     low = np.minimum.reduceat(position, heads)

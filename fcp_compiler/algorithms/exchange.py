@@ -78,6 +78,8 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
     Returns:
         int64 [M], the round of each new message.
     """
+    if ready_round.size == 0:  # (the slots of the fixed messages cost milliseconds at hundreds of ranks)
+        return np.zeros(0, dtype=np.int64)
     slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
     send, recv, send_full, recv_full, slots_of = slots.send, slots.recv, slots.send_full, slots.recv_full, \
         slots.capacity
@@ -235,6 +237,8 @@ def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent
             children = children[height[edge_parent[children]] == level]
             np.maximum.at(ready, edge_parent[children], (push_round[children] // coalesce + 1) * coalesce)
         late = np.flatnonzero((height == level) & ~fits)
+        if late.size == 0:
+            continue
         push_round[late] = place_messages(ready[late], edge_dst[late], edge_src[late], num_ranks,
                                           np.concatenate(fixed_round), np.concatenate(fixed_src),
                                           np.concatenate(fixed_dst), capacity)

@@ -21,7 +21,7 @@ from fcp_compiler.core.ir import Batch, Sharding, TileSet
 from fcp_compiler.core.plan_memory import stack_plan
 from fcp_compiler.algorithms.call_plan import call_parts
 from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
-from fcp_compiler.algorithms.keys import stable_order, unique_keys
+from fcp_compiler.algorithms.keys import search_sorted, stable_order, unique_keys
 from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
@@ -572,7 +572,7 @@ def _stack_tiles(stacked: StackedRanks, tiles, record: bool) -> tuple:
             tile_idx = np.empty(wanted.size, dtype=np.int64)
             tile_idx[order] = np.arange(wanted.size)
     if tile_idx is None:
-        tile_idx = np.searchsorted(keys, wanted)
+        tile_idx = search_sorted(keys, wanted)
     early = stacked_tiles_during_reshuffle(stacked)
     names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
     return tile_idx, tile_rank, a["tile_stage"], a["tile_bwd_stage"], early, names

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fcp_compiler.algorithms.fan_out import class_degrees, nvlink_lanes
-from fcp_compiler.algorithms.keys import (lexsort_ints, sorted_unique, sorted_unique_counts,
+from fcp_compiler.algorithms.keys import (lexsort_ints, search_sorted, sorted_unique, sorted_unique_counts,
                                           stable_argsort)
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
 from fcp_compiler.algorithms.limits import segment_pairs as count_segment_pairs
@@ -272,24 +272,36 @@ def _in_sorted(values: np.ndarray, members: np.ndarray) -> np.ndarray:
 
 
 def _visible_segment_pairs(tables) -> tuple[np.ndarray, np.ndarray]:
-    """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly.
+    """Every (query segment, key segment) pair of one sequence with a visible token pair, enumerated directly (in no
+    particular order: :func:`_pair_rank` orders them where a message must name the first).
 
     Sequence s's window w (seq_window) lets query q see key k when 0 <= q - k < w, or always when w is 0 (full).
     The differences q - k of two segments cover [q_start - k_end + 1, q_end - 1 - k_start]: a pair is visible when
-    that range meets [0, w - 1]."""
+    that range meets [0, w - 1], that is when k_start <= q_end - 1 and k_end >= q_start - w + 2. Segments tile
+    their sequence (invariant 0, checked first), so in start order both their starts and their ends rise, and the
+    keys a query segment sees are one run of them, found by binary search: O(S log S + P) for S segments and P
+    visible pairs, never the pairs a mask hides."""
     seg_seq, seg_start, seg_end = tables.seg_seq, tables.seg_start, tables.seg_end
-    group = stable_argsort(seg_seq)
-    group_count = np.bincount(seg_seq, minlength=tables.seq_lengths.size)
-    group_first = np.concatenate(([0], np.cumsum(group_count)[:-1]))
-    per = group_count[seg_seq[group]]
-    q_pos = np.repeat(np.arange(seg_seq.size), per)
-    pair_first = np.concatenate(([0], np.cumsum(per)[:-1]))
-    k_pos = group_first[seg_seq[group][q_pos]] + np.arange(q_pos.size) - np.repeat(pair_first, per)
-    q_seg, k_seg = group[q_pos], group[k_pos]
-    window = tables.seq_window[seg_seq[q_seg]]
-    reaches = (seg_end[q_seg] - 1 - seg_start[k_seg] >= 0) & (seg_start[q_seg] - seg_end[k_seg] + 1 <= window - 1)
-    visible = (window == 0) | reaches
-    return q_seg[visible], k_seg[visible]
+    order = lexsort_ints((seg_start, seg_seq))
+    span = int(seg_end.max(initial=0)) + 2  # above every position: a sequence's keys stay below the next's
+    base = seg_seq[order] * span
+    start_key, end_key = base + seg_start[order], base + seg_end[order]
+    window = tables.seq_window[seg_seq[order]]
+    group_low = np.searchsorted(start_key, base, side="left")
+    group_high = np.searchsorted(start_key, base + span, side="left")
+    high = np.where(window == 0, group_high, np.searchsorted(start_key, end_key - 1, side="right"))
+    reach = np.clip(seg_start[order] - window + 2, 0, span)  # the least key end a windowed query sees
+    low = np.where(window == 0, group_low, np.searchsorted(end_key, base + reach, side="left"))
+    count = np.maximum(high - low, 0)
+    return np.repeat(order, count), order[expand_ranges(low, count)]
+
+
+def _pair_rank(tables, q_seg: np.ndarray, k_seg: np.ndarray) -> np.ndarray:
+    """Each segment pair's place in the order that names a failure: by query, then key, each segment by (sequence,
+    index)."""
+    position = np.empty(tables.seg_seq.size, dtype=np.int64)
+    position[stable_argsort(tables.seg_seq)] = np.arange(tables.seg_seq.size)
+    return position[q_seg] * tables.seg_seq.size + position[k_seg]
 
 
 def _check_coverage(plan: _Plan, blocks: _Blocks) -> _Tiles:
@@ -535,9 +547,11 @@ def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls, gpus_per_node: int, 
     if rounds.size:
         width = program.num_rounds
         for side, who in (("receives", receivers), ("sends", senders)):
-            # Counted per (end, class, round) that has a message: memory by the messages the file holds, not by
-            # the rounds its header claims.
-            key, per_round = sorted_unique_counts((who * 2 + link) * width + rounds)
+            # Per (end, class, round): memory by the messages the file holds, not by the rounds its header claims.
+            key = (who * 2 + link) * width + rounds
+            if not any(_over_slots(key[link == cls], slots) for cls, slots in ((0, lanes), (1, 1))):
+                continue
+            key, per_round = sorted_unique_counts(key)  # over somewhere: which end and round, counted
             over = per_round - np.where(key // width % 2 == 0, lanes, 1)
             if over.max() > 0:
                 bad = int(np.argmax(over))
@@ -551,6 +565,17 @@ def _check_pass_matchings(facts: _PassFacts, pulls: _Pulls, gpus_per_node: int, 
     used = max(int(rounds.max(initial=-1)) // coalesce, int(program.tile_stage.max(initial=0))) + 1
     if used != program.num_stages:
         _fail(3, f"{label}: the header states {program.num_stages} stages, the tiles and messages use {used}")
+
+
+def _over_slots(keys: np.ndarray, slots: int) -> bool:
+    """Whether some key occurs more than `slots` times: in sorted keys, a run that long has equal keys `slots`
+    apart (one sort, no counts)."""
+    if keys.size <= max(slots, 0):
+        return False
+    if slots < 1:
+        return True
+    ordered = np.sort(keys)
+    return bool((ordered[slots:] == ordered[:-slots]).any())
 
 
 def _check_memory(plan: _Plan, blocks: _Blocks, pulls: _Pulls, passes: tuple[_PassFacts, ...]) -> int:
@@ -651,7 +676,7 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
                                                (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
         remote = owner[tile_block] != tiles.rank
         key = kind * num_blocks * num_ranks + tile_block * num_ranks + tiles.rank
-        pos = np.minimum(np.searchsorted(sorted_key, key), max(num_pulls - 1, 0))
+        pos = np.minimum(search_sorted(sorted_key, key), max(num_pulls - 1, 0))
         found = (sorted_key[pos] == key) if num_pulls else np.zeros(key.size, dtype=bool)
         missing = remote & ~found
         if missing.any():
@@ -664,7 +689,9 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
         needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
         lacking = ~_in_sorted(needed, carried)
         if lacking.any():
-            bad = int(np.flatnonzero(pair_remote)[np.argmax(lacking)])
+            candidates = np.flatnonzero(pair_remote)[lacking]
+            bad = int(candidates[np.argmin(_pair_rank(plan.tables, tiles.q_seg[candidates],
+                                                      tiles.k_seg[candidates]))])
             _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
                      f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
         reads.append(_TileReads(kind=kind, what=what, block=tile_block, remote=remote, rows=pull_order[pos[remote]]))
