@@ -140,6 +140,8 @@ def search_sorted(ordered: np.ndarray, values, side: str = "left") -> np.ndarray
     if values.size < SEARCH_IN_ORDER:
         return np.searchsorted(ordered, values, side=side)
     flat = values.ravel()
+    if (flat[1:] >= flat[:-1]).all():  # in order already (ranges, group starts): nothing to sort
+        return np.searchsorted(ordered, values, side=side)
     order = stable_argsort(flat)
     found = np.empty(flat.size, dtype=np.intp)
     found[order] = np.searchsorted(ordered, flat[order], side=side)

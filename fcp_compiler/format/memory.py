@@ -187,8 +187,8 @@ class _CallFigures:
            sizes: Sizes) -> "_CallFigures":
         """The figures of one part's calls (call_request counted from request `first` of the table)."""
         request = calls.call_request + first
-        facts = _Facts.of(stacked, stores, table.request_rank[request].astype(np.int64), calls)
         backward = table.request_backward[request]
+        facts = _Facts.of(stacked, stores, table.request_rank[request].astype(np.int64), calls, backward)
         transient = np.where(backward, _call_transients(facts, sizes, False), _call_transients(facts, sizes, True))
         return cls(rank=facts.call_rank, backward=backward, stage=np.maximum(table.request_stage[request], 0),
                    transient=transient, index_ints=_index_ints(calls, facts, backward))
@@ -210,10 +210,12 @@ class _Facts:
     kv_rows: np.ndarray
     q_whole_store: np.ndarray  # its queries are one run that is a whole store
     q_indexed: tuple[np.ndarray, np.ndarray]  # per call: rows of sources read and written by index, all and the
-    kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's
+    kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's (keys: the backward's calls only, 0 for others)
 
     @classmethod
-    def of(cls, stacked: StackedRanks, stores: _Stores, call_rank: np.ndarray, calls: CallArrays) -> "_Facts":
+    def of(cls, stacked: StackedRanks, stores: _Stores, call_rank: np.ndarray, calls: CallArrays,
+           backward: np.ndarray) -> "_Facts":
+        """The facts of `calls`, on the ranks `call_rank` (per call); `backward`: bool per call."""
         recv_rows = stores.pull_recv_rows
         entry_call = calls.entry_call
         key_call = entry_call[calls.key_entry]
@@ -230,7 +232,12 @@ class _Facts:
         whole = (q_runs == 1) & (q_first == 0) & (q_rows == store_rows)
         return cls(call_rank=call_rank, q_runs=q_runs, kv_runs=kv_runs, q_rows=q_rows, kv_rows=kv_rows,
                    q_whole_store=whole, q_indexed=_indexed_rows(*q_pieces, calls.num_calls),
-                   kv_indexed=_indexed_rows(*kv_pieces, calls.num_calls))
+                   kv_indexed=_indexed_rows(*_pieces_of(kv_pieces, backward[key_call]), calls.num_calls))
+
+
+def _pieces_of(pieces: tuple[np.ndarray, ...], keep: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The pieces (columns of call, source, row, rows) where `keep` holds: a call's pieces stay one run, in order."""
+    return pieces if keep.all() else tuple(column[keep] for column in pieces)
 
 
 def _runs_per_call(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:

@@ -461,9 +461,11 @@ def _check_pulls_agree(plan: _Plan, blocks: _Blocks, pulls: _Pulls) -> None:
     if pulls.segs.size and (plan.tables.seg_block[pulls.segs] != np.repeat(pulls.block, pulls.count)).any():
         _fail(2, "a pull carries a segment of another block")
     # A segment listed twice would be sent twice and land twice: the message's rows would not be the block's.
-    row_seg = np.repeat(np.arange(pulls.count.size, dtype=np.int64), pulls.count) * plan.tables.seg_block.size \
-        + pulls.segs
-    keys, listed = sorted_unique_counts(row_seg)
+    row_of = np.repeat(np.arange(pulls.count.size, dtype=np.int64), pulls.count)
+    # Lists in rising order (as plans write them) have no segment twice: one pass; any other is counted.
+    rising = (row_of[1:] != row_of[:-1]) | (pulls.segs[1:] > pulls.segs[:-1])
+    keys, listed = sorted_unique_counts(row_of * plan.tables.seg_block.size + pulls.segs) if not rising.all() \
+        else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     if (listed > 1).any():
         row = int(keys[np.argmax(listed > 1)]) // plan.tables.seg_block.size
         _fail(2, f"rank {int(pulls.me[row])}'s pull of block {int(pulls.block[row])} from rank "
