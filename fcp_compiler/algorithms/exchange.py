@@ -80,7 +80,11 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
     """
     if ready_round.size == 0:  # (the slots of the fixed messages cost milliseconds at hundreds of ranks)
         return np.zeros(0, dtype=np.int64)
-    slots = _Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst)
+    return _place_around(_Slots(num_ranks, capacity, fixed_round, fixed_src, fixed_dst), ready_round, src, dst)
+
+
+def _place_around(slots: _Slots, ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """:func:`place_messages` around the messages `slots` holds, which then holds these too."""
     send, recv, send_full, recv_full, slots_of = slots.send, slots.recv, slots.send_full, slots.recv_full, \
         slots.capacity
     order = stable_argsort(ready_round)
@@ -229,8 +233,7 @@ def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent
     height = relay_heights(edge_parent)
     # A relay's push waits for its children's, which land after their own pull's stage: past its mirror round.
     fits = (mirror >= ready) & (height == 0)
-    fixed_round, fixed_src, fixed_dst = [pull_round, mirror[fits]], [edge_src, edge_dst[fits]], \
-        [edge_dst, edge_src[fits]]
+    slots = None  # the pulls and every push placed so far, built once the first push needs placing
     for level in range(int(height.max(initial=0)) + 1):
         if level:
             children = np.flatnonzero(edge_parent >= 0)
@@ -239,10 +242,8 @@ def backward_push_rounds(edge_src: np.ndarray, edge_dst: np.ndarray, edge_parent
         late = np.flatnonzero((height == level) & ~fits)
         if late.size == 0:
             continue
-        push_round[late] = place_messages(ready[late], edge_dst[late], edge_src[late], num_ranks,
-                                          np.concatenate(fixed_round), np.concatenate(fixed_src),
-                                          np.concatenate(fixed_dst), capacity)
-        fixed_round.append(push_round[late])
-        fixed_src.append(edge_dst[late])
-        fixed_dst.append(edge_src[late])
+        if slots is None:
+            slots = _Slots(num_ranks, capacity, np.concatenate((pull_round, mirror[fits])),
+                           np.concatenate((edge_src, edge_dst[fits])), np.concatenate((edge_dst, edge_src[fits])))
+        push_round[late] = _place_around(slots, ready[late], edge_dst[late], edge_src[late])
     return push_edge, push_round
