@@ -326,9 +326,13 @@ def _assemble(e: _Entries, entry_sorted: np.ndarray, call_ptr: np.ndarray, entry
     final_of_entry = np.full(e.request.size, -1, dtype=np.int64)
     final_of_entry[entry[~gap]] = np.flatnonzero(~gap)
     pair_final = final_of_entry[e.pair_entry]
-    # One int64 key, (entry, diagonal last, position): a stable sort of it is lexsort's order, at a third the cost.
+    # One int64 key, (entry, diagonal last, position): a stable sort of it is lexsort's order, at a third the cost;
+    # positions counted from the part's least take only the bits their range needs, so that the key and each
+    # pair's index fit one packed sort (stable_argsort), not argsort.
     assert pair_final.size == 0 or (pair_final.min() >= 0 and pair_final.max() < 2**30 and k_start.max() < 2**32)
-    key_order = stable_argsort((pair_final * 2 + k_causal) << 32 | k_start)
+    low = int(k_start.min(initial=0))
+    position_bits = (int(k_start.max(initial=0)) - low).bit_length()
+    key_order = stable_argsort((pair_final * 2 + k_causal) << position_bits | (k_start - low))
     entry_key_ptr = np.concatenate(([0], np.cumsum(np.bincount(pair_final, minlength=entry.size)))).astype(np.int64)
     packed_call = (e.left[head] < 0) & (e.right[head] < 0) & (
         np.asarray(split_requests, dtype=bool)[e.request[head]] if split_requests is not None else False)
