@@ -177,7 +177,7 @@ def _fill_rank(scan: _Scan, buffers: _LiveBuffers | None, load: np.ndarray, stag
         else:
             skips += 1
         position = scan.unmoved_one(position - 1)
-        if position < low or skips >= MAX_SKIPS:
+        if position < low or skips >= MAX_SKIPS or scan.least[position] > gap:
             return
 
 
@@ -195,18 +195,27 @@ class _Scan:
         self.work, self.first, self.before, self.width = work, first, before, num_stages + 1
         self.low = before[np.arange(num_ranks) * self.width]  # each rank's first position
         self.skip = np.arange(order.size)
+        # The least work at or before each position within its rank's tiles: a rank whose gap is below it at its
+        # next candidate can fit nothing more in the target (it would only pass over candidates), so it stops.
+        self.least = work.copy()
+        bounds = np.append(self.low, order.size).tolist()
+        for low, high in zip(bounds[:-1], bounds[1:]):
+            if high - low > 1:
+                np.minimum.accumulate(work[low:high], out=self.least[low:high])
 
     def start(self, ranks: np.ndarray, target: int, gap: np.ndarray) -> tuple[np.ndarray, ...]:
         """The ranks with candidates for `target` (tiles whose earliest stage is before it): ranks, each one's last
         unmoved candidate's position, and its gap."""
         position = self._unmoved(self.before[ranks * self.width + target] - 1)
         keep = position >= self.low[ranks]
+        keep[keep] = self.least[position[keep]] <= gap[keep]
         return ranks[keep], position[keep], gap[keep]
 
     def step(self, ranks, position, gap, skips) -> tuple[np.ndarray, ...]:
         """Every rank on to its previous unmoved candidate; those out of candidates or skips drop out."""
         position = self._unmoved(position - 1)
         keep = (position >= self.low[ranks]) & (skips < MAX_SKIPS)
+        keep[keep] = self.least[position[keep]] <= gap[keep]
         return ranks[keep], position[keep], gap[keep], skips[keep]
 
     def move(self, positions: np.ndarray) -> None:
