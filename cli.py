@@ -234,7 +234,7 @@ def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None
     from fcp_compiler.tools.report import validation_summary
 
     try:
-        report = validate_plan(str(plan))
+        report = validate_plan(str(plan), background=True)
     except PlanInvalidError as error:
         typer.echo(f"fcp: invalid plan {plan}: {error}", err=True)
         raise typer.Exit(1)
@@ -330,7 +330,8 @@ def simulate_command(
                   [("SOURCE", source), ("--profile", _profile_file(profile))])
     data = _plan_or_batch(source, gpus, profile, model)
     if not isinstance(data, bytes):
-        validate_plan(data)  # the simulator trusts the invariants: an invalid plan exits 1 naming the broken one
+        # The simulator trusts the invariants: an invalid plan exits 1 naming the broken one.
+        validate_plan(data, background=True)
     simulation = simulate_plan(data, load_profile(profile) if profile else None, record=trace is not None,
                                model=model, kv_prefetch=prefetch)
     figures = simulation.figures()
@@ -484,7 +485,7 @@ def diff_command(
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
     readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
     for reader in readers:  # the diff simulates both: each must keep the invariants the simulator trusts
-        validate_plan(reader)
+        validate_plan(reader, background=True)
     result = diff_plans(*readers, tolerance)
     if json_out:
         _write_json(json_out, result)

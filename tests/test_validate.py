@@ -1,5 +1,9 @@
 """The validator passes real plans and names the invariant a plan edited to break it breaks."""
 
+import multiprocessing
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -418,3 +422,53 @@ def test_a_refusal_crosses_a_process_boundary_intact():
     error = PlanInvalidError(3, "in round 7 rank 2 receives 2 NIC messages")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.invariant == 3 and str(copy) == str(error)
+
+
+@pytest.fixture
+def forked_account(monkeypatch):
+    """validate_plan(background=True) forks its memory account for every plan, on any machine that forks."""
+    import fcp_compiler.format.validate as validate_module
+
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        pytest.skip("the background account forks on Linux only")
+    monkeypatch.setattr(validate_module, "BACKGROUND_TILES", 0)
+    monkeypatch.setattr(validate_module, "_may_fork", lambda: True)
+    return validate_module
+
+
+def test_the_forked_account_gives_the_same_report_and_the_same_first_error(plan_bytes, forked_account):
+    started = []
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def start(process):
+        started.append(process)
+        real_start(process)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multiprocessing.process.BaseProcess, "start", start)
+        assert validate_plan(plan_bytes, background=True) == validate_plan(plan_bytes)
+    assert len(started) == 1 and started[0].exitcode == 0  # the child did the account and was joined
+    reader = PlanReader(plan_bytes)
+    stated = list(reader.header.max_buffer_bytes_bwd)
+    stated[2] += 1
+    wrong = rebuild_plan(reader, max_buffer_bytes_bwd=stated)
+    for background in (True, False):
+        expect_message = "rank 2's bwd peaks at .* header's max_buffer_bytes_bwd states"
+        with pytest.raises(PlanInvalidError, match=expect_message) as refusal:
+            validate_plan(wrong, background=background)
+        assert refusal.value.invariant == 4
+
+    def drop(arrays):  # an earlier invariant breaks first: the child's account is never read, and it is stopped
+        for name in ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"):
+            arrays[0][name] = arrays[0][name][1:]
+    with pytest.MonkeyPatch.context() as patch:
+        started.clear()
+        patch.setattr(multiprocessing.process.BaseProcess, "start", start)
+        with pytest.raises(PlanInvalidError, match="runs nowhere"):
+            validate_plan(edited(plan_bytes, drop), background=True)
+    assert len(started) == 1 and not started[0].is_alive()
+
+
+def test_a_forked_account_that_dies_is_done_in_process(plan_bytes, forked_account, monkeypatch):
+    monkeypatch.setattr(forked_account, "_account_child", lambda stacked, sender: os._exit(3))
+    assert validate_plan(plan_bytes, background=True) == validate_plan(plan_bytes)
