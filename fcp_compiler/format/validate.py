@@ -143,16 +143,21 @@ def validate_plan(source: str | bytes | PlanReader, background: bool = False) ->
     plan = _read(source if isinstance(source, PlanReader) else PlanReader(source))
     account = _Account(plan.stack, background)
     try:
-        blocks = _check_blocks(plan)
-        tiles = _check_coverage(plan, blocks)
-        pulls = _stack_pulls(plan)
-        passes = _check_data_before_use(plan, blocks, tiles, pulls)
-        max_degree = _check_congestion_freedom(plan, blocks, pulls, passes)
-        max_buffer = _check_memory(plan, blocks, pulls, passes)
-        peak_bytes = _check_memory_bytes(plan, account.peaks())
-        _check_reshuffle(plan)
+        return _check_in_order(plan, account)
     finally:
         account.close()
+
+
+def _check_in_order(plan: _Plan, account: "_Account") -> ValidationReport:
+    """validate_plan's checks, in their order, the memory account's peaks taken from `account`."""
+    blocks = _check_blocks(plan)
+    tiles = _check_coverage(plan, blocks)
+    pulls = _stack_pulls(plan)
+    passes = _check_data_before_use(plan, blocks, tiles, pulls)
+    max_degree = _check_congestion_freedom(plan, blocks, pulls, passes)
+    max_buffer = _check_memory(plan, blocks, pulls, passes)
+    peak_bytes = _check_memory_bytes(plan, account.peaks())
+    _check_reshuffle(plan)
     return ValidationReport(num_ranks=plan.header.num_ranks, num_blocks=blocks.num_blocks,
                             num_tiles=int(tiles.q.size), num_pulls=int(pulls.kind.size),
                             num_rounds=plan.header.num_rounds, max_degree=max_degree,
