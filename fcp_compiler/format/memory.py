@@ -289,23 +289,38 @@ def send_runs(stacked: StackedRanks) -> np.ndarray:
     lands (int64 per stacked pull_send row, at least 1)."""
     a, tables = stacked.arrays, stacked.tables
     seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
-    num_segs = seg_len.size
-    local, _, local_count = stacked.local_segments()
-    # Stores, numbered over all ranks: rank r's plan layout, then each of its received pulls.
-    recv_base = stacked.base("pull_recv_round")
-    layout_store = recv_base + np.arange(stacked.num_ranks)
-    recv_count = a["pull_recv_seg_count"]
-    recv_store = layout_store[stacked.rank_of("pull_recv_round")] + 1 + stacked.within("pull_recv_round")
-    recv_segs = a["pull_recv_segs"]
-    keys = np.concatenate([np.repeat(layout_store, local_count) * num_segs + local,
-                           np.repeat(recv_store, recv_count) * num_segs + recv_segs])
-    rows = np.concatenate([offsets_within(seg_len[local], local_count), offsets_within(seg_len[recv_segs], recv_count)])
-    order = stable_argsort(keys)
-    send_rank, source = stacked.rank_of("pull_send_round"), a["pull_send_source"]
-    send_store = np.where(source >= 0, layout_store[send_rank] + 1 + source, layout_store[send_rank])
-    send_segs, send_count = a["pull_send_segs"], a["pull_send_seg_count"]
+    send_segs, send_count, source = a["pull_send_segs"], a["pull_send_seg_count"], a["pull_send_source"]
     send_of = np.repeat(np.arange(send_count.size), send_count)
-    starts = lookup(keys[order], rows[order], send_store[send_of] * num_segs + send_segs, -1)
+    send_rank = stacked.rank_of("pull_send_round")[send_of]
+    starts = np.full(send_segs.size, -1, dtype=np.int64)  # each listed segment's first row in its store, -1: absent
+    relayed = source[send_of] >= 0
+    local, _, local_count = stacked.local_segments()
+    local_rank = np.repeat(np.arange(stacked.num_ranks), local_count)
+    from_layout = np.flatnonzero(~relayed)
+    if np.bincount(local, minlength=seg_len.size).max(initial=0) <= 1:
+        # Each segment in one rank's layout at most: its row there, looked up by segment.
+        owner, row = np.full(seg_len.size, -1, dtype=np.int64), np.zeros(seg_len.size, dtype=np.int64)
+        owner[local], row[local] = local_rank, offsets_within(seg_len[local], local_count)
+        segs = send_segs[from_layout]
+        starts[from_layout] = np.where(owner[segs] == send_rank[from_layout], row[segs], -1)
+    else:  # a block on two ranks (a plan the validator refuses): by (rank, segment)
+        keys = local_rank * seg_len.size + local
+        order = stable_argsort(keys)
+        rows = offsets_within(seg_len[local], local_count)
+        starts[from_layout] = lookup(keys[order], rows[order],
+                                     send_rank[from_layout] * seg_len.size + send_segs[from_layout], -1)
+    if relayed.any():  # from a received pull's buffer: by (received pull row, segment), over the pulls relayed from
+        recv_row = stacked.base("pull_recv_round")[send_rank[relayed]] + source[send_of[relayed]]
+        recv_count = a["pull_recv_seg_count"]
+        recv_of = np.repeat(np.arange(recv_count.size), recv_count)
+        used = np.zeros(recv_count.size, dtype=bool)
+        used[recv_row[(recv_row >= 0) & (recv_row < recv_count.size)]] = True
+        held = np.flatnonzero(used[recv_of])
+        recv_segs = a["pull_recv_segs"]
+        keys = recv_of[held] * seg_len.size + recv_segs[held]
+        rows = offsets_within(seg_len[recv_segs], recv_count)[held]
+        order = stable_argsort(keys)
+        starts[relayed] = lookup(keys[order], rows[order], recv_row * seg_len.size + send_segs[relayed], -1)
     broken = np.zeros(send_segs.size, dtype=bool)
     if send_segs.size > 1:
         broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
