@@ -7,7 +7,7 @@ from fcp_compiler.algorithms import keys as keys_module
 from fcp_compiler.algorithms.keys import unique_keys
 
 
-@pytest.mark.parametrize("num_keys, space", [(1000, 50), (1000, 1 << 20), (50, 1 << 24), (0, 10)])
+@pytest.mark.parametrize("num_keys, space", [(1000, 50), (20000, 1 << 16), (1000, 1 << 20), (50, 1 << 24), (0, 10)])
 def test_unique_keys_equals_numpy_unique_by_counting_and_by_sorting(num_keys, space, monkeypatch):
     rng = np.random.default_rng(num_keys + space)
     keys = rng.integers(0, space, size=num_keys)
