@@ -18,6 +18,7 @@ import heapq
 
 import numpy as np
 
+from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import Batch, Sharding
 from fcp_compiler.errors import InfeasibleError
@@ -61,14 +62,17 @@ def _document_work(batch: Batch) -> list[int]:
 def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]],
               block_size: int) -> tuple[Sharding, np.ndarray]:
     """Build a Sharding from (block key, rank, seq, start, end) pieces; blocks are numbered by key order."""
-    keys = np.array([p[0] for p in pieces], dtype=np.int64)
+    return _assemble_columns(batch, *(np.array([p[i] for p in pieces], dtype=np.int64) for i in range(5)),
+                             block_size)
+
+
+def _assemble_columns(batch: Batch, keys: np.ndarray, ranks: np.ndarray, seg_seq: np.ndarray, seg_start: np.ndarray,
+                      seg_end: np.ndarray, block_size: int) -> tuple[Sharding, np.ndarray]:
+    """:func:`_assemble` of the pieces' columns (int64 each)."""
     unique_keys, block_of = np.unique(keys, return_inverse=True)
-    seg_seq = np.array([p[2] for p in pieces], dtype=np.int64)
-    seg_start = np.array([p[3] for p in pieces], dtype=np.int64)
-    seg_end = np.array([p[4] for p in pieces], dtype=np.int64)
     order = np.lexsort((seg_start, seg_seq, block_of))
     block_rank = np.zeros(unique_keys.size, dtype=np.int64)
-    block_rank[block_of] = np.array([p[1] for p in pieces], dtype=np.int64)
+    block_rank[block_of] = ranks
     sharding = Sharding(batch=batch, block_size=block_size, zigzag=True, seg_block=block_of[order].astype(np.int64),
                         seg_seq=seg_seq[order], seg_start=seg_start[order], seg_end=seg_end[order])
     return sharding, block_rank
@@ -170,22 +174,23 @@ def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
     ranks when they do not divide). Kept from the real system: fixed slices of the packed sequence, area-only
     balance, an equal slice count per rank (so equal tokens); communication is not considered. Its own kernels
     and collectives are not modelled: it runs on FCP's execution, like every baseline."""
-    offsets = batch.seq_offsets
+    offsets = np.asarray(batch.seq_offsets, dtype=np.int64)
     total = batch.total_tokens
     num_slices = -(-total // block_size)
-    pieces = []
-    for idx in range(num_slices):
-        lo, hi = idx * block_size, min((idx + 1) * block_size, total)
-        first = int(np.searchsorted(offsets, lo, side="right")) - 1
-        last = int(np.searchsorted(offsets, hi, side="left")) - 1
-        for seq in range(first, last + 1):
-            base = int(offsets[seq])
-            start, end = max(lo, base) - base, min(hi, int(offsets[seq + 1])) - base
-            if end > start:
-                pieces.append((idx, -1, seq, start, end))
+    # Each slice's pieces, one a document it meets, slice by slice, documents in order.
+    lo = np.arange(num_slices, dtype=np.int64) * block_size
+    hi = np.minimum(lo + block_size, total)
+    first = np.searchsorted(offsets, lo, side="right") - 1
+    count = np.searchsorted(offsets, hi, side="left") - first
+    piece_slice = np.repeat(np.arange(num_slices, dtype=np.int64), count)
+    piece_seq = expand_ranges(first, count)
+    base = offsets[piece_seq]
+    piece_start = np.maximum(lo[piece_slice], base) - base
+    piece_end = np.minimum(hi[piece_slice], offsets[piece_seq + 1]) - base
+    kept = piece_end > piece_start
+    piece_slice, piece_seq, piece_start, piece_end = (column[kept] for column in (piece_slice, piece_seq, piece_start,
+                                                                                    piece_end))
     # A slice's area: its queries against their whole document, under the document's mask (causal, window, full).
-    piece_slice, piece_seq, piece_start, piece_end = (np.array([piece[i] for piece in pieces], dtype=np.int64)
-                                                      for i in (0, 2, 3, 4))
     area = np.zeros(num_slices)
     np.add.at(area, piece_slice, visible_pairs(piece_start, piece_end, 0, batch.lengths[piece_seq],
                                                batch.windows[piece_seq]).astype(np.float64))
@@ -199,8 +204,8 @@ def magi(batch: Batch, num_ranks: int, block_size: int, token_cap: int) -> tuple
         quota[rank] -= 1
         if quota[rank]:
             heapq.heappush(heap, (load + area[idx], rank))
-    pieces = [(idx, int(slice_rank[idx]), seq, start, end) for idx, _, seq, start, end in pieces]
-    sharding, block_rank = _assemble(batch, pieces, block_size)
+    sharding, block_rank = _assemble_columns(batch, piece_slice, slice_rank[piece_slice], piece_seq, piece_start,
+                                             piece_end, block_size)
     return dataclasses.replace(sharding, zigzag=False), block_rank
 
 
