@@ -49,16 +49,22 @@ def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity
     used = [0] * num_bins
     loads = [0.0] * num_bins
     heap = [(0.0, bin_idx) for bin_idx in range(num_bins)]  # lazy: entries whose load is stale are skipped
+    # Bins too full for an item wait here, by room (most first), until an item small enough comes: a bin's load
+    # and room cannot change while it waits (only a bin with room for the item is ever chosen), and each bin
+    # waits or returns once per change of the sizes, not once per item as when it is put back after every item.
+    parked: list[tuple[int, float, int]] = []  # (-room, load, bin)
     sizes_list = sizes.tolist()
     weights_list = weights.tolist()
     preferred_list = preferred.tolist() if preferred is not None else None
     for item_idx in order.tolist():
         size = sizes_list[item_idx]
-        skipped = []
+        while parked and -parked[0][0] >= size:
+            _, load, bin_idx = heapq.heappop(parked)
+            heapq.heappush(heap, (load, bin_idx))
         while heap and (heap[0][0] != loads[heap[0][1]] or used[heap[0][1]] + size > capacity):
             entry = heapq.heappop(heap)
             if entry[0] == loads[entry[1]]:
-                skipped.append(entry)
+                heapq.heappush(parked, (used[entry[1]] - capacity, entry[0], entry[1]))
         if heap:
             bin_idx = heap[0][1]
             if preferred_list is not None:
@@ -69,8 +75,6 @@ def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity
             used[bin_idx] += size
             loads[bin_idx] += weights_list[item_idx]
             heapq.heappush(heap, (loads[bin_idx], bin_idx))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
     return bin_of
 
 
