@@ -195,3 +195,46 @@ def test_refine_leaves_an_assignment_whose_top_bin_is_empty_as_it_is():
     start = np.array([1, 1, 2, 2])
     got = refine_moves_swaps(np.zeros(4), np.ones(4, dtype=np.int64), start, 3, 10)
     assert np.array_equal(got, start)
+
+
+def _plain_lpt(weights, sizes, num_bins, capacity, preferred, slack):
+    """lpt_with_cap as its docstring reads, bin by bin: items by decreasing weight (ties by index; with preferred
+    bins, one per home in turn), each to the least-loaded bin with room (ties by bin index), or to its preferred
+    bin where that has room and is within `slack` of it."""
+    if preferred is None:
+        order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    else:
+        seen = {}
+        turn = []
+        for i in sorted(range(len(weights)), key=lambda i: (preferred[i], i)):
+            turn.append((i, seen.get(preferred[i], 0)))
+            seen[preferred[i]] = seen.get(preferred[i], 0) + 1
+        turn = dict(turn)
+        order = sorted(range(len(weights)), key=lambda i: (-weights[i], turn[i], i))
+    loads, used = [0.0] * num_bins, [0] * num_bins
+    out = [UNPLACED] * len(weights)
+    for i in order:
+        fits = [b for b in range(num_bins) if used[b] + sizes[i] <= capacity]
+        if not fits:
+            continue
+        chosen = min(fits, key=lambda b: (loads[b], b))
+        home = preferred[i] if preferred is not None else -1
+        if home >= 0 and used[home] + sizes[i] <= capacity and loads[home] <= loads[chosen] + slack:
+            chosen = home
+        out[i], used[chosen], loads[chosen] = chosen, used[chosen] + sizes[i], loads[chosen] + weights[i]
+    return out
+
+
+@given(st.integers(1, 6), st.integers(0, 40), st.integers(1, 60), st.sampled_from([0.0, 0.5, 3.0]),
+       st.booleans(), st.integers(0, 10_000))
+def test_lpt_with_cap_is_the_plain_greedy(num_bins, num_items, capacity, slack, with_homes, seed):
+    """Full bins wait by room until an item small enough comes: the bins are the plain greedy's, with sizes that
+    rise and fall from item to item, tied loads, and items no bin has room for."""
+    rng = np.random.default_rng(seed)
+    weights = rng.choice([0.5, 1.0, 2.0, 3.0], num_items) if seed % 2 else rng.random(num_items)
+    sizes = rng.integers(1, 12, num_items)
+    preferred = rng.integers(-1, num_bins, num_items) if with_homes else None
+    got = lpt_with_cap(weights, sizes, num_bins, capacity, preferred, slack)
+    want = _plain_lpt(weights.tolist(), sizes.tolist(), num_bins, capacity,
+                      preferred.tolist() if preferred is not None else None, slack)
+    assert got.tolist() == want
