@@ -21,8 +21,8 @@ def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity
     Objective: minimise the largest bin weight subject to every bin's total size <= capacity. Items go in order
     of decreasing weight (ties by index, or taking the preferred bins in turn) to the least-loaded bin (ties by bin
     index) whose size stays within the cap, or to the item's preferred bin when that has room and is within
-    `slack` of the least load. O(K log N)
-    when bins rarely fill; a full bin is skipped and put back.
+    `slack` of the least load. A bin too full for an item waits, by room, until an item small enough comes:
+    O((K + W) log N) for K items, N bins and W such waits (at most N each time the item size falls).
 
     Args:
         weights: float array, work of each item.
