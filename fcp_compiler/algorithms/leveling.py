@@ -240,6 +240,9 @@ class _Scan:
 
     def _unmoved(self, position: np.ndarray) -> np.ndarray:
         """The last unmoved position at or before each (-1 for none)."""
+        # Most steps land on unmoved tiles: then there is no pointer to follow or shorten.
+        if position.size and position.min() >= 0 and (self.skip[position] == position).all():
+            return position
         found = position.copy()
         pending = np.flatnonzero(found >= 0)
         while pending.size:
