@@ -300,11 +300,14 @@ class _LiveBuffers:
         none needed)."""
         buffer = self.buffer[positions]
         need = self.last[buffer] < target  # a tile without a buffer reads the entry no target reaches
-        if not need.any():
+        if need.all():  # (most steps: every tile's buffer would outlive its last use so far)
+            ok, rank = None, ranks
+        elif not need.any():
             return np.ones(positions.size, dtype=bool)
-        ok = ~need
-        need = np.flatnonzero(need)
-        positions, buffer, rank = positions[need], buffer[need], ranks[need]
+        else:
+            ok = ~need
+            need = np.flatnonzero(need)
+            positions, buffer, rank = positions[need], buffer[need], ranks[need]
         hold, tokens = self.hold[positions], self.tokens[positions]
         # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold);
         # only the columns some window spans are read and written (a few of the pass's stages).
@@ -321,5 +324,7 @@ class _LiveBuffers:
         else:
             fits = tokens <= self.budget
         self.last[buffer[fits]] = target
+        if ok is None:
+            return fits
         ok[need] = fits
         return ok

@@ -133,7 +133,7 @@ def validate_plan(source: str | bytes | PlanReader, background: bool = False) ->
         source: a plan file's path, its bytes, or a PlanReader.
         background: where the plan has BACKGROUND_TILES tiles or more, compute the memory account (the longest
             check) in a forked child process while this one checks the rest, where the platform forks (Linux) and
-            more than one CPU is free: the same checks in the same order, the same report and the same first error.
+            this process may run on more than one CPU: the same checks in the same order, the same report and the same first error.
             For a process of our own (`fcp validate`); a library caller in a process with threads of its own (a
             training job) keeps the default, one process.
     Raises:
@@ -705,7 +705,7 @@ def _account_child(stacked: StackedRanks, sender) -> None:
 
 def _may_fork() -> bool:
     """Whether a child may be forked here to use another CPU: Linux (fork is safe for this child, which runs
-    numpy alone) with more than one CPU free to this process."""
+    numpy alone) where this process may run on more than one CPU."""
     return sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1
 
 
