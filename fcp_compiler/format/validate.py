@@ -133,9 +133,9 @@ def validate_plan(source: str | bytes | PlanReader, background: bool = False) ->
         source: a plan file's path, its bytes, or a PlanReader.
         background: where the plan has BACKGROUND_TILES tiles or more, compute the memory account (the longest
             check) in a forked child process while this one checks the rest, where the platform forks (Linux) and
-            this process may run on more than one CPU: the same checks in the same order, the same report and the same first error.
-            For a process of our own (`fcp validate`); a library caller in a process with threads of its own (a
-            training job) keeps the default, one process.
+            this process may run on more than one CPU: the same checks in the same order, the same report and the
+            same first error. For a process of our own (`fcp validate`); a library caller in a process with threads
+            of its own (a training job) keeps the default, one process.
     Raises:
         PlanFormatError: the file cannot be read, or it is too large to enumerate its segment pairs.
         PlanInvalidError: an invariant is broken (its number, name and where).
@@ -747,11 +747,8 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
     pull_key = pulls.kind * num_blocks * num_ranks + pulls.block * num_ranks + pulls.me
     pull_order = stable_argsort(pull_key)
     sorted_key = pull_key[pull_order]
-    tile_sorted = stable_argsort(tiles.key)
-    pair_key = seg_block[tiles.q_seg] * num_blocks + seg_block[tiles.k_seg]
-    pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], pair_key)]
-    carried = sorted_unique(np.repeat(pulls.kind, pulls.count) * num_segments * num_ranks + pulls.segs * num_ranks
-                            + np.repeat(pulls.me, pulls.count)) if num_pulls else np.zeros(0, dtype=np.int64)
+    block_segments = np.bincount(seg_block, minlength=num_blocks)
+    tile_sorted = None  # the tiles by key, sorted when a pull carries part of a block
     reads = []
     for kind, what, tile_block, needed_seg in ((TransferKind.Q, "Q", tiles.q, tiles.q_seg),
                                                (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
@@ -764,18 +761,36 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
             t = int(np.flatnonzero(missing)[0])
             _fail(2, f"rank {int(tiles.rank[t])} runs tile (q {int(tiles.q[t])}, kv {int(tiles.kv[t])}) without "
                      f"pulling the {what} of block {int(tile_block[t])}")
-        # Every segment a remote tile reads must be among those its pull carries.
-        pair_rank = tiles.rank[pair_tile]
-        pair_remote = owner[seg_block[needed_seg]] != pair_rank
-        needed = kind * num_segments * num_ranks + needed_seg[pair_remote] * num_ranks + pair_rank[pair_remote]
-        lacking = ~_in_sorted(needed, carried)
-        if lacking.any():
-            candidates = np.flatnonzero(pair_remote)[lacking]
-            bad = int(candidates[np.argmin(_pair_rank(plan.tables, tiles.q_seg[candidates],
-                                                      tiles.k_seg[candidates]))])
-            _fail(2, f"rank {int(pair_rank[bad])} reads segment {int(needed_seg[bad])} of block "
-                     f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
-        reads.append(_TileReads(kind=kind, what=what, block=tile_block, remote=remote, rows=pull_order[pos[remote]]))
+        rows = pull_order[pos] if num_pulls else pos
+        # Every segment a remote tile reads must be among those its pull carries. A pull of every segment of its
+        # block (none twice, none of another block: checked above; one pull a block and rank) brings all a tile
+        # reads of it, so only the pairs of tiles whose pull carries part of a block are checked, against what
+        # such pulls carry.
+        partial = remote & (pulls.count[rows] != block_segments[tile_block]) if num_pulls else remote
+        if partial.any():
+            if tile_sorted is None:
+                tile_sorted = stable_argsort(tiles.key)
+            partly_pulled = np.zeros(num_blocks, dtype=bool)
+            partly_pulled[tile_block[partial]] = True
+            pairs = np.flatnonzero(partly_pulled[seg_block[needed_seg]])
+            # (pairs come by query segment, their keys nearly in order: a plain search is fastest)
+            pair_tile = tile_sorted[np.searchsorted(tiles.key[tile_sorted], seg_block[tiles.q_seg[pairs]] * num_blocks
+                                                    + seg_block[tiles.k_seg[pairs]])]
+            checked = partial[pair_tile]
+            pairs, pair_rank = pairs[checked], tiles.rank[pair_tile[checked]]
+            part = np.flatnonzero(pulls.count != block_segments[pulls.block])  # the pulls of part of a block
+            carried = sorted_unique(np.repeat(pulls.kind[part], pulls.count[part]) * num_segments * num_ranks
+                                    + pulls.segs[expand_ranges(pulls.seg_first[part], pulls.count[part])] * num_ranks
+                                    + np.repeat(pulls.me[part], pulls.count[part]))
+            needed = kind * num_segments * num_ranks + needed_seg[pairs] * num_ranks + pair_rank
+            lacking = np.flatnonzero(~_in_sorted(needed, carried))
+            if lacking.size:
+                first = lacking[np.argmin(_pair_rank(plan.tables, tiles.q_seg[pairs[lacking]],
+                                                     tiles.k_seg[pairs[lacking]]))]
+                bad = int(pairs[first])
+                _fail(2, f"rank {int(pair_rank[first])} reads segment {int(needed_seg[bad])} of block "
+                         f"{int(seg_block[needed_seg[bad]])} but no pull brings it")
+        reads.append(_TileReads(kind=kind, what=what, block=tile_block, remote=remote, rows=rows[remote]))
     return tuple(reads)
 
 
