@@ -651,6 +651,7 @@ def _check_memory_bytes(plan: _Plan, peaks: np.ndarray) -> np.ndarray:
 # Plans from which validate_plan(background=True) forks the memory account (at 4096 GPUs, 1.2M tiles, it is 2.7 of
 # 6 s; a fork and its pages cost milliseconds, more than the account of a plan of thousands of tiles).
 BACKGROUND_TILES = 200_000
+CHILD_EXIT_SECONDS = 10.0  # how long a child that has sent its result is given to exit before it is stopped
 
 
 class _Account:
@@ -676,6 +677,7 @@ class _Account:
                 result = self.connection.recv()
             except (EOFError, OSError):  # the child is gone without a word: account here
                 result = None
+            self.process.join(CHILD_EXIT_SECONDS)  # it exits once it has sent its result
             self.close()
         if result is None:
             return stacked_peak_bytes(self.stacked)
