@@ -750,7 +750,8 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
     pull_order = stable_argsort(pull_key)
     sorted_key = pull_key[pull_order]
     block_segments = np.bincount(seg_block, minlength=num_blocks)
-    tile_sorted = None  # the tiles by key, sorted when a pull carries part of a block
+    # The tiles by key, and what the pulls of part of a block carry: built once, when a tile reads such a pull.
+    tile_sorted, carried = None, None
     reads = []
     for kind, what, tile_block, needed_seg in ((TransferKind.Q, "Q", tiles.q, tiles.q_seg),
                                                (TransferKind.KV, "K,V", tiles.kv, tiles.k_seg)):
@@ -772,6 +773,10 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
         if partial.any():
             if tile_sorted is None:
                 tile_sorted = stable_argsort(tiles.key)
+                part = np.flatnonzero(pulls.count != block_segments[pulls.block])
+                carried = sorted_unique(np.repeat(pulls.kind[part], pulls.count[part]) * num_segments * num_ranks
+                                        + pulls.segs[expand_ranges(pulls.seg_first[part], pulls.count[part])]
+                                        * num_ranks + np.repeat(pulls.me[part], pulls.count[part]))
             partly_pulled = np.zeros(num_blocks, dtype=bool)
             partly_pulled[tile_block[partial]] = True
             pairs = np.flatnonzero(partly_pulled[seg_block[needed_seg]])
@@ -780,10 +785,6 @@ def _check_tiles_pulled(plan: _Plan, blocks: _Blocks, pulls: _Pulls, tiles: _Til
                                                     + seg_block[tiles.k_seg[pairs]])]
             checked = partial[pair_tile]
             pairs, pair_rank = pairs[checked], tiles.rank[pair_tile[checked]]
-            part = np.flatnonzero(pulls.count != block_segments[pulls.block])  # the pulls of part of a block
-            carried = sorted_unique(np.repeat(pulls.kind[part], pulls.count[part]) * num_segments * num_ranks
-                                    + pulls.segs[expand_ranges(pulls.seg_first[part], pulls.count[part])] * num_ranks
-                                    + np.repeat(pulls.me[part], pulls.count[part]))
             needed = kind * num_segments * num_ranks + needed_seg[pairs] * num_ranks + pair_rank
             lacking = np.flatnonzero(~_in_sorted(needed, carried))
             if lacking.size:
