@@ -124,7 +124,7 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
     import fcp_compiler.core.pipeline as pipeline
 
     # Plans stand in as (name, peak bytes); the account reads them, and the floor gives each one's seconds.
-    monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields, stop_above=None: np.array([[1, final[1]]]))
+    monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, final[1]]]))
     timer = pipeline._PassTimer()
 
     def others(candidates):
@@ -208,3 +208,51 @@ def test_an_account_stopped_above_a_peak_is_the_full_accounts_first_ranks(unbudg
     for limit in limits:
         stopped = stacked_peak_bytes(stacked, stop_above=limit)
         assert np.array_equal(stopped, full[:int(np.argmax(rank_peak > limit)) + 1])
+
+
+def test_an_account_visits_its_ranks_in_the_order_given_and_returns_them_in_rank_order(unbudgeted, monkeypatch):
+    """`first` orders the groups of ranks an account visits (highest first) and changes no figure: in full the
+    peaks come back in rank order; stopped, the first group visited is the highest priority's."""
+    from fcp_compiler.format import memory
+
+    monkeypatch.setattr(memory, "CHUNK_TILES", 1)  # a group a rank (STOPPING_GROUPS makes it no smaller)
+    stacked = stack_programs(PlanReader(unbudgeted.to_bytes()).ranks())
+    full = stacked_peak_bytes(stacked)
+    priority = np.arange(stacked.num_ranks)[::-1] % 3  # ties, in rank order
+    assert np.array_equal(stacked_peak_bytes(stacked, first=priority), full)
+    rank_peak = full.max(axis=1)
+    lowest = int(np.argmin(rank_peak))
+    priority = -rank_peak
+    stopped = stacked_peak_bytes(stacked, stop_above=int(rank_peak[lowest]) - 1, first=priority)
+    assert np.array_equal(stopped, full[[lowest]])  # the least peak first, and it is above the limit
+
+
+def test_the_least_peak_found_under_an_unmet_default_budget_is_every_refits(monkeypatch):
+    """Under the default budget a refit's account stops at the first group of ranks above it; where no refit fits,
+    the steps over are accounted again, so the least peak the report names is the one full accounts give."""
+    from fcp_compiler.core import options as options_module
+    from fcp_compiler.core import pipeline
+    from fcp_compiler.format import memory
+
+    monkeypatch.setattr(memory, "CHUNK_TILES", 1)
+    floor_bytes = 1509949440  # LENGTHS at 8 ranks: the busiest rank's own accumulators and outputs
+    monkeypatch.setattr(options_module, "DEFAULT_MEMORY_BUDGET_GIB", floor_bytes * 1.005 / 2**30)
+    accounted, stopped = pipeline.stacked_peak_bytes, []
+
+    def account(stacked, **kwargs):
+        peaks = accounted(stacked, **kwargs)
+        stopped.append(len(peaks) < stacked.num_ranks)
+        return peaks
+
+    monkeypatch.setattr(pipeline, "stacked_peak_bytes", account)
+    memory_record = compile_valid(LENGTHS, 8).stats["memory"]
+    assert memory_record["unmet"] == "no schedule" and not memory_record["met"] and memory_record["refits"] > 2
+    assert memory_record["floor_bytes"] == floor_bytes and any(stopped)
+    monkeypatch.setattr(pipeline, "stacked_peak_bytes", lambda stacked, **_: accounted(stacked))
+    assert compile_valid(LENGTHS, 8).stats["memory"] == memory_record
+    # The same budget given by the user is refused naming the least peak, found with every step accounted in full
+    # until a rank is above the least so far.
+    least = memory_record["least_peak_bytes"]
+    assert least < memory_record["unbudgeted_peak_bytes"]
+    with pytest.raises(InfeasibleError, match=f"the least peak found is {least / 2**30:.2f} GiB"):
+        compile_plan(LENGTHS, 8, memory_budget_gib=memory_record["budget_bytes"] / 2**30)

@@ -271,10 +271,13 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
-        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain)
+        # The refits and the other candidates account their ranks in the order of the winner's peaks: a plan over
+        # the budget is most likely over where the winner was, and its account stops there.
+        first = peaks.max(axis=1)
+        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain, first)
         found = refit[:2] if refit is not None else None
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
-            found = _faster_within_budget(timer, refit, others, budget, record)
+            found = _faster_within_budget(timer, refit, others, budget, record, first)
         if found is not None:
             (plan, peaks), record["refitted"], columns = found, True, None
             record["kept"] = record["kept"] or "the winner, in smaller stages"
@@ -301,13 +304,14 @@ BUDGET_CHOICES = 2
 
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
-                     record: dict, rounds_of: Callable[[], Rounds],
-                     plain: Schedule | None = None) -> tuple[tuple, np.ndarray, float] | None:
+                     record: dict, rounds_of: Callable[[], Rounds], plain: Schedule | None = None,
+                     first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
     BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
     with its peaks and that time. None when no step fits, when a rank's own tokens' accumulators and outputs alone
     are over the budget, or when the default budget's work bound allows no step (no step is tried then). Records
-    the steps tried, the least peak found, that floor and why a budget is unmet in `record`."""
+    the steps tried, the least peak found, that floor and why a budget is unmet in `record`. `first`: the order
+    the accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
                               minlength=final.num_ranks)
@@ -321,7 +325,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["unmet"] = "own tokens" if floor_bytes > budget else "work"
         return None
     record["unmet"] = "no schedule"
-    fitting = []
+    fitting, over = [], []
     for schedule in _budget_ladder(timer, rounds_of, options, plain):
         if record["refits"] == most:
             record["unmet"] = "work"
@@ -329,21 +333,41 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
         stacked = timer.run("memory", stack_plan, candidate[0], candidate[1])  # the account's and the simulation's
-        # A rank above both the budget and the least peak so far settles it: the plan is over, and its own peak,
-        # at least that rank's, leaves the least as it is.
-        peaks = _peak_bytes(timer, candidate, stacked, stop_above=max(budget, record["least_peak_bytes"]))
-        record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
+        # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
+        # under every step over; only where none fits are the steps over accounted further (_least_over: their
+        # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
+        # gave, whose refusal names the least peak, has each step over accounted until a rank is above the least
+        # so far too (its steps are not bounded by that budget, so their stacks are not held).
+        strict = options.memory_budget_is_strict
+        peaks = _peak_bytes(timer, candidate, stacked, first,
+                            stop_above=max(budget, record["least_peak_bytes"]) if strict else budget)
         if peaks.max() > budget:
+            if strict:
+                record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
+            elif not fitting:
+                over.append(stacked)
             continue
+        record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
+        del over[:]
         figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
         fitting.append((figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], len(fitting), candidate,
                         peaks))
         if len(fitting) == BUDGET_CHOICES:
             break
     if not fitting:
+        _least_over(timer, over, budget, record)
         return None
     seconds, _, candidate, peaks = min(fitting, key=lambda choice: choice[:2])
     return candidate, peaks, seconds
+
+
+def _least_over(timer: _PassTimer, over: list[StackedRanks], budget: int, record: dict) -> None:
+    """Lower `record["least_peak_bytes"]` to the least peak of the steps `over` the budget whose accounts stopped at
+    the first ranks above it: each is accounted again until a rank is above the least so far (as
+    :func:`_refit_to_budget` accounts the steps of a budget the user gave), so the least is every step's."""
+    for stacked in over:
+        peaks = timer.run("memory", stacked_peak_bytes, stacked, stop_above=max(budget, record["least_peak_bytes"]))
+        record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
 
 
 def _most_refits(options: CompileOptions, num_tiles: int) -> float:
@@ -353,16 +377,17 @@ def _most_refits(options: CompileOptions, num_tiles: int) -> float:
 
 
 def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callable[[float], Iterator], budget: int,
-                          record: dict) -> tuple[tuple, np.ndarray] | None:
+                          record: dict, first: np.ndarray | None = None) -> tuple[tuple, np.ndarray] | None:
     """The refitted plan, or the fastest of the floor's other candidates that fits `budget` as the floor scheduled it,
     where it simulates faster than the refit (another placement may hold less at its own stages than the winner
     does at smaller ones). Candidates are tried fastest first, as long as they simulated faster than the refit (or
     the first one that fits, where nothing was refitted): `others(limit)` gives (name, plan, its simulated layer
-    seconds, its ranks as the floor stacked them to simulate it, or None). Returns (plan, peaks), or None."""
+    seconds, its ranks as the floor stacked them to simulate it, or None). `first`: the order the accounts visit
+    ranks in (the winner's peaks). Returns (plan, peaks), or None."""
     best = None if refit is None else refit[:2]
     limit = math.inf if refit is None else refit[2]
     for name, candidate, seconds, stacked in others(limit):
-        peaks = _peak_bytes(timer, candidate, stacked, stop_above=budget)
+        peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
         if peaks.max() > budget:
             continue
         if seconds < limit:
@@ -371,13 +396,14 @@ def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callab
     return best
 
 
-def _peak_bytes(timer: _PassTimer, plan: tuple, stacked: StackedRanks | None = None,
+def _peak_bytes(timer: _PassTimer, plan: tuple, stacked: StackedRanks | None = None, first: np.ndarray | None = None,
                 stop_above: int | None = None) -> np.ndarray:
     """:func:`plan_peak_bytes` of a finished plan (final IR, header fields, ...), from its stacked ranks where the
-    caller holds them (the same arrays: stack_plan of the plan)."""
+    caller holds them (the same arrays: stack_plan of the plan); `first`, `stop_above`: as
+    :func:`stacked_peak_bytes` takes them (every rank's peaks, in rank order, where the account does not stop)."""
     if stacked is None:
-        return timer.run("memory", plan_peak_bytes, plan[0], plan[1], stop_above=stop_above)
-    return timer.run("memory", stacked_peak_bytes, stacked, stop_above=stop_above)
+        return timer.run("memory", plan_peak_bytes, plan[0], plan[1], stop_above=stop_above, first=first)
+    return timer.run("memory", stacked_peak_bytes, stacked, stop_above=stop_above, first=first)
 
 
 def _budget_ladder(timer: _PassTimer, rounds_of: Callable[[], Rounds], options: CompileOptions,

@@ -34,7 +34,7 @@ def stack_plan(final: Reshuffle, header: PlanHeader | dict,
 
 def plan_peak_bytes(final: Reshuffle, header_fields: dict,
                     columns: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                    stop_above: int | None = None) -> np.ndarray:
+                    stop_above: int | None = None, first: np.ndarray | None = None) -> np.ndarray:
     """Each rank's peak bytes in the forward and the backward, in the plan's dtype and layout.
 
     Args:
@@ -42,7 +42,8 @@ def plan_peak_bytes(final: Reshuffle, header_fields: dict,
         header_fields: its header fields (shape, layout, stages: what the account reads).
         columns: rank_columns(final), when the caller has them.
         stop_above: stop at the first group of ranks with a peak above it (:func:`stacked_peak_bytes`).
+        first: a priority per rank: groups of ranks are accounted highest first (:func:`stacked_peak_bytes`).
     Returns:
         int64 [num_ranks, 2], or fewer rows where the account stopped above `stop_above`.
     """
-    return stacked_peak_bytes(stack_plan(final, header_fields, columns), stop_above=stop_above)
+    return stacked_peak_bytes(stack_plan(final, header_fields, columns), stop_above=stop_above, first=first)
