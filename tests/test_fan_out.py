@@ -1,6 +1,8 @@
 """Node fan-out (algorithms/fan_out.py, passes/fan_out.py) and the two link classes: a K,V block crosses into a node
 once and fans out over NVLink; rounds are congestion-free per class; a one-node plan has no NIC message."""
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,8 +149,7 @@ def test_pulls_from_owners_take_exactly_each_class_delta_over_its_lanes(lengths,
 
     plan = compile_own(lengths, gpus, block_size=128, coalesce=2, gpus_per_node=per_node, node_fan_out=False)
     before = plan.ir.transfers
-    before = type(before)(**{**{name: getattr(before, name) for name in before.__slots__},
-                             "edge_src": before.edge_owner, "edge_parent": np.full(before.num_edges, -1)})
+    before = dataclasses.replace(before, edge_src=before.edge_owner, edge_parent=np.full(before.num_edges, -1))
     rounds = schedule_rounds(fan_out(before))
     from_owner = rounds.transfers.edge_parent < 0
     link = rounds.transfers.edge_link

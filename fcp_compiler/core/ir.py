@@ -7,7 +7,7 @@ one carries everything. Arrays are numpy and never mutated after construction. D
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -249,6 +249,16 @@ class Transfers:
     edge_parent: np.ndarray  # -1 for a pull from the owner, else the earlier pull whose receiver re-sends it
     edge_seg_offsets: np.ndarray  # segments carried by edge e: edge_segs[offsets[e]:offsets[e + 1]]; none: all
     edge_segs: np.ndarray  # global segment indices
+    # Derived arrays the passes read again and again (edge_tokens, edge_link: a million pulls at thousands of
+    # ranks), computed once an object and handed out read-only. dataclasses.replace starts a new object empty.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _once(self, name: str, compute) -> np.ndarray:
+        held = self._derived.get(name)
+        if held is None:
+            held = self._derived[name] = compute()
+            held.flags.writeable = False
+        return held
 
     @property
     def num_edges(self) -> int:
@@ -265,7 +275,8 @@ class Transfers:
     @property
     def edge_link(self) -> np.ndarray:
         """Per pull, its link class: 1 across nodes (the NIC), 0 inside one (NVLink)."""
-        return link_class(self.edge_src, self.edge_dst, self.assignment.tiles.profile.gpus_per_node)
+        return self._once("edge_link", lambda: link_class(self.edge_src, self.edge_dst,
+                                                          self.assignment.tiles.profile.gpus_per_node))
 
     @property
     def class_degrees(self) -> tuple[int, int]:
@@ -276,6 +287,9 @@ class Transfers:
     @property
     def edge_tokens(self) -> np.ndarray:
         """Tokens each pull carries; a pull with no segment list carries its whole block."""
+        return self._once("edge_tokens", self._edge_tokens)
+
+    def _edge_tokens(self) -> np.ndarray:
         sharding = self.assignment.tiles.sharding
         counts = np.diff(self.edge_seg_offsets)
         edge_of_seg = np.repeat(np.arange(self.num_edges), counts)
