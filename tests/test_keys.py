@@ -121,3 +121,14 @@ def test_search_sorted_is_numpys_searchsorted(seed, num_values, side, kind):
     values = (values, values + 0.5, values.reshape(-1, 1) if num_values % 2 == 0 else values)[kind]
     got = search_sorted(ordered, values, side)
     assert got.shape == values.shape and np.array_equal(got, np.searchsorted(ordered, values, side=side))
+
+
+@given(st.lists(st.tuples(st.integers(-2, 2), st.sampled_from([0.0, -0.0, 0.5, 1.5]), st.integers(0, 1)),
+                min_size=1, max_size=60), st.integers(1, 3))
+def test_lexsort_first_is_the_first_of_np_lexsort(rows, num_keys):
+    """Ties on every key (the first wins), floats with signed zeros, ints: the least key tuple, last key primary."""
+    from fcp_compiler.algorithms.keys import lexsort_first
+
+    columns = [np.array(column) for column in zip(*rows)][:num_keys]
+    assert lexsort_first(columns) == int(np.lexsort(columns)[0])
+    assert lexsort_first(columns[::-1]) == int(np.lexsort(columns[::-1])[0])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import lookup, stable_argsort
+from fcp_compiler.algorithms.keys import lexsort_first, lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import expand_ranges
 
 
@@ -184,7 +184,7 @@ def balance_two_dimensional(block_rank: np.ndarray, block_weight: np.ndarray, bl
         if score.size == 0:
             stuck[top] = True
             continue
-        best = int(np.lexsort((ys, xs, score))[0])
+        best = lexsort_first((ys, xs, score))
         search.apply(int(xs[best]), int(ys[best]), top, int(partner_of[best]), float(new_tops[best]),
                      float(new_partners[best]))
     return search.block_rank

@@ -107,6 +107,28 @@ def lexsort_ints(keys) -> np.ndarray:
     return np.lexsort(keys) if packed is None else stable_order(*packed)
 
 
+def lexsort_first(keys) -> int:
+    """np.lexsort(keys)[0] without the sort: the position of the least key tuple (the last key primary), the first
+    among equal tuples. Each key narrows the positions tied on the keys before it: O(n k) comparisons, where the
+    sort of a few thousand candidate actions a step was most of a local search.
+
+    Args:
+        keys: arrays of one length (> 0), as np.lexsort takes them (ints or floats without NaN).
+    Returns:
+        the position.
+    """
+    keys = [np.asarray(key) for key in keys]
+    assert keys and keys[0].size > 0
+    tied = None  # positions tied so far, in order (None: every position)
+    for key in reversed(keys):
+        values = key if tied is None else key[tied]
+        least = np.flatnonzero(values == values.min())
+        tied = least if tied is None else tied[least]
+        if tied.size == 1:
+            break
+    return int(tied[0])
+
+
 def pack_columns(columns: list[np.ndarray]) -> tuple[np.ndarray, int] | None:
     """Int columns of one length (at least one row) as one int64 key per row that orders rows as
     np.lexsort(columns) does (the last column primary) and is equal exactly where every column is: each column less

@@ -6,6 +6,8 @@ import heapq
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import lexsort_first
+
 UNPLACED = -1
 # Bounds on the dense (top-bin item x candidate) matrices the local searches build, so that memory scales with the
 # items, not with bins x items: evaluated PAIRS_AT_ONCE at a time, and past SWAP_PAIRS in all, swaps look only at the
@@ -276,7 +278,7 @@ def level_sizes(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray, num_
             # least room (best fit: large gaps stay for the bins that need them), then the least weight shifted.
             short = (used[source] - gaps > capacity).astype(np.int64)
             room_left = capacity - used[targets] - gaps
-            best = int(np.lexsort((loads[targets], shifts, room_left, short * -gaps))[0])
+            best = lexsort_first((loads[targets], shifts, room_left, short * -gaps))
             x = int(mine[np.concatenate((mx, x_idx))[best]])
             target = int(targets[best])
             _move(x, source, target, bin_of, loads, used, weights, sizes)
