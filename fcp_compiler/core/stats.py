@@ -155,13 +155,14 @@ def _exchange_figures(schedule) -> dict:
     """The figures of a schedule's rounds and stages (the header's counts among them)."""
     rounds = schedule.rounds
     transfers = rounds.transfers
+    degrees = transfers.class_degrees  # a pass over every pull
     return {
         # Delta of each link class's forward pulls as sent (fan-out and relays included), and how many NVLink
         # rounds share one; the rounds the pulls from owners were coloured into (Konig per class) and the rounds
         # the forward pulls take once fan-out waits for its entries.
-        "max_degree": max(transfers.class_degrees),
-        "nvlink_degree": transfers.class_degrees[0],
-        "nic_degree": transfers.class_degrees[1],
+        "max_degree": max(degrees),
+        "nvlink_degree": degrees[0],
+        "nic_degree": degrees[1],
         "nvlink_lanes": rounds.nvlink_lanes,
         "owner_rounds": rounds.num_rounds,
         "num_rounds": int(schedule.forward.edge_round.max(initial=-1)) + 1,
