@@ -31,11 +31,18 @@ class _Slots:
         packed = np.packbits(counts >= slots[:, None], axis=1, bitorder="little")
         data, row_bytes = packed.tobytes(), packed.shape[1]
         full = [int.from_bytes(data[end * row_bytes:(end + 1) * row_bytes], "little") for end in range(num_ends)]
-        end_idx, round_idx = np.nonzero((counts > 0) & (counts < slots[:, None]))  # by end, then round
-        # One dict an end from its slice (millions of entries at thousands of ranks: half the time of one by one).
-        bounds = np.searchsorted(end_idx, np.arange(num_ends + 1)).tolist()
-        rounds, taken = round_idx.tolist(), counts[end_idx, round_idx].tolist()
-        partial = [dict(zip(rounds[low:high], taken[low:high])) for low, high in zip(bounds[:-1], bounds[1:])]
+        partial: list[dict[int, int]] = [{} for _ in range(num_ends)]
+        several = np.flatnonzero(slots > 1)  # only an end of several slots has rounds it uses but does not fill
+        counts = counts[several]
+        row_idx, round_idx = np.nonzero((counts > 0) & (counts < slots[several, None]))  # by end, then round
+        if row_idx.size:
+            # One dict an end from its slice (millions of entries at thousands of ranks: half the time of one by
+            # one), for the ends with any.
+            starts = np.flatnonzero(np.diff(row_idx, prepend=-1))
+            rounds, taken = round_idx.tolist(), counts[row_idx, round_idx].tolist()
+            for end, low, high in zip(several[row_idx[starts]].tolist(), starts.tolist(),
+                                      np.append(starts[1:], row_idx.size).tolist()):
+                partial[end] = dict(zip(rounds[low:high], taken[low:high]))
         return full, partial
 
     def place(self, a: int, b: int, ready: int) -> int:
