@@ -147,7 +147,7 @@ class _Busy:
 
 
 def stage_gain_bounds(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_floor: np.ndarray,
-                      max_gap: int) -> np.ndarray:
+                      max_gap: int, busiest: np.ndarray | None = None) -> np.ndarray:
     """Per stage, an upper bound on how much :func:`choose_relays` can lower the stage's busiest send link time
     (:func:`busiest_send_seconds`).
 
@@ -157,10 +157,12 @@ def stage_gain_bounds(edges: RelayEdges, links: RelayLinks, num_ranks: int, stag
     of a block no relayable pull from its owner brings in the `max_gap` stages before (no candidate holder). O(E + S N)
     for E pulls, S stages, N ranks.
 
+    `busiest`: busiest_send_seconds(edges, edges.src, links, num_ranks), where the caller has it.
+
     Returns:
         float64 [num_stages], seconds.
     """
-    busiest = busiest_send_seconds(edges, edges.src, links, num_ranks)
+    busiest = busiest_send_seconds(edges, edges.src, links, num_ranks) if busiest is None else busiest
     num_stages = busiest.size
     if num_stages == 0:
         return busiest
@@ -186,7 +188,7 @@ def stage_gain_bounds(edges: RelayEdges, links: RelayLinks, num_ranks: int, stag
 
 
 def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_floor: np.ndarray,
-                  max_gap: int, min_gain: float = 0.0) -> np.ndarray:
+                  max_gap: int, min_gain: float = 0.0, busiest: np.ndarray | None = None) -> np.ndarray:
     """Pick a parent pull for some pulls, so that they leave the parent's receiver instead of the block's owner.
 
     Objective, stage by stage: lower the busiest link end's seconds among the senders, down to `stage_floor[s]`
@@ -207,6 +209,7 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
         stage_floor: float [num_stages], seconds under which a stage's sends need not go.
         max_gap: the most stages a parent may arrive before its child leaves (bounds how long relays hold).
         min_gain: seconds the sum over stages of the busiest send link time must drop by for relays to be kept.
+        busiest: busiest_send_seconds(edges, edges.src, links, num_ranks), where the caller has it.
     Returns:
         int64 [num_edges], each pull's parent pull (edges.parent kept), or -1 for a pull from the owner.
     """
@@ -214,7 +217,9 @@ def choose_relays(edges: RelayEdges, links: RelayLinks, num_ranks: int, stage_fl
     if edges.block.size == 0:
         return parent
     # What each stage can still gain, from each stage on.
-    to_gain = np.cumsum(stage_gain_bounds(edges, links, num_ranks, stage_floor, max_gap)[::-1])[::-1]
+    to_gain = np.cumsum(stage_gain_bounds(edges, links, num_ranks, stage_floor, max_gap, busiest)[::-1])[::-1]
+    if to_gain.size and to_gain[0] < min_gain:  # no stage can gain enough: the greedy's first step gives up
+        return parent
     src = edges.src.copy()
     busy = _Busy(edges, src, links, num_ranks)
     by_block = np.lexsort((np.arange(edges.block.size), edges.block))

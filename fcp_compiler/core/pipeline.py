@@ -222,10 +222,11 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
         rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
         schedule, plain = None, False
         if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
-            schedule, _, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
+            schedule, peak, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
         if schedule is None:
-            schedule, plain = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), True
-        final, header_fields, data = _finish(timer, schedule, options, digest)
+            schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
+                True, None
+        final, header_fields, data = _finish(timer, schedule, options, digest, max_buffer=peak)
         floor_stats, rounds_of, others, plain = None, lambda: rounds, lambda limit: iter(()), \
             schedule if plain else None
         del schedule
@@ -565,9 +566,9 @@ class _FloorRun:
                                             budget)
         fits, relays = schedule is not None and peak <= budget, True
         if fits:  # only a plan that may fit is finished and scored
-            plan = _finish(timer, schedule, options, self.digest)
+            plan = _finish(timer, schedule, options, self.digest, max_buffer=peak)
             if plan[1]["max_buffer_tokens"] > budget:  # a relay holds its block longer: keep the schedule's senders
-                plan, relays = _finish(timer, schedule, options, self.digest, relays=False), False
+                plan, relays = _finish(timer, schedule, options, self.digest, relays=False, max_buffer=peak), False
             peak = plan[1]["max_buffer_tokens"]
             fits = peak <= budget
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
@@ -780,14 +781,18 @@ def _rounds(timer: _PassTimer, transfers: Transfers, options: CompileOptions, wi
 
 
 def _finish(timer: _PassTimer, schedule: Schedule, options: CompileOptions, digest: str,
-            relays: bool = True) -> tuple:
+            relays: bool = True, max_buffer: int | None = None) -> tuple:
     """relay (FCP, unless `relays` is off) and reshuffle: (final IR, header fields, None). Only the plan
     compile_plan returns is encoded (by :func:`_within_budget`, once its header's memory figures are known); the
-    floor's candidates and the budget's refits are simulated and accounted from their IR."""
+    floor's candidates and the budget's refits are simulated and accounted from their IR. `max_buffer`: the
+    schedule's max_buffer_tokens where the caller has it (a pass over every buffer of both passes), kept where no
+    relay changes the schedule."""
     if relays and options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their star senders
-        schedule = timer.run("relay", relay, schedule)
+        relayed = timer.run("relay", relay, schedule)
+        schedule, max_buffer = relayed, max_buffer if relayed is schedule else None
     final = timer.run("reshuffle", reshuffle, schedule)
-    header_fields = _header_fields(final, options, schedule.rounds.transfers.assignment.token_cap, digest)
+    header_fields = _header_fields(final, options, schedule.rounds.transfers.assignment.token_cap, digest,
+                                   max_buffer)
     return final, header_fields, None
 
 
@@ -836,7 +841,8 @@ def _fcp_tiles(timer: _PassTimer, batch: Batch, options: CompileOptions) -> Tile
     return timer.run("cost", cost, sharding, options.shape, options.profile)
 
 
-def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str) -> dict:
+def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str,
+                   max_buffer: int | None = None) -> dict:
     schedule, rounds, transfers, sharding = final.schedule, final.rounds, final.transfers, final.sharding
     recv_buffer = 0
     if transfers.num_edges:
@@ -856,7 +862,8 @@ def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, di
                 num_fwd_rounds=schedule.forward.num_rounds,
                 num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,
                 num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
-                max_buffer_tokens=max_buffer_tokens(schedule), pipelined=options.pipelined,
+                max_buffer_tokens=max_buffer_tokens(schedule) if max_buffer is None else max_buffer,
+                pipelined=options.pipelined,
                 rounds_kind="matching" if options.matching_rounds else "arbitrary",
                 reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch,
                 # Filled in by _within_budget for the plan compile_plan returns; a floor candidate is only simulated.

@@ -78,10 +78,12 @@ def relay(schedule: Schedule, max_gap: int = MAX_RELAY_GAP) -> Schedule:
     floor = compute.mean(axis=1)
     busiest = busiest_send_seconds(edges, transfers.edge_src, links, num_ranks)
     before = busiest.sum()
-    parent = choose_relays(edges, links, num_ranks, floor, max_gap, min_gain=MIN_GAIN * before)
+    parent = choose_relays(edges, links, num_ranks, floor, max_gap, min_gain=MIN_GAIN * before, busiest=busiest)
+    if np.array_equal(parent, transfers.edge_parent):
+        return schedule
     relayed_src = np.where(parent >= 0, transfers.edge_dst[np.maximum(parent, 0)], transfers.edge_src)
     after = busiest_send_seconds(edges, relayed_src, links, num_ranks).sum()
-    if np.array_equal(parent, transfers.edge_parent) or after > (1.0 - MIN_GAIN) * before:
+    if after > (1.0 - MIN_GAIN) * before:
         return schedule
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
     relayed = dataclasses.replace(transfers, edge_src=relayed_src, edge_parent=parent)
