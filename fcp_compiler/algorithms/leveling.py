@@ -228,14 +228,15 @@ class _Scan:
 
     def unmoved_one(self, position: int) -> int:
         """:meth:`_unmoved` of one position."""
-        found = position
+        found, passed = position, []
         while found >= 0:
             to = int(self.skip[found])
             if to == found:
                 break
+            passed.append(found)
             found = to
-        if position >= 0:
-            self.skip[position] = found
+        for moved in passed:  # path compression, as _unmoved
+            self.skip[moved] = found
         return found
 
     def _unmoved(self, position: np.ndarray) -> np.ndarray:
@@ -245,6 +246,7 @@ class _Scan:
             return position
         found = position.copy()
         pending = np.flatnonzero(found >= 0)
+        passed, passed_by = [], []  # the moved positions each lookup went through
         while pending.size:
             at = found[pending]
             to = self.skip[at]
@@ -252,10 +254,14 @@ class _Scan:
             if not moving.any():
                 break
             pending = pending[moving]
+            passed.append(at[moving])
+            passed_by.append(pending)
             found[pending] = to[moving]
             pending = pending[found[pending] >= 0]
-        starts = position >= 0
-        self.skip[position[starts]] = found[starts]  # the pointers followed from here are shortened
+        if passed:
+            # Every pointer followed is shortened to where its lookup ended (every position between is moved), so
+            # later lookups through it take one step (path compression).
+            self.skip[np.concatenate(passed)] = found[np.concatenate(passed_by)]
         return found
 
 
