@@ -9,7 +9,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
-from fcp_compiler.algorithms.keys import search_sorted, stable_argsort, stable_order
+from fcp_compiler.algorithms.keys import lookup, stable_argsort, stable_order
 from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling, stage_loads
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
@@ -50,10 +50,7 @@ def _edge_lookup(transfers, kind: TransferKind, blocks: np.ndarray, ranks: np.nd
         table = np.full(space, -1, dtype=np.int32)
         table[keys] = of_kind
         return table[wanted]
-    pos = np.minimum(search_sorted(keys, wanted), max(keys.size - 1, 0))
-    found = keys.size > 0
-    hit = (keys[pos] == wanted) if found else np.zeros(wanted.size, dtype=bool)
-    return np.where(hit, of_kind[pos] if found else -1, -1).astype(np.int32)
+    return lookup(keys, of_kind, wanted, -1).astype(np.int32)
 
 
 def pass_buffers(program: PassSchedule, transfers: Transfers, tile_rank: np.ndarray, tile_kv_edge: np.ndarray,
