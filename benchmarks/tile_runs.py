@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler import compile_plan
-from placement import EVAL_DATA, TOKENS_PER_GPU, batches
+from placement import TOKENS_PER_GPU, batches, matrix_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,10 +64,8 @@ def plan_figures(lengths: list[int], num_gpus: int, block_size: int | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default="64,256")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--eval-data", type=Path, default=EVAL_DATA)
-    parser.add_argument("--batches", help="comma-separated batch names (default: all)")
+    matrix_arguments(parser)
+    parser.set_defaults(seeds=1)
     parser.add_argument("--small", action="store_true", help="also traces/small_8gpu.json at 64-token blocks")
     args = parser.parse_args()
     kinds = batches(args.eval_data)
