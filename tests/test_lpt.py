@@ -1,6 +1,6 @@
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
@@ -168,6 +168,39 @@ def test_refine_in_slices_equals_the_dense_search(num_bins, items, seed):
     with mock.patch.object(lpt, "PAIRS_AT_ONCE", 3):
         got = refine_moves_swaps(weights, sizes, start, num_bins, capacity, max_steps=20)
     assert np.array_equal(got, _dense_refine(weights, sizes, start, num_bins, capacity, 20))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 6), st.lists(st.integers(0, 8), min_size=2, max_size=40), st.integers(0, 2**16),
+       st.one_of(st.none(), st.floats(0.0, 1.0)), st.lists(st.integers(0, 39), max_size=6))
+def test_window_partners_are_the_items_a_top_weight_reaches(num_bins, values, seed, below_share, moves):
+    """The swap search's partners found in weight order (one binary search a top item) are exactly the items
+    elsewhere with some top weight strictly inside their window, written out item by item; also after moves."""
+    from fcp_compiler.algorithms.lpt import _ByWeight, _window_partners
+
+    weights = np.array(values, dtype=float) / 7  # many ties, and sums that round
+    rng = np.random.default_rng(seed)
+    bin_of = rng.integers(0, num_bins, size=weights.size)
+    by_weight = _ByWeight(weights, bin_of)
+    for item in moves:  # the bins the search sees are kept up to date as items move
+        if item < weights.size:
+            bin_of[item] = (bin_of[item] + 1) % num_bins
+            by_weight.moved(item, int(bin_of[item]))
+    loads = np.bincount(bin_of, weights=weights, minlength=num_bins)
+    top = int(np.argmax(loads))
+    top_weights = np.sort(weights[bin_of == top])
+    if top_weights.size == 0:
+        return
+    top_load = float(loads[top])
+    slack = 1e-9 * max(abs(top_load), 1.0)
+    # No share puts the lower bound of an item's window on its own weight (often exactly): a top item of the same
+    # weight is then on the bound, not inside the window.
+    below = top_load - slack if below_share is None else top_load - below_share * (top_load - float(loads.min()))
+    expected = [y for y in range(weights.size) if bin_of[y] != top and any(
+        float(weights[y]) + (top_load - below) - slack < weight < float(weights[y]) + (below - float(loads[bin_of[y]]))
+        + slack for weight in top_weights.tolist())]
+    got = _window_partners(top, top_load, top_weights, weights.size, loads, below, slack, by_weight)
+    assert got.tolist() == expected
 
 
 def test_many_small_items_refine_in_bounded_memory_and_stay_feasible():

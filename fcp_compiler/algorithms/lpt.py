@@ -107,6 +107,7 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
     used = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
     tolerance = 1e-12 * max(float(loads.max()), 1e-300)
     steps = max_steps if max_steps is not None else 4 * num_bins + 64
+    by_weight = _ByWeight(weights, bin_of)
     for _ in range(steps):
         top = int(np.argmax(loads))
         top_load = loads[top]
@@ -115,7 +116,7 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
         move = _best_move(on_top, top, weights, sizes, loads, used, capacity)
         if move is not None and move[0] < best_score:
             best_score, best_action = move[0], ("move", move[1], move[2])
-        swap = _best_swap(on_top, top, weights, sizes, bin_of, loads, used, capacity, best_score)
+        swap = _best_swap(on_top, top, weights, sizes, bin_of, loads, used, capacity, best_score, by_weight)
         if swap is not None and swap[0] < best_score:
             best_score, best_action = swap[0], ("swap", swap[1], swap[2])
         if best_action is None:
@@ -123,10 +124,13 @@ def refine_moves_swaps(weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarra
         kind, x, target = best_action
         if kind == "move":
             _move(x, top, target, bin_of, loads, used, weights, sizes)
+            by_weight.moved(x, target)
         else:
             y_bin = int(bin_of[target])
             _move(x, top, y_bin, bin_of, loads, used, weights, sizes)
             _move(target, y_bin, top, bin_of, loads, used, weights, sizes)
+            by_weight.moved(x, y_bin)
+            by_weight.moved(target, top)
     return bin_of
 
 
@@ -144,9 +148,11 @@ def _best_move(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     for start, stop in _row_chunks(on_top.size, loads.size):
         rows = on_top[start:stop]
         w_x = weights[rows][:, None]
-        move_ok = used[None, :] + sizes[rows][:, None] <= capacity
-        move_ok[:, top] = False
-        score = np.where(move_ok, np.maximum(loads[top] - w_x, loads[None, :] + w_x), np.inf)
+        score = loads[None, :] + w_x
+        np.maximum(score, loads[top] - w_x, out=score)
+        refused = used[None, :] + sizes[rows][:, None] > capacity
+        refused[:, top] = True
+        np.copyto(score, np.inf, where=refused)
         flat = int(np.argmin(score))
         if np.isfinite(score.flat[flat]) and (best is None or score.flat[flat] < best[0]):
             best = (float(score.flat[flat]), int(rows[flat // loads.size]), flat % loads.size)
@@ -163,6 +169,50 @@ def _swap_partners(on_top: np.ndarray, top: int, bin_of: np.ndarray, loads: np.n
     return _items_of_first_bins(others, bin_of, lightest[lightest != top], loads.size, SWAP_PAIRS // on_top.size)
 
 
+class _ByWeight:
+    """The items in order of weight (ties by index), their weights and their bins in that order (the bins kept up to
+    date by :meth:`moved`): the swap search's window test finds, for every item at once, the lightest top item
+    heavier than a bound that rises with the item's weight."""
+
+    __slots__ = ("order", "weights", "bins", "position")
+
+    def __init__(self, weights: np.ndarray, bin_of: np.ndarray):
+        self.order = np.argsort(weights, kind="stable")
+        self.weights = weights[self.order]
+        self.bins = bin_of[self.order]
+        self.position = np.empty_like(self.order)
+        self.position[self.order] = np.arange(self.order.size)
+
+    def moved(self, item: int, target: int) -> None:
+        """Record that `item` is now in bin `target`."""
+        self.bins[self.position[item]] = target
+
+
+def _window_partners(top: int, top_load: float, top_weights: np.ndarray, num_items: int, loads: np.ndarray,
+                     below: float, slack: float, by_weight: _ByWeight) -> np.ndarray:
+    """The items elsewhere that a top item x may swap with for a score below `below` (the window test of
+    :func:`_best_swap`, slack included), in item order: y, in a bin of load L, where the lightest top weight above
+    w_y + (top - below) - slack is below w_y + (below - L) + slack. The bounds rise with w_y, so in weight order each
+    top weight (ascending) is the lightest one above the bound for a run of items, found by one binary search a top
+    item: the same test as a binary search an item, at a fraction of the cost (tens of thousands of items a step)."""
+    bounds = by_weight.weights + (top_load - below) - slack  # non-decreasing, as the weights are
+    runs = np.searchsorted(bounds, top_weights, side="left").tolist()  # where each top weight's run ends
+    reached = runs[-1]  # the later items have no top weight above their bound
+    item_bins = by_weight.bins[:reached]
+    # w_y + (below - L) + slack, as the test adds it up, with (below - L) once a bin
+    reach = by_weight.weights[:reached] + (below - loads)[item_bins]
+    reach += slack
+    keep = np.empty(reached, dtype=bool)
+    low = 0
+    for weight, high in zip(top_weights.tolist(), runs):
+        np.less(weight, reach[low:high], out=keep[low:high])
+        low = high
+    keep &= item_bins != top
+    chosen = np.zeros(num_items, dtype=bool)
+    chosen[by_weight.order[:reached][keep]] = True
+    return np.flatnonzero(chosen)
+
+
 def _items_of_first_bins(items: np.ndarray, bin_of: np.ndarray, bin_order: np.ndarray, num_bins: int,
                          at_least: int) -> np.ndarray:
     """The items (of `items`, in their order) in the first bins of `bin_order`, whole bins, until there are at
@@ -175,25 +225,28 @@ def _items_of_first_bins(items: np.ndarray, bin_of: np.ndarray, bin_order: np.nd
 
 
 def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray,
-               loads: np.ndarray, used: np.ndarray, capacity: int,
-               below: float = np.inf) -> tuple[float, int, int] | None:
+               loads: np.ndarray, used: np.ndarray, capacity: int, below: float = np.inf,
+               by_weight: _ByWeight | None = None) -> tuple[float, int, int] | None:
     """The swap of an item x of the top bin with a lighter item y elsewhere that leaves the lower maximum of the
     two bins: (score, x, y), the first in (x, y) order among equals, among the swaps that score below `below`
     (the best move's score: only a lower one is taken); None when no such swap fits."""
     if on_top.size == 0:  # an empty top bin (every load zero) has nothing to swap
         return None
-    partners = _swap_partners(on_top, top, bin_of, loads)
     # A swap moving delta = w_x - w_y scores below `below` only if top - delta < below and L + delta < below (L: y's
     # bin's load): w_x in (w_y + top - below, w_y + below - L). Partners with no top item's weight in that window
     # cannot win, and are dropped before the (top items x partners) matrices: balanced bins leave windows far
     # narrower than the weights. A slack covers the rounding of the scores.
     top_load, top_weights = float(loads[top]), np.sort(weights[on_top])
     slack = 1e-9 * max(abs(top_load), 1.0)
-    partner_weights = weights[partners]
-    nearest = np.searchsorted(top_weights, partner_weights + (top_load - below) - slack, side="right")
-    reach = top_weights[np.minimum(nearest, top_weights.size - 1)] < \
-        partner_weights + (below - loads[bin_of[partners]]) + slack
-    partners = partners[(nearest < top_weights.size) & reach]
+    if by_weight is not None and on_top.size * (bin_of.size - on_top.size) <= SWAP_PAIRS:  # every item elsewhere
+        partners = _window_partners(top, top_load, top_weights, bin_of.size, loads, below, slack, by_weight)
+    else:
+        partners = _swap_partners(on_top, top, bin_of, loads)
+        partner_weights = weights[partners]
+        nearest = np.searchsorted(top_weights, partner_weights + (top_load - below) - slack, side="right")
+        reach = top_weights[np.minimum(nearest, top_weights.size - 1)] < \
+            partner_weights + (below - loads[bin_of[partners]]) + slack
+        partners = partners[(nearest < top_weights.size) & reach]
     if partners.size == 0:
         return None
     partner_bins = bin_of[partners]
@@ -206,12 +259,13 @@ def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     for start, stop in _row_chunks(on_top.size, partners.size):
         rows = on_top[start:stop]
         row_weights, row_sizes = weights[rows][:, None], sizes[rows][:, None]
-        swap_ok = row_weights > partner_weights  # delta > 0
-        swap_ok &= partner_sizes <= capacity - used[top] + row_sizes
-        swap_ok &= row_sizes <= partner_room
         delta = row_weights - partner_weights
-        score = np.maximum(loads[top] - delta, partner_loads + delta)
-        score[~swap_ok] = np.inf
+        score = loads[top] - delta
+        np.maximum(score, np.add(partner_loads, delta, out=delta), out=score)
+        refused = row_weights <= partner_weights  # delta <= 0
+        refused |= partner_sizes > capacity - used[top] + row_sizes
+        refused |= row_sizes > partner_room
+        np.copyto(score, np.inf, where=refused)
         flat = int(np.argmin(score))
         if np.isfinite(score.flat[flat]) and (best is None or score.flat[flat] < best[0]):
             best = (float(score.flat[flat]), int(rows[flat // partners.size]), int(partners[flat % partners.size]))
