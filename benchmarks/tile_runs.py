@@ -11,6 +11,7 @@ the memory account and the simulation all read a tile's stage. For each compiled
 - pairs: its (query block, rank) pairs, the count the issue expects runs to approach;
 - runs: maximal runs of consecutive key blocks of one query block on one rank, ignoring stages (the bound if the
   schedule placed every run's tiles together);
+- arrival runs: those runs cut where the forward stage the tiles' data arrives in changes (before levelling);
 - fwd runs, both runs: those runs cut where the forward stage changes, and where either pass's stage changes (what a
   run would have to carry under today's schedules, which pull each key block on its own and level tiles one by one).
 
@@ -55,9 +56,15 @@ def plan_figures(lengths: list[int], num_gpus: int, block_size: int | None = Non
     tiles, rank = final.assignment.tiles, final.assignment.tile_rank
     q_block = tiles.tile_q_block.astype(np.int64)
     kv_block = tiles.tile_kv_block.astype(np.int64)
-    forward, backward = final.schedule.forward.tile_stage, final.schedule.backward.tile_stage
+    schedule = final.schedule
+    forward, backward = schedule.forward.tile_stage, schedule.backward.tile_stage
+    # The forward stage each tile's data arrives in (0: all local), before levelling delays it.
+    pull_round = np.append(schedule.forward.edge_round, -1)
+    arrival = np.maximum(pull_round[schedule.tile_kv_edge], pull_round[schedule.tile_q_edge])
+    arrival_stage = np.where(arrival >= 0, arrival // schedule.forward.coalesce + 1, 0)
     return {"tiles": tiles.num_tiles, "pairs": int(np.unique(q_block * num_gpus + rank).size),
             "runs": run_counts(q_block, kv_block, rank),
+            "arrival runs": run_counts(q_block, kv_block, rank, arrival_stage),
             "fwd runs": run_counts(q_block, kv_block, rank, forward),
             "both runs": run_counts(q_block, kv_block, rank, forward, backward)}
 
@@ -78,11 +85,11 @@ def main() -> None:
     if args.small:
         small = json.loads((ROOT / "traces" / "small_8gpu.json").read_text())["sequences"]
         cases.append(("small_8gpu/8 @64", small, 8, 64))
-    columns = ("tiles", "pairs", "runs", "fwd runs", "both runs")
-    print(f"{'batch':<24}" + "".join(f"{name:>11}" for name in columns) + f"{'both/tiles':>12}")
+    columns = ("tiles", "pairs", "runs", "arrival runs", "fwd runs", "both runs")
+    print(f"{'batch':<24}" + "".join(f"{name:>13}" for name in columns) + f"{'both/tiles':>12}")
     for label, lengths, gpus, block_size in cases:
         figures = plan_figures(lengths, gpus, block_size)
-        print(f"{label:<24}" + "".join(f"{figures[name]:>11}" for name in columns)
+        print(f"{label:<24}" + "".join(f"{figures[name]:>13}" for name in columns)
               + f"{figures['both runs'] / max(figures['tiles'], 1):>12.3f}", flush=True)
 
 
