@@ -147,7 +147,7 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             if buffers is not None and fits.any():
                 fits[fits] = buffers.extend(position[fits], ranks[fits], target)
             moved, moved_ranks, moved_work = position[fits], ranks[fits], work[fits]
-            gap[fits] -= moved_work
+            gap -= work * fits  # (minus zero where it does not fit: the same gap)
             load[scan.first[moved], moved_ranks] -= moved_work
             row[moved_ranks] += moved_work
             stage[order[moved]] = target
@@ -214,8 +214,9 @@ class _Scan:
     def step(self, ranks, position, gap, skips) -> tuple[np.ndarray, ...]:
         """Every rank on to its previous unmoved candidate; those out of candidates or skips drop out."""
         position = self._unmoved(position - 1)
-        keep = (position >= self.low[ranks]) & (skips < MAX_SKIPS)
-        keep[keep] = self.least[position[keep]] <= gap[keep]
+        keep = position >= self.low[ranks]
+        keep &= skips < MAX_SKIPS
+        keep &= self.least[position] <= gap  # (a position before its rank's first, -1 at most, reads any entry)
         return ranks[keep], position[keep], gap[keep], skips[keep]
 
     def move(self, positions: np.ndarray) -> None:
@@ -282,6 +283,10 @@ class _LiveBuffers:
         self.buffer = limit.tile_buffer[order]  # per scan position
         read = np.maximum(self.buffer, 0)
         self.hold = limit.buffer_hold[read].astype(np.int64)
+        # A window's bounds are (end + hold + 1, target + hold + 1): hold + 1 a position, and the furthest any
+        # window reaches past its target.
+        self.after = self.hold + 1
+        self.reach = int(self.after.max(initial=1))
         self.tokens = limit.buffer_tokens[read].astype(np.int64)  # token counts, whatever array they came in
 
     def extend_one(self, position: int, rank: int, target: int) -> bool:
@@ -305,7 +310,8 @@ class _LiveBuffers:
         where the budget allows; bool per position, True where the tile may run there (its buffer extended, or
         none needed)."""
         buffer = self.buffer[positions]
-        need = self.last[buffer] < target  # a tile without a buffer reads the entry no target reaches
+        end = self.last[buffer]
+        need = end < target  # a tile without a buffer reads the entry no target reaches
         if need.all():  # (most steps: every tile's buffer would outlive its last use so far)
             ok, rank = None, ranks
         elif not need.any():
@@ -313,13 +319,13 @@ class _LiveBuffers:
         else:
             ok = ~need
             need = np.flatnonzero(need)
-            positions, buffer, rank = positions[need], buffer[need], ranks[need]
-        hold, tokens = self.hold[positions], self.tokens[positions]
+            positions, buffer, rank, end = positions[need], buffer[need], ranks[need], end[need]
+        after, tokens = self.after[positions], self.tokens[positions]
         # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold);
         # only the columns some window spans are read and written (a few of the pass's stages).
-        low = self.last[buffer] + hold + 1
-        high = target + hold + 1
-        first, last = int(low.min()), int(high.max())
+        low = end + after
+        high = after + target
+        first, last = int(low.min()), target + self.reach
         if first < last:
             columns = self.columns[first:last]
             window = (columns >= low[:, None]) & (columns < high[:, None])
