@@ -282,10 +282,9 @@ class _LiveBuffers:
         self.budget = limit.budget
         self.buffer = limit.tile_buffer[order]  # per scan position
         read = np.maximum(self.buffer, 0)
-        self.hold = limit.buffer_hold[read].astype(np.int64)
         # A window's bounds are (end + hold + 1, target + hold + 1): hold + 1 a position, and the furthest any
         # window reaches past its target.
-        self.after = self.hold + 1
+        self.after = limit.buffer_hold[read].astype(np.int64) + 1
         self.reach = int(self.after.max(initial=1))
         self.tokens = limit.buffer_tokens[read].astype(np.int64)  # token counts, whatever array they came in
 
@@ -294,14 +293,12 @@ class _LiveBuffers:
         buffer = int(self.buffer[position])
         if buffer < 0 or self.last[buffer] >= target:
             return True
-        hold = int(self.hold[position])
-        low, high = int(self.last[buffer]) + hold + 1, target + hold + 1
-        row = self.live[rank]
-        window = row[max(low, 0):high]
-        most = max(int(window.max()), 0) if window.size else 0
-        if most + int(self.tokens[position]) > self.budget:
+        after = int(self.after[position])
+        window = self.live[rank, max(int(self.last[buffer]) + after, 0):target + after]
+        tokens = int(self.tokens[position])
+        if max(window.tolist(), default=0) + tokens > self.budget:  # (a few stages: a list's max is cheaper)
             return False
-        window += self.tokens[position]
+        window += tokens
         self.last[buffer] = target
         return True
 
