@@ -199,8 +199,14 @@ def test_window_partners_are_the_items_a_top_weight_reaches(num_bins, values, se
     expected = [y for y in range(weights.size) if bin_of[y] != top and any(
         float(weights[y]) + (top_load - below) - slack < weight < float(weights[y]) + (below - float(loads[bin_of[y]]))
         + slack for weight in top_weights.tolist())]
-    got = _window_partners(top, top_load, top_weights, weights.size, loads, below, slack, by_weight)
-    assert got.tolist() == expected
+    from unittest import mock
+
+    import fcp_compiler.algorithms.lpt as lpt
+
+    for small_runs in (0, weights.size):  # a comparison a run (many items), and all at once (few)
+        with mock.patch.object(lpt, "SMALL_RUNS", small_runs):
+            got = _window_partners(top, top_load, top_weights, weights.size, loads, below, slack, by_weight)
+        assert got.tolist() == expected, small_runs
 
 
 def test_many_small_items_refine_in_bounded_memory_and_stay_feasible():

@@ -14,6 +14,9 @@ UNPLACED = -1
 # items of the least-loaded bins (moves, with one column a bin, always see every bin).
 PAIRS_AT_ONCE = 1 << 18
 SWAP_PAIRS = 1 << 20
+# Items under which the swap search's window test compares them at once rather than a run at a time (numpy calls
+# cost more than the comparisons below this).
+SMALL_RUNS = 8192
 
 
 def lpt_with_cap(weights: np.ndarray, sizes: np.ndarray, num_bins: int, capacity: int,
@@ -202,11 +205,14 @@ def _window_partners(top: int, top_load: float, top_weights: np.ndarray, num_ite
     # w_y + (below - L) + slack, as the test adds it up, with (below - L) once a bin
     reach = by_weight.weights[:reached] + (below - loads)[item_bins]
     reach += slack
-    keep = np.empty(reached, dtype=bool)
-    low = 0
-    for weight, high in zip(top_weights.tolist(), runs):
-        np.less(weight, reach[low:high], out=keep[low:high])
-        low = high
+    if reached <= SMALL_RUNS:  # one comparison against each item's next top weight, spelled out
+        keep = np.repeat(top_weights, np.diff(runs, prepend=0)) < reach
+    else:  # a comparison a run, in place (tens of thousands of items)
+        keep = np.empty(reached, dtype=bool)
+        low = 0
+        for weight, high in zip(top_weights.tolist(), runs):
+            np.less(weight, reach[low:high], out=keep[low:high])
+            low = high
     keep &= item_bins != top
     chosen = np.zeros(num_items, dtype=bool)
     chosen[by_weight.order[:reached][keep]] = True
