@@ -162,12 +162,10 @@ def _best_move(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     return best
 
 
-def _swap_partners(on_top: np.ndarray, top: int, bin_of: np.ndarray, loads: np.ndarray) -> np.ndarray:
-    """The items a top-bin item may swap with: every item elsewhere while (top items x those) stays within
-    SWAP_PAIRS; past that, the items of the least-loaded bins (the partners that lower the top the most)."""
+def _lightest_partners(on_top: np.ndarray, top: int, bin_of: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """The items a top-bin item may swap with where (top items x every item elsewhere) is past SWAP_PAIRS: the items
+    of the least-loaded bins (the partners that lower the top the most), about SWAP_PAIRS pairs' worth."""
     others = np.flatnonzero(bin_of != top)
-    if on_top.size * others.size <= SWAP_PAIRS:
-        return others
     lightest = np.lexsort((np.arange(loads.size), loads))
     return _items_of_first_bins(others, bin_of, lightest[lightest != top], loads.size, SWAP_PAIRS // on_top.size)
 
@@ -231,8 +229,8 @@ def _items_of_first_bins(items: np.ndarray, bin_of: np.ndarray, bin_order: np.nd
 
 
 def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndarray, bin_of: np.ndarray,
-               loads: np.ndarray, used: np.ndarray, capacity: int, below: float = np.inf,
-               by_weight: _ByWeight | None = None) -> tuple[float, int, int] | None:
+               loads: np.ndarray, used: np.ndarray, capacity: int, below: float,
+               by_weight: _ByWeight) -> tuple[float, int, int] | None:
     """The swap of an item x of the top bin with a lighter item y elsewhere that leaves the lower maximum of the
     two bins: (score, x, y), the first in (x, y) order among equals, among the swaps that score below `below`
     (the best move's score: only a lower one is taken); None when no such swap fits."""
@@ -244,15 +242,9 @@ def _best_swap(on_top: np.ndarray, top: int, weights: np.ndarray, sizes: np.ndar
     # narrower than the weights. A slack covers the rounding of the scores.
     top_load, top_weights = float(loads[top]), np.sort(weights[on_top])
     slack = 1e-9 * max(abs(top_load), 1.0)
-    if by_weight is not None and on_top.size * (bin_of.size - on_top.size) <= SWAP_PAIRS:  # every item elsewhere
-        partners = _window_partners(top, top_load, top_weights, bin_of.size, loads, below, slack, by_weight)
-    else:
-        partners = _swap_partners(on_top, top, bin_of, loads)
-        partner_weights = weights[partners]
-        nearest = np.searchsorted(top_weights, partner_weights + (top_load - below) - slack, side="right")
-        reach = top_weights[np.minimum(nearest, top_weights.size - 1)] < \
-            partner_weights + (below - loads[bin_of[partners]]) + slack
-        partners = partners[(nearest < top_weights.size) & reach]
+    partners = _window_partners(top, top_load, top_weights, bin_of.size, loads, below, slack, by_weight)
+    if on_top.size * (bin_of.size - on_top.size) > SWAP_PAIRS:  # those of the least-loaded bins only
+        partners = np.intersect1d(partners, _lightest_partners(on_top, top, bin_of, loads), assume_unique=True)
     if partners.size == 0:
         return None
     partner_bins = bin_of[partners]
