@@ -146,6 +146,37 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
     assert pipeline._faster_within_budget(timer, None, others([("over", 120, 1.0)]), 100, {}) is None
 
 
+def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_fits(monkeypatch):
+    import fcp_compiler.core.pipeline as pipeline
+
+    # Steps stand in as (name, simulated seconds, peak bytes); the account is asked only of a faster step.
+    accounted = []
+
+    def figures(plan, pairs=None, stacked=None):
+        return {"layer_makespan_fwd_s": plan[0][1], "layer_makespan_bwd_s": 0.0}
+
+    def peaks(timer, plan, stacked=None, first=None, stop_above=None):
+        accounted.append(plan[0][0])
+        return np.array([[1, plan[0][2]]])
+
+    monkeypatch.setattr(pipeline, "_layer_figures", figures)
+    monkeypatch.setattr(pipeline, "_peak_bytes", peaks)
+    timer = pipeline._PassTimer()
+    fitting = (1.0, (("first", 1.0, 90), {}, None), np.array([[1, 90]]))
+
+    def next_step(name, seconds, peak):
+        record = {"least_peak_bytes": 90}
+        plan, _, chosen_seconds = pipeline._faster_next_step(timer, fitting, ((name, seconds, peak), {}, None), None,
+                                                             100, record)
+        return plan[0][0], chosen_seconds, record["least_peak_bytes"]
+
+    assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80)
+    assert next_step("faster, over", 0.9, 120) == ("first", 1.0, 90)
+    assert next_step("as fast", 1.0, 80) == ("first", 1.0, 90)  # a tie goes to the first
+    assert next_step("slower", 1.1, 80) == ("first", 1.0, 90)
+    assert accounted == ["faster", "faster, over"]
+
+
 def test_fcp_diff_reports_memory_and_a_rise_in_it_as_a_regression(unbudgeted):
     from fcp_compiler.tools.diff import diff_plans
 

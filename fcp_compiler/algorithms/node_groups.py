@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import stable_argsort
+from fcp_compiler.algorithms.keys import sorted_unique, stable_argsort
 
 
 def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_ranks: int,
@@ -27,7 +27,7 @@ def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_r
     """
     low, high = np.minimum(src, dst), np.maximum(src, dst)
     apart = low != high
-    key, inverse = np.unique(low[apart] * num_ranks + high[apart], return_inverse=True)
+    key, inverse = sorted_unique(low[apart] * num_ranks + high[apart], return_inverse=True)
     pair_volume = np.bincount(inverse, weights=volume[apart], minlength=key.size)
     parent = list(range(num_ranks))
     size = [1] * num_ranks

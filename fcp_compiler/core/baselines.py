@@ -18,6 +18,7 @@ import heapq
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import sorted_unique
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import Batch, Sharding
@@ -69,7 +70,7 @@ def _assemble(batch: Batch, pieces: list[tuple[int, int, int, int, int]],
 def _assemble_columns(batch: Batch, keys: np.ndarray, ranks: np.ndarray, seg_seq: np.ndarray, seg_start: np.ndarray,
                       seg_end: np.ndarray, block_size: int) -> tuple[Sharding, np.ndarray]:
     """:func:`_assemble` of the pieces' columns (int64 each)."""
-    unique_keys, block_of = np.unique(keys, return_inverse=True)
+    unique_keys, block_of = sorted_unique(keys, return_inverse=True)
     order = np.lexsort((seg_start, seg_seq, block_of))
     block_rank = np.zeros(unique_keys.size, dtype=np.int64)
     block_rank[block_of] = ranks

@@ -215,7 +215,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats, rounds_of, others, plain = _compile_with_floor(
+        final, header_fields, data, floor_stats, rounds_of, others, plain, held = _compile_with_floor(
             timer, the_batch, options, cap, digest, progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
@@ -227,12 +227,12 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
                 True, None
         final, header_fields, data = _finish(timer, schedule, options, digest, max_buffer=peak)
-        floor_stats, rounds_of, others, plain = None, lambda: rounds, lambda limit: iter(()), \
-            schedule if plain else None
+        floor_stats, rounds_of, others, plain, held = None, lambda: rounds, lambda limit: iter(()), \
+            schedule if plain else None, None
         del schedule
     (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
-                                                                rounds_of, others, plain)
-    del plain
+                                                                rounds_of, others, plain, held)
+    del plain, held
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
@@ -248,7 +248,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
 def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
                    rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator],
-                   plain: Schedule | None = None) -> tuple[tuple, dict]:
+                   plain: Schedule | None = None, held: tuple | None = None) -> tuple[tuple, dict]:
     """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
     over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
@@ -257,7 +257,8 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     relay pass re-sources pulls in them), which the refits coalesce again; `others(seconds)` the floor's other
     candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`);
     `plain`: the plan's schedule before relays where it is coalesce's at the requested rounds a stage (the first
-    refit levels its backward again, :func:`_budget_ladder`), else None.
+    refit levels its backward again, :func:`_budget_ladder`), else None; `held`: the plan's (stacked ranks, encoder
+    columns) where the floor made them to simulate it, else None.
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -267,8 +268,13 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     """
     budget = options.resolved_memory_budget_bytes
     # The encoder's columns of the plan, read by the account and, where the plan is kept as it is, written out.
-    columns = timer.run("memory", rank_columns, plan[0])
-    peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1], columns)
+    if held is not None:
+        stacked, columns = held
+        peaks = timer.run("memory", stacked_peak_bytes, stacked)
+        del stacked, held
+    else:
+        columns = timer.run("memory", rank_columns, plan[0])
+        peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1], columns)
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
@@ -297,22 +303,17 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     return (plan[0], fields, timer.run("encode", encode, plan[0], fields, columns)), record
 
 
-# Schedules within the memory budget the refit compares by simulated layer time (the first ones down the ladder:
-# smaller stages only cost time further down, but which of halving the backward's stages and shrinking both passes'
-# costs less depends on the batch: on traces/small_8gpu.json at 8 GPUs both passes at 12 rounds beat the backward's
-# halved by 1%).
-BUDGET_CHOICES = 2
-
-
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
                      record: dict, rounds_of: Callable[[], Rounds], plain: Schedule | None = None,
                      first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, float] | None:
-    """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until
-    BUDGET_CHOICES steps fit `budget`; the one of those with the least simulated layer time (forward plus backward),
-    with its peaks and that time. None when no step fits, when a rank's own tokens' accumulators and outputs alone
-    are over the budget, or when the default budget's work bound allows no step (no step is tried then). Records
-    the steps tried, the least peak found, that floor and why a budget is unmet in `record`. `first`: the order
-    the accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks."""
+    """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until a step fits
+    `budget`; that step, or the step after it where that one simulates faster and fits too (which of halving the
+    backward's stages and shrinking both passes' costs less depends on the batch: on traces/small_8gpu.json at 8
+    GPUs both passes at 12 rounds beat the backward's halved by 1%); with its peaks and its simulated layer time
+    (forward plus backward). None when no step fits, when a rank's own tokens' accumulators and outputs alone are
+    over the budget, or when the default budget's work bound allows no step (no step is tried then). Records the
+    steps tried, the least peak found, that floor and why a budget is unmet in `record`. `first`: the order the
+    accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
                               minlength=final.num_ranks)
@@ -326,7 +327,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["unmet"] = "own tokens" if floor_bytes > budget else "work"
         return None
     record["unmet"] = "no schedule"
-    fitting, over = [], []
+    fitting, over = None, []  # fitting: (seconds, plan, peaks) of the first step that fits
     for schedule in _budget_ladder(timer, rounds_of, options, plain):
         if record["refits"] == most:
             record["unmet"] = "work"
@@ -334,6 +335,10 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
         stacked = timer.run("memory", stack_plan, candidate[0], candidate[1])  # the account's and the simulation's
+        if fitting is not None:
+            # The step after the first that fits is simulated first: where it is no faster (smaller stages seldom
+            # are), its account, which where it fits visits every rank, is not needed.
+            return _faster_next_step(timer, fitting, candidate, stacked, budget, record, first)
         # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
         # under every step over; only where none fits are the steps over accounted further (_least_over: their
         # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
@@ -345,21 +350,32 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         if peaks.max() > budget:
             if strict:
                 record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
-            elif not fitting:
+            else:
                 over.append(stacked)
             continue
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         del over[:]
         figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
-        fitting.append((figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], len(fitting), candidate,
-                        peaks))
-        if len(fitting) == BUDGET_CHOICES:
-            break
-    if not fitting:
+        fitting = (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], candidate, peaks)
+    if fitting is None:
         _least_over(timer, over, budget, record)
         return None
-    seconds, _, candidate, peaks = min(fitting, key=lambda choice: choice[:2])
-    return candidate, peaks, seconds
+    return fitting[1], fitting[2], fitting[0]
+
+
+def _faster_next_step(timer: _PassTimer, fitting: tuple, candidate: tuple, stacked: StackedRanks, budget: int,
+                      record: dict, first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, float]:
+    """:func:`_refit_to_budget`'s choice between the first step that fits, `fitting` (seconds, plan, peaks), and the
+    step after it (`candidate`, stacked): the next step where it simulates faster and fits the budget, else the
+    first. Returns (plan, peaks, seconds)."""
+    figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
+    seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    if seconds < fitting[0]:  # (a tie goes to the first)
+        peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
+        if peaks.max() <= budget:
+            record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
+            return candidate, peaks, seconds
+    return fitting[1], fitting[2], fitting[0]
 
 
 def _least_over(timer: _PassTimer, over: list[StackedRanks], budget: int, record: dict) -> None:
@@ -463,13 +479,14 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         run.schedule(follower)
     scores, budget = run.scores, run.budget
     winner = floor.choose(scores, budget)
-    last_stage, plain = None, None
+    last_stage, plain, held = None, None, None
     if run.best is not None:
         assert run.best[0] is scores[winner]
         _, plan, figures, rounds, plain = run.best
         if not run.alone:
-            plan, figures, last_stage = _backward_last_stage(timer, plan, figures, options, digest, budget,
-                                                             run.pairs_of(plan[0].tiles))
+            held = run.finished[winner][2:]
+            plan, figures, last_stage, held = _backward_last_stage(timer, plan, figures, options, digest, budget,
+                                                                   run.pairs_of(plan[0].tiles), held)
     else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
         assert run.least[0] is scores[winner]
         _, transfers, with_fan_out, schedule = run.least
@@ -481,27 +498,38 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain
+    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
-                         budget: int, pairs: tuple | None = None) -> tuple[tuple, dict, dict | None]:
+                         budget: int, pairs: tuple | None = None,
+                         held: tuple | None = None) -> tuple[tuple, dict, dict | None, tuple | None]:
     """The winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last stage
     back in their earliest (:func:`remote_tiles_out_of_last_stage`) where that simulates faster and fits the memory
-    budget. Returns (plan, its figures, the comparison for the stats: None where no tile would move)."""
+    budget. `held`: the winner's (stacked ranks, encoder columns). Returns (plan, its figures, the comparison for the
+    stats: None where no tile would move, the plan's stacked ranks and columns)."""
     moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan[0].schedule)
     if moved is None:
-        return plan, figures, None
+        return plan, figures, None, held
     other = _finish(timer, moved, options, digest, relays=False)  # the winner's relays are in its schedule already
-    other_figures = timer.run("floor", _layer_figures, other, pairs) \
-        if other[1]["max_buffer_tokens"] <= budget else None
+    other_held, other_figures = None, None
+    if other[1]["max_buffer_tokens"] <= budget:
+        other_held = _stacked_with_columns(timer, other)
+        other_figures = timer.run("floor", _layer_figures, other, pairs, other_held[0])
     levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
         if other_figures is not None else None
     kept = out_of_last is not None and out_of_last < levelled
     record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
               "out_of_last_stage_s": out_of_last, "max_buffer_tokens": other[1]["max_buffer_tokens"]}
-    return (other, other_figures, record) if kept else (plan, figures, record)
+    return (other, other_figures, record, other_held) if kept else (plan, figures, record, held)
+
+
+def _stacked_with_columns(timer: _PassTimer, plan: tuple) -> tuple[StackedRanks, dict]:
+    """A finished plan's stacked ranks (what the simulation and the account read) and the encoder's columns they are
+    stacked from (what the plan file is cut from, should the plan be the one compile_plan returns)."""
+    columns = timer.run("floor", rank_columns, plan[0])
+    return timer.run("floor", stack_plan, plan[0], plan[1], columns), columns
 
 
 @dataclass(slots=True, kw_only=True)
@@ -526,7 +554,8 @@ class _FloorRun:
     pruned: dict = field(default_factory=dict)
     bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
-    # score index -> (plan, figures, stacked ranks) of each scored candidate (the stack its account reads too)
+    # score index -> (plan, figures, stacked ranks, encoder columns) of each scored candidate (the stack its account
+    # reads too, the columns its file is cut from)
     finished: dict = field(default_factory=dict)
     pairs: dict = field(default_factory=dict)  # id(tile set) -> (tile set, its segment pairs): see pairs_of
     best: tuple | None = None
@@ -573,7 +602,7 @@ class _FloorRun:
             fits = peak <= budget
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
-        stacked = timer.run("floor", stack_plan, plan[0], plan[1]) if fits and not self.alone else None
+        stacked, columns = _stacked_with_columns(timer, plan) if fits and not self.alone else (None, None)
         figures = timer.run("floor", _layer_figures, plan, self.pairs_of(plan[0].tiles), stacked) \
             if stacked is not None else None
         unscored = math.nan if fits else math.inf
@@ -590,7 +619,7 @@ class _FloorRun:
             plain = schedule if plain and _most_refits(options, plan[0].tiles.num_tiles) > 0 else None
             self.best = (score, plan, figures, schedule.rounds, plain)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
-            self.finished[len(self.scores)] = (plan, figures, stacked)
+            self.finished[len(self.scores)] = (plan, figures, stacked, columns)
         if not fits and (self.least is None or peak < self.least[0].max_buffer_tokens):
             self.least = (score, transfers, candidate.fan_out, schedule)
         self.scores.append(score)
@@ -604,7 +633,7 @@ class _FloorRun:
         faster = sorted((score.layer_seconds, index) for index, score in enumerate(self.scores)
                         if index != winner and score.layer_seconds < limit and score.max_buffer_tokens <= self.budget)
         for seconds, index in faster:
-            plan, _, stacked = self.finished[index]
+            plan, _, stacked, _ = self.finished[index]
             yield self.scores[index].name, plan, seconds, stacked
 
     def _place(self, placement: Placement) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
-from fcp_compiler.algorithms.keys import lookup, stable_argsort, stable_order
+from fcp_compiler.algorithms.keys import lookup, sorted_unique, stable_argsort, stable_order
 from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling, stage_loads
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
@@ -343,7 +343,7 @@ def _ordered_rounds(rounds: Rounds, coalesce: int, pipelined: bool, q_first: boo
     # `coalesce` rounds too.
     work = _round_work(rounds, item, 2 * width, kv_edge, q_edge)
     position = order_rounds(work, coalesce, item_class, (lanes, 1))
-    q_items = np.unique(item[transfers.edge_kind == TransferKind.Q])
+    q_items = sorted_unique(item[transfers.edge_kind == TransferKind.Q])
     if not q_first or q_items.size == 0:
         return position[item], False
     moved = rounds_first(position, item_class, q_items, coalesce, (lanes, 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import lexsort_ints
+from fcp_compiler.algorithms.keys import lexsort_ints, sorted_unique
 from fcp_compiler.algorithms.node_groups import group_into_nodes
 from fcp_compiler.algorithms.ranges import expand_ranges, user_layout_bounds
 from fcp_compiler.core.ir import Assignment, Transfers
@@ -46,7 +46,7 @@ def localize(assignment: Assignment) -> Assignment:
     tokens = np.minimum(end[seg], bounds[user + 1]) - np.maximum(start[seg], bounds[user])
     plan = assignment.block_rank[sharding.seg_block[seg]]
     shared = tokens > 0
-    key, inverse = np.unique(plan[shared] * num_ranks + user[shared], return_inverse=True)
+    key, inverse = sorted_unique(plan[shared] * num_ranks + user[shared], return_inverse=True)
     overlap = np.bincount(inverse, weights=tokens[shared], minlength=key.size)
     perm = match_ranks(key // num_ranks, key % num_ranks, overlap, num_ranks)
     return Assignment(tiles=assignment.tiles, num_ranks=num_ranks, token_cap=assignment.token_cap,
