@@ -35,7 +35,7 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
-from fcp_compiler.core.simulate import LAYER_STATS, HeldPlan, busy_lower_bound, simulate_plan
+from fcp_compiler.core.simulate import LAYER_STATS, HeldPlan, busy_lower_bound, pair_kinds, simulate_plan
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
@@ -215,7 +215,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats, rounds_of, others, plain, held = _compile_with_floor(
+        final, header_fields, data, floor_stats, rounds_of, others, plain, held, segments_of = _compile_with_floor(
             timer, the_batch, options, cap, digest, progress)
     else:
         assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
@@ -227,11 +227,11 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
                 True, None
         final, header_fields, data = _finish(timer, schedule, options, digest, max_buffer=peak)
-        floor_stats, rounds_of, others, plain, held = None, lambda: rounds, lambda limit: iter(()), \
-            schedule if plain else None, None
+        floor_stats, rounds_of, others, plain, held, segments_of = None, lambda: rounds, lambda limit: iter(()), \
+            schedule if plain else None, None, lambda tiles: None
         del schedule
     (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
-                                                                rounds_of, others, plain, held)
+                                                                rounds_of, others, plain, held, segments_of)
     del plain, held
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
@@ -248,7 +248,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
 def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
                    rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator],
-                   plain: Schedule | None = None, held: tuple | None = None) -> tuple[tuple, dict]:
+                   plain: Schedule | None = None, held: tuple | None = None,
+                   segments_of: Callable[[TileSet], tuple | None] = lambda tiles: None) -> tuple[tuple, dict]:
     """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
     over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
@@ -258,7 +259,8 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
     candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`);
     `plain`: the plan's schedule before relays where it is coalesce's at the requested rounds a stage (the first
     refit levels its backward again, :func:`_budget_ladder`), else None; `held`: the plan's (stacked ranks, encoder
-    columns) where the floor made them to simulate it, else None.
+    columns) where the floor made them to simulate it, else None; `segments_of(tiles)`: the segment pairs and their
+    kinds the floor holds for a tile set, which the refits' simulations read (None: each builds its own).
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -281,7 +283,8 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
         # The refits and the other candidates account their ranks in the order of the winner's peaks: a plan over
         # the budget is most likely over where the winner was, and its account stops there.
         first = peaks.max(axis=1)
-        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain, first)
+        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain, first,
+                                 segments_of(plan[0].tiles))
         found = refit[:2] if refit is not None else None
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
             found = _faster_within_budget(timer, refit, others, budget, record, first)
@@ -305,7 +308,8 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
                      record: dict, rounds_of: Callable[[], Rounds], plain: Schedule | None = None,
-                     first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, float] | None:
+                     first: np.ndarray | None = None,
+                     segments: tuple | None = None) -> tuple[tuple, np.ndarray, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until a step fits
     `budget`; that step, or the step after it where that one simulates faster and fits too (which of halving the
     backward's stages and shrinking both passes' costs less depends on the batch: on traces/small_8gpu.json at 8
@@ -313,7 +317,8 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
     (forward plus backward). None when no step fits, when a rank's own tokens' accumulators and outputs alone are
     over the budget, or when the default budget's work bound allows no step (no step is tried then). Records the
     steps tried, the least peak found, that floor and why a budget is unmet in `record`. `first`: the order the
-    accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks."""
+    accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks; `segments`: its tiles' segment pairs and
+    their kinds, where the floor holds them."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
                               minlength=final.num_ranks)
@@ -338,7 +343,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         if fitting is not None:
             # The step after the first that fits is simulated first: where it is no faster (smaller stages seldom
             # are), its account, which where it fits visits every rank, is not needed.
-            return _faster_next_step(timer, fitting, candidate, stacked, budget, record, first)
+            return _faster_next_step(timer, fitting, candidate, stacked, budget, record, first, segments)
         # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
         # under every step over; only where none fits are the steps over accounted further (_least_over: their
         # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
@@ -355,7 +360,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
             continue
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         del over[:]
-        figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
+        figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
         fitting = (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], candidate, peaks)
     if fitting is None:
         _least_over(timer, over, budget, record)
@@ -364,11 +369,12 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
 
 
 def _faster_next_step(timer: _PassTimer, fitting: tuple, candidate: tuple, stacked: StackedRanks, budget: int,
-                      record: dict, first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, float]:
+                      record: dict, first: np.ndarray | None = None,
+                      segments: tuple | None = None) -> tuple[tuple, np.ndarray, float]:
     """:func:`_refit_to_budget`'s choice between the first step that fits, `fitting` (seconds, plan, peaks), and the
     step after it (`candidate`, stacked): the next step where it simulates faster and fits the budget, else the
-    first. Returns (plan, peaks, seconds)."""
-    figures = timer.run("floor", _layer_figures, candidate, stacked=stacked)
+    first. `segments`: as :func:`_layer_figures` takes them. Returns (plan, peaks, seconds)."""
+    figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
     seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     if seconds < fitting[0]:  # (a tie goes to the first)
         peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
@@ -466,8 +472,10 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats, a function
     giving the winner's rounds before relays (those its schedule was coalesced from), the function giving the other
-    candidates (_FloorRun.others), and the winner's schedule before relays where it is coalesce's at the requested
-    rounds a stage and the budget's refits may run, else None)."""
+    candidates (_FloorRun.others), the winner's schedule before relays where it is coalesce's at the requested
+    rounds a stage and the budget's refits may run, else None, the winner's stacked ranks and encoder columns where
+    the floor made them, else None, and a function giving a tile set's segment pairs and their kinds as the floor
+    holds them: _FloorRun.segments_of, or None where the floor simulates nothing)."""
     started = time.perf_counter()
     run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
                     progress=progress)
@@ -486,7 +494,7 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         if not run.alone:
             held = run.finished[winner][2:]
             plan, figures, last_stage, held = _backward_last_stage(timer, plan, figures, options, digest, budget,
-                                                                   run.pairs_of(plan[0].tiles), held)
+                                                                   run.segments_of(plan[0].tiles), held)
     else:  # nothing fits the budget: the one with the fewest buffer tokens, scheduled in full
         assert run.least[0] is scores[winner]
         _, transfers, with_fan_out, schedule = run.least
@@ -498,11 +506,12 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held
+    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held, \
+        lambda tiles: None if run.alone else run.segments_of(tiles)
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
-                         budget: int, pairs: tuple | None = None,
+                         budget: int, segments: tuple | None = None,
                          held: tuple | None = None) -> tuple[tuple, dict, dict | None, tuple | None]:
     """The winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last stage
     back in their earliest (:func:`remote_tiles_out_of_last_stage`) where that simulates faster and fits the memory
@@ -515,7 +524,7 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
     other_held, other_figures = None, None
     if other[1]["max_buffer_tokens"] <= budget:
         other_held = _stacked_with_columns(timer, other)
-        other_figures = timer.run("floor", _layer_figures, other, pairs, other_held[0])
+        other_figures = timer.run("floor", _layer_figures, other, segments, other_held[0])
     levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
         if other_figures is not None else None
@@ -557,7 +566,7 @@ class _FloorRun:
     # score index -> (plan, figures, stacked ranks, encoder columns) of each scored candidate (the stack its account
     # reads too, the columns its file is cut from)
     finished: dict = field(default_factory=dict)
-    pairs: dict = field(default_factory=dict)  # id(tile set) -> (tile set, its segment pairs): see pairs_of
+    pairs: dict = field(default_factory=dict)  # id(tile set) -> (tile set, its segment pairs, their kinds): pairs_of
     best: tuple | None = None
     least: tuple | None = None
     progress: Callable[[dict], None] | None = None
@@ -569,8 +578,20 @@ class _FloorRun:
             return None
         held = self.pairs.get(id(tiles))
         if held is None or held[0] is not tiles:
-            held = self.pairs[id(tiles)] = (tiles, self.timer.run("floor", tiles.segment_pairs))
+            held = self.pairs[id(tiles)] = [tiles, self.timer.run("floor", tiles.segment_pairs), None]
         return held[1]
+
+    def segments_of(self, tiles: TileSet) -> tuple[tuple | None, tuple | None]:
+        """The segment pairs of a tile set (:meth:`pairs_of`) and their kernel entry kinds (simulate.pair_kinds),
+        each built once: every simulation of a plan of these tiles reads both (a placement the bound prunes needs
+        the pairs only). (None, None) for closed-form tiles."""
+        pairs = self.pairs_of(tiles)
+        if pairs is None:
+            return None, None
+        held = self.pairs[id(tiles)]
+        if held[2] is None:
+            held[2] = self.timer.run("floor", pair_kinds, tiles, pairs)
+        return pairs, held[2]
 
     @property
     def alone(self) -> bool:
@@ -603,7 +624,7 @@ class _FloorRun:
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
         stacked, columns = _stacked_with_columns(timer, plan) if fits and not self.alone else (None, None)
-        figures = timer.run("floor", _layer_figures, plan, self.pairs_of(plan[0].tiles), stacked) \
+        figures = timer.run("floor", _layer_figures, plan, self.segments_of(plan[0].tiles), stacked) \
             if stacked is not None else None
         unscored = math.nan if fits else math.inf
         score = floor.Score(
@@ -700,13 +721,14 @@ def _same_placement(first: Assignment, second: Assignment) -> bool:
         np.array_equal(first.tile_rank, second.tile_rank)
 
 
-def _layer_figures(plan: tuple, pairs: tuple | None = None, stacked: StackedRanks | None = None) -> dict:
+def _layer_figures(plan: tuple, segments: tuple | None = None, stacked: StackedRanks | None = None) -> dict:
     """The simulated layer figures of a finished plan (final IR, header fields, ...), from its arrays as the
-    encoder lays them out (nothing encoded); `pairs`: its tiles' segment pairs, and `stacked`: stack_plan of it,
-    when the caller holds them."""
+    encoder lays them out (nothing encoded); `segments`: its tiles' segment pairs and their kinds
+    (_FloorRun.segments_of), and `stacked`: stack_plan of it, when the caller holds them."""
     final, fields, _ = plan
     stacked = stack_plan(final, fields) if stacked is None else stacked
-    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs),
+    pairs, kinds = segments if segments is not None else (None, None)
+    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs, kinds=kinds),
                          attention_alone=False).layer_figures()
 
 

@@ -356,8 +356,10 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     """
     header, tables, stacked, profile, tiles = _read_with_costs(source, profile)
     n = header.num_ranks
-    held_pairs = source.pairs if isinstance(source, HeldPlan) and tiles is source.tiles else None
-    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record, held_pairs)
+    held = isinstance(source, HeldPlan) and tiles is source.tiles
+    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record,
+                                                         source.pairs if held else None,
+                                                         source.kinds if held else None)
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
@@ -398,10 +400,10 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
 
 
 def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool,
-                 pairs: tuple | None = None):
+                 pairs: tuple | None = None, kinds: tuple | None = None):
     """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
     stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
-    reshuffles (`pairs`: tiles.segment_pairs(), when the caller holds them). Returns (forward, backward, each stacked
+    reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`: pair_kinds of them, when the caller holds them). Returns (forward, backward, each stacked
     tile's index in `tiles`, per pass the bytes each rank moves outside the kernels)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
@@ -413,13 +415,15 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
     fwd_launch = np.where(early, -1, tile_stage)
     groups = {name: LaunchGroups.of(tiles, tile_idx, tile_rank, launch, pairs) if tiles.has_pairs else None
               for name, launch in (("fwd", fwd_launch), ("bwd", tile_bwd_stage))}
-    kinds = pair_kinds(tiles, pairs) if tiles.has_pairs else None
+    if kinds is None and tiles.has_pairs:
+        kinds = pair_kinds(tiles, pairs)
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, fwd_launch, profile, pairs, groups["fwd"])
     bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs, groups["bwd"])
     a = stacked.arrays
     r_round, r_me = a["pull_recv_round"], stacked.rank_of("pull_recv_round")
     r_bwd_round, r_kind, r_block, r_peer = (a[f"pull_recv_{name}"] for name in ("bwd_round", "kind", "block", "peer"))
-    r_tokens = stacked.pull_tokens("recv").astype(np.float64)
+    recv_tokens = stacked.pull_tokens("recv")
+    r_tokens = recv_tokens.astype(np.float64)
     recv_base = stacked.base("pull_recv_round")
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
@@ -460,7 +464,7 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
             flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
                                           np.zeros(push_row.size, dtype=bool))))
 
-    traffic = stacked_range_traffic(stacked, Sizes.of(header))
+    traffic = stacked_range_traffic(stacked, Sizes.of(header), recv_rows=recv_tokens)
     fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
     bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
     fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
@@ -530,6 +534,7 @@ class HeldPlan:
     stacked: StackedRanks
     tiles: TileSet
     pairs: tuple | None = None  # tiles.segment_pairs(), where the holder keeps them for several plans of one tile set
+    kinds: tuple | None = None  # pair_kinds(tiles, pairs), likewise
 
 
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:

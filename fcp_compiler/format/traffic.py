@@ -48,8 +48,8 @@ class Traffic:
     ops: np.ndarray
 
 
-def stacked_range_traffic(stacked: StackedRanks, sizes: Sizes, index_bytes: np.ndarray | None = None
-                          ) -> dict[str, Traffic]:
+def stacked_range_traffic(stacked: StackedRanks, sizes: Sizes, index_bytes: np.ndarray | None = None,
+                          recv_rows: np.ndarray | None = None) -> dict[str, Traffic]:
     """The range path's traffic outside the kernels, per pass ("fwd", "bwd"), for every stacked rank (the module
     docstring). O(messages + ranks x stages).
 
@@ -58,9 +58,11 @@ def stacked_range_traffic(stacked: StackedRanks, sizes: Sizes, index_bytes: np.n
         sizes: bytes per token of each tensor kind (:class:`fcp_compiler.format.memory.Sizes`).
         index_bytes: per rank, the bytes of its step's range index tensors, copied to the device once at the
             forward's start (None: 0; a few KB).
+        recv_rows: stacked.pull_tokens("recv"), where the caller has it.
     """
     a = stacked.arrays
-    recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
+    recv_rows = stacked.pull_tokens("recv") if recv_rows is None else recv_rows
+    send_rows = stacked.pull_tokens("send")
     tokens = stacked.plan_tokens().astype(np.float64)
     runs = send_runs(stacked)
     out = {}
