@@ -403,8 +403,9 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
                  pairs: tuple | None = None, kinds: tuple | None = None):
     """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
     stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
-    reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`: pair_kinds of them, when the caller holds them). Returns (forward, backward, each stacked
-    tile's index in `tiles`, per pass the bytes each rank moves outside the kernels)."""
+    reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`: pair_kinds of them, when the caller holds them).
+    Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves outside the
+    kernels)."""
     n, shape = header.num_ranks, header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
     # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
