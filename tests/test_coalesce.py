@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import compile_valid, congestion_free
-from fcp_compiler.algorithms.exchange import place_messages
+from fcp_compiler.algorithms.exchange import link_capacity, link_ends, place_messages
 from fcp_compiler.algorithms.liveness import live_tokens, peak_live_tokens
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens, pass_buffers
 from fcp_compiler.core.stats import exchange_degree
@@ -71,6 +71,27 @@ def test_placed_messages_take_the_plain_greedys_rounds(num_ends, num_fixed, num_
     ready = rng.integers(0, 6, size=num_new)
     src, dst = rng.integers(0, num_ends, size=num_new), rng.integers(0, num_ends, size=num_new)
     placed = place_messages(ready, src, dst, num_ends, fixed_round, fixed_src, fixed_dst, capacity)
+    want = _placed_one_at_a_time(ready, src, dst, capacity, fixed_round, fixed_src, fixed_dst)
+    assert np.array_equal(placed, want)
+
+
+@given(st.integers(1, 5), st.integers(0, 80), st.integers(0, 200), st.integers(1, 3), st.integers(0, 10_000))
+def test_messages_between_link_ends_take_the_plain_greedys_rounds(num_ranks, num_fixed, num_new, lanes, seed):
+    """Where every message joins two ends of one link class (NIC ends one slot, NVLink ends `lanes`), the messages
+    between one-slot ends are placed apart from the others: the rounds must still be the plain greedy's."""
+    rng = np.random.default_rng(seed)
+    capacity = link_capacity(num_ranks, lanes)
+
+    def messages(count):
+        src, dst, link = (rng.integers(0, num_ranks, size=count), rng.integers(0, num_ranks, size=count),
+                          rng.integers(0, 2, size=count))
+        return link_ends(src, dst, link)
+
+    fixed_src, fixed_dst = messages(num_fixed)
+    fixed_round = rng.integers(0, 12, size=num_fixed)
+    src, dst = messages(num_new)
+    ready = rng.integers(0, 6, size=num_new)
+    placed = place_messages(ready, src, dst, 2 * num_ranks, fixed_round, fixed_src, fixed_dst, capacity)
     want = _placed_one_at_a_time(ready, src, dst, capacity, fixed_round, fixed_src, fixed_dst)
     assert np.array_equal(placed, want)
 

@@ -15,6 +15,7 @@ class _Slots:
     def __init__(self, num_ends: int, capacity: np.ndarray | None, fixed_round: np.ndarray, fixed_src: np.ndarray,
                  fixed_dst: np.ndarray):
         slots = np.ones(num_ends, dtype=np.int64) if capacity is None else capacity
+        self.one_slot = slots == 1  # per end
         self.capacity = slots.tolist()
         self.send_full, self.send = self._masks(fixed_src, fixed_round, slots)
         self.recv_full, self.recv = self._masks(fixed_dst, fixed_round, slots)
@@ -92,12 +93,42 @@ def place_messages(ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray, nu
 
 def _place_around(slots: _Slots, ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """:func:`place_messages` around the messages `slots` holds, which then holds these too."""
+    order = stable_argsort(ready_round)
+    placed = np.empty(ready_round.size, dtype=np.int64)
+    one_slot = slots.one_slot[src[order]]
+    if one_slot.any() and np.array_equal(one_slot, slots.one_slot[dst[order]]):
+        # No message joins a one-slot end to an end of several (as with link ends: a message's two ends are of one
+        # link class), so the messages between one-slot ends meet no other at either end: they are placed apart,
+        # in a loop without slot counts, and the order within each kind is the greedy's order.
+        single = order[one_slot]
+        placed[single] = _place_single(slots, ready_round[single], src[single], dst[single])
+        order = order[~one_slot]
+    placed[order] = _place_in_order(slots, ready_round[order], src[order], dst[order])
+    return placed
+
+
+def _place_single(slots: _Slots, ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray) -> list[int]:
+    """:func:`_place_in_order` of messages between one-slot ends (each end's only slot taken marks its round full)."""
+    send_full, recv_full = slots.send_full, slots.recv_full
+    rounds = []
+    for a, b, ready in zip(src.tolist(), dst.tolist(), ready_round.tolist()):
+        taken = (send_full[a] | recv_full[b]) >> ready
+        rnd = ready + (taken ^ (taken + 1)).bit_length() - 1
+        bit = 1 << rnd
+        send_full[a] |= bit
+        recv_full[b] |= bit
+        rounds.append(rnd)
+    return rounds
+
+
+def _place_in_order(slots: _Slots, ready_round: np.ndarray, src: np.ndarray, dst: np.ndarray) -> list[int]:
+    """Each message, in the order given (by ready round), in the earliest round at or after its ready round with a
+    free slot at both ends; returns their rounds."""
     send, recv, send_full, recv_full, slots_of = slots.send, slots.recv, slots.send_full, slots.recv_full, \
         slots.capacity
-    order = stable_argsort(ready_round)
     rounds = []
     # _Slots.place written out: this loop runs once a message, millions of times over a floor's candidates.
-    for a, b, ready in zip(src[order].tolist(), dst[order].tolist(), ready_round[order].tolist()):
+    for a, b, ready in zip(src.tolist(), dst.tolist(), ready_round.tolist()):
         taken = (send_full[a] | recv_full[b]) >> ready
         rnd = ready + (taken ^ (taken + 1)).bit_length() - 1
         if slots_of[a] == 1:  # a one-slot end: its only slot taken, the round is full
@@ -109,9 +140,7 @@ def _place_around(slots: _Slots, ready_round: np.ndarray, src: np.ndarray, dst: 
         else:
             _take(recv[b], recv_full, slots_of[b], b, rnd)
         rounds.append(rnd)
-    placed = np.empty(ready_round.size, dtype=np.int64)
-    placed[order] = rounds
-    return placed
+    return rounds
 
 
 def spread_messages(ready_stage: np.ndarray, src: np.ndarray, dst: np.ndarray, work: np.ndarray,
