@@ -129,11 +129,11 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
 
     def others(candidates):
         def listed(limit):
-            return ((name, ((name, peak), {}, None), seconds, None) for name, peak, seconds in candidates
+            return ((name, ((name, peak), {}, None), seconds, None, None) for name, peak, seconds in candidates
                     if seconds < limit)
         return listed
 
-    refit = ((("refit", 90), {}, None), np.array([[1, 90]]), 1.10)
+    refit = ((("refit", 90), {}, None), np.array([[1, 90]]), None, 1.10)
     record = {}
     kept = pipeline._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05)]), 100,
                                           record)
@@ -162,12 +162,12 @@ def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_
     monkeypatch.setattr(pipeline, "_layer_figures", figures)
     monkeypatch.setattr(pipeline, "_peak_bytes", peaks)
     timer = pipeline._PassTimer()
-    fitting = (1.0, (("first", 1.0, 90), {}, None), np.array([[1, 90]]))
+    fitting = (1.0, (("first", 1.0, 90), {}, None), np.array([[1, 90]]), None)
 
     def next_step(name, seconds, peak):
         record = {"least_peak_bytes": 90}
-        plan, _, chosen_seconds = pipeline._faster_next_step(timer, fitting, ((name, seconds, peak), {}, None), None,
-                                                             100, record)
+        plan, _, _, chosen_seconds = pipeline._faster_next_step(timer, fitting, (((name, seconds, peak), {}, None),
+                                                                                 None, None), 100, record)
         return plan[0][0], chosen_seconds, record["least_peak_bytes"]
 
     assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80)

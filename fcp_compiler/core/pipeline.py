@@ -285,11 +285,11 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
         first = peaks.max(axis=1)
         refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain, first,
                                  segments_of(plan[0].tiles))
-        found = refit[:2] if refit is not None else None
+        found = refit[:3] if refit is not None else None
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
             found = _faster_within_budget(timer, refit, others, budget, record, first)
         if found is not None:
-            (plan, peaks), record["refitted"], columns = found, True, None
+            (plan, peaks, columns), record["refitted"] = found, True
             record["kept"] = record["kept"] or "the winner, in smaller stages"
         elif options.memory_budget_is_strict:
             raise InfeasibleError(
@@ -309,16 +309,16 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
                      record: dict, rounds_of: Callable[[], Rounds], plain: Schedule | None = None,
                      first: np.ndarray | None = None,
-                     segments: tuple | None = None) -> tuple[tuple, np.ndarray, float] | None:
+                     segments: tuple | None = None) -> tuple[tuple, np.ndarray, dict, float] | None:
     """The plan's placement scheduled again down :func:`_budget_ladder`, holding less at each step, until a step fits
     `budget`; that step, or the step after it where that one simulates faster and fits too (which of halving the
     backward's stages and shrinking both passes' costs less depends on the batch: on traces/small_8gpu.json at 8
-    GPUs both passes at 12 rounds beat the backward's halved by 1%); with its peaks and its simulated layer time
-    (forward plus backward). None when no step fits, when a rank's own tokens' accumulators and outputs alone are
-    over the budget, or when the default budget's work bound allows no step (no step is tried then). Records the
-    steps tried, the least peak found, that floor and why a budget is unmet in `record`. `first`: the order the
-    accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's peaks; `segments`: its tiles' segment pairs and
-    their kinds, where the floor holds them."""
+    GPUs both passes at 12 rounds beat the backward's halved by 1%); with its peaks, the encoder's columns its
+    account read and its simulated layer time (forward plus backward). None when no step fits, when a rank's own
+    tokens' accumulators and outputs alone are over the budget, or when the default budget's work bound allows no
+    step (no step is tried then). Records the steps tried, the least peak found, that floor and why a budget is
+    unmet in `record`. `first`: the order the accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's
+    peaks; `segments`: its tiles' segment pairs and their kinds, where the floor holds them."""
     final, fields, _ = plan
     rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
                               minlength=final.num_ranks)
@@ -332,18 +332,19 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["unmet"] = "own tokens" if floor_bytes > budget else "work"
         return None
     record["unmet"] = "no schedule"
-    fitting, over = None, []  # fitting: (seconds, plan, peaks) of the first step that fits
+    fitting, over = None, []  # fitting: (seconds, plan, peaks, columns) of the first step that fits
     for schedule in _budget_ladder(timer, rounds_of, options, plain):
         if record["refits"] == most:
             record["unmet"] = "work"
             break
         record["refits"] += 1
         candidate = _finish(timer, schedule, options, digest)
-        stacked = timer.run("memory", stack_plan, candidate[0], candidate[1])  # the account's and the simulation's
+        # The account's and the simulation's ranks, and the columns the plan is encoded from where it is kept.
+        stacked, columns = _stacked_with_columns(timer, candidate, "memory")
         if fitting is not None:
             # The step after the first that fits is simulated first: where it is no faster (smaller stages seldom
             # are), its account, which where it fits visits every rank, is not needed.
-            return _faster_next_step(timer, fitting, candidate, stacked, budget, record, first, segments)
+            return _faster_next_step(timer, fitting, (candidate, stacked, columns), budget, record, first, segments)
         # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
         # under every step over; only where none fits are the steps over accounted further (_least_over: their
         # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
@@ -361,27 +362,29 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         del over[:]
         figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
-        fitting = (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], candidate, peaks)
+        fitting = (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], candidate, peaks, columns)
     if fitting is None:
         _least_over(timer, over, budget, record)
         return None
-    return fitting[1], fitting[2], fitting[0]
+    return (*fitting[1:], fitting[0])
 
 
-def _faster_next_step(timer: _PassTimer, fitting: tuple, candidate: tuple, stacked: StackedRanks, budget: int,
-                      record: dict, first: np.ndarray | None = None,
-                      segments: tuple | None = None) -> tuple[tuple, np.ndarray, float]:
-    """:func:`_refit_to_budget`'s choice between the first step that fits, `fitting` (seconds, plan, peaks), and the
-    step after it (`candidate`, stacked): the next step where it simulates faster and fits the budget, else the
-    first. `segments`: as :func:`_layer_figures` takes them. Returns (plan, peaks, seconds)."""
+def _faster_next_step(timer: _PassTimer, fitting: tuple, step: tuple, budget: int, record: dict,
+                      first: np.ndarray | None = None,
+                      segments: tuple | None = None) -> tuple[tuple, np.ndarray, dict, float]:
+    """:func:`_refit_to_budget`'s choice between the first step that fits, `fitting` (seconds, plan, peaks, columns),
+    and the step after it, `step` (plan, stacked ranks, columns): the next step where it simulates faster and fits
+    the budget, else the first. `segments`: as :func:`_layer_figures` takes them. Returns (plan, peaks, columns,
+    seconds)."""
+    candidate, stacked, columns = step
     figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
     seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     if seconds < fitting[0]:  # (a tie goes to the first)
         peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
         if peaks.max() <= budget:
             record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
-            return candidate, peaks, seconds
-    return fitting[1], fitting[2], fitting[0]
+            return candidate, peaks, columns, seconds
+    return (*fitting[1:], fitting[0])
 
 
 def _least_over(timer: _PassTimer, over: list[StackedRanks], budget: int, record: dict) -> None:
@@ -400,21 +403,22 @@ def _most_refits(options: CompileOptions, num_tiles: int) -> float:
 
 
 def _faster_within_budget(timer: _PassTimer, refit: tuple | None, others: Callable[[float], Iterator], budget: int,
-                          record: dict, first: np.ndarray | None = None) -> tuple[tuple, np.ndarray] | None:
+                          record: dict, first: np.ndarray | None = None) -> tuple[tuple, np.ndarray, dict] | None:
     """The refitted plan, or the fastest of the floor's other candidates that fits `budget` as the floor scheduled it,
     where it simulates faster than the refit (another placement may hold less at its own stages than the winner
     does at smaller ones). Candidates are tried fastest first, as long as they simulated faster than the refit (or
     the first one that fits, where nothing was refitted): `others(limit)` gives (name, plan, its simulated layer
-    seconds, its ranks as the floor stacked them to simulate it, or None). `first`: the order the accounts visit
-    ranks in (the winner's peaks). Returns (plan, peaks), or None."""
-    best = None if refit is None else refit[:2]
-    limit = math.inf if refit is None else refit[2]
-    for name, candidate, seconds, stacked in others(limit):
+    seconds, its ranks as the floor stacked them to simulate it, or None, and the encoder columns they were stacked
+    from, or None). `refit`: :func:`_refit_to_budget`'s (plan, peaks, columns, seconds). `first`: the order the
+    accounts visit ranks in (the winner's peaks). Returns (plan, peaks, its columns or None), or None."""
+    best = None if refit is None else refit[:3]
+    limit = math.inf if refit is None else refit[3]
+    for name, candidate, seconds, stacked, columns in others(limit):
         peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
         if peaks.max() > budget:
             continue
         if seconds < limit:
-            best, record["kept"] = (candidate, peaks), name
+            best, record["kept"] = (candidate, peaks, columns), name
         break
     return best
 
@@ -534,11 +538,12 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
     return (other, other_figures, record, other_held) if kept else (plan, figures, record, held)
 
 
-def _stacked_with_columns(timer: _PassTimer, plan: tuple) -> tuple[StackedRanks, dict]:
+def _stacked_with_columns(timer: _PassTimer, plan: tuple, pass_name: str = "floor") -> tuple[StackedRanks, dict]:
     """A finished plan's stacked ranks (what the simulation and the account read) and the encoder's columns they are
-    stacked from (what the plan file is cut from, should the plan be the one compile_plan returns)."""
-    columns = timer.run("floor", rank_columns, plan[0])
-    return timer.run("floor", stack_plan, plan[0], plan[1], columns), columns
+    stacked from (what the plan file is cut from, should the plan be the one compile_plan returns), timed as
+    `pass_name`."""
+    columns = timer.run(pass_name, rank_columns, plan[0])
+    return timer.run(pass_name, stack_plan, plan[0], plan[1], columns), columns
 
 
 @dataclass(slots=True, kw_only=True)
@@ -650,12 +655,13 @@ class _FloorRun:
 
     def others(self, winner: int, limit: float):
         """The scored candidates but the winner that fit the live-buffer budget and simulated faster than `limit`,
-        fastest first, as they were scored: (its name, its plan, its layer seconds, its stacked ranks)."""
+        fastest first, as they were scored: (its name, its plan, its layer seconds, its stacked ranks, its encoder
+        columns)."""
         faster = sorted((score.layer_seconds, index) for index, score in enumerate(self.scores)
                         if index != winner and score.layer_seconds < limit and score.max_buffer_tokens <= self.budget)
         for seconds, index in faster:
-            plan, _, stacked, _ = self.finished[index]
-            yield self.scores[index].name, plan, seconds, stacked
+            plan, _, stacked, columns = self.finished[index]
+            yield self.scores[index].name, plan, seconds, stacked, columns
 
     def _place(self, placement: Placement) -> bool:
         """Place and route `placement`; False (and the reason in `pruned`) where it is refused, cannot win, or
