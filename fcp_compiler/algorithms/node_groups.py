@@ -29,28 +29,8 @@ def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_r
     apart = low != high
     key, inverse = sorted_unique(low[apart] * num_ranks + high[apart], return_inverse=True)
     pair_volume = np.bincount(inverse, weights=volume[apart], minlength=key.size)
-    parent = list(range(num_ranks))
-    size = [1] * num_ranks
-
-    def find(rank: int) -> int:
-        while parent[rank] != rank:
-            parent[rank] = parent[parent[rank]]
-            rank = parent[rank]
-        return rank
-
-    # Each join leaves one group fewer, and no fewer than a node's worth of ranks each can remain: past that many
-    # joins the rest of the pairs (most of them, at hundreds of ranks) can join nothing.
-    joins_left = num_ranks - -(-num_ranks // ranks_per_node)
-    for pair in key[np.lexsort((key, -pair_volume))].tolist():
-        if joins_left == 0:
-            break
-        a, b = find(pair // num_ranks), find(pair % num_ranks)
-        if a != b and size[a] + size[b] <= ranks_per_node:
-            a, b = min(a, b), max(a, b)
-            parent[b] = a
-            size[a] += size[b]
-            joins_left -= 1
-    roots = np.array([find(rank) for rank in range(num_ranks)], dtype=np.int64)
+    order = np.lexsort((key, -pair_volume))
+    roots = _join_pairs((key // num_ranks)[order], (key % num_ranks)[order], num_ranks, ranks_per_node)
     members = stable_argsort(roots)
     bounds = np.flatnonzero(np.diff(roots[members])) + 1
     groups = sorted(np.split(members, bounds), key=lambda group: (-group.size, int(group[0])))
@@ -72,3 +52,46 @@ def group_into_nodes(src: np.ndarray, dst: np.ndarray, volume: np.ndarray, num_r
     perm = np.empty(num_ranks, dtype=np.int64)
     perm[np.array([rank for ranks in node_members for rank in ranks], dtype=np.int64)] = np.arange(num_ranks)
     return perm
+
+
+# Pairs tested together against the groups as they stood before the batch (_join_pairs).
+JOIN_BATCH = 512
+
+
+def _join_pairs(low: np.ndarray, high: np.ndarray, num_ranks: int, ranks_per_node: int) -> np.ndarray:
+    """Kruskal's joins with a size cap: each pair (low[i], high[i]), in order, joins the two groups that hold its
+    ranks when they differ and their sizes sum to at most `ranks_per_node`. Returns each rank's group as its lowest
+    rank (int64 [num_ranks]).
+
+    Groups only grow, so a pair refused against the groups as they stood earlier is refused later too: a batch of
+    JOIN_BATCH pairs is tested at once in numpy, and only the pairs that pass are tested again one at a time (at
+    thousands of ranks most pairs come after their groups are full). The same joins as the plain loop, pair by
+    pair. O(P + N * ranks_per_node) for P pairs."""
+    root = np.arange(num_ranks)  # each rank's group, named by its lowest rank
+    size = np.ones(num_ranks, dtype=np.int64)  # per group (at its name)
+    members = [[rank] for rank in range(num_ranks)]
+    root_list, size_list = root.tolist(), size.tolist()
+    # Each join leaves one group fewer, and no fewer than a node's worth of ranks each can remain: past that many
+    # joins the rest of the pairs (most of them, at hundreds of ranks) can join nothing.
+    joins_left = num_ranks - -(-num_ranks // ranks_per_node)
+    for start in range(0, low.size, JOIN_BATCH):
+        if joins_left == 0:
+            break
+        batch_low, batch_high = low[start:start + JOIN_BATCH], high[start:start + JOIN_BATCH]
+        group_low, group_high = root[batch_low], root[batch_high]
+        open_pairs = (group_low != group_high) & (size[group_low] + size[group_high] <= ranks_per_node)
+        for a_rank, b_rank in zip(batch_low[open_pairs].tolist(), batch_high[open_pairs].tolist()):
+            a, b = root_list[a_rank], root_list[b_rank]
+            if a == b or size_list[a] + size_list[b] > ranks_per_node:
+                continue
+            a, b = min(a, b), max(a, b)
+            for rank in members[b]:
+                root_list[rank] = a
+            root[members[b]] = a
+            members[a] += members[b]
+            size_list[a] += size_list[b]
+            size[a] = size_list[a]
+            joins_left -= 1
+            if joins_left == 0:
+                break
+    return root
