@@ -3,6 +3,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fcp_compiler.algorithms import edge_colouring
 from fcp_compiler.algorithms.edge_colouring import bipartite_edge_colouring
 
 
@@ -99,3 +100,31 @@ def test_dense_regular_multigraph_in_random_order():
     colour = bipartite_edge_colouring(left, right, n, n)
     assert_proper(left, right, colour)
     assert colour.max() + 1 == degree
+
+
+def colours_with_tables(left, right, num_left, num_right):
+    """The colouring with the tables of which edge has each colour at each vertex from the first edge on."""
+    left_list, right_list = left.tolist(), right.tolist()
+    delta = int(max_degree(left, right))
+    state = edge_colouring._State(left=left_list, right=right_list, colour=[-1] * left.size,
+                                  used_left=[0] * num_left, used_right=[0] * num_right, all_colours=(1 << delta) - 1)
+    edge_colouring._with_tables(state, 0, delta, num_left, num_right)
+    return np.asarray(state.colour)
+
+
+@given(st.integers(1, 10), st.integers(1, 10), st.integers(0, 2**32 - 1), st.sampled_from([0, 1]))
+def test_paths_found_by_scans_and_by_tables_colour_alike(num_left, num_right, seed, scans_per_edge):
+    # Dense random multigraphs need many alternating paths; at 0 scans an edge the tables take over after the first
+    # path, so both ways of finding a path, and the switch between them, meet the tables-only colouring.
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 150))
+    left, right = rng.integers(0, num_left, size=size), rng.integers(0, num_right, size=size)
+    original = edge_colouring.SCANS_PER_EDGE
+    edge_colouring.SCANS_PER_EDGE = scans_per_edge
+    try:
+        colour = bipartite_edge_colouring(left, right, num_left, num_right)
+    finally:
+        edge_colouring.SCANS_PER_EDGE = original
+    assert_proper(left, right, colour)
+    assert colour.max() + 1 == max_degree(left, right)
+    assert colour.tolist() == colours_with_tables(left, right, num_left, num_right).tolist()

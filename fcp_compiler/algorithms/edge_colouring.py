@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcp_compiler.algorithms.keys import stable_argsort
+
+# Entries of vertices' edge lists the path scans may read, per edge, before the colouring builds its tables.
+SCANS_PER_EDGE = 1
+
 
 def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int, num_right: int) -> np.ndarray:
     """Colour the edges of a bipartite multigraph so that no vertex sees a colour twice, with Delta colours.
@@ -13,7 +18,14 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
     a colour free at both ends if one exists; otherwise, with a free at u and b free at v, the a/b alternating path
     from v is recoloured (it cannot reach u in a bipartite graph), which frees a at v. Free colours are found with
     bit tricks on per-vertex masks. An alternating path has at most V edges, so O(E * V) worst case (E edges, V
-    vertices); on the graphs the planner makes the paths are short and it runs near O(E).
+    vertices); on the graphs the planner makes the paths are short and rare (one in a million edges at 4096
+    ranks), and it runs near O(E).
+
+    Most edges only need the masks, so the edges are first coloured without any table of which edge has which
+    colour at a vertex (:func:`_first_fit`, about two thirds of the time with the tables); a path is followed by
+    scanning its vertices' edges (:class:`_Incidence`), until the scans have read SCANS_PER_EDGE entries an edge,
+    after which the tables are built once and kept (:func:`_with_tables`), so the worst case stays the
+    tables' O(E * V).
 
     Args:
         left, right: int arrays, the endpoints of each edge (left in [0, num_left), right in [0, num_right)).
@@ -24,70 +36,149 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
     left_list = np.asarray(left, dtype=np.int64).tolist()
     right_list = np.asarray(right, dtype=np.int64).tolist()
     num_edges = len(left_list)
-    colour = [-1] * num_edges
     if num_edges == 0:
         return np.zeros(0, dtype=np.int64)
     max_degree = int(max(np.bincount(left_list, minlength=num_left).max(),
                          np.bincount(right_list, minlength=num_right).max()))
-    # at_left[u][c] is the edge of colour c at left vertex u, or -1; same for at_right.
-    at_left = [[-1] * max_degree for _ in range(num_left)]
-    at_right = [[-1] * max_degree for _ in range(num_right)]
-    used_left = [0] * num_left
-    used_right = [0] * num_right
-    all_colours = (1 << max_degree) - 1
-    for edge in range(num_edges):
-        u, v = left_list[edge], right_list[edge]
+    state = _State(left=left_list, right=right_list, colour=[-1] * num_edges, used_left=[0] * num_left,
+                   used_right=[0] * num_right, all_colours=(1 << max_degree) - 1)
+    incidence, edge = None, 0
+    while (edge := _first_fit(state, edge)) < num_edges:
+        incidence = incidence or _Incidence(left, right, num_left, num_right, num_edges)
+        if incidence.scanned > SCANS_PER_EDGE * num_edges:
+            _with_tables(state, edge, max_degree, num_left, num_right)
+            break
+        a, b = state.free_colours(edge)
+        state.flip(_path_by_scan(state, incidence, state.right[edge], a, b), state.right[edge], a, b)
+        state.take(edge, a)
+        edge += 1
+    return np.asarray(state.colour, dtype=np.int64)
+
+
+class _State:
+    """The colouring so far: each edge's colour (-1: not coloured yet), and per vertex the mask of the colours its
+    edges have."""
+
+    __slots__ = ("left", "right", "colour", "used_left", "used_right", "all_colours")
+
+    def __init__(self, *, left: list[int], right: list[int], colour: list[int], used_left: list[int],
+                 used_right: list[int], all_colours: int):
+        self.left, self.right, self.colour = left, right, colour
+        self.used_left, self.used_right, self.all_colours = used_left, used_right, all_colours
+
+    def free_colours(self, edge: int) -> tuple[int, int]:
+        """For an edge with no colour free at both ends: a colour free at its left end (used at its right one), and
+        one free at its right end."""
+        mask_u, mask_v = self.used_left[self.left[edge]], self.used_right[self.right[edge]]
+        return (~mask_u & (mask_u + 1)).bit_length() - 1, (~mask_v & (mask_v + 1)).bit_length() - 1
+
+    def take(self, edge: int, colour: int) -> None:
+        """Colour `edge` (the colour free at both its ends)."""
+        self.colour[edge] = colour
+        self.used_left[self.left[edge]] |= 1 << colour
+        self.used_right[self.right[edge]] |= 1 << colour
+
+    def flip(self, path: list[int], start: int, a: int, b: int) -> None:
+        """Swap colours a and b along `path`, the alternating path that leaves right vertex `start` by colour a:
+        interior vertices keep both colours; only the two ends change which of a, b they use."""
+        both = (1 << a) | (1 << b)
+        for edge in path:
+            self.colour[edge] = b if self.colour[edge] == a else a
+        self.used_right[start] ^= both
+        if len(path) % 2:  # an odd path ends on the left
+            self.used_left[self.left[path[-1]]] ^= both
+        else:
+            self.used_right[self.right[path[-1]] if path else start] ^= both
+
+
+def _first_fit(state: _State, edge: int) -> int:
+    """Colour edges from `edge` on, each with the lowest colour free at both its ends, up to the first that has
+    none (returned; the number of edges when every edge is coloured)."""
+    used_left, used_right, colour, all_colours = state.used_left, state.used_right, state.colour, state.all_colours
+    for u, v in zip(state.left[edge:], state.right[edge:]):
         mask_u, mask_v = used_left[u], used_right[v]
         common = all_colours & ~(mask_u | mask_v)
+        if not common:
+            return edge
+        bit = common & -common
+        used_left[u] = mask_u | bit
+        used_right[v] = mask_v | bit
+        colour[edge] = bit.bit_length() - 1
+        edge += 1
+    return edge
+
+
+class _Incidence:
+    """Each vertex's edges in edge order (built by one sort a side), and how many entries the path scans read."""
+
+    def __init__(self, left: np.ndarray, right: np.ndarray, num_left: int, num_right: int, num_edges: int):
+        self.sides = []
+        for ends, count in ((left, num_left), (right, num_right)):
+            ends = np.asarray(ends, dtype=np.int64)
+            order = stable_argsort(ends)
+            self.sides.append((order, np.concatenate(([0], np.cumsum(np.bincount(ends, minlength=count))))))
+        self.scanned = 0
+
+    def edges_at(self, vertex: int, on_right: bool) -> list[int]:
+        """The edges at a vertex, in edge order."""
+        order, bounds = self.sides[on_right]
+        self.scanned += int(bounds[vertex + 1] - bounds[vertex])
+        return order[bounds[vertex]:bounds[vertex + 1]].tolist()
+
+
+def _path_by_scan(state: _State, incidence: _Incidence, start: int, a: int, b: int) -> list[int]:
+    """The a/b alternating path that leaves right vertex `start` by colour a, each vertex's edge of the colour
+    wanted found by a scan of its edges."""
+    path, vertex, on_right, want = [], start, True, a
+    while True:
+        edge = next((edge for edge in incidence.edges_at(vertex, on_right) if state.colour[edge] == want), -1)
+        if edge < 0:
+            return path
+        path.append(edge)
+        vertex = state.left[edge] if on_right else state.right[edge]
+        on_right = not on_right
+        want = b if want == a else a
+
+
+def _with_tables(state: _State, edge: int, max_degree: int, num_left: int, num_right: int) -> None:
+    """Colour the edges from `edge` on as :func:`bipartite_edge_colouring` does, with tables of which edge has each
+    colour at each vertex (built from the colours so far), where many paths have been followed."""
+    at_left = [[-1] * max_degree for _ in range(num_left)]
+    at_right = [[-1] * max_degree for _ in range(num_right)]
+    for done, colour in enumerate(state.colour[:edge]):
+        at_left[state.left[done]][colour] = done
+        at_right[state.right[done]][colour] = done
+    all_colours = state.all_colours
+    for edge in range(edge, len(state.colour)):
+        u, v = state.left[edge], state.right[edge]
+        common = all_colours & ~(state.used_left[u] | state.used_right[v])
         if common:
             c = (common & -common).bit_length() - 1
         else:
-            a = (~mask_u & (mask_u + 1)).bit_length() - 1  # free at u, used at v
-            b = (~mask_v & (mask_v + 1)).bit_length() - 1  # free at v, used at u
-            _flip_path(v, a, b, at_left, at_right, left_list, right_list, colour, used_left, used_right)
-            c = a
-        colour[edge] = c
+            c, b = state.free_colours(edge)
+            state.flip(_path_by_tables(state, at_left, at_right, v, c, b), v, c, b)
+        state.take(edge, c)
         at_left[u][c] = edge
         at_right[v][c] = edge
-        used_left[u] |= 1 << c
-        used_right[v] |= 1 << c
-    return np.asarray(colour, dtype=np.int64)
 
 
-def _flip_path(start: int, a: int, b: int, at_left: list[list[int]], at_right: list[list[int]],
-               left_list: list[int], right_list: list[int], colour: list[int], used_left: list[int],
-               used_right: list[int]) -> None:
-    """Swap colours a and b along the alternating path that leaves right vertex `start` by colour a."""
-    path = []
-    vertex, on_right, want = start, True, a
-    while True:
-        table = at_right[vertex] if on_right else at_left[vertex]
-        edge = table[want]
-        if edge < 0:
-            break
+def _path_by_tables(state: _State, at_left: list[list[int]], at_right: list[list[int]], start: int, a: int,
+                    b: int) -> list[int]:
+    """:func:`_path_by_scan` read from the tables, which it updates to the swapped colours."""
+    path, vertex, on_right, want = [], start, True, a
+    while (edge := (at_right[vertex] if on_right else at_left[vertex])[want]) >= 0:
         path.append(edge)
-        vertex = left_list[edge] if on_right else right_list[edge]
+        vertex = state.left[edge] if on_right else state.right[edge]
         on_right = not on_right
         want = b if want == a else a
-    end_vertex, end_on_right = vertex, on_right
+    for edge in path:  # cleared first: an edge's new colour may be a neighbour's old one in the same row
+        old = state.colour[edge]
+        if at_left[state.left[edge]][old] == edge:
+            at_left[state.left[edge]][old] = -1
+        if at_right[state.right[edge]][old] == edge:
+            at_right[state.right[edge]][old] = -1
     for edge in path:
-        u, v = left_list[edge], right_list[edge]
-        old = colour[edge]
-        new = b if old == a else a
-        if at_left[u][old] == edge:
-            at_left[u][old] = -1
-        if at_right[v][old] == edge:
-            at_right[v][old] = -1
-    for edge in path:
-        u, v = left_list[edge], right_list[edge]
-        new = b if colour[edge] == a else a
-        colour[edge] = new
-        at_left[u][new] = edge
-        at_right[v][new] = edge
-    # Interior vertices keep both colours; only the two ends change which of a, b they use.
-    both = (1 << a) | (1 << b)
-    used_right[start] ^= both
-    if end_on_right:
-        used_right[end_vertex] ^= both
-    else:
-        used_left[end_vertex] ^= both
+        new = b if state.colour[edge] == a else a
+        at_left[state.left[edge]][new] = edge
+        at_right[state.right[edge]][new] = edge
+    return path
