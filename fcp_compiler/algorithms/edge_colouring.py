@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from fcp_compiler.algorithms.keys import stable_argsort
@@ -42,8 +44,10 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
                          np.bincount(right_list, minlength=num_right).max()))
     state = _State(left=left_list, right=right_list, colour=[-1] * num_edges, used_left=[0] * num_left,
                    used_right=[0] * num_right, all_colours=(1 << max_degree) - 1)
-    incidence, edge = None, 0
-    while (edge := _first_fit(state, edge)) < num_edges:
+    # One iterator over the edges for every run of first fits: each run goes on where the last one stopped (a
+    # slice a run would cost O(E) a path).
+    incidence, edge, ends = None, 0, zip(left_list, right_list)
+    while (edge := _first_fit(state, ends, edge)) < num_edges:
         incidence = incidence or _Incidence(left, right, num_left, num_right, num_edges)
         if incidence.scanned > SCANS_PER_EDGE * num_edges:
             _with_tables(state, edge, max_degree, num_left, num_right)
@@ -91,11 +95,12 @@ class _State:
             self.used_right[self.right[path[-1]] if path else start] ^= both
 
 
-def _first_fit(state: _State, edge: int) -> int:
+def _first_fit(state: _State, ends: Iterator[tuple[int, int]], edge: int) -> int:
     """Colour edges from `edge` on, each with the lowest colour free at both its ends, up to the first that has
-    none (returned; the number of edges when every edge is coloured)."""
+    none (returned; the number of edges when every edge is coloured). `ends`: the (left, right) ends of the edges
+    from `edge` on, which it consumes up to and including the edge returned."""
     used_left, used_right, colour, all_colours = state.used_left, state.used_right, state.colour, state.all_colours
-    for u, v in zip(state.left[edge:], state.right[edge:]):
+    for u, v in ends:
         mask_u, mask_v = used_left[u], used_right[v]
         common = all_colours & ~(mask_u | mask_v)
         if not common:
