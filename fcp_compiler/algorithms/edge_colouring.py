@@ -35,20 +35,19 @@ def bipartite_edge_colouring(left: np.ndarray, right: np.ndarray, num_left: int,
     Returns:
         int64 array, the colour of each edge, in [0, Delta).
     """
-    left_list = np.asarray(left, dtype=np.int64).tolist()
-    right_list = np.asarray(right, dtype=np.int64).tolist()
-    num_edges = len(left_list)
+    left, right = np.asarray(left, dtype=np.int64), np.asarray(right, dtype=np.int64)
+    num_edges = left.size
     if num_edges == 0:
         return np.zeros(0, dtype=np.int64)
-    max_degree = int(max(np.bincount(left_list, minlength=num_left).max(),
-                         np.bincount(right_list, minlength=num_right).max()))
+    max_degree = int(max(np.bincount(left, minlength=num_left).max(), np.bincount(right, minlength=num_right).max()))
+    left_list, right_list = left.tolist(), right.tolist()
     state = _State(left=left_list, right=right_list, colour=[-1] * num_edges, used_left=[0] * num_left,
                    used_right=[0] * num_right, all_colours=(1 << max_degree) - 1)
     # One iterator over the edges for every run of first fits: each run goes on where the last one stopped (a
     # slice a run would cost O(E) a path).
     incidence, edge, ends = None, 0, zip(left_list, right_list)
     while (edge := _first_fit(state, ends, edge)) < num_edges:
-        incidence = incidence or _Incidence(left, right, num_left, num_right, num_edges)
+        incidence = incidence or _Incidence(left, right, num_left, num_right)
         if incidence.scanned > SCANS_PER_EDGE * num_edges:
             _with_tables(state, edge, max_degree, num_left, num_right)
             break
@@ -116,10 +115,9 @@ def _first_fit(state: _State, ends: Iterator[tuple[int, int]], edge: int) -> int
 class _Incidence:
     """Each vertex's edges in edge order (built by one sort a side), and how many entries the path scans read."""
 
-    def __init__(self, left: np.ndarray, right: np.ndarray, num_left: int, num_right: int, num_edges: int):
+    def __init__(self, left: np.ndarray, right: np.ndarray, num_left: int, num_right: int):
         self.sides = []
         for ends, count in ((left, num_left), (right, num_right)):
-            ends = np.asarray(ends, dtype=np.int64)
             order = stable_argsort(ends)
             self.sides.append((order, np.concatenate(([0], np.cumsum(np.bincount(ends, minlength=count))))))
         self.scanned = 0
