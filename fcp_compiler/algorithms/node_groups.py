@@ -65,12 +65,14 @@ def _join_pairs(low: np.ndarray, high: np.ndarray, num_ranks: int, ranks_per_nod
 
     Groups only grow, so a pair refused against the groups as they stood earlier is refused later too: a batch of
     JOIN_BATCH pairs is tested at once in numpy, and only the pairs that pass are tested again one at a time (at
-    thousands of ranks most pairs come after their groups are full). The same joins as the plain loop, pair by
-    pair. O(P + N * ranks_per_node) for P pairs."""
-    root = np.arange(num_ranks)  # each rank's group, named by its lowest rank
-    size = np.ones(num_ranks, dtype=np.int64)  # per group (at its name)
-    members = [[rank] for rank in range(num_ranks)]
-    root_list, size_list = root.tolist(), size.tolist()
+    thousands of ranks most pairs come after their groups are full). Each rank holds its group's label, and a join
+    relabels the smaller group's ranks, so no parent chain is followed. The same joins as the plain loop, pair by
+    pair. O(P + N log N) for P pairs and N ranks."""
+    label = np.arange(num_ranks)  # each rank's group
+    size = np.ones(num_ranks, dtype=np.int64)  # per label: its group's ranks
+    members = [[rank] for rank in range(num_ranks)]  # per label
+    name = list(range(num_ranks))  # per label: its group's lowest rank
+    label_list, size_list = label.tolist(), size.tolist()
     # Each join leaves one group fewer, and no fewer than a node's worth of ranks each can remain: past that many
     # joins the rest of the pairs (most of them, at hundreds of ranks) can join nothing.
     joins_left = num_ranks - -(-num_ranks // ranks_per_node)
@@ -78,20 +80,22 @@ def _join_pairs(low: np.ndarray, high: np.ndarray, num_ranks: int, ranks_per_nod
         if joins_left == 0:
             break
         batch_low, batch_high = low[start:start + JOIN_BATCH], high[start:start + JOIN_BATCH]
-        group_low, group_high = root[batch_low], root[batch_high]
+        group_low, group_high = label[batch_low], label[batch_high]
         open_pairs = (group_low != group_high) & (size[group_low] + size[group_high] <= ranks_per_node)
         for a_rank, b_rank in zip(batch_low[open_pairs].tolist(), batch_high[open_pairs].tolist()):
-            a, b = root_list[a_rank], root_list[b_rank]
-            if a == b or size_list[a] + size_list[b] > ranks_per_node:
+            kept, joined = label_list[a_rank], label_list[b_rank]
+            if kept == joined or size_list[kept] + size_list[joined] > ranks_per_node:
                 continue
-            a, b = min(a, b), max(a, b)
-            for rank in members[b]:
-                root_list[rank] = a
-            root[members[b]] = a
-            members[a] += members[b]
-            size_list[a] += size_list[b]
-            size[a] = size_list[a]
+            if size_list[kept] < size_list[joined]:
+                kept, joined = joined, kept
+            for rank in members[joined]:
+                label_list[rank] = kept
+            label[members[joined]] = kept
+            members[kept] += members[joined]
+            size_list[kept] += size_list[joined]
+            size[kept] = size_list[kept]
+            name[kept] = min(name[kept], name[joined])
             joins_left -= 1
             if joins_left == 0:
                 break
-    return root
+    return np.asarray(name, dtype=np.int64)[label]
