@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -81,6 +81,17 @@ class _State:
         self.used_left[self.left[edge]] |= 1 << colour
         self.used_right[self.right[edge]] |= 1 << colour
 
+    def path(self, start: int, a: int, b: int, edge_at: Callable[[int, bool, int], int]) -> list[int]:
+        """The a/b alternating path that leaves right vertex `start` by colour a; `edge_at(vertex, on_right, colour)`
+        gives a vertex's edge of a colour, -1 for none."""
+        path, vertex, on_right, want = [], start, True, a
+        while (edge := edge_at(vertex, on_right, want)) >= 0:
+            path.append(edge)
+            vertex = self.left[edge] if on_right else self.right[edge]
+            on_right = not on_right
+            want = b if want == a else a
+        return path
+
     def flip(self, path: list[int], start: int, a: int, b: int) -> None:
         """Swap colours a and b along `path`, the alternating path that leaves right vertex `start` by colour a:
         interior vertices keep both colours; only the two ends change which of a, b they use."""
@@ -132,15 +143,8 @@ class _Incidence:
 def _path_by_scan(state: _State, incidence: _Incidence, start: int, a: int, b: int) -> list[int]:
     """The a/b alternating path that leaves right vertex `start` by colour a, each vertex's edge of the colour
     wanted found by a scan of its edges."""
-    path, vertex, on_right, want = [], start, True, a
-    while True:
-        edge = next((edge for edge in incidence.edges_at(vertex, on_right) if state.colour[edge] == want), -1)
-        if edge < 0:
-            return path
-        path.append(edge)
-        vertex = state.left[edge] if on_right else state.right[edge]
-        on_right = not on_right
-        want = b if want == a else a
+    return state.path(start, a, b, lambda vertex, on_right, want: next(
+        (edge for edge in incidence.edges_at(vertex, on_right) if state.colour[edge] == want), -1))
 
 
 def _with_tables(state: _State, edge: int, max_degree: int, num_left: int, num_right: int) -> None:
@@ -168,12 +172,7 @@ def _with_tables(state: _State, edge: int, max_degree: int, num_left: int, num_r
 def _path_by_tables(state: _State, at_left: list[list[int]], at_right: list[list[int]], start: int, a: int,
                     b: int) -> list[int]:
     """:func:`_path_by_scan` read from the tables, which it updates to the swapped colours."""
-    path, vertex, on_right, want = [], start, True, a
-    while (edge := (at_right[vertex] if on_right else at_left[vertex])[want]) >= 0:
-        path.append(edge)
-        vertex = state.left[edge] if on_right else state.right[edge]
-        on_right = not on_right
-        want = b if want == a else a
+    path = state.path(start, a, b, lambda vertex, on_right, want: (at_right if on_right else at_left)[vertex][want])
     for edge in path:  # cleared first: an edge's new colour may be a neighbour's old one in the same row
         old = state.colour[edge]
         if at_left[state.left[edge]][old] == edge:

@@ -197,18 +197,18 @@ def _window_partners(top: int, top_load: float, top_weights: np.ndarray, num_ite
     top weight (ascending) is the lightest one above the bound for a run of items, found by one binary search a top
     item: the same test as a binary search an item, at a fraction of the cost (tens of thousands of items a step)."""
     bounds = by_weight.weights + (top_load - below) - slack  # non-decreasing, as the weights are
-    runs = np.searchsorted(bounds, top_weights, side="left").tolist()  # where each top weight's run ends
-    reached = runs[-1]  # the later items have no top weight above their bound
+    ends = np.searchsorted(bounds, top_weights, side="left")  # where each top weight's run ends
+    reached = int(ends[-1])  # the later items have no top weight above their bound
     item_bins = by_weight.bins[:reached]
     # w_y + (below - L) + slack, as the test adds it up, with (below - L) once a bin
     reach = by_weight.weights[:reached] + (below - loads)[item_bins]
     reach += slack
     if reached <= SMALL_RUNS:  # one comparison against each item's next top weight, spelled out
-        keep = np.repeat(top_weights, np.diff(runs, prepend=0)) < reach
+        keep = np.repeat(top_weights, np.diff(ends, prepend=0)) < reach
     else:  # a comparison a run, in place (tens of thousands of items)
         keep = np.empty(reached, dtype=bool)
         low = 0
-        for weight, high in zip(top_weights.tolist(), runs):
+        for weight, high in zip(top_weights.tolist(), ends.tolist()):
             np.less(weight, reach[low:high], out=keep[low:high])
             low = high
     keep &= item_bins != top
