@@ -60,13 +60,15 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     plan = compile_valid(lengths, gpus, **options)
     floor = plan.stats["floor"]
     rows = floor["candidates"]
-    # Every candidate is scheduled, or skipped as the same placement as an earlier one or by its busy bound; the
-    # fastest direct placement follows with fan-out when FCP's own fit with it.
+    # Every candidate is scheduled, or skipped as the same placement as an earlier one, by its busy bound, or (node
+    # fan-out) as out of the budget's reach; the fastest direct placement follows with fan-out when FCP's own fit
+    # with it.
     followers = [row for row in rows if "+fan-out" in row["name"] and not row["name"].startswith("layer+")]
-    assert len(rows) + len(floor["pruned"]) == len(candidates(False, None)) + len(followers)
+    assert len(rows) + len(floor["pruned"]) + len(floor["out_of_reach"]) == \
+        len(candidates(False, None)) + len(followers)
     assert floor["memory_budget_tokens"] == 4 * 4 * 512
-    own_fan_out = next(row for row in rows if row["name"].startswith("layer+fan-out"))
-    assert not followers or own_fan_out["max_buffer_tokens"] <= floor["memory_budget_tokens"]
+    own_fan_out = [row for row in rows if row["name"].startswith("layer+fan-out")]
+    assert not followers or own_fan_out[0]["max_buffer_tokens"] <= floor["memory_budget_tokens"]
     best = min(row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"] for row in rows)
     for skipped in floor["pruned"]:
         assert skipped["same_as"] is not None or skipped["busy_lower_bound_s"] >= best
@@ -82,8 +84,10 @@ def test_the_plan_is_the_fastest_fitting_candidate_and_each_score_is_what_simula
     # FCP's own placement compiled alone scores what the floor recorded for it (the same plan, the same simulation).
     for fan_out in (True, False):
         alone = compile_plan(lengths, gpus, floor=False, node_fan_out=fan_out, **options)
-        row = next(r for r in rows if r["name"].startswith("layer+fan-out" if fan_out else "layer direct"))
-        if row["name"].endswith(" c4/8") and row["max_buffer_tokens"] <= floor["memory_budget_tokens"]:
+        row = next((r for r in rows if r["name"].startswith("layer+fan-out" if fan_out else "layer direct")), None)
+        if row is None:  # fan-out out of reach: its plan is over the budget (what compile_plan's stats say)
+            assert fan_out and alone.header.max_buffer_tokens > floor["memory_budget_tokens"]
+        elif row["name"].endswith(" c4/8") and row["max_buffer_tokens"] <= floor["memory_budget_tokens"]:
             figures = simulate_plan(alone).layer_figures()
             assert figures["layer_makespan_fwd_s"] == pytest.approx(row["layer_makespan_fwd_s"], rel=1e-12)
             assert alone.header.max_buffer_tokens == row["max_buffer_tokens"]
@@ -164,7 +168,9 @@ def test_the_floors_work_is_bounded_by_tiles_and_always_schedules_fcps_own_place
     monkeypatch.setattr(floor, "TILE_BUDGET", 2 * plan.stats["num_tiles"])
     bounded = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4).stats["floor"]
     assert bounded["most_scheduled"] == 2
-    assert [row["name"].split(" c")[0] for row in bounded["candidates"]] == ["layer direct", "layer+fan-out"]
+    # FCP's own placement first; its fan-out is out of the budget's reach here and takes none of the floor's work.
+    assert [row["candidate"] for row in bounded["out_of_reach"]] == ["layer+fan-out"]
+    assert [row["name"].split(" c")[0] for row in bounded["candidates"]] == ["layer direct", "layer-tokens-5% direct"]
     # With one candidate there is nothing to compare: it is not simulated, and `fcp compile` simulates what it
     # prints instead.
     lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=2)  # FCP's own plan fits the budget
@@ -287,3 +293,29 @@ def test_the_winners_backward_keeps_its_last_stage_to_itself_where_that_simulate
         assert not (last & (schedule.tile_kv_edge >= 0) & (schedule.tile_q_edge < 0)
                     & (2 * schedule.forward.edge_round[schedule.tile_kv_edge] // backward.coalesce + 1
                        < backward.tile_stage.max())).any()
+
+
+def test_node_fan_out_out_of_the_budgets_reach_is_not_scheduled_and_could_not_fit():
+    from fcp_compiler.core.floor import FAN_OUT_MOST_RECEIVED, fan_out_out_of_reach
+
+    assert not fan_out_out_of_reach(FAN_OUT_MOST_RECEIVED * 1000, 1000)
+    assert fan_out_out_of_reach(FAN_OUT_MOST_RECEIVED * 1000 + 1, 1000)
+    lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=1)
+    options = dict(block_size=512, coalesce=4, gpus_per_node=4)
+    floor = compile_valid(lengths, 16, **options).stats["floor"]
+    budget = floor["memory_budget_tokens"]
+    (skipped,) = floor["out_of_reach"]
+    assert skipped["candidate"] == "layer+fan-out" and skipped["most_received_tokens"] > FAN_OUT_MOST_RECEIVED * budget
+    assert not any("fan-out" in row["name"] for row in floor["candidates"])
+    # The same candidate scheduled as the floor would (stages shrunk until it fits, where any size tried does) is
+    # over the budget at every size.
+    alone = compile_plan(lengths, 16, floor=False, node_fan_out=True, fit_memory=True, **options)
+    assert alone.header.max_buffer_tokens > budget
+    # Fan-out the user asked for is always scheduled; where it fits (short sequences) it is a candidate as before.
+    asked = compile_plan(lengths, 16, node_fan_out=True, **options).stats["floor"]
+    assert asked["out_of_reach"] == [] and all("+fan-out" in row["name"] for row in asked["candidates"])
+    short = compile_valid(lognormal_batch(16 * 8192, 512, 1.2, 64, 4096, seed=0), 16, block_size=512, coalesce=16,
+                          gpus_per_node=4).stats["floor"]
+    assert short["out_of_reach"] == []
+    (own,) = [row for row in short["candidates"] if row["name"].startswith("layer+fan-out")]
+    assert own["max_buffer_tokens"] <= short["memory_budget_tokens"]

@@ -54,6 +54,22 @@ class Placement(str, enum.Enum):
 
 EQUAL_CHUNKS = (Placement.GREEDY, Placement.MAGI)  # the placements of MagiAttention's dispatch, not FCP's assign
 
+# Node fan-out is not scheduled where the busiest receiver of its pulls (NIC entries and the NVLink re-sends) would
+# take in more than this many live-buffer budgets of tokens over a pass, when the direct twin of the candidate is
+# tried too. An entry holds its block until it has re-sent it, and a rank receives up to a stage's rounds of pulls on
+# each link class, so such a plan comes out over the budget at every stage size the floor tries. On the 54 batches of
+# benchmarks/layer_objective.py's matrix (64 and 256 GPUs, seeds 0-2), every fan-out candidate that fit the budget
+# took in at most 1.38 budgets on its busiest receiver (the winners at most 0.78), every one above 1.45 came out
+# over it, and those over 2 cost 6% of the compile at 256 GPUs (docs/RESULTS.md, issue 34's eleventh steps).
+FAN_OUT_MOST_RECEIVED = 2
+
+
+def fan_out_out_of_reach(most_received_tokens: int, memory_budget_tokens: int) -> bool:
+    """Whether a node fan-out candidate whose busiest receiver takes in `most_received_tokens` over a pass is left
+    unscheduled: more than FAN_OUT_MOST_RECEIVED budgets of `memory_budget_tokens` live buffer tokens."""
+    return most_received_tokens > FAN_OUT_MOST_RECEIVED * memory_budget_tokens
+
+
 # The layer placement's token tolerance for each of its candidates (None: the options' own). How far ranks may
 # hold more tokens than the mean trades linear-layer balance against attention traffic, and no one tolerance is
 # best: on 18 real-distribution batches (benchmarks/placement.py's kinds at 64 and 256 GPUs, seed 0, direct pulls)

@@ -509,6 +509,7 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats = {name: figures[name] for name in LAYER_STATS} if figures is not None else {}
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
+    floor_stats["floor"]["out_of_reach"] = run.out_of_reach
     floor_stats["floor"]["backward_last_stage"] = last_stage
     return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held, \
         lambda tiles: None if run.alone else run.segments_of(tiles)
@@ -566,6 +567,8 @@ class _FloorRun:
     routed: dict = field(default_factory=dict)
     placed_by: dict = field(default_factory=dict)
     pruned: dict = field(default_factory=dict)
+    # fan-out candidates left unscheduled (floor.fan_out_out_of_reach): their names and busiest receivers' tokens
+    out_of_reach: list = field(default_factory=list)
     bounds: dict = field(default_factory=dict)  # each placement's busy lower bound (simulate.busy_lower_bound)
     scores: list = field(default_factory=list)
     # score index -> (plan, figures, stacked ranks, encoder columns) of each scored candidate (the stack its account
@@ -617,8 +620,13 @@ class _FloorRun:
             return True
         timer, options, budget = self.timer, self.options, self.budget
         transfers = self.routed[candidate.placement]
-        schedule, peak, plain = _fit_memory(timer, _rounds(timer, transfers, options, candidate.fan_out), options,
-                                            budget)
+        fanned = _fanned_out(timer, transfers, options, candidate.fan_out)
+        if fanned is not transfers and options.node_fan_out is None:  # its direct twin is a candidate too
+            received = _most_received_tokens(fanned)
+            if floor.fan_out_out_of_reach(received, budget):
+                self.out_of_reach.append({"candidate": candidate.name, "most_received_tokens": received})
+                return True
+        schedule, peak, plain = _fit_memory(timer, _rounds(timer, fanned, options, False), options, budget)
         fits, relays = schedule is not None and peak <= budget, True
         if fits:  # only a plan that may fit is finished and scored
             plan = _finish(timer, schedule, options, self.digest, max_buffer=peak)
@@ -830,10 +838,20 @@ def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions,
     return timer.run("plan_transfers", plan_transfers, assignment)
 
 
+def _fanned_out(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool) -> Transfers:
+    """fan_out where asked (and rounds are matchings), else the same transfers."""
+    return timer.run("fan_out", fan_out, transfers) if options.matching_rounds and with_fan_out else transfers
+
+
+def _most_received_tokens(transfers: Transfers) -> int:
+    """The tokens the busiest receiver takes in over a pass: its pulls on both link classes."""
+    received = np.bincount(transfers.edge_dst, weights=transfers.edge_tokens, minlength=transfers.assignment.num_ranks)
+    return int(received.max(initial=0))
+
+
 def _rounds(timer: _PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool) -> Rounds:
     """fan_out (when asked) and schedule_rounds."""
-    if options.matching_rounds and with_fan_out:
-        transfers = timer.run("fan_out", fan_out, transfers)
+    transfers = _fanned_out(timer, transfers, options, with_fan_out)
     return timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds, transfers)
 
 

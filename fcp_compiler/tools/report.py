@@ -56,6 +56,9 @@ def _floor_line(stats: dict) -> list[str]:
     scored = [f"{row['name']} " + _candidate_figure(row, row["max_buffer_tokens"] > budget)
               for row in floor["candidates"]]
     scored += [f"{row['placement']} placement skipped ({_skipped_because(row)})" for row in floor.get("pruned", [])]
+    scored += [f"{row['candidate']} not scheduled (its busiest receiver takes in {row['most_received_tokens']} "
+               f"tokens, {row['most_received_tokens'] / budget:.1f}x the budget)"
+               for row in floor.get("out_of_reach", [])]
     count = len(floor["candidates"])
     last = floor.get("backward_last_stage")
     if last is not None:  # the winner again with its backward's pulled-K,V tiles out of the last stage
