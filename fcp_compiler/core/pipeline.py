@@ -508,8 +508,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
         figures = None if run.alone else _layer_figures(plan)
     floor_stats = {name: figures[name] for name in LAYER_STATS} if figures is not None else {}
     most = floor.most_scheduled(run.fcp_tiles.num_tiles) if run.fcp_tiles is not None else None
-    floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most)
-    floor_stats["floor"]["out_of_reach"] = run.out_of_reach
+    floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most,
+                                         run.out_of_reach)
     floor_stats["floor"]["backward_last_stage"] = last_stage
     return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held, \
         lambda tiles: None if run.alone else run.segments_of(tiles)
@@ -607,8 +607,9 @@ class _FloorRun:
         return self.fcp_tiles is not None and floor.most_scheduled(self.fcp_tiles.num_tiles) == 1
 
     def schedule(self, candidate: floor.Candidate) -> bool:
-        """Place (once a placement), schedule and score one candidate, unless its placement is pruned; False once
-        the floor's work is spent (floor.TILE_BUDGET)."""
+        """Place (once a placement), schedule and score one candidate, unless its placement is pruned or, with node
+        fan-out, it is out of the budget's reach (floor.fan_out_out_of_reach: recorded in `out_of_reach`, and none
+        of the floor's work spent on it); False once the floor's work is spent (floor.TILE_BUDGET)."""
         started = time.perf_counter()
         if candidate.placement is Placement.MAGI and Placement.GREEDY in self.pruned:  # one placement: its bound
             self.pruned[candidate.placement] = self.pruned[Placement.GREEDY]
@@ -705,15 +706,17 @@ class _FloorRun:
 
 
 def _floor_record(scores: list, winner: int, pruned: dict, budget: int, seconds: float,
-                  most_scheduled: int | None) -> dict:
-    """stats["floor"]: the winner, every scheduled candidate's score, and the placements skipped and why."""
+                  most_scheduled: int | None, out_of_reach: list) -> dict:
+    """stats["floor"]: the winner, every scheduled candidate's score, the placements skipped and why, and the node
+    fan-out candidates out of the budget's reach."""
     return {
         "winner": scores[winner].name, "memory_budget_tokens": budget, "seconds": seconds,
         "most_scheduled": most_scheduled,
         "candidates": [_candidate_record(score) for score in scores],
         "pruned": [{"placement": placement.value, "busy_lower_bound_s": bound,
                     "same_as": same.value if same is not None else None, "refused": refused}
-                   for placement, (bound, same, refused) in pruned.items()]}
+                   for placement, (bound, same, refused) in pruned.items()],
+        "out_of_reach": out_of_reach}
 
 
 def _candidate_record(score: floor.Score) -> dict:
