@@ -60,7 +60,7 @@ EQUAL_CHUNKS = (Placement.GREEDY, Placement.MAGI)  # the placements of MagiAtten
 # each link class; a rule measured, not a bound: on the 54 batches of benchmarks/layer_objective.py's matrix (64 and
 # 256 GPUs, seeds 0-2) every fan-out candidate that fit the budget took in at most 1.38 budgets on its busiest
 # receiver (the winners at most 0.78), and every one above 1.45 came out over it at every stage size the floor
-# tries. Leaving out those above 2 changed no plan and made the 256-GPU matrix compile 13% faster (docs/RESULTS.md,
+# tries. Leaving out those above 2 changed no plan and made the 256-GPU matrix compile 6% faster (docs/RESULTS.md,
 # issue 34's eleventh steps).
 FAN_OUT_MOST_RECEIVED = 2
 

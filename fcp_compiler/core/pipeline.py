@@ -608,14 +608,18 @@ class _FloorRun:
 
     def schedule(self, candidate: floor.Candidate) -> bool:
         """Place (once a placement), schedule and score one candidate, unless its placement is pruned or, with node
-        fan-out, it is out of the budget's reach (floor.fan_out_out_of_reach: recorded in `out_of_reach`, and none
-        of the floor's work spent on it); False once the floor's work is spent (floor.TILE_BUDGET)."""
+        fan-out, it is out of the budget's reach (floor.fan_out_out_of_reach: recorded in `out_of_reach`, counted
+        among the candidates the floor's work allows but not scheduled); False once that work is spent
+        (floor.TILE_BUDGET)."""
         started = time.perf_counter()
         if candidate.placement is Placement.MAGI and Placement.GREEDY in self.pruned:  # one placement: its bound
             self.pruned[candidate.placement] = self.pruned[Placement.GREEDY]
         if candidate.placement in self.pruned:
             return True
-        if self.fcp_tiles is not None and len(self.scores) >= floor.most_scheduled(self.fcp_tiles.num_tiles):
+        # A fan-out candidate out of reach keeps its place in the count: where the tile budget binds (thousands of
+        # ranks), the candidates scheduled are the ones that were, less those left out, and so is the plan.
+        taken = len(self.scores) + len(self.out_of_reach)
+        if self.fcp_tiles is not None and taken >= floor.most_scheduled(self.fcp_tiles.num_tiles):
             return False
         if candidate.placement not in self.routed and not self._place(candidate.placement):
             return True
