@@ -277,25 +277,30 @@ def inspect_command(
     typer.echo(inspect_summary(plan, header, rows))
 
 
-def _is_plan_file(source: Path, magic: bytes) -> bool:
-    """Whether a regular file starts with the plan magic (a FIFO or device is refused before it can block)."""
+def _file_head(source: Path, size: int) -> bytes:
+    """The first `size` bytes of a regular file (a FIFO or device is refused before it can block)."""
     from fcp_compiler.format.safe_io import open_regular_file
 
     handle, _ = open_regular_file(str(source), "input")
     with handle:
-        return handle.read(len(magic)) == magic
+        return handle.read(size)
 
 
 def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], model: Optional[str] = None):
-    """A plan file as it is, or a batch JSON compiled for --gpus (placed for `model`, default llama3-70b)."""
+    """A plan file as it is (any fcp format: the reader names an old one), or a batch JSON compiled for --gpus
+    (placed for `model`, default llama3-70b)."""
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.format.plan_format import MAGIC, PlanReader
 
-    if _is_plan_file(source, MAGIC):
+    head = _file_head(source, 64)
+    if head.startswith(MAGIC[:7]):  # b"FCPPLAN": this format's magic and the legacy one
         return PlanReader(str(source))
     if gpus is None:
-        raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
+        if head.lstrip()[:1] in (b"{", b"["):
+            raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
+        raise InvalidInputError(f"{source} is neither an fcp plan nor a batch JSON (it starts with {head[:8]!r}); "
+                                f"give a plan file, or a batch JSON with --gpus")
     return compile_plan(load_batch(source), gpus, profile=profile or "h100",
                         **({"model": model} if model is not None else {})).to_bytes()
 

@@ -116,6 +116,14 @@ def test_plan_and_stats_land_together_or_not_at_all(tmp_path, capsys):
 def test_a_plan_of_an_older_format_is_named(tmp_path, capsys):
     old = _write(tmp_path / "old.fcp", b"FCPPLAN\0" + b"\0" * 64)
     expect_one_line(capsys, ["validate", old], "older fcp")
+    expect_one_line(capsys, ["simulate", old], "older fcp")  # a plan, though not this format's: not "a batch"
+
+
+@pytest.mark.parametrize("content, match", [(b"garbage", "neither an fcp plan nor a batch JSON"),
+                                            (b"", "neither an fcp plan nor a batch JSON"),
+                                            (b"  [4096, 512]", "is a batch, not a plan: give --gpus")])
+def test_simulate_says_what_a_file_that_is_not_a_plan_is(tmp_path, capsys, content, match):
+    expect_one_line(capsys, ["simulate", _write(tmp_path / "input", content)], match)
 
 
 def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, capsys):
