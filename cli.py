@@ -89,8 +89,9 @@ def compile_command(
     node_fan_out: Optional[str] = typer.Option(None, "--node-fan-out", help="on or off: a K,V block crosses into a "
                                                "node once and fans out over NVLink [fcp tries both; magi on; ring, "
                                                "bytescale, wlbllm off]"),
-    no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only, not the floor's "
-                                  "candidates (faster compile, no guarantee against the simpler placements)"),
+    no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only (with its node "
+                                  "fan-out unless --node-fan-out off), not the floor's candidates: to study it, not "
+                                  "a faster compile (nothing guards its time or memory)"),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
     arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),
