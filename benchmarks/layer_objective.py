@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from placement import TOKENS_PER_GPU, batches, matrix_arguments  # noqa: E402
+from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments  # noqa: E402
 
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.core.baselines import Planner  # noqa: E402
@@ -286,8 +286,7 @@ def main() -> None:
     parser.add_argument("--timing-only", action="store_true",
                         help="only the --main-tree checks, timing each of --batches at 256 GPUs")
     args = parser.parse_args()
-    makers = batches(args.eval_data)
-    chosen = args.batches.split(",") if args.batches else list(makers)
+    makers, chosen = chosen_batches(parser, args)
     _CONTEXT.update(makers=makers, model=args.model, mask=args.mask, fit_memory=args.baselines_fit_memory)
     if args.validate:
         _CONTEXT["validate"] = tuple(args.validate.split(","))

@@ -26,7 +26,7 @@ import fcp_compiler.core.passes.coalesce as coalesce_pass
 import fcp_compiler.core.passes.relay as relay_pass
 from fcp_compiler import compile_plan
 from fcp_compiler.tools.traces import lognormal_batch
-from placement import TOKENS_PER_GPU, batches, matrix_arguments
+from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments
 
 # (label, module, attribute): each the name its caller looks up at call time, so that the timer wraps every call.
 TIMED = (("levelling (level_stages)", coalesce_pass, "level_stages"),
@@ -62,10 +62,7 @@ def main() -> None:
     matrix_arguments(parser)
     parser.add_argument("--paper", type=int, help="the paper-like batch at this many GPUs instead of the matrix")
     args = parser.parse_args()
-    kinds = batches(args.eval_data)
-    wanted = args.batches.split(",") if args.batches else list(kinds)
-    if unknown := [name for name in wanted if name not in kinds]:
-        parser.error(f"unknown batch {unknown[0]!r}; valid: {', '.join(kinds)} (length files under --eval-data)")
+    kinds, wanted = chosen_batches(parser, args)
     timers = _Timers()
     for label, module, name in TIMED:
         setattr(module, name, timers.wrap(label, getattr(module, name)))

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from placement import TOKENS_PER_GPU, batches, matrix_arguments  # noqa: E402
+from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments  # noqa: E402
 
 from fcp_compiler.tools.parallel import map_on_cores  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
@@ -168,8 +168,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="write every row as JSON")
     parser.add_argument("--timing-runs", type=int, default=3)
     args = parser.parse_args()
-    makers = batches(args.eval_data)
-    chosen = args.batches.split(",") if args.batches else list(makers)
+    makers, chosen = chosen_batches(parser, args)
     _CONTEXT.update(makers=makers, main_tree=args.main_tree.resolve())
     jobs = [(name, gpus, seed, side) for name in chosen for gpus in (int(g) for g in args.gpus.split(","))
             for seed in range(args.seeds) for side in ("fcp", "main")]

@@ -59,6 +59,16 @@ def batches(eval_data: Path) -> dict:
     return out
 
 
+def chosen_batches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The matrix's batch makers (:func:`batches` of --eval-data) and the names --batches chose, all by default; an
+    unknown name is a usage error naming the valid ones."""
+    makers = batches(args.eval_data)
+    chosen = args.batches.split(",") if args.batches else list(makers)
+    if unknown := [name for name in chosen if name not in makers]:
+        parser.error(f"unknown batch {unknown[0]!r}; valid: {', '.join(makers)} (length files under --eval-data)")
+    return makers, chosen
+
+
 def matrix_arguments(parser: argparse.ArgumentParser) -> None:
     """The matrix's flags, shared by the benchmarks that run it: scales, seeds, where the length files are, which
     batches."""
@@ -117,9 +127,9 @@ def main() -> None:
         for row in json.loads(args.reference.read_text()):
             reference[(row["batch"], row["gpus"], row["seed"])] = row
     rows = []
-    chosen = set(args.batches.split(",")) if args.batches else None
-    for name, make in batches(args.eval_data).items():
-        if chosen is not None and name not in chosen:
+    makers, chosen = chosen_batches(parser, args)
+    for name, make in makers.items():
+        if name not in chosen:
             continue
         for gpus in [int(g) for g in args.gpus.split(",")]:
             for seed in range(args.seeds):

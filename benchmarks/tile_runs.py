@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler import compile_plan
-from placement import TOKENS_PER_GPU, batches, matrix_arguments
+from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,10 +75,7 @@ def main() -> None:
     parser.set_defaults(seeds=1)
     parser.add_argument("--small", action="store_true", help="also traces/small_8gpu.json at 64-token blocks")
     args = parser.parse_args()
-    kinds = batches(args.eval_data)
-    wanted = args.batches.split(",") if args.batches else list(kinds)
-    if unknown := [name for name in wanted if name not in kinds]:
-        parser.error(f"unknown batch {unknown[0]!r}; valid: {', '.join(kinds)} (length files under --eval-data)")
+    kinds, wanted = chosen_batches(parser, args)
     cases = [(f"{name}/{gpus}/{seed}", [int(v) for v in kinds[name](gpus * TOKENS_PER_GPU, seed)], gpus, None)
              for name in wanted for gpus in [int(value) for value in args.gpus.split(",")]
              for seed in range(args.seeds)]
