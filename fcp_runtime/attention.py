@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
-from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan
+from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan, registered
 from fcp_runtime.stage_calls import LOCAL, KernelCall, RangeCall, arenas, merge_runs, prepare_calls, stage_calls
 
 
@@ -689,70 +690,161 @@ def _split_heads(packed: torch.Tensor, hq: int, hkv: int, dim: int):
             packed[:, (hq + hkv) * dim:].reshape(-1, hkv, dim))
 
 
+def _attention_forward(q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels,
+                       prefetched: KVPrefetch | None):
+    """One attention call's forward on this rank: (out in q's layout, the plan-layout tensors the backward reads:
+    (q, k, v, out, lse), the executor)."""
+    executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
+    if prefetched is not None:  # its received buffers are live already
+        executor.live_tokens = prefetched.live_tokens
+        if (prefetched.forward.arenas is not None) != executor.ranges:
+            raise ValueError("prefetched: prefetch_kv was given other kernels than fcp_attn_func (a range kernel "
+                             "receives into arenas, a packing one does not); pass both the same kernels")
+    # Every call of both passes on the device now: the stage loops build and copy nothing.
+    prepare_calls(plan, layout, q.device, executor.ranges)
+    hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
+    forward = _ForwardPass(executor, hq, hkv, _adopt(prefetched.forward if prefetched is not None else None))
+    skip: frozenset[int] = frozenset()
+    if layout == "plan":
+        q_p, k_p, v_p = q, k, v
+        local = forward.local_store(q_p, k_p, v_p)
+    else:
+        packed, finish = _reshuffle_async(plan, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), group)
+        q_p, k_p, v_p = _split_heads(packed, hq, hkv, dim)
+        local = forward.local_store(q_p, k_p, v_p)
+        # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
+        skip = plan.early_tiles
+        for call in stage_calls(plan, "fwd", -1, sorted(skip), q.device, executor.ranges):
+            _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
+            forward.run_call(call, local, {})
+        finish()
+    executor.run_stages(forward, plan.forward, local, skip=skip,
+                        prefetched=prefetched.forward if prefetched is not None else None)
+    forward.arenas = None  # every pull is freed: the arenas go before the outputs are made
+    out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
+    if prefetched is not None:  # what backward_starts_at posts from
+        prefetched.executor, prefetched.saved_kv = executor, (k_p.detach(), v_p.detach())
+    out = out_p if layout == "plan" else _reshuffle(plan, out_p, False, group)
+    return out, (q_p, k_p, v_p, out_p, lse_p), executor
+
+
+def _attention_backward(executor: _Executor, saved, d_out, layout: str, prefetched: _Posted | None):
+    """One attention call's backward on this rank: (dq, dk, dv) in the call's layout."""
+    plan = executor.plan
+    q_p, k_p, v_p, out_p, lse_p = saved
+    d_out = d_out.contiguous()
+    d_out_p = d_out if layout == "plan" else _reshuffle(plan, d_out, True, executor.group)
+    hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
+    backward = _BackwardPass(executor, hq, hkv, _adopt(prefetched))
+    local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
+    executor.run_stages(backward, plan.backward, local, prefetched=prefetched)
+    backward.arenas = None
+    dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
+    if layout == "plan":
+        return dq_p, dk_p, dv_p
+    packed = _reshuffle(plan, torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1), False,
+                        executor.group)
+    return _split_heads(packed, hq, hkv, dim)
+
+
 class _FcpAttention(torch.autograd.Function):
+    """The eager path: any kernels, K,V prefetch, either layout, and every op visible to a dispatch mode."""
+
     @staticmethod
     def forward(ctx, q, k, v, plan: RankPlan, group, scale: float, layout: str, kernels,
                 prefetched: KVPrefetch | None):
-        executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
-        if prefetched is not None:  # its received buffers are live already
-            executor.live_tokens = prefetched.live_tokens
-            if (prefetched.forward.arenas is not None) != executor.ranges:
-                raise ValueError("prefetched: prefetch_kv was given other kernels than fcp_attn_func (a range kernel "
-                                 "receives into arenas, a packing one does not); pass both the same kernels")
-        # Every call of both passes on the device now: the stage loops build and copy nothing.
-        prepare_calls(plan, layout, q.device, executor.ranges)
-        hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
-        forward = _ForwardPass(executor, hq, hkv, _adopt(prefetched.forward if prefetched is not None else None))
-        skip: frozenset[int] = frozenset()
-        if layout == "plan":
-            q_p, k_p, v_p = q, k, v
-            local = forward.local_store(q_p, k_p, v_p)
-        else:
-            packed, finish = _reshuffle_async(plan, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1),
-                                              group)
-            q_p, k_p, v_p = _split_heads(packed, hq, hkv, dim)
-            local = forward.local_store(q_p, k_p, v_p)
-            # Tiles whose tokens stay on this rank run while the all-to-all is in flight.
-            skip = plan.early_tiles
-            for call in stage_calls(plan, "fwd", -1, sorted(skip), q.device, executor.ranges):
-                _log("tile", "fwd", -1, call.tile_rows, call.pull_rows)
-                forward.run_call(call, local, {})
-            finish()
-        executor.run_stages(forward, plan.forward, local, skip=skip,
-                            prefetched=prefetched.forward if prefetched is not None else None)
-        forward.arenas = None  # every pull is freed: the arenas go before the outputs are made
-        out_p, lse_p = local.tensors["out"].to(q.dtype), local.tensors["lse"]
-        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse_p)
+        out, saved, executor = _attention_forward(q, k, v, plan, group, scale, layout, kernels, prefetched)
+        ctx.save_for_backward(*saved)
         ctx.executor, ctx.layout, ctx.prefetched = executor, layout, prefetched
-        if prefetched is not None:  # what backward_starts_at posts from
-            prefetched.executor, prefetched.saved_kv = executor, (k_p.detach(), v_p.detach())
-        return out_p if layout == "plan" else _reshuffle(plan, out_p, False, group)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
-        executor = ctx.executor
-        plan = executor.plan
-        q_p, k_p, v_p, out_p, lse_p = ctx.saved_tensors
-        d_out = d_out.contiguous()
-        d_out_p = d_out if ctx.layout == "plan" else _reshuffle(plan, d_out, True, executor.group)
-        hq, hkv, dim = q_p.shape[1], k_p.shape[1], q_p.shape[2]
         prefetched = ctx.prefetched.backward if ctx.prefetched is not None else None
-        backward = _BackwardPass(executor, hq, hkv, _adopt(prefetched))
-        local = backward.local_store(q_p, k_p, v_p, out_p, lse_p, d_out_p)
-        executor.run_stages(backward, plan.backward, local, prefetched=prefetched)
-        backward.arenas = None
-        dq_p, dk_p, dv_p = (local.tensors[name].to(q_p.dtype) for name in ("dq", "dk", "dv"))
-        if ctx.layout == "plan":
-            return dq_p, dk_p, dv_p, None, None, None, None, None, None
-        packed = _reshuffle(plan, torch.cat([dq_p.flatten(1), dk_p.flatten(1), dv_p.flatten(1)], dim=1), False,
-                            executor.group)
-        return (*_split_heads(packed, hq, hkv, dim), None, None, None, None, None, None)
+        grads = _attention_backward(ctx.executor, ctx.saved_tensors, d_out, ctx.layout, prefetched)
+        return (*grads, None, None, None, None, None, None)
+
+
+# --- the compiled path: one custom op a pass, the plan named by a tensor --------------------------------------------
+# torch.compile sees fcp attention as two opaque ops with fake shapes: no graph break inside attention, and since the
+# plan reaches them as its handle (a tensor whose value changes, not a Python object dynamo guards on), a new plan
+# each step is no recompile. Their implementations run the same stage loops as the eager path, with the default
+# kernels, in the plan layout.
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group_of(name: str):
+    return None if name == "" else dist.distributed_c10d._resolve_process_group(name)
+
+
+@torch.library.custom_op("fcp::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, group_name: str,
+                  scale: float, causal: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    plan, group = registered(handle), _group_of(group_name)
+    _check_call(q, k, v, plan, group, "plan", None if causal < 0 else (bool(causal), window))
+    out, saved, _ = _attention_forward(q, k, v, plan, group, scale, "plan", None, None)
+    return out, saved[4]
+
+
+@_attention_op.register_fake
+def _(q, k, v, handle, group_name, scale, causal, window):
+    acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
+
+
+@torch.library.custom_op("fcp::attention_backward", mutates_args=())
+def _attention_backward_op(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, handle: torch.Tensor, group_name: str,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = registered(handle)
+    executor = _Executor(plan, _group_of(group_name), scale, q.device, q.dtype, q.shape[2])
+    dq, dk, dv = _attention_backward(executor, (q, k, v, out, lse), d_out, "plan", None)
+    return dq, dk.clone(), dv.clone()  # dk and dv are halves of one buffer: an op's outputs may not alias
+
+
+@_attention_backward_op.register_fake
+def _(d_out, q, k, v, out, lse, handle, group_name, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    q, k, v, handle, group_name, scale, _, _ = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], handle)
+    ctx.group_name, ctx.scale = group_name, scale
+
+
+def _op_backward(ctx, d_out, d_lse):
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(d_out, q, k, v, out, lse, handle, ctx.group_name, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def _compiled_attention(q, k, v, plan: RankPlan, group, scale: float | None, layout: str | None, kernels,
+                        prefetched, mask: tuple[bool, int | None] | None) -> torch.Tensor:
+    """fcp_attn_func as torch.compile traces it: the custom op, every check inside it (at run time)."""
+    if kernels is not None or prefetched is not None or layout not in (None, "plan"):
+        raise ValueError("fcp_attn_func under torch.compile takes the default kernels, no prefetch and the plan "
+                         "layout; call it eagerly for the others")
+    causal, window = (-1, 0) if mask is None else (int(mask[0]), mask[1] or 0)
+    scale = scale if scale is not None else q.shape[2] ** -0.5
+    out, _ = _attention_op(q, k, v, plan.handle, _group_name(group), scale, causal, window)
+    return out
 
 
 def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None,
                   softmax_scale: float | None = None, layout: str | None = None, kernels=None,
-                  prefetched: KVPrefetch | None = None) -> torch.Tensor:
+                  prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None) -> torch.Tensor:
     """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
+
+    Under torch.compile it is one custom op a pass (``fcp::attention`` and ``fcp::attention_backward``) with fake
+    shapes: no graph break inside attention, and no recompile when the plan changes (the plan reaches the op as
+    its handle tensor). Compiled, it takes the default kernels, no prefetch and the plan layout.
 
     Args:
         q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim]. In the plan layout (the default for
@@ -767,30 +859,74 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         kernels: the kernels, of either contract (fcp_runtime.kernels; default: default_kernels, a range kernel
             on CPU and where MagiAttention's FFA is installed, else flash-attn on CUDA).
         prefetched: what :func:`prefetch_kv` posted for this call, with these k and v (plan layout).
+        mask: the calling layer's own mask, (causal, sliding window or None), checked against every document's
+            mask in the plan (None: not checked). A model layer passes it so that a plan compiled for other masks
+            is refused, not silently used.
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
-        ValueError: shapes that do not fit the plan, an unknown layout, or a prefetch for other tensors, another
-            plan or group, or one already used.
+        ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask the plan does not
+            hold, or a prefetch for other tensors, another plan or group, or one already used.
     """
-    check_plan(plan, group)
+    if torch.compiler.is_compiling():
+        return _compiled_attention(q, k, v, plan, group, softmax_scale, layout, kernels, prefetched, mask)
     layout = plan.layout if layout is None else layout
+    _check_call(q, k, v, plan, group, layout, mask)
+    scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+    if prefetched is not None:
+        _check_prefetched(prefetched, k, v, plan, group, layout)
+    return _FcpAttention.apply(q, k, v, plan, group, scale, layout, kernels, prefetched)
+
+
+def _check_call(q, k, v, plan: RankPlan, group, layout: str, mask) -> None:
+    """Refuse, before any message, a call whose ranks, shapes, dtypes or layer mask do not fit the plan."""
+    check_plan(plan, group)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}")
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D] with equal T and D, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     expected = plan.plan_tokens if layout == "plan" else plan.user_tokens
     if q.shape[0] != expected:
         raise ValueError(f"rank {plan.rank} holds {q.shape[0]} tokens but the plan's {layout} layout gives it "
                          f"{expected}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
-    scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    if prefetched is not None:
-        _check_prefetched(prefetched, k, v, plan, group, layout)
-    return _FcpAttention.apply(q, k, v, plan, group, scale, layout, kernels, prefetched)
+    if mask is not None:
+        check_layer_mask(plan, *mask)
+
+
+def check_layer_mask(plan: RankPlan, causal: bool, window: int | None) -> None:
+    """Refuse a plan whose documents do not all have a layer's mask: causal or not, with a sliding window of
+    `window` keys (itself included) or none. Checked once per plan and mask.
+
+    Raises:
+        ValueError: naming the first document whose mask differs, and the layer's.
+    """
+    key = ("layer_mask", bool(causal), window)
+    if plan._device_cache.get(key):
+        return
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a layer's sliding window must be a positive number of keys over a causal mask, got "
+                         f"window {window!r} with causal={causal}")
+    lengths = plan.seq_lengths.astype(np.int64)
+    if not causal:
+        expected = np.zeros_like(lengths)
+    else:
+        expected = lengths if window is None else np.minimum(lengths, window)
+    got = np.where(plan.seq_window >= lengths, lengths, plan.seq_window)  # a window past the document is causal
+    wrong = np.flatnonzero(got != expected)
+    if wrong.size:
+        seq = int(wrong[0])
+        name = "full" if not causal else ("causal" if window is None else f"sliding window {window}")
+        have = {0: "full"}.get(int(got[seq]), "causal" if got[seq] == lengths[seq] else f"window {int(got[seq])}")
+        raise ValueError(f"the layer's mask is {name} but the plan gives document {seq} ({int(lengths[seq])} "
+                         f"tokens) a {have} mask: compile the plan with the layer's mask (--mask), or run this "
+                         f"layer with another attention")
+    plan._device_cache[key] = True
 
 
 def _check_prefetched(prefetched: KVPrefetch, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group,

@@ -5,6 +5,8 @@ Reads the plan file with the format reader only (no compiler passes are imported
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +104,17 @@ class RankPlan:
     early_tiles: frozenset[int]  # stage-0 tiles whose tokens all stay on this rank (run during the reshuffle)
     program: RankProgram  # the decoded slice (what the call plan is read from)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # int64 [1] on the host: this plan's key in this process's table of live plans, which is how a compiled graph
+    # names the plan to fcp's custom op (a tensor, so a new plan each step is a new value, not a new graph).
+    handle: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "handle", _register(self))
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (from a DataLoader worker): registered in this process, under a handle of its own."""
+        self.__dict__.update(state)
+        object.__setattr__(self, "handle", _register(self))
 
     def check_batch(self, lengths, masks=None) -> None:
         """Refuse a plan compiled for another batch or other attention: the batch's lengths and each sequence's
@@ -152,6 +165,32 @@ class RankPlan:
         """The rows that stay on this rank (user-layout index, plan-layout index) on a device (cached)."""
         return self.cached(("self", device),
                            lambda: (self.self_user_rows.to(device), self.self_plan_rows.to(device)))
+
+
+_LIVE_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+
+
+def _register(entry) -> torch.Tensor:
+    """Enter a plan (or a call's binding) in the table of live ones; the entry leaves it when it is collected, so
+    nothing outlives the step that holds it."""
+    key = next(_NEXT_HANDLE)
+    _LIVE_PLANS[key] = entry
+    return torch.tensor([key], dtype=torch.int64)
+
+
+def registered(handle: torch.Tensor):
+    """The live plan (or binding) a handle names.
+
+    Raises:
+        ValueError: the handle names nothing alive (a plan from another process, or one already collected).
+    """
+    key = int(handle.reshape(-1)[0])
+    entry = _LIVE_PLANS.get(key)
+    if entry is None:
+        raise ValueError(f"plan handle {key} names no live plan in this process: pass the RankPlan itself, from "
+                         f"load_rank_plan or the collate, and keep it alive for the step")
+    return entry
 
 
 def _splits(peers: np.ndarray, lengths: np.ndarray, num_ranks: int) -> list[int]:
