@@ -1,0 +1,230 @@
+"""fcp as a Hugging Face transformers attention backend: ``attn_implementation="fcp"``.
+
+Importing this module registers ``"fcp"`` with transformers' ``AttentionInterface`` (transformers 5.x, the ``hf``
+extra). A step then runs as::
+
+    collate = HFPlanningCollate.for_model(model.config, mesh)      # in the DataLoader: plans in its workers
+    batch = next(loader)                                            # this rank's rows, [1, T], and its plan
+    loss = model(**batch, fcp_group=cp_group(mesh)).loss            # HF's own loss over the batch's label count
+
+The step's plan (``fcp_plan``) and context-parallel group (``fcp_group``: a process group or a DeviceMesh with a
+"cp" dimension) reach the attention function through the model call's keyword arguments, as transformers passes
+attention kwargs; nothing is kept between calls. Attention reads the rank's plan-layout rows in place: HF's
+[1, heads, T, dim] is viewed as [T, heads, dim], and the output [T, heads, dim] is returned as [1, T, heads, dim],
+with no copy.
+
+What overlaps: HF's attention modules project Q, K and V and rotate Q and K before they call the attention function,
+so no point remains where K,V pulls could leave before Q is projected: this backend posts no K,V prefetch, and
+:meth:`HFPlanningCollate.for_model` compiles plans with ``kv_prefetch=False`` so that their simulated time does not
+count an overlap that does not happen. Each pass's stages still overlap their messages with their tiles.
+
+The loss rule (one rule, for CP alone and for DP x CP): each rank's loss is the sum of its tokens' losses over the
+label count of the whole step (every data-parallel replica's documents), and the gradients are summed over every
+rank. :class:`HFPlanningCollate` gives ``num_items_in_batch`` for its replica's documents;
+:func:`step_label_count` sums it over the data-parallel ranks. With DDP over all the mesh's ranks (which averages
+over them), call backward on ``loss * world_size``; without DDP, :func:`sum_gradients` over the world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fcp_compiler.format.inputs import AttentionShape
+from fcp_runtime.attention import fcp_attn_func
+from fcp_runtime.loader import PlanningCollate
+
+ATTENTION_NAME = "fcp"
+IGNORE_INDEX = -100  # HF's cross-entropy ignore_index
+CP_DIM = "cp"
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def register() -> str:
+    """Register fcp with transformers' attention interface (idempotent; done on import); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, fcp_attention_forward)
+    return ATTENTION_NAME
+
+
+def cp_group(group_or_mesh):
+    """The context-parallel process group of a DeviceMesh (its "cp" dimension), or the group itself.
+
+    Raises:
+        ValueError: a mesh without a "cp" dimension.
+    """
+    if group_or_mesh is None or not hasattr(group_or_mesh, "mesh_dim_names"):
+        return group_or_mesh
+    names = group_or_mesh.mesh_dim_names or ()
+    if CP_DIM not in names:
+        raise ValueError(f"the device mesh has dimensions {tuple(names)}; fcp needs one named {CP_DIM!r} (e.g. "
+                         f"init_device_mesh(device, (dp, cp), mesh_dim_names=('dp', 'cp')))")
+    return group_or_mesh.get_group(CP_DIM)
+
+
+def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers' attention-function contract, over the step's plan.
+
+    Args:
+        module: the attention module (its `is_causal` and `sliding_window` are the layer's mask).
+        query: [1, q_heads, T, head_dim]; key, value: [1, kv_heads, T, head_dim] (GQA as HF gives it): this rank's
+            plan-layout rows.
+        attention_mask: must be None: the plan holds the documents (no attention mask is built for "fcp").
+        scaling: the softmax scale. dropout: must be 0.
+        kwargs: `fcp_plan` (this rank's RankPlan, from the collate) and `fcp_group` (the context-parallel group or
+            a DeviceMesh with a "cp" dimension; default the world); `sliding_window`, `softcap` and `s_aux` as
+            models pass them.
+    Returns:
+        (out [1, T, q_heads, head_dim], None).
+    Raises:
+        ValueError: no plan; softcap, attention sinks, dropout or an attention mask; a batch dimension other than
+            1; a layer mask the plan's documents do not have.
+    """
+    plan = kwargs.get("fcp_plan")
+    if plan is None:
+        raise ValueError("attn_implementation='fcp' needs the step's plan: call the model with fcp_plan=... (the "
+                         "HFPlanningCollate batch holds it) and fcp_group=...")
+    _refuse_unsupported(module, attention_mask, dropout, kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"fcp attention takes one packed row of this rank's tokens, batch size 1; got batch size "
+                         f"{query.shape[0]} (input_ids [1, T] from HFPlanningCollate)")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    mask = (bool(getattr(module, "is_causal", True)), window)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # views [T, heads, dim]
+    out = fcp_attn_func(q, k, v, plan, group=cp_group(kwargs.get("fcp_group")), softmax_scale=scaling, mask=mask)
+    return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(module, attention_mask, dropout: float, kwargs: dict) -> None:
+    """One line for each attention feature the plan cannot replay."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"fcp attention has no logit softcap (the model passes softcap={kwargs['softcap']!r}); "
+                         f"use another attn_implementation for this model")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise ValueError("fcp attention has no attention sinks (the model's attention has `sinks`); use another "
+                         "attn_implementation for this model")
+    if dropout:
+        raise ValueError(f"fcp attention has no attention dropout (got dropout={dropout!r}); set the config's "
+                         f"attention_dropout to 0")
+    if attention_mask is not None:
+        raise ValueError("fcp attention takes its documents from the plan, not from an attention mask; call the model "
+                         "without attention_mask (position_ids restart at 0 in each document)")
+
+
+def attention_shape(config, dtype: torch.dtype | str | None = None) -> AttentionShape:
+    """The attention shape a plan is compiled for, from a model's transformers config: query and KV heads, head
+    size, and the dtype of Q, K, V (`dtype`, a torch dtype or its name, else the config's).
+
+    Raises:
+        ValueError: a dtype the plan format has no name for.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    q_heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or q_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // q_heads)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype} has no plan dtype; valid: {', '.join(map(str, _DTYPES))}")
+    return AttentionShape(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_DTYPES[dtype])
+
+
+def _document(item, doc_idx: int) -> dict:
+    """One document as the fields the collate takes at its rows: input_ids and labels shifted inside it."""
+    item = item if isinstance(item, Mapping) else {"input_ids": item}
+    if "input_ids" not in item:
+        raise ValueError(f"document {doc_idx} has fields {sorted(item)}; it needs 'input_ids' (and may give "
+                         f"'labels', aligned with input_ids as HF takes them)")
+    ids = torch.as_tensor(item["input_ids"])
+    labels = torch.as_tensor(item.get("labels", ids))
+    if ids.dim() != 1 or labels.shape != ids.shape or ids.numel() == 0:
+        raise ValueError(f"document {doc_idx}: input_ids must be a non-empty 1-D tensor and labels its shape; got "
+                         f"{tuple(ids.shape)} and {tuple(labels.shape)}")
+    # Token t predicts token t + 1 of its own document; the last token predicts nothing. Shifted here, before the
+    # plan permutes the rows, no label crosses a document or a rank.
+    shifted = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)]).to(torch.int64)
+    document = {"input_ids": ids.to(torch.int64), "shift_labels": shifted}
+    if "mask" in item:
+        document["mask"] = item["mask"]
+    return document
+
+
+class HFPlanningCollate:
+    """A DataLoader collate_fn for a Hugging Face causal LM under fcp: compiles the step's plan (in the loader's
+    worker) and returns exactly the model call's keyword arguments for this rank.
+
+    Args:
+        rank, world_size: this rank in the context-parallel group, and the group's size.
+        layout: "plan" (default: dispatch once, the model runs on this rank's plan-layout rows and attention
+            moves only blocks) or "user" (the model runs on the rank's contiguous chunk of the concatenated batch,
+            and attention reshuffles Q, K, V in and the output back; eager only, not under torch.compile).
+        compile_options: forwarded to the compiler (block_size, coalesce, shape, model, profile, ...); :meth:`for_model` fills the attention shape from the model's config.
+
+    Each document is a 1-D tensor of token ids, or a dict with `input_ids`, optional `labels` (aligned with the ids,
+    as HF takes them; default the ids) and an optional `mask`. A call returns `input_ids`, `position_ids`, `labels`
+    and `shift_labels` as [1, T] in the layout (labels already shifted inside each document, so HF's loss
+    does not shift them again), `num_items_in_batch` (0-d int64: the labels of every document of the batch, not
+    only this rank's) and `fcp_plan` (this rank's plan).
+    """
+
+    def __init__(self, rank: int, world_size: int, layout: str = "plan", **compile_options):
+        self.planning = PlanningCollate(rank, world_size, layout=layout, **compile_options)
+
+    @classmethod
+    def for_model(cls, config, group_or_mesh=None, rank: int | None = None, world_size: int | None = None,
+                  dtype: torch.dtype | str | None = None, **compile_options) -> HFPlanningCollate:
+        """A collate for a model's config: its attention shape and dtype (`dtype` if the model was cast), no K,V prefetch (HF projects Q with K and
+        V), attention-only balance unless `model` is given; the rank and size from a DeviceMesh's "cp" dimension,
+        a process group, or given.
+
+        Raises:
+            ValueError: no way to tell the rank and group size, or a mesh without a "cp" dimension.
+        """
+        if rank is None or world_size is None:
+            group = cp_group(group_or_mesh)
+            if group is None and not dist.is_initialized():
+                raise ValueError("give rank and world_size, or a process group or DeviceMesh after "
+                                 "dist.init_process_group")
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        options = {"kv_prefetch": False, "model": "none", "shape": attention_shape(config, dtype), **compile_options}
+        return cls(rank, world_size, **options)
+
+    def __call__(self, documents: Sequence) -> dict:
+        documents = [_document(item, doc_idx) for doc_idx, item in enumerate(documents)]
+        batch = self.planning(documents)
+        shift_labels = batch["shift_labels"][None]
+        # Every rank compiles the whole batch, so every rank knows its label count without a collective.
+        num_items = sum(int((document["shift_labels"] != IGNORE_INDEX).sum()) for document in documents)
+        return {"input_ids": batch["input_ids"][None], "position_ids": batch["position_ids"][None],
+                "labels": shift_labels, "shift_labels": shift_labels,
+                "num_items_in_batch": torch.tensor(num_items, dtype=torch.int64), "fcp_plan": batch["plan"]}
+
+
+def step_label_count(num_items_in_batch: torch.Tensor, data_parallel_group) -> torch.Tensor:
+    """The step's label count over every data-parallel replica (the loss rule's denominator): the replicas' counts
+    summed over `data_parallel_group` (the mesh's "dp" group). Returns a new tensor."""
+    total = num_items_in_batch.clone()
+    dist.all_reduce(total, group=data_parallel_group)
+    return total
+
+
+def sum_gradients(model: torch.nn.Module, group=None) -> None:
+    """Sum every gradient over `group` (default the world) with one all-reduce of one flat buffer: the loss rule's
+    gradient without DDP."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+try:  # registered on import, as other attention backends register themselves
+    register()
+except ImportError:  # pragma: no cover - the hf extra is not installed; register() says so when called
+    pass

@@ -1,0 +1,237 @@
+"""The Hugging Face backend (fcp_runtime/hf.py): attn_implementation="fcp" trains a random transformers model on 4
+gloo ranks exactly as one rank does, and as HF's own attention does one document at a time; DP x CP under DDP;
+recomputed layers; the collate's rows, labels and counts; and every refusal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch.distributed as dist  # noqa: E402
+
+import fcp_runtime.hf as fcp_hf  # noqa: E402
+from hf_harness import IGNORE, Setup, documents, state_of, step_loss, train_fcp, train_reference  # noqa: E402
+from runtime_harness import run_ranks  # noqa: E402
+
+# fp64: N ranks replay one rank's arithmetic up to summation order; HF's attention, document by document, differs
+# only in how the packed and unpacked rows are reduced.
+FP64 = {"ranks_loss": 1e-12, "ranks_weights": 1e-10, "reference_loss": 1e-8, "reference_weights": 1e-5}
+# fp32: each step's loss is a sum of ~1.5K cross-entropies whose order differs between layouts (relative rounding
+# ~1e-7 each, growing as sqrt(n)); AdamW's update is lr * m / (sqrt(v) + eps), so a weight moves at most ~lr a step
+# and rounding in m and v moves it by about lr * 1e-6: 5 steps at lr 1e-3 bound the weight difference near 5e-8;
+# measured below 1e-6 (loss) and 1e-6 (weights), asserted at 1e-5 and 1e-5.
+FP32 = {"ranks_loss": 1e-5, "ranks_weights": 1e-5, "reference_loss": 1e-5, "reference_weights": 1e-5}
+
+
+def _worst_weight(got: dict, want: dict) -> float:
+    return max(float(np.max(np.abs(got[name] - want[name]))) for name in want)
+
+
+def _worst_loss(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def _assert_trains_alike(setup: Setup, bounds: dict) -> None:
+    four = run_ranks(4, lambda rank, world: train_fcp(setup), timeout=600)
+    one = run_ranks(1, lambda rank, world: train_fcp(setup), timeout=600)[0]
+    reference = train_reference(setup)
+    assert all(result["losses"] == four[0]["losses"] for result in four)  # every rank reports the step's loss
+    assert _worst_loss(four[0]["losses"], one["losses"]) <= bounds["ranks_loss"], (four[0]["losses"], one["losses"])
+    assert _worst_weight(four[0]["state"], one["state"]) <= bounds["ranks_weights"]
+    assert _worst_loss(four[0]["losses"], reference["losses"]) <= bounds["reference_loss"]
+    assert _worst_weight(four[0]["state"], reference["state"]) <= bounds["reference_weights"]
+    # Training moved the weights far beyond the bounds: equality is not that of an untrained model.
+    assert _worst_weight(four[0]["state"], state_of(setup.model("sdpa")[0])) > 100 * bounds["reference_weights"]
+
+
+@pytest.mark.parametrize("arch,layout", [("llama", "plan"), ("llama", "user"), ("qwen2", "plan"),
+                                         ("qwen2", "user")])
+def test_fp64_training_on_4_ranks_equals_one_rank_and_hf_attention(arch, layout):
+    _assert_trains_alike(Setup(arch=arch, layout=layout), FP64)
+
+
+def test_fp32_training_through_hfs_own_loss_equals_one_rank_and_hf_attention():
+    _assert_trains_alike(Setup(dtype=torch.float32, hf_loss=True), FP32)
+
+
+def test_dp_by_cp_under_ddp_equals_one_process_on_the_whole_step():
+    setup = Setup()
+
+    def task(rank, world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        data_parallel = (mesh.get_local_rank("dp"), 2, mesh.get_group("dp"))
+        return train_fcp(setup, mesh, data_parallel=data_parallel, ddp=True)
+
+    results = run_ranks(4, task, timeout=600)
+    reference = train_reference(setup)
+    assert _worst_loss(results[0]["losses"], reference["losses"]) <= FP64["reference_loss"]
+    for result in results:  # DDP keeps every replica's weights equal, and equal to one process's
+        assert _worst_weight(result["state"], reference["state"]) <= FP64["reference_weights"]
+
+
+def _first_step_gradients(setup: Setup):
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model.config, None, block_size=setup.block_size,
+                                                     dtype=setup.dtype)
+        batch = collate(documents(setup, 0))
+        step_loss(setup, model, batch, None).backward()
+        fcp_hf.sum_gradients(model)
+        return {name: p.grad.detach().numpy().copy() for name, p in model.named_parameters()}
+    return run_ranks(2, task, timeout=300)[0]
+
+
+def test_recomputed_layers_give_the_gradients_of_unchecked_ones():
+    plain = _first_step_gradients(Setup(dtype=torch.float32))
+    recomputed = _first_step_gradients(Setup(dtype=torch.float32, checkpointing=True))
+    assert max(float(np.max(np.abs(recomputed[name] - plain[name]))) for name in plain) <= 1e-6
+    assert max(float(np.max(np.abs(g))) for g in plain.values()) > 1e-3
+
+
+# --- the collate ---------------------------------------------------------------------------------------------------
+
+
+def _collate_both_ranks(docs, **options):
+    collates = [fcp_hf.HFPlanningCollate(rank, 2, block_size=64, shape=fcp_hf.attention_shape(_config()),
+                                         model="none", **options) for rank in range(2)]
+    return [collate(docs) for collate in collates]
+
+
+def _config():
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_the_collate_gives_each_rank_its_rows_with_labels_shifted_inside_each_document(layout):
+    starts = (1000, 2000, 3000, 4000)  # a token's document is its id less its position
+    docs = [{"input_ids": torch.arange(s, s + n), "labels": torch.arange(s, s + n)}
+            for s, n in zip(starts, (170, 5, 1, 90))]
+    docs[1]["labels"] = torch.tensor([-100, -100, 7, 8, 9])  # a prompt masked out of the loss
+    batches = _collate_both_ranks(docs, layout=layout)
+    ids = torch.cat([b["input_ids"][0] for b in batches])
+    labels = torch.cat([b["labels"][0] for b in batches])
+    positions = torch.cat([b["position_ids"][0] for b in batches])
+    assert sorted(ids.tolist()) == sorted(torch.cat([d["input_ids"] for d in docs]).tolist())
+    assert all(b["input_ids"].shape[1] > 0 for b in batches)  # every rank gets work
+    expected = {}  # (document start id, position) -> the label of the next token of the same document, or none
+    for doc in docs:
+        doc_labels = doc["labels"].tolist()
+        for position in range(len(doc_labels)):
+            expected[(int(doc["input_ids"][0]), position)] = doc_labels[position + 1] \
+                if position + 1 < len(doc_labels) else IGNORE
+    for token, position, label in zip(ids.tolist(), positions.tolist(), labels.tolist()):
+        assert expected[(token - position, position)] == label
+    want = sum(1 for label in expected.values() if label != IGNORE)
+    assert all(int(b["num_items_in_batch"]) == want for b in batches)
+    assert all(b["input_ids"].shape == b["position_ids"].shape == b["labels"].shape for b in batches)
+    assert set(batches[0]) == {"input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch",
+                               "fcp_plan"}
+
+
+def test_the_plan_is_compiled_for_the_models_attention_shape():
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=24)
+    collate = fcp_hf.HFPlanningCollate.for_model(config, None, rank=0, world_size=2, block_size=64,
+                                                 dtype=torch.bfloat16)
+    plan = collate([torch.arange(150), torch.arange(90)])["fcp_plan"]
+    assert (plan.q_heads, plan.kv_heads, plan.head_dim) == (6, 2, 24)
+    assert collate.planning.compile_options["shape"].dtype.value == "bf16"
+    assert collate.planning.compile_options["kv_prefetch"] is False
+
+
+# --- refusals ------------------------------------------------------------------------------------------------------
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+    sliding_window = None
+
+
+def _plan(masks=None, world=1):
+    batch = {"documents": [torch.arange(140), torch.arange(90)]}
+    docs = [{"input_ids": d, **({"mask": m} if m else {})} for d, m in zip(batch["documents"], masks or [None] * 2)]
+    collate = fcp_hf.HFPlanningCollate(0, world, block_size=64, shape=fcp_hf.attention_shape(_config()),
+                                       model="none")
+    return collate(docs)["fcp_plan"]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(softcap=30.0), "softcap"), (dict(s_aux=torch.zeros(4)), "sinks"), (dict(dropout=0.1), "dropout"),
+    (dict(attention_mask=torch.ones(1, 1, 64, 64)), "attention mask"), (dict(fcp_plan=None), "fcp_plan"),
+    (dict(sliding_window=8), "sliding window 8"), (dict(batch=2), "batch size 2")])
+def test_an_attention_feature_the_plan_cannot_replay_is_refused_in_one_line(change, message):
+    def task(rank, world):
+        plan = _plan()
+        kwargs = {"attention_mask": None, "dropout": 0.0, "fcp_plan": plan, **change}
+        batch = kwargs.pop("batch", 1)
+        query = torch.randn(batch, 4, plan.plan_tokens, 8)
+        key = torch.randn(batch, 2, plan.plan_tokens, 8)
+        attention_mask, dropout = kwargs.pop("attention_mask"), kwargs.pop("dropout")
+        with pytest.raises(ValueError, match=message) as caught:
+            fcp_hf.fcp_attention_forward(_Module(), query, key, key.clone(), attention_mask, dropout=dropout,
+                                         **kwargs)
+        return str(caught.value)
+
+    (error,) = run_ranks(1, task)
+    assert "\n" not in error
+
+
+def test_a_window_layer_runs_on_a_plan_whose_documents_have_that_window():
+    window = {"kind": "sliding_window", "window": 8}
+
+    def task(rank, world):
+        plan = _plan([window, window])
+        module = _Module()
+        query, key = torch.randn(1, 4, plan.plan_tokens, 8), torch.randn(1, 2, plan.plan_tokens, 8)
+        out, _ = fcp_hf.fcp_attention_forward(module, query, key, key, None, sliding_window=8, fcp_plan=plan)
+        with pytest.raises(ValueError, match="the layer's mask is causal but the plan gives document 0"):
+            fcp_hf.fcp_attention_forward(module, query, key, key, None, fcp_plan=plan)
+        return tuple(out.shape)
+
+    (shape,) = run_ranks(1, task)
+    assert shape[0] == 1 and shape[2:] == (4, 8)
+
+
+def test_a_mesh_without_a_cp_dimension_is_refused():
+    class Mesh:
+        mesh_dim_names = ("dp", "tp")
+
+    with pytest.raises(ValueError, match=r"dimensions \('dp', 'tp'\); fcp needs one named 'cp'"):
+        fcp_hf.cp_group(Mesh())
+
+
+def test_importing_the_backend_registers_fcp_with_transformers():
+    from transformers import AttentionInterface
+
+    assert AttentionInterface._global_mapping[fcp_hf.ATTENTION_NAME] is fcp_hf.fcp_attention_forward
+
+
+def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
+    def task(rank, world):
+        plan = _plan()
+        query = torch.randn(1, plan.plan_tokens, 4, 8).transpose(1, 2)  # as HF gives it: a view of [1, T, H, D]
+        key = torch.randn(1, plan.plan_tokens, 2, 8).transpose(1, 2)
+        seen = {}
+        real = fcp_hf.fcp_attn_func
+
+        def spy(q, k, v, *args, **kwargs):
+            seen["q_shares_storage"] = q.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
+            seen["out"] = real(q, k, v, *args, **kwargs)
+            return seen["out"]
+
+        fcp_hf.fcp_attn_func = spy
+        try:
+            out, _ = fcp_hf.fcp_attention_forward(_Module(), query, key, key, None, fcp_plan=plan)
+        finally:
+            fcp_hf.fcp_attn_func = real
+        return seen["q_shares_storage"], out.untyped_storage().data_ptr() == seen["out"].untyped_storage().data_ptr()
+
+    assert run_ranks(1, task) == [(True, True)]
