@@ -784,7 +784,7 @@ def _group_of(name: str):
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, group_name: str,
                   scale: float, causal: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     plan, group = registered(handle), _group_of(group_name)
-    _check_call(q, k, v, plan, group, "plan", None if causal < 0 else (bool(causal), window))
+    _check_call(q, k, v, plan, group, "plan", None if causal < 0 else (bool(causal), window or None))
     out, saved, _ = _attention_forward(q, k, v, plan, group, scale, "plan", None, None)
     return out, saved[4]
 

@@ -56,7 +56,9 @@ def cp_group(group_or_mesh):
     Raises:
         ValueError: a mesh without a "cp" dimension.
     """
-    if group_or_mesh is None or not hasattr(group_or_mesh, "mesh_dim_names"):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(group_or_mesh, DeviceMesh):
         return group_or_mesh
     names = group_or_mesh.mesh_dim_names or ()
     if CP_DIM not in names:

@@ -201,11 +201,14 @@ def test_a_window_layer_runs_on_a_plan_whose_documents_have_that_window():
 
 
 def test_a_mesh_without_a_cp_dimension_is_refused():
-    class Mesh:
-        mesh_dim_names = ("dp", "tp")
+    def task(rank, world):
+        from torch.distributed.device_mesh import init_device_mesh
 
-    with pytest.raises(ValueError, match=r"dimensions \('dp', 'tp'\); fcp needs one named 'cp'"):
-        fcp_hf.cp_group(Mesh())
+        with pytest.raises(ValueError, match=r"dimensions \('dp', 'tp'\); fcp needs one named 'cp'"):
+            fcp_hf.cp_group(init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")))
+        return True
+
+    assert run_ranks(2, task) == [True, True]
 
 
 def test_importing_the_backend_registers_fcp_with_transformers():
@@ -235,3 +238,46 @@ def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
         return seen["q_shares_storage"], out.untyped_storage().data_ptr() == seen["out"].untyped_storage().data_ptr()
 
     assert run_ranks(1, task) == [(True, True)]
+
+
+# --- torch.compile -------------------------------------------------------------------------------------------------
+
+
+def test_a_compiled_model_equals_eager_with_no_graph_break_and_no_recompile_over_new_plans():
+    import torch._dynamo as dynamo
+
+    setup = Setup(dtype=torch.float32, num_layers=2)
+
+    def task(rank, world):
+        group = dist.new_group([0, 1])  # a group of its own, named to the op by its group_name
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        eager, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model.config, group, block_size=64, dtype=setup.dtype)
+        dynamo.reset()
+        dynamo.utils.counters.clear()
+        compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+        rows = []
+        for step in range(3):  # a new batch, so a new plan and new row counts, every step
+            batch = collate(documents(setup, step))
+            compiled_loss = step_loss(setup, compiled, batch, group)
+            compiled_loss.backward()
+            eager_loss = step_loss(setup, eager, batch, group)
+            eager_loss.backward()
+            worst = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), eager.parameters()))
+            rows.append((float(compiled_loss.detach()), float(eager_loss.detach()), worst,
+                         int(batch["input_ids"].shape[1])))
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+        counters = {name: sum(dynamo.utils.counters[name].values()) for name in ("graph_break", "recompiles")}
+        counters.update(frames=dynamo.utils.counters["frames"]["total"],
+                        graphs=dynamo.utils.counters["stats"]["unique_graphs"])
+        explained = dynamo.explain(model)(**{k: v for k, v in batch.items() if "labels" not in k}, fcp_group=group)
+        counters.update(explain_graphs=explained.graph_count, explain_breaks=explained.graph_break_count)
+        return rows, counters
+
+    for rows, counters in run_ranks(2, task, timeout=600):
+        assert len({tokens for *_, tokens in rows}) > 1  # the plans changed the shapes too
+        for compiled_loss, eager_loss, worst, _ in rows:
+            assert abs(compiled_loss - eager_loss) <= 1e-6 * abs(eager_loss) and worst <= 1e-6
+        assert counters == {"graph_break": 0, "recompiles": 0, "frames": 1, "graphs": 1, "explain_graphs": 1,
+                            "explain_breaks": 0}, counters
