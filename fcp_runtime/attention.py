@@ -111,6 +111,9 @@ class _Executor:
         self.device, self.dtype = device, dtype
         self.acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         self.kernels = kernels if kernels is not None else default_kernels(device, plan.has_windows)
+        if plan.has_windows and not getattr(self.kernels, "takes_windows", True):
+            raise ValueError(f"the {getattr(self.kernels, 'name', 'given')} kernels have no sliding window, and the "
+                             f"plan gives some documents one; run it with the exact or the flash-attn kernels")
         # A range kernel reads keys in place: pulls are received into arenas, calls are ranges over them.
         self.ranges = bool(getattr(self.kernels, "ranges", False))
         self.live_tokens = 0  # received buffers under the plan's liveness rule (logged by recording())

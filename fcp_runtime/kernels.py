@@ -254,19 +254,14 @@ class FlexFlashAttnKernels:
 
         return cls(_flex_flash_attn_forward, _flex_flash_attn_backward)
 
+    takes_windows = False  # FFA has attention types full and causal only; the executor refuses a windowed plan
+
     @staticmethod
     def attention_types(masks: torch.Tensor) -> torch.Tensor:
-        """FFA's attn_type_map of the masks: 0 full, 1 causal.
-
-        Raises:
-            ValueError: a sliding window, which FFA has no type for.
-        """
-        full = (masks[:, 0] == -1) & (masks[:, 1] == -1)
-        causal = (masks[:, 0] == -1) & (masks[:, 1] == 0)
-        if not bool((full | causal).all()):
-            raise ValueError("FFA has no attention type for a sliding window; run plans with windows with the "
-                             "exact or the flash-attn kernels")
-        return causal.to(torch.int32)
+        """FFA's attn_type_map of the masks: 0 full, 1 causal. The masks hold no sliding window: the executor
+        refuses a plan with windows for this backend before any call (on the host, from the plan), so nothing here
+        reads the device tensor back."""
+        return (masks[:, 1] == 0).to(torch.int32)
 
     def forward(self, q, k, v, q_ranges, k_ranges, masks, max_q: int, max_k: int, scale: float, out,
                 lse) -> None:  # pragma: no cover - needs a GPU
