@@ -309,7 +309,13 @@ class KVPrefetch:
         """x itself, with a hook: when its gradient is computed (give the layer's output: its backward then
         starts), the backward's stage-0 K,V pulls of this attention call are posted, so that they cross while the
         layer's MLP and O projection run backward. K and V are the forward's, so nothing they carry is computed in
-        between. Not for a layer whose forward is recomputed in the backward (activation checkpointing).
+        between.
+
+        Under activation checkpointing (non-reentrant torch.utils.checkpoint, HF's gradient_checkpointing_enable)
+        the layer's forward runs again inside the backward, with a new attention call whose backward would not
+        know these pulls: so while saved-tensor hooks are active (a checkpointed forward, its recomputation, or
+        any other such hook) no hook is added, and the backward posts its first stage with the rest. Every rank
+        decides alike, so nothing is left unmatched; the forward's prefetch still works, in both runs.
 
         Raises:
             ValueError: before fcp_attn_func has consumed this prefetch.
@@ -317,8 +323,8 @@ class KVPrefetch:
         if self.executor is None:
             raise ValueError("backward_starts_at: call fcp_attn_func with this prefetch first (the backward's pulls "
                              "are that call's)")
-        if x.requires_grad:  # a tensor hook, not an op: x stays the same tensor (in-place updates allowed)
-            x.register_hook(self._on_gradient)
+        if x.requires_grad and not _saved_tensor_hooks_active():
+            x.register_hook(self._on_gradient)  # a tensor hook, not an op: x stays the same tensor
         return x
 
     def _on_gradient(self, grad: torch.Tensor) -> None:
@@ -332,6 +338,11 @@ class KVPrefetch:
         k, v = self.saved_kv
         self.backward = _post_first(executor, _BackwardPass(executor, None, k.shape[1]),
                                     self.plan.backward, k, v)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks wrap the running forward: a checkpointed layer (first run or recomputation)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tensor, v: torch.Tensor) -> _Posted:

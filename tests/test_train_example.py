@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fcp_runtime import recording  # noqa: E402
 from runtime_harness import run_ranks  # noqa: E402
 
 _PATH = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_llama.py"
@@ -123,3 +124,57 @@ def test_the_example_ends_with_a_verdict_line(capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: MATCH: 2 steps")
     assert not example._print_table(fcp, {"losses": [5.0, 4.1]})
     assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: MISMATCH")
+
+
+class _Recomputed(torch.nn.Module):
+    """A block whose forward runs again in the backward (non-reentrant activation checkpointing)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, position_ids, attend):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, position_ids, attend, use_reentrant=False)
+
+
+def _gradients(recompute: bool, prefetch: bool) -> dict:
+    config = example.Config(num_layers=3)
+
+    def task(rank, world):
+        model, _ = example.build(config, torch.device("cpu"))
+        if recompute:
+            model.blocks = torch.nn.ModuleList(_Recomputed(block) for block in model.blocks)
+        collate = example.PlanningCollate(rank, world, block_size=config.block_size)
+        batch = collate(example.documents(config, 0))
+        if prefetch:  # K,V prefetch forward (prefetch_kv) and backward (backward_starts_at)
+            attend = example.FcpAttention(batch["plan"], None)
+        else:
+            attend = lambda q, k, v: example.fcp_attn_func(q, k, v, batch["plan"])  # noqa: E731
+        count = torch.tensor(float(sum((doc["labels"] != example.IGNORE).sum() for doc in
+                                       example.documents(config, 0))))
+        with recording() as events:
+            logits = model(batch["tokens"], batch["position_ids"], attend)
+            example.rank_loss(logits, batch["labels"], count, None).backward()
+        example.sum_gradients(model, None)
+        grads = {name.replace("block.", ""): p.grad.numpy().copy() for name, p in model.named_parameters()}
+        prefetches = {name: sum(1 for e in events if e[:2] == ("prefetch", name)) for name in ("fwd", "bwd")}
+        return grads, prefetches
+
+    return run_ranks(2, task, timeout=300)[0]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_recomputed_layers_give_the_unchecked_gradients_with_and_without_prefetch(prefetch):
+    """Under recomputation the forward's prefetch runs in both forwards; the backward's early pulls are skipped
+    (posted once, with the rest of their stage), never posted for an attention call that will not take them."""
+    plain, plain_prefetches = _gradients(recompute=False, prefetch=prefetch)
+    recomputed, recomputed_prefetches = _gradients(recompute=True, prefetch=prefetch)
+    layers = 3 if prefetch else 0
+    assert plain_prefetches == {"fwd": layers, "bwd": layers}
+    assert recomputed_prefetches == {"fwd": 2 * layers, "bwd": 0}
+    assert set(plain) == set(recomputed)
+    for name, grad in plain.items():
+        np.testing.assert_allclose(recomputed[name], grad, rtol=0, atol=1e-6, err_msg=name)
+    assert max(float(np.abs(g).max()) for g in plain.values()) > 1e-3
