@@ -133,8 +133,9 @@ def test_the_ffa_adapter_passes_ranges_types_and_accumulators_in_ffas_order():
     assert calls == ["fwd", "bwd"]
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="sliding window"):
-        ffa.forward(q, k, v, *_tensors([((0, 5), (0, 5), (2, 0))]), 5, 5, SCALE, out, lse)
+    # FFA has no window type: a windowed plan is refused by the executor from the host plan, before any call
+    # (tests/test_runtime_syncs.py), so the adapter reads nothing back from the device to check.
+    assert ffa.takes_windows is False
 
 
 def test_the_ffa_adapter_refuses_functions_with_other_arguments():
