@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from fcp_compiler.tools.traces import empirical_batch, read_lengths_file  # noqa: E402
 from fcp_runtime import fcp_attn_func, prefetch_kv  # noqa: E402
+from fcp_runtime.hf import sum_gradients  # noqa: E402,F401  (the loss rule's gradient sum, shared)
 from fcp_runtime.loader import PlanningCollate  # noqa: E402
 
 IGNORE = -100  # cross-entropy's ignore_index: the last token of a document predicts nothing
@@ -233,17 +234,6 @@ def rank_loss(logits: torch.Tensor, labels: torch.Tensor, num_batch_labels: torc
     """This rank's share of the batch's mean loss: its tokens' summed loss over the whole batch's label count, so
     that the ranks' shares (and their gradients) sum to the single-process loss however many tokens each holds."""
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum") / num_batch_labels
-
-
-def sum_gradients(model: nn.Module, group) -> None:
-    """Sum the ranks' gradients with one all-reduce of one flat buffer."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
 
 
 # --------------------------------------------------------------------------------------------- training with fcp
