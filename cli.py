@@ -475,13 +475,16 @@ def diff_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the diff as JSON [not written]"),
     fail_on: Optional[str] = typer.Option(None, "--fail-on", help="change or regression: exit 1 when it holds "
                                                                       "[never: exit 0]"),
-    tolerance: float = typer.Option(0.0, "--tolerance", help="relative worsening allowed before a regression",
-                                    parser=_finite_float),
+    tolerance: float = typer.Option(0.005, "--tolerance", help="relative growth of a pass's simulated layer time "
+                                    "allowed before it is a regression [0.005: 0.5%]", parser=_finite_float),
 ) -> None:
-    """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated MFU."""
+    """Semantic diff of two plans: parameters, inputs, moved blocks, rounds, balance, traffic, simulated time.
+
+    A regression is a pass's simulated layer time grown by more than --tolerance, device memory that crossed the
+    budget, or a plan B that no longer validates; every other figure is reported as a change."""
     from fcp_compiler.format.plan_format import PlanReader
-    from fcp_compiler.format.validate import validate_plan
-    from fcp_compiler.tools.diff import diff_plans
+    from fcp_compiler.format.validate import PlanInvalidError, validate_plan
+    from fcp_compiler.tools.diff import diff_plans, invalid_after
     from fcp_compiler.tools.report import diff_summary
 
     if fail_on not in (None, "change", "regression"):
@@ -490,9 +493,14 @@ def diff_command(
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
     readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
-    for reader in readers:  # the diff simulates both: each must keep the invariants the simulator trusts
-        validate_plan(reader, background=True)
-    result = diff_plans(*readers, tolerance)
+    # The diff simulates both: each must keep the invariants the simulator trusts. A that does not validate is an
+    # error; B that stopped validating is the diff's answer.
+    validate_plan(readers[0], background=True)
+    try:
+        validate_plan(readers[1], background=True)
+        result = diff_plans(*readers, tolerance)
+    except PlanInvalidError as error:
+        result = invalid_after(readers[0], error)
     if json_out:
         _write_json(json_out, result)
     typer.echo(diff_summary(result, plan_a, plan_b))

@@ -44,26 +44,67 @@ def test_another_block_size_is_a_change_naming_parameters_and_figures(plans, tmp
     assert result["inputs"]
 
 
-def test_a_worse_imbalance_is_a_regression(plans, tmp_path):
-    out = tmp_path / "d.json"
-    assert main(["diff", str(plans["base"]), str(plans["magi"]), "--fail-on", "regression", "--json", str(out)]) == 1
-    result = json.loads(out.read_text())
-    assert "comm_imbalance" in result["regressions"] and "compute_imbalance" in result["regressions"]
-    # The other way round nothing got worse in balance, and a large tolerance accepts the rest.
-    assert main(["diff", str(plans["magi"]), str(plans["base"]), "--fail-on", "regression", "--tolerance",
-                 "100"]) == 0
+def _diff(a, b, out, *extra) -> tuple[int, dict]:
+    code = main(["diff", str(a), str(b), "--fail-on", "regression", "--json", str(out), *extra])
+    return code, json.loads(out.read_text())
 
 
-def test_a_larger_layer_gap_is_a_regression(plans, tmp_path):
+def test_a_regression_is_slower_layer_time_in_exactly_one_direction(plans, tmp_path):
+    """4096 against 2048 differ in balance, rounds and bytes both ways; only the slower plan's side regresses."""
     out = tmp_path / "d.json"
-    assert main(["diff", str(plans["base"]), str(plans["stages"]), "--fail-on", "regression", "--json", str(out)]) == 1
+    forward_code, forward = _diff(plans["base"], plans["block"], out)
+    backward_code, backward = _diff(plans["block"], plans["base"], out)
+    assert sorted((forward_code, backward_code)) == [0, 1]
+    slower = forward if forward_code else backward
+    assert set(slower["regressions"]) <= {"layer_makespan_fwd_s", "layer_makespan_bwd_s"} and slower["regressions"]
+    for name, change in slower["regressions"].items():
+        assert change["b"] > change["a"] * 1.005
+    faster = backward if forward_code else forward
+    assert not faster["regressions"]
+    # Proxies changed both ways, and neither direction calls them regressions.
+    assert {"compute_imbalance", "num_rounds"} <= set(faster["figures"]) & set(slower["figures"])
+
+
+def test_the_tolerance_is_on_layer_time(plans, tmp_path):
+    out = tmp_path / "d.json"
+    code, result = _diff(plans["base"], plans["stages"], out)  # 8x the stages: more exposed traffic, slower
+    assert code == 1 and set(result["regressions"]) <= {"layer_makespan_fwd_s", "layer_makespan_bwd_s"}
+    worst = max(change["relative_change"] for change in result["regressions"].values())
+    assert _diff(plans["base"], plans["stages"], out, "--tolerance", str(worst * 1.01))[0] == 0
+    assert _diff(plans["base"], plans["stages"], out, "--tolerance", str(worst * 0.99))[0] == 1
+
+
+def test_no_percentage_from_a_zero_base(plans, tmp_path, capsys):
+    """Node fan-out off at 64 GPUs vs on: a figure that was 0 gets no relative change, and none is printed."""
+    out = tmp_path / "d.json"
+    main(["diff", str(plans["base"]), str(plans["magi"]), "--json", str(out)])
     result = json.loads(out.read_text())
-    assert {"layer_gap_fwd", "layer_gap_bwd"} <= set(result["regressions"])
-    assert result["regressions"]["layer_gap_fwd"]["b"] > result["regressions"]["layer_gap_fwd"]["a"] >= 1.0
-    out.unlink()
-    # The other way round the gap shrinks (other figures may still regress: the exit code is not the point).
-    main(["diff", str(plans["stages"]), str(plans["base"]), "--fail-on", "regression", "--json", str(out)])
-    assert not {"layer_gap_fwd", "layer_gap_bwd"} & set(json.loads(out.read_text())["regressions"])
+    for name, change in result["figures"].items():
+        if isinstance(change["a"], (int, float)) and change["a"] == 0:
+            assert "relative_change" not in change, name
+        elif isinstance(change["a"], (int, float)) and not isinstance(change["a"], bool):
+            assert change["relative_change"] == pytest.approx((change["b"] - change["a"]) / abs(change["a"]))
+    printed = capsys.readouterr().out
+    assert not re.search(r"\d{6,}\.\d%", printed)  # no absurd percentages anywhere
+
+
+def test_memory_over_the_budget_and_an_invalid_b_are_regressions(tmp_path):
+    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.tools.diff import _regressions, invalid_after
+
+    figures = {"layer_makespan_fwd_s": 1.0, "layer_makespan_bwd_s": 2.0, "max_buffer_bytes_fwd": 90,
+               "max_buffer_bytes_bwd": 100}
+    over = figures | {"max_buffer_bytes_bwd": 101}
+    assert set(_regressions(figures, over, 100, 0.005)) == {"max_buffer_bytes_bwd"}
+    assert not _regressions(figures, over, None, 0.005) and not _regressions(over, over, 100, 0.005)
+    assert set(_regressions(figures, figures | {"layer_makespan_bwd_s": 2.011}, None, 0.005)) == {
+        "layer_makespan_bwd_s"}
+    assert not _regressions(figures, figures | {"layer_makespan_bwd_s": 2.009}, None, 0.005)
+    # B that does not validate: the CLI's answer (exit 1), not an error.
+    plan = tmp_path / "p.fcp"
+    compile_plan([300, 200], 2, block_size=64).write(plan)
+    result = invalid_after(PlanReader(str(plan)), ValueError("rank 1's fwd peaks at 9 bytes"))
+    assert result["regressed"] and "validation" in result["regressions"]
 
 
 def test_bad_input_exits_two(plans, tmp_path):
@@ -75,8 +116,10 @@ def test_the_diff_ends_with_one_verdict_line(plans, capsys):
     main(["diff", str(plans["base"]), str(plans["stages"])])
     last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
     # The worst regression by relative change, with its figures, and how many more regressed.
-    assert re.fullmatch(r"regression: \w+ \S+ -> \S+ \([+-]\d+\.\d%\)(, \d+ more)?", last), last
+    assert re.fullmatch(r"regression: layer_makespan_(fwd|bwd)_s \S+ -> \S+ \(\+\d+\.\d%\)(, 1 more)?", last), last
     main(["diff", str(plans["base"]), str(plans["base"])])
     assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == "no change"
-    main(["diff", str(plans["magi"]), str(plans["base"]), "--tolerance", "100"])
-    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1].startswith("changed, no regression")
+    main(["diff", str(plans["base"]), str(plans["stages"]), "--tolerance", "100"])
+    last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    assert re.fullmatch(r"changed, no regression \(\d+ figures differ; layer time fwd \+\d+\.\d%, bwd \+\d+\.\d%\)",
+                        last), last

@@ -9,12 +9,11 @@ from fcp_compiler.core.layer_model import LSE_BYTES
 from fcp_compiler.format.plan_format import PlanReader
 from fcp_compiler.format.stacked import stack_reader
 
-# Quality figures and whether a higher value is worse.
-QUALITY = {"compute_imbalance": True, "comm_imbalance": True, "makespan_lower_bound_ratio": True,
-           "max_rank_recv_bytes": True, "num_rounds": True, "num_bwd_rounds": True, "max_buffer_tokens": True,
-           "nic_bytes": True, "max_rank_nic_send_bytes": True, "max_rank_nic_recv_bytes": True,
-           "normalized_mfu_fwd": False, "normalized_mfu_bwd": False, "layer_gap_fwd": True, "layer_gap_bwd": True,
-           "max_buffer_bytes_fwd": True, "max_buffer_bytes_bwd": True}
+# What a regression is judged by: the simulated layer time of each pass (docs/USAGE.md, "fcp diff"). Every other
+# figure is a proxy (balance, rounds, bytes) and is reported as a change: a proxy may improve while the time gets worse.
+TIME_FIGURES = ("layer_makespan_fwd_s", "layer_makespan_bwd_s")
+DEFAULT_TOLERANCE = 0.005  # simulated layer time may grow by 0.5% before it is a regression
+MEMORY_FIGURES = ("max_buffer_bytes_fwd", "max_buffer_bytes_bwd")
 PARAMETERS = ("planner", "num_ranks", "block_size", "coalesce", "token_cap", "zigzag", "layout", "mask",
               "num_sequences", "total_tokens", "num_blocks", "shape", "profile", "pipelined", "rounds_kind",
               "reshuffle_overlap", "kv_prefetch", "format_version", "model", "memory_budget_bytes")
@@ -69,17 +68,19 @@ def plan_figures(reader: PlanReader, simulate: bool = True) -> dict:
     return figures
 
 
-def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int = 8) -> dict:
+def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = DEFAULT_TOLERANCE, sample: int = 8) -> dict:
     """What differs between plan a (before) and plan b (after).
 
     Args:
         a, b: the two plans.
-        tolerance: relative change of a quality figure below which it is not a regression.
+        tolerance: relative growth of a pass's simulated layer time (layer_makespan_fwd_s, _bwd_s) allowed before
+            it is a regression.
         sample: how many moved blocks to list.
     Returns:
         {"identical", "changed", "regressed", "parameters", "inputs", "blocks", "windows" (sequences whose mask
-        window differs), "programs" (ranks whose program arrays differ, with the arrays), "figures",
-        "regressions"}.
+        window differs), "programs" (ranks whose program arrays differ, with the arrays), "figures" (each changed
+        figure's a, b and, from a non-zero a, its relative_change), "regressions" (a pass's layer time grown by
+        more than `tolerance`, or device memory that crossed the budget: a, b and relative_change or budget)}.
     """
     ha, hb = a.header, b.header
     parameters = {}
@@ -109,16 +110,8 @@ def diff_plans(a: PlanReader, b: PlanReader, tolerance: float = 0.0, sample: int
     elif not same_blocks:
         blocks = {"resharded": True, "a_blocks": ha.num_blocks, "b_blocks": hb.num_blocks}
     fa, fb = plan_figures(a), plan_figures(b)
-    figures, regressions = {}, {}
-    for name in fa:
-        if fa[name] != fb[name]:
-            figures[name] = {"a": fa[name], "b": fb[name]}
-        if name in QUALITY:
-            worse_if_higher = QUALITY[name]
-            scale = max(abs(fa[name]), 1e-12)
-            change = (fb[name] - fa[name]) / scale
-            if (change > tolerance) if worse_if_higher else (-change > tolerance):
-                regressions[name] = {"a": fa[name], "b": fb[name], "relative_change": change}
+    figures = {name: _change(fa[name], fb[name]) for name in fa if fa[name] != fb[name]}
+    regressions = _regressions(fa, fb, ha.memory_budget_bytes or hb.memory_budget_bytes, tolerance)
     programs = _program_changes(a, b, sample)
     windows = {}
     if ta.seq_window.shape == tb.seq_window.shape and not np.array_equal(ta.seq_window, tb.seq_window):
@@ -142,3 +135,33 @@ def _program_changes(a: PlanReader, b: PlanReader, sample: int) -> dict:
         if names:
             differing.append({"rank": pa.rank, "arrays": names})
     return {"ranks": len(differing), "of": a.header.num_ranks, "sample": differing[:sample]} if differing else {}
+
+
+def _change(before, after) -> dict:
+    """A changed figure: both values, and the relative change where it has a base (none from zero)."""
+    change = {"a": before, "b": after}
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)) and before != 0:
+        change["relative_change"] = (after - before) / abs(before)
+    return change
+
+
+def _regressions(fa: dict, fb: dict, budget: int | None, tolerance: float) -> dict:
+    """The figures by which plan b is worse than a: a pass's simulated layer time grown by more than `tolerance`
+    (relative), or a pass's device memory over the memory budget where a's was within it."""
+    regressions = {}
+    for name in TIME_FIGURES:
+        if fa[name] > 0 and (fb[name] - fa[name]) / fa[name] > tolerance:
+            regressions[name] = _change(fa[name], fb[name])
+    if budget is not None:
+        for name in MEMORY_FIGURES:
+            if fb[name] > budget >= fa[name]:
+                regressions[name] = _change(fa[name], fb[name]) | {"budget": budget}
+    return regressions
+
+
+def invalid_after(a: PlanReader, error: Exception) -> dict:
+    """The diff of a valid plan a against a plan b that does not validate: a regression, named by b's first broken
+    invariant (b is not simulated: the simulator trusts only valid plans)."""
+    regressions = {"validation": {"a": "valid", "b": str(error)}}
+    return {"identical": False, "changed": True, "regressed": True, "parameters": {}, "inputs": {}, "blocks": {},
+            "windows": {}, "programs": {}, "figures": {}, "regressions": regressions}

@@ -380,38 +380,53 @@ def diff_summary(result: dict, path_a, path_b) -> str:
     """`fcp diff`: what changed between two plans, regressions marked."""
     if result["identical"]:
         return f"{path_a} and {path_b}: no semantic difference\n{diff_verdict(result)}"
-    rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), ""] for name, v in result["parameters"].items()]
+    rows = [[f"param {name}", _short(v["a"]), _short(v["b"]), "", ""] for name, v in result["parameters"].items()]
     if result["inputs"]:
-        rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], ""])
+        rows.append(["inputs digest", result["inputs"]["a"][:16], result["inputs"]["b"][:16], "", ""])
     blocks = result["blocks"]
     if blocks.get("moved"):
-        rows.append(["blocks moved", "", f"{blocks['moved']} of {blocks['of']}",
+        rows.append(["blocks moved", "", f"{blocks['moved']} of {blocks['of']}", "",
                      ", ".join(f"{m['block']}: {m['a']}->{m['b']}" for m in blocks["sample"][:4])])
     if blocks.get("resharded"):
-        rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "resharded"])
+        rows.append(["blocks", blocks["a_blocks"], blocks["b_blocks"], "", "resharded"])
     windows, programs = result.get("windows"), result.get("programs")
     if windows:
-        rows.append(["mask windows", "", f"{windows['sequences']} sequences",
+        rows.append(["mask windows", "", f"{windows['sequences']} sequences", "",
                      ", ".join(f"seq {w['sequence']}: {w['a']}->{w['b']}" for w in windows["sample"][:4])])
     if programs:
-        rows.append(["rank programs", "", f"{programs['ranks']} of {programs['of']} ranks",
+        rows.append(["rank programs", "", f"{programs['ranks']} of {programs['of']} ranks", "",
                      _short("; ".join(f"rank {p['rank']}: {', '.join(p['arrays'])}" for p in programs["sample"][:2]))])
     for name, v in result["figures"].items():
-        rows.append([name, _short(v["a"]), _short(v["b"]), "REGRESSION" if name in result["regressions"] else ""])
-    return table(["what", "a", "b", "note"], rows) + "\n" + diff_verdict(result)
+        rows.append([name, _short(v["a"]), _short(v["b"]), _relative(v),
+                     "REGRESSION" if name in result["regressions"] else ""])
+    if "validation" in result["regressions"]:
+        rows.append(["validation", "valid", _short(result["regressions"]["validation"]["b"]), "", "REGRESSION"])
+    return table(["what", "a", "b", "change", "note"], rows) + "\n" + diff_verdict(result)
+
+
+def _relative(change: dict) -> str:
+    """A figure's relative change, or "" where it has no base (from zero, or not a number)."""
+    return f"{change['relative_change']:+.1%}" if "relative_change" in change else ""
 
 
 def diff_verdict(result: dict) -> str:
-    """The one line a CI log ends with: the worst regression and how many more, or that nothing regressed."""
+    """The one line a CI log ends with: the worst regression and how many more, or that nothing regressed (with the
+    change of each pass's layer time)."""
     if result["identical"]:
         return "no change"
     regressions = result["regressions"]
     if not regressions:
-        return f"changed, no regression ({len(result['figures'])} figures differ)"
-    name, worst = max(regressions.items(), key=lambda item: abs(item[1]["relative_change"]))
+        times = [f"{name.removeprefix('layer_makespan_').removesuffix('_s')} {_relative(result['figures'][name])}"
+                 for name in ("layer_makespan_fwd_s", "layer_makespan_bwd_s")
+                 if _relative(result["figures"].get(name, {}))]
+        time_note = f"; layer time {', '.join(times)}" if times else "; layer time unchanged"
+        return f"changed, no regression ({len(result['figures'])} figures differ{time_note})"
+    if "validation" in regressions:
+        return f"regression: B does not validate: {regressions['validation']['b']}"
+    name, worst = max(regressions.items(), key=lambda item: item[1].get("relative_change", float("inf")))
     more = f", {len(regressions) - 1} more" if len(regressions) > 1 else ""
-    return (f"regression: {name} {_short(worst['a'])} -> {_short(worst['b'])} "
-            f"({worst['relative_change']:+.1%}){more}")
+    why = f"over the memory budget of {worst['budget']}" if "budget" in worst else f"({_relative(worst)})"
+    return f"regression: {name} {_short(worst['a'])} -> {_short(worst['b'])} {why}{more}"
 
 
 def _short(value) -> str:
