@@ -62,7 +62,7 @@ def test_stats_hold_every_documented_key(small_plan):
     assert STATS_KEYS <= set(small_plan.stats)
     # The floor runs the passes once per candidate (some candidates skip fan_out) and times its own memory checks
     # and scoring as an entry of its own: every pass is there, in the order the candidates first ran them.
-    assert set(small_plan.stats["pass_seconds"]) == {"parse", "floor", *PASSES}
+    assert set(small_plan.stats["pass_seconds"]) == {"parse", "score", *PASSES}
     own = compile_own([5000, 300, 70000, 12, 4096, 8192, 20000, 999], 4, block_size=1024, coalesce=4)
     assert list(own.stats["pass_seconds"]) == ["parse"] + PASSES
     user = compile_own([5000, 300, 70000], 4, block_size=1024, layout="user")

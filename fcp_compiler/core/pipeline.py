@@ -361,7 +361,7 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
             continue
         record["least_peak_bytes"] = min(record["least_peak_bytes"], int(peaks.max()))
         del over[:]
-        figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
+        figures = timer.run("score", _layer_figures, candidate, segments, stacked)
         fitting = (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"], candidate, peaks, columns)
     if fitting is None:
         _least_over(timer, over, budget, record)
@@ -377,7 +377,7 @@ def _faster_next_step(timer: _PassTimer, fitting: tuple, step: tuple, budget: in
     the budget, else the first. `segments`: as :func:`_layer_figures` takes them. Returns (plan, peaks, columns,
     seconds)."""
     candidate, stacked, columns = step
-    figures = timer.run("floor", _layer_figures, candidate, segments, stacked)
+    figures = timer.run("score", _layer_figures, candidate, segments, stacked)
     seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     if seconds < fitting[0]:  # (a tie goes to the first)
         peaks = _peak_bytes(timer, candidate, stacked, first, stop_above=budget)
@@ -529,7 +529,7 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
     other_held, other_figures = None, None
     if other[1]["max_buffer_tokens"] <= budget:
         other_held = _stacked_with_columns(timer, other)
-        other_figures = timer.run("floor", _layer_figures, other, segments, other_held[0])
+        other_figures = timer.run("score", _layer_figures, other, segments, other_held[0])
     levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
         if other_figures is not None else None
@@ -539,7 +539,7 @@ def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options:
     return (other, other_figures, record, other_held) if kept else (plan, figures, record, held)
 
 
-def _stacked_with_columns(timer: _PassTimer, plan: tuple, pass_name: str = "floor") -> tuple[StackedRanks, dict]:
+def _stacked_with_columns(timer: _PassTimer, plan: tuple, pass_name: str = "score") -> tuple[StackedRanks, dict]:
     """A finished plan's stacked ranks (what the simulation and the account read) and the encoder's columns they are
     stacked from (what the plan file is cut from, should the plan be the one compile_plan returns), timed as
     `pass_name`."""
@@ -586,7 +586,7 @@ class _FloorRun:
             return None
         held = self.pairs.get(id(tiles))
         if held is None or held[0] is not tiles:
-            held = self.pairs[id(tiles)] = [tiles, self.timer.run("floor", tiles.segment_pairs), None]
+            held = self.pairs[id(tiles)] = [tiles, self.timer.run("score", tiles.segment_pairs), None]
         return held[1]
 
     def segments_of(self, tiles: TileSet) -> tuple[tuple | None, tuple | None]:
@@ -598,7 +598,7 @@ class _FloorRun:
             return None, None
         held = self.pairs[id(tiles)]
         if held[2] is None:
-            held[2] = self.timer.run("floor", pair_kinds, tiles, pairs)
+            held[2] = self.timer.run("score", pair_kinds, tiles, pairs)
         return pairs, held[2]
 
     @property
@@ -642,7 +642,7 @@ class _FloorRun:
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
         stacked, columns = _stacked_with_columns(timer, plan) if fits and not self.alone else (None, None)
-        figures = timer.run("floor", _layer_figures, plan, self.segments_of(plan[0].tiles), stacked) \
+        figures = timer.run("score", _layer_figures, plan, self.segments_of(plan[0].tiles), stacked) \
             if stacked is not None else None
         unscored = math.nan if fits else math.inf
         score = floor.Score(
@@ -695,7 +695,7 @@ class _FloorRun:
         fastest = self.best[0].layer_seconds if self.best is not None else math.inf
         # The only candidate the floor's work allows is compared with nothing, so it is not bounded (it costs a
         # pass over every segment pair: seconds at small blocks).
-        bound = None if self.alone else timer.run("floor", busy_lower_bound, assignment, options.layout,
+        bound = None if self.alone else timer.run("score", busy_lower_bound, assignment, options.layout,
                                                    options.model, self.pairs_of(assignment.tiles))
         self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if _same_placement(placed, assignment)
@@ -805,7 +805,7 @@ def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: 
             if backward_rounds is None:
                 break
             schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
-            peak = max(forward, timer.run("floor", pass_peaks, schedule)[1])
+            peak = max(forward, timer.run("score", pass_peaks, schedule)[1])
             yield schedule, peak
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
@@ -814,9 +814,9 @@ def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: 
         schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight,
                              q_first=q_first)
         backward_rounds = smaller_backward_rounds(fewer)
-        if max(timer.run("floor", pass_peaks, schedule)) > budget and backward_rounds:
+        if max(timer.run("score", pass_peaks, schedule)) > budget and backward_rounds:
             schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
-        yield schedule, max(timer.run("floor", pass_peaks, schedule))
+        yield schedule, max(timer.run("score", pass_peaks, schedule))
 
 
 def _schedule_at(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: int,
@@ -825,12 +825,12 @@ def _schedule_at(timer: _PassTimer, rounds: Rounds, options: CompileOptions, bud
     the budget by more than half and so not completed; the forward's peak live buffer tokens; the schedule's; whether
     its Q pulls were moved first)."""
     part = timer.run("coalesce", coalesce_forward, rounds, options.coalesce, options.pipelined, q_first=q_first)
-    forward, moved = timer.run("floor", forward_peak, part), part.q_pulls_first
+    forward, moved = timer.run("score", forward_peak, part), part.q_pulls_first
     if forward > budget * 3 // 2 and options.pipelined:
         return None, forward, forward, moved
     schedule = timer.run("coalesce", complete_backward, part)
     del part
-    return schedule, forward, max(forward, timer.run("floor", pass_peaks, schedule)[1]), moved
+    return schedule, forward, max(forward, timer.run("score", pass_peaks, schedule)[1]), moved
 
 
 def _route(timer: _PassTimer, assignment: Assignment, options: CompileOptions,

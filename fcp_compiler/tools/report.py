@@ -65,8 +65,20 @@ def _floor_line(stats: dict) -> list[str]:
         other = f"{last['out_of_last_stage_s'] * 1e3:.1f} ms" if last["out_of_last_stage_s"] is not None else \
             f"over memory ({last['max_buffer_tokens']} tokens)"
         scored.append(f"its backward's last stage: kept {last['kept']} (pulled-K,V tiles out of it {other})")
-    return [f"  floor: kept {floor['winner']} of {count} candidate{'s' if count != 1 else ''} scheduled (layer fwd + "
-            f"bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
+    return [f"  floor: kept {kept_candidate(stats)} of {count} candidate{'s' if count != 1 else ''} scheduled (layer "
+            f"fwd + bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
+
+
+def kept_candidate(stats: dict) -> str:
+    """The floor candidate the written plan is: the floor's fastest, unless the device memory budget kept another
+    (stats["memory"]["kept"]) or the fastest in smaller stages."""
+    memory = stats.get("memory") or {}
+    winner = stats["floor"]["winner"]
+    if not memory.get("refitted"):
+        return winner
+    if memory["kept"] == "the winner, in smaller stages":
+        return f"{winner} in smaller stages"
+    return memory["kept"]
 
 
 def floor_progress_line(row: dict) -> str:
@@ -122,8 +134,8 @@ def compile_summary(stats: dict, path: str | None) -> str:
         *_memory_line(stats),
         *_layer_line(stats),
         *_floor_line(stats),
-        "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" (floor {stats['floor']['seconds']:.3f} s)"
-                                          if stats.get("floor") else "", "  ".join(
+        "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" ({stats['floor']['seconds']:.3f} s of it "
+                                          "in the floor)" if stats.get("floor") else "", "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
     ]
     if path:
@@ -142,8 +154,8 @@ def _memory_line(stats: dict) -> list[str]:
         held += (f"; stages made smaller to fit, {memory['refits']} tr{'ies' if memory['refits'] > 1 else 'y'}: "
                  f"it peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB")
     elif memory["refitted"]:
-        held += (f"; the floor's winner peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB, so the plan is "
-                 f"{memory['kept']}, which fits at its own stages and simulates faster than the winner refitted")
+        held += (f"; the floor's fastest peaked at {memory['unbudgeted_peak_bytes'] / 2**30:.2f} GiB, and the kept "
+                 f"candidate fits at its own stages and simulates faster than the fastest in smaller stages")
     elif not memory["met"]:
         why = {"own tokens": f"its own tokens need {memory['floor_bytes'] / 2**30:.2f} GiB",
                "no schedule": f"no schedule of this placement goes below {memory['least_peak_bytes'] / 2**30:.2f} GiB",
