@@ -14,7 +14,7 @@ the default model. Each plan is compiled, validated and simulated in a fresh pro
 - send / recv: the busiest GPU's forward NIC bytes each way (max_rank_nic_send_bytes, _recv_bytes);
 - mfu: attention's normalized MFU, forward and backward; exposed: the share of the layer makespan the busiest rank
   (linear layers and attention) is not computing, i.e. waits for messages or partners (the simulator's
-  exposed_comm_*_s, the most idle time of any rank in attention alone, counts the idle time of ranks that the layer
+  max_rank_idle_*_s, the most idle time of any rank in attention alone, counts the idle time of ranks that the layer
   objective gives little attention and much linear work, so it is reported as idle, not as exposure);
 - gap: layer makespan over the certified bound, forward and backward; compile: compile_plan's seconds.
 
@@ -74,8 +74,8 @@ print(json.dumps({"compile_s": seconds, "nic": s["nic_bytes"], "once": once, "se
                   "mfu_bwd": f["normalized_mfu_bwd"],
                   "exposed_fwd": 1 - max(r["layer_busy_fwd_s"] for r in f["per_rank"]) / f["layer_makespan_fwd_s"],
                   "exposed_bwd": 1 - max(r["layer_busy_bwd_s"] for r in f["per_rank"]) / f["layer_makespan_bwd_s"],
-                  "idle_fwd": f["exposed_comm_fwd_s"] / f["makespan_fwd_s"],
-                  "idle_bwd": f["exposed_comm_bwd_s"] / f["makespan_bwd_s"],
+                  "idle_fwd": f["max_rank_idle_fwd_s"] / f["makespan_fwd_s"],
+                  "idle_bwd": f["max_rank_idle_bwd_s"] / f["makespan_bwd_s"],
                   "gap_fwd": f["layer_gap_fwd"], "gap_bwd": f["layer_gap_bwd"],
                   "fwd_stages": s["num_fwd_stages"], "max_buffer_tokens": s["max_buffer_tokens"]}))
 """

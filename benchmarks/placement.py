@@ -95,8 +95,8 @@ def measure(name: str, lengths: list[int], gpus: int, seed: int, args) -> dict:
     row = {"batch": name, "gpus": gpus, "seed": seed, **{key: stats[key] for key in (
         "compute_imbalance", "pair_imbalance", "token_imbalance", "num_rounds", "max_degree",
         "max_rank_nic_send_bytes", "max_rank_nic_recv_bytes", "max_link_to_compute", "compile_seconds")},
-        "exposed_fwd": figures["exposed_comm_fwd_s"] / figures["makespan_fwd_s"],
-        "exposed_bwd": figures["exposed_comm_bwd_s"] / figures["makespan_bwd_s"],
+        "exposed_fwd": figures["exposed_comm_share_fwd"],
+        "exposed_bwd": figures["exposed_comm_share_bwd"],
         "mfu_fwd": figures["normalized_mfu_fwd"], "mfu_bwd": figures["normalized_mfu_bwd"],
         "token_floor": token_floor(plan)}
     if args.baselines:

@@ -198,6 +198,22 @@ def test_simulating_a_plan_is_consistent_with_its_stats():
     assert min(row["eta_fwd"] for row in figures["per_rank"]) >= 1.0
 
 
+def test_exposed_comm_is_the_message_time_on_each_passs_critical_path():
+    """Not the most idle time of any rank: a lightly loaded rank waiting for the rest is idle, not exposed traffic."""
+    from fcp_compiler.algorithms.timeline import critical_path
+
+    plan = compile_valid(load_batch(ROOT / "traces" / "paper_lognormal_64gpu.json"), 64)
+    simulation = simulate_plan(plan)
+    figures = simulation.figures()
+    for key, result in (("fwd", simulation.forward), ("bwd", simulation.backward)):
+        path = critical_path(result.stages)
+        assert figures[f"exposed_comm_{key}_s"] == path["messages_s"]
+        assert figures[f"exposed_comm_share_{key}"] == pytest.approx(path["messages_s"] / result.makespan)
+        assert path["messages_s"] + path["computing_s"] <= result.makespan * (1 + 1e-9)
+        # The old figure, under its own name.
+        assert figures[f"max_rank_idle_{key}_s"] == float((result.end - result.busy).max())
+
+
 def test_ablation_never_loses_and_ends_at_least_twice_the_base():
     steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), CompileOptions.of(128))
     assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler", "plan layout"]

@@ -143,8 +143,7 @@ class Simulation:
             "normalized_mfu_fwd": mfu_fwd / self.single_gpu_efficiency,
             "normalized_mfu_bwd": mfu_bwd / self.single_gpu_efficiency,
             "single_gpu_efficiency": self.single_gpu_efficiency,
-            "exposed_comm_fwd_s": float(np.max(self.forward.end - self.forward.busy)),
-            "exposed_comm_bwd_s": float(np.max(self.backward.end - self.backward.busy)),
+            **self._exposure(),
             "compute_lower_bound_fwd_s": float(self.forward.compute.sum() / self.num_ranks),
             **memory, "memory_budget_bytes": self.memory_budget_bytes,
             **self.layer_figures(),
@@ -153,6 +152,20 @@ class Simulation:
                for key, result in (("fwd", self.layer_forward), ("bwd", self.layer_backward))},
             "per_rank": per_rank,
         }
+
+    def _exposure(self) -> dict:
+        """Each attention pass's communication not hidden under compute (docs/DESIGN.md section 5): the message time
+        on its critical path (exposed_comm_*_s, None where stage times were not kept) and its share of the pass's
+        makespan; beside it the most time any one rank is idle in the pass (max_rank_idle_*_s), which also counts a
+        lightly loaded rank waiting for the rest."""
+        figures = {}
+        for key, result in (("fwd", self.forward), ("bwd", self.backward)):
+            exposed = critical_path(result.stages)["messages_s"] if result.stages is not None else None
+            figures[f"exposed_comm_{key}_s"] = exposed
+            figures[f"exposed_comm_share_{key}"] = exposed / result.makespan if exposed is not None and \
+                result.makespan > 0 else None
+            figures[f"max_rank_idle_{key}_s"] = float(np.max(result.end - result.busy))
+        return figures
 
     def chrome_trace(self) -> dict:
         """Chrome trace events (Perfetto opens them): a process per rank; compute, send and receive tracks."""
@@ -377,10 +390,11 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
         layer_forward, layer_backward = forward, backward
     else:
         alone = layer_model is None  # attention alone is then the layer
+        # Stage times kept for each pass's critical path, whose message time is the exposed communication.
         forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd",
-                                stage_times=alone)
+                                stage_times=True)
         backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,
-                                 "bwd", stage_times=alone)
+                                 "bwd", stage_times=True)
         layer_forward, layer_backward = (forward, backward) if alone else _layer_passes(
             fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, stage_times=True,
             kv_ready=kv_ready)

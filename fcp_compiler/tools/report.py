@@ -324,10 +324,12 @@ def simulation_summary(figures: dict, trace=None) -> str:
     """The tables `fcp simulate` prints: each pass's attention makespan and MFU, then the whole layer of the
     plan's model (or --model) rank by rank, beside its certified lower bound."""
     busy_fwd = [row["busy_fwd_s"] for row in figures["per_rank"]]
-    lines = [table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms"], [
+    lines = [table(["pass", "makespan ms", "attention MFU", "normalized MFU", "exposed comm ms", "share"], [
         [name, f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'attention_mfu_{key}']:.3f}",
-         f"{figures[f'normalized_mfu_{key}']:.3f}", f"{figures[f'exposed_comm_{key}_s'] * 1e3:.2f}"]
+         f"{figures[f'normalized_mfu_{key}']:.3f}", *_exposure_cells(figures, key)]
         for name, key in (("forward", "fwd"), ("backward", "bwd"))]),
+        *(["  exposed comm: the message time on the pass's critical path (what the pass waited for, not hidden "
+           "under compute)"] if figures["exposed_comm_fwd_s"] is not None else []),
         f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
         f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
         + (f"; trace in {trace}" if trace else "")]
@@ -362,6 +364,14 @@ def simulation_summary(figures: dict, trace=None) -> str:
             [name, f"{path['computing_s'] * 1e3:.2f}", f"{path['messages_s'] * 1e3:.2f}", _path_ranks(path["ranks"])]
             for name, path in paths]))
     return "\n".join(lines)
+
+
+def _exposure_cells(figures: dict, key: str) -> list[str]:
+    """A pass's exposed communication (ms) and its share of the makespan; "-" where no stage times were kept."""
+    exposed = figures[f"exposed_comm_{key}_s"]
+    if exposed is None:
+        return ["-", "-"]
+    return [f"{exposed * 1e3:.2f}", percent(figures[f"exposed_comm_share_{key}"])]
 
 
 def _path_ranks(ranks: list[int]) -> str:
