@@ -228,6 +228,24 @@ def test_ablation_never_loses_and_ends_at_least_twice_the_base():
         assert values[-1] >= 2 * values[0], values
 
 
+def test_every_ablation_step_that_does_not_rise_says_why():
+    """At 8 GPUs pipelining alone (block-sized launches, no matchings) is slower than the pull-all base."""
+    from fcp_compiler.tools.report import ablation_table
+
+    steps = run_ablation(load_batch(ROOT / "traces" / "small_8gpu.json"), CompileOptions.of(8, model="none"))
+    assert steps[0].get("why_not_faster") is None
+    for before, step in zip(steps, steps[1:]):
+        falls = [key for key in ("fwd", "bwd") if step[f"normalized_mfu_{key}"] <= before[f"normalized_mfu_{key}"]]
+        assert bool(falls) == bool(step["why_not_faster"]), step["name"]
+        for key in falls:
+            assert f"{key}: the busiest rank's kernels" in step["why_not_faster"]
+    pipeline = steps[1]
+    assert pipeline["normalized_mfu_fwd"] < steps[0]["normalized_mfu_fwd"]
+    assert pipeline["busiest_compute_fwd_s"] > steps[0]["busiest_compute_fwd_s"]
+    assert pipeline["num_launch_stages_fwd"] > steps[0]["num_launch_stages_fwd"] == 1
+    assert f"pipeline is not faster than the step before: {pipeline['why_not_faster']}" in ablation_table(steps)
+
+
 MIXED_MASKS = {"masks": [{"kind": "sliding_window", "window": 300}, "full", "causal",
                          {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
 

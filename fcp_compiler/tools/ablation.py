@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from fcp_compiler.algorithms.timeline import critical_path
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.format.call_plan import stacked_tiles_during_reshuffle
+from fcp_compiler.format.plan_format import PlanReader
+from fcp_compiler.format.stacked import stack_reader
 
 # Normalised attention MFU of the seed's Table 2 (128 GPUs, forward / backward).
 SEED_TABLE = {"base": (0.29, 0.37), "pipeline": (0.48, 0.46), "solver": (0.62, 0.59), "coalescer": (0.70, 0.69),
@@ -33,7 +39,8 @@ def run_ablation(batch, options: CompileOptions) -> list[dict]:
         batch: lengths or a BatchSpec.
         options: ranks and the other compile options (block size, profile, ...); the ablated ones are set per step.
     Returns:
-        one dict per step: name, normalized_mfu_fwd, normalized_mfu_bwd, makespans and the seed's figures.
+        one dict per step: name, normalized_mfu_fwd, normalized_mfu_bwd, makespans, the busiest rank's compute,
+        exposed communication, the seed's figures and why_not_faster (:func:`why_not_faster`).
     """
     steps = []
     # The techniques alone: the default memory budget (which refits only the plan layout's step, whose backward
@@ -41,11 +48,72 @@ def run_ablation(batch, options: CompileOptions) -> list[dict]:
     budget = math.inf if options.memory_budget_gib is None else options.memory_budget_gib
     for name, switches in STEPS:
         plan = compile_plan(batch, options=options.replace(**switches, memory_budget_gib=budget))
-        figures = simulate_plan(plan).figures()
+        simulation = simulate_plan(plan)
+        figures = simulation.figures()
+        stacked = stack_reader(PlanReader(plan.to_bytes()))
+        early = stacked_tiles_during_reshuffle(stacked)
         steps.append({"name": name, "normalized_mfu_fwd": figures["normalized_mfu_fwd"],
                       "normalized_mfu_bwd": figures["normalized_mfu_bwd"],
                       "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
-                      "exposed_comm_fwd_s": figures["exposed_comm_fwd_s"],
+                      **{f"{what}_{key}_s": figures[f"{what}_{key}_s"] for what in ("exposed_comm", "reshuffle")
+                         for key in ("fwd", "bwd")},
+                      **_path_figures(simulation),
+                      # The busiest rank's attention compute in each pass (its kernels, at their calls' efficiency).
+                      "busiest_compute_fwd_s": float(simulation.forward.busy.max()),
+                      "busiest_compute_bwd_s": float(simulation.backward.busy.max()),
+                      "num_tiles_during_reshuffle": int(early.sum()), "num_tiles": int(early.size),
+                      **{f"num_launch_stages_{key}": _launch_stages(stacked, f"tile_{column}")
+                         for key, column in (("fwd", "stage"), ("bwd", "bwd_stage"))},
                       "seed_normalized_mfu_fwd": SEED_TABLE[name][0], "seed_normalized_mfu_bwd": SEED_TABLE[name][1],
-                      "num_rounds": plan.stats["num_rounds"], "num_fwd_stages": plan.stats["num_fwd_stages"]})
+                      "num_rounds": plan.stats["num_rounds"], "num_fwd_stages": plan.stats["num_fwd_stages"],
+                      "num_bwd_stages": plan.stats["num_bwd_stages"]})
+    for before, step in zip(steps, steps[1:]):
+        step["why_not_faster"] = why_not_faster(before, step)
     return steps
+
+
+def why_not_faster(before: dict, step: dict) -> str | None:
+    """Why a step's normalized MFU did not rise over the step before it, in either pass, from what the two
+    simulations measured; None where both rose. Each such pass names the two things a pass's time is made of: the
+    busiest rank's kernels (slower in more, smaller launches: a pipeline without coalescing runs each rank's tiles
+    in a launch a stage as their data arrives, where the step without it runs them in one launch after the last
+    pull) and the message time on the pass's critical path; the reshuffler also says how many tiles can run during
+    the forward's input reshuffle (those whose tokens are on their rank in the user layout)."""
+    passes = [key for key in ("fwd", "bwd") if step[f"normalized_mfu_{key}"] <= before[f"normalized_mfu_{key}"]]
+    if not passes:
+        return None
+    reasons = []
+    for key in passes:
+        reason = (f"{key}: the busiest rank's kernels {before[f'busiest_compute_{key}_s'] * 1e3:.1f} -> "
+                  f"{step[f'busiest_compute_{key}_s'] * 1e3:.1f} ms (tiles in {before[f'num_launch_stages_{key}']} "
+                  f"-> {step[f'num_launch_stages_{key}']} launch stages a rank at most); its critical path "
+                  f"{before[f'path_computing_{key}_s'] * 1e3:.1f} -> {step[f'path_computing_{key}_s'] * 1e3:.1f} ms "
+                  f"computing across {before[f'path_ranks_{key}']} -> {step[f'path_ranks_{key}']} ranks (a stage "
+                  f"waits for partners still computing the one before) and "
+                  f"{before[f'exposed_comm_{key}_s'] * 1e3:.1f} -> {step[f'exposed_comm_{key}_s'] * 1e3:.1f} ms on "
+                  f"messages")
+        if step["name"] == "reshuffler":
+            reason += (f"; {step['num_tiles_during_reshuffle']} of {step['num_tiles']} tiles have their tokens on "
+                       f"their rank in the user layout, to run during the {step['reshuffle_fwd_s'] * 1e3:.1f} ms "
+                       f"input reshuffle" if key == "fwd" else "; only the forward's input reshuffle overlaps tiles")
+        reasons.append(reason)
+    return "; ".join(reasons)
+
+
+def _launch_stages(stacked, column: str) -> int:
+    """The most stages any rank runs tiles in, in a pass (the tile stage column `column`)."""
+    stages, rank = stacked.arrays[column], stacked.rank_of(column)
+    if stages.size == 0:
+        return 0
+    distinct = np.unique(rank * (int(stages.max()) + 1) + stages)
+    return int(np.bincount(distinct // (int(stages.max()) + 1)).max())
+
+
+def _path_figures(simulation) -> dict:
+    """Each attention pass's critical path: its computing seconds and how many ranks it goes through."""
+    figures = {}
+    for key, result in (("fwd", simulation.forward), ("bwd", simulation.backward)):
+        path = critical_path(result.stages)
+        figures[f"path_computing_{key}_s"] = path["computing_s"]
+        figures[f"path_ranks_{key}"] = len(set(path["ranks"]))
+    return figures

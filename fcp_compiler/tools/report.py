@@ -388,7 +388,9 @@ def ablation_table(steps: list[dict]) -> str:
     return table(["step", "fwd", "seed fwd", "bwd", "seed bwd", "fwd ms", "bwd ms", "stages"], [
         [s["name"], f"{s['normalized_mfu_fwd']:.2f}", seed(s["seed_normalized_mfu_fwd"]),
          f"{s['normalized_mfu_bwd']:.2f}", seed(s["seed_normalized_mfu_bwd"]), f"{s['makespan_fwd_s'] * 1e3:.1f}",
-         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_fwd_stages"]] for s in steps])
+         f"{s['makespan_bwd_s'] * 1e3:.1f}", s["num_fwd_stages"]] for s in steps]) + "".join(
+        f"\n  {s['name']} is not faster than the step before: {s['why_not_faster']}" for s in steps
+        if s.get("why_not_faster"))
 
 
 def sweep_table(rows: list[dict]) -> str:
