@@ -106,6 +106,29 @@ def test_compare_reports_a_method_that_cannot_plan_and_goes_on(tmp_path, capsys,
     assert "not planned: ring at 8 GPUs" in capsys.readouterr().out
 
 
+def test_compare_refuses_a_baseline_past_the_validated_pairs_in_bounded_memory(tmp_path, capsys, monkeypatch):
+    """A ring past the pairs fcp validates is refused right after sharding (its memory grows with its pairs: 21 GB
+    at 700M), not compiled and scored unvalidated; fcp's row says which placement it kept."""
+    import json
+
+    from fcp_compiler.core import pipeline
+
+    batch = tmp_path / "b.json"
+    batch.write_text(json.dumps([20000, 9000, 3000, 3000]))
+    monkeypatch.setattr(pipeline, "MAX_SEGMENT_PAIRS", 300)  # ring: 4 x 16^2 pairs at 8 GPUs; fcp far below
+    out = tmp_path / "cmp.json"
+    assert main(["compare", str(batch), "--gpus", "8", "--methods", "fcp,ring,magi", "--json", str(out),
+                 "--jobs", "1"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert "more than the 300 fcp validate checks" in rows["ring"]["error"]
+    assert all(row["validated"] for name, row in rows.items() if name != "ring")
+    assert rows["magi"]["placement"] == "magi" and rows["fcp"]["placement"].split(" ")[0] in (
+        "layer", "layer+fan-out", "attention", "attention+fan-out", "greedy", "magi", "layer-tokens-5%",
+        "layer-tokens-10%")
+    printed = capsys.readouterr().out
+    assert f" {rows['fcp']['placement']} " in printed and "not planned: ring at 8 GPUs" in printed
+
+
 def test_compare_plot(tmp_path, capsys, monkeypatch):
     import sys
 

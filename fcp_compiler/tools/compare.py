@@ -10,6 +10,7 @@ from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.validate import validate_unless_too_large
 from fcp_compiler.tools.parallel import map_on_cores
+from fcp_compiler.tools.report import kept_candidate
 from fcp_compiler.core.simulate import simulate_plan
 
 
@@ -35,10 +36,11 @@ def _one(job: tuple[int, str]) -> dict:
     best = None
     for switch in switches:
         try:
-            # A baseline past what the validator enumerates (a ring over hundreds of GPUs) is scored unvalidated.
+            # Every method is held to the segment pairs fcp validates: past them (a ring over hundreds of GPUs on a
+            # long-tail batch) a plan's memory grows with its pairs (a ring at 256 GPUs of 700M pairs reached 21 GB),
+            # and it is refused right after sharding, in bounded memory, with the reason on its row.
             options = base.replace(num_ranks=gpus, planner=planner, layout=layout, node_fan_out=switch,
-                                   block_size=None if planner in OWN_BLOCK_SIZE else base.block_size,
-                                   validatable=planner is Planner.FCP)
+                                   block_size=None if planner in OWN_BLOCK_SIZE else base.block_size)
             plan = compile_plan(batch, options=options)
         except InfeasibleError as error:
             # A method that cannot plan this scale (too large, infeasible) leaves a row saying why; the rest run.
@@ -64,7 +66,9 @@ def _scored(plan, method: str, gpus: int, layout: str) -> dict:
             "makespan_fwd_s": figures["makespan_fwd_s"], "makespan_bwd_s": figures["makespan_bwd_s"],
             "compile_seconds": stats["compile_seconds"], **{name: figures[name] for name in LAYER_FIGURES},
             "node_fan_out": stats["num_fanned_out_transfers"] > 0, "max_buffer_tokens": stats["max_buffer_tokens"],
-            "validated": validated}
+            "validated": validated,
+            # What FCP kept: its floor's candidate (whose placement may be a baseline's, e.g. magi); a baseline's own.
+            "placement": kept_candidate(stats) if stats.get("floor") else method}
 
 
 def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: Sequence[Planner],

@@ -7,6 +7,10 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from fcp_compiler.errors import InfeasibleError
 
 
 def _worker_start() -> None:
@@ -32,7 +36,11 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
 
     One process runs the jobs in order in this process. `function` must be a module-level function; with fork,
     workers inherit module state set before the call. Ctrl-C or SIGTERM in the parent stops every worker at once
-    (the pool is terminated, not drained), and workers die with a parent that is killed.
+    (they are killed, not drained), workers die with a parent that is killed, and a worker that dies (killed for
+    memory, a crash) ends the map with one error naming its job, never a wait for a result that will not come.
+
+    Raises:
+        InfeasibleError: a worker died while running a job.
     """
     processes = max(1, min(processes or os.cpu_count() or 1, len(jobs) or 1))
     if processes == 1:
@@ -40,16 +48,59 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
         return
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_start)
+    context = multiprocessing.get_context("fork")
+    # Each job's state as its worker sets it (1 running, 2 done), shared with the forked workers: when one dies, the
+    # jobs still marked running are the ones in flight, its own among them.
+    _RUNNING["states"], _RUNNING["function"] = context.Array("b", len(jobs), lock=False), function
+    executor = ProcessPoolExecutor(processes, mp_context=context, initializer=_worker_start)
     finished = False
     try:
-        yield from pool.imap_unordered(function, jobs, chunksize=1)
+        pending = {executor.submit(_run_job, idx, job): job for idx, job in enumerate(jobs)}
+        while pending:
+            # A bounded wait: the parent's signal handlers run between waits, whatever the workers do.
+            done, _ = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+            for future in done:
+                job = pending.pop(future)
+                try:
+                    result = future.result()
+                except BrokenProcessPool:
+                    states = _RUNNING["states"]
+                    suspects = [jobs[idx] for idx in range(len(jobs)) if states[idx] == 1] or [job]
+                    raise InfeasibleError(
+                        f"a worker process died while running {_describe(suspects)} (killed, most often by the "
+                        f"kernel for memory, or crashed): run fewer jobs at once (--jobs), or fewer or smaller "
+                        f"scales") from None
+                yield result
         finished = True
     finally:
-        if finished:
-            pool.close()
-        else:
-            pool.terminate()
-        pool.join()
+        if not finished:
+            _kill_workers(executor)
+        executor.shutdown(wait=finished, cancel_futures=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+POLL_SECONDS = 0.5
+_RUNNING: dict = {}  # the map's job states and function, inherited by its forked workers
+
+
+def _run_job(idx: int, job):
+    """In a worker: run one job, marking it running, then done."""
+    states = _RUNNING["states"]
+    states[idx] = 1
+    result = _RUNNING["function"](job)
+    states[idx] = 2
+    return result
+
+
+def _describe(jobs: list) -> str:
+    """The job a worker died running, or the few it may have been."""
+    texts = [repr(job) if len(repr(job)) <= 80 else repr(job)[:77] + "..." for job in jobs[:4]]
+    return f"job {texts[0]}" if len(texts) == 1 else f"one of the jobs {', '.join(texts)}"
+
+
+def _kill_workers(executor: ProcessPoolExecutor) -> None:
+    """Stop every worker now: an interrupted map does not wait for jobs in flight."""
+    for process in list((getattr(executor, "_processes", None) or {}).values()):
+        if process.is_alive():
+            process.kill()

@@ -173,10 +173,11 @@ def compare_rows(rows: Sequence[dict]) -> str:
         return f"{row[f'fcp_speedup_{key}']:.2f}x" if row.get(f"fcp_speedup_{key}") else "-"
 
     planned = sorted((r for r in rows if not r.get("error")), key=lambda r: (r["gpus"], r["layer_rank"]))
-    lines = [table(["gpus", "rank", "method", "fan-out", "live buffers", "layer fwd ms", "layer bwd ms", "gap fwd",
+    lines = [table(["gpus", "rank", "method", "placement", "fan-out", "live buffers", "layer fwd ms", "layer bwd ms", "gap fwd",
                     "gap bwd", "compute imb", "max rank bytes", "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd",
                     "bwd"],
-                   [[r["gpus"], r["layer_rank"], r["method"], "on" if r.get("node_fan_out") else "off",
+                   [[r["gpus"], r["layer_rank"], r["method"], r.get("placement", r["method"]),
+                     "on" if r.get("node_fan_out") else "off",
                      r.get("max_buffer_tokens", "-"), f"{r['layer_makespan_fwd_s'] * 1e3:.2f}",
                      f"{r['layer_makespan_bwd_s'] * 1e3:.2f}", f"{r['layer_gap_fwd']:.3f}", f"{r['layer_gap_bwd']:.3f}",
                      f"{r['compute_imbalance']:.3f}", human_bytes(r["max_rank_comm_bytes"]),
@@ -186,9 +187,28 @@ def compare_rows(rows: Sequence[dict]) -> str:
     lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
     lines += [f"  not validated: {r['method']} at {r['gpus']} GPUs has more segment pairs than the validator enumerates "
               f"(scored as compiled)" for r in planned if r.get("validated") is False]
+    lines += _ahead_of_fcp(planned)
+    lines.append("  placement: what each plan placed its blocks by; fcp's is the floor candidate it kept, which may be a "
+                 "baseline's placement (magi, greedy) where that simulated faster")
     lines.append("  every baseline in the plan layout (tokens dispatched once, as their systems do); fcp in the plan "
                  "layout and, as fcp-user, in the user layout (reshuffles around attention)")
     return "\n".join(lines)
+
+
+def _ahead_of_fcp(planned: Sequence[dict]) -> list[str]:
+    """A line for each method ranked above fcp at its scale, with its live buffers against fcp's (a method that holds
+    more may buy its speed with memory: --fit-memory compares at fcp's budget)."""
+    fcp = {r["gpus"]: r for r in planned if r["method"] == "fcp"}
+    lines = []
+    for row in planned:
+        own = fcp.get(row["gpus"])
+        if own is None or row["layer_rank"] >= own["layer_rank"] or row["method"] == "fcp":
+            continue
+        ratio = row["max_buffer_tokens"] / own["max_buffer_tokens"] if own["max_buffer_tokens"] else math.inf
+        memory = (f"with {ratio:.2f}x fcp's live buffers (--fit-memory holds every method to fcp's budget)"
+                  if ratio > 1 else f"with {ratio:.2f}x fcp's live buffers")
+        lines.append(f"  {row['method']} is ahead of fcp at {row['gpus']} GPUs, {memory}")
+    return lines
 
 
 def rank_rows(reader: PlanReader) -> list[dict]:

@@ -1,0 +1,98 @@
+"""map_on_cores: results in completion order; a dead worker is one error, never a hang; signals end it."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fcp_compiler.errors import InfeasibleError
+from fcp_compiler.tools.parallel import map_on_cores
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 30.0  # a hang would be minutes; a loaded CI machine still answers in seconds
+
+
+def _square_or_die(job: int) -> int:
+    if job == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+    return job * job
+
+
+def _square(job: int) -> int:
+    return job * job
+
+
+def test_every_result_comes_back():
+    assert sorted(map_on_cores(_square, list(range(7)), 2)) == [job * job for job in range(7)]
+
+
+def test_a_worker_killed_for_memory_is_an_error_naming_its_job_not_a_hang():
+    started = time.monotonic()
+    with pytest.raises(InfeasibleError, match=r"a worker process died while running (job 3|one of the jobs .*3\b)"):
+        list(map_on_cores(_square_or_die, list(range(6)), 2))
+    assert time.monotonic() - started < BOUND_S
+
+
+def _run_compare_script(tmp_path, body: str) -> subprocess.Popen:
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_compare_whose_worker_dies_exits_2_in_one_line(tmp_path):
+    """`fcp compare` with a worker the kernel kills: exit 2, one line, no traceback, promptly."""
+    process = _run_compare_script(tmp_path, """
+        import os, signal, sys
+        import fcp_compiler.tools.compare as compare
+        from cli import main
+        real = compare._one
+        def dying(job):
+            if job[1] == "ring":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(job)
+        compare._one = dying
+        sys.exit(main(["compare", "traces/small_8gpu.json", "--gpus", "8", "--methods", "fcp,ring",
+                       "--jobs", "2"]))
+    """)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("fcp: ")]
+    assert len(lines) == 1 and "a worker process died while running" in lines[0] and "(8, 'ring')" in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_ends_a_compare_and_its_workers(tmp_path, stop):
+    process = _run_compare_script(tmp_path, """
+        import sys, time
+        import fcp_compiler.tools.compare as compare
+        from cli import main
+        def slow(job):
+            time.sleep(600)
+        compare._one = slow
+        sys.exit(main(["compare", "traces/small_8gpu.json", "--gpus", "8", "--methods", "fcp,ring",
+                       "--jobs", "2"]))
+    """)
+    time.sleep(4.0)  # the workers are sleeping in their jobs
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert workers
+    process.send_signal(stop)
+    _, err = process.communicate(timeout=BOUND_S)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    deadline = time.monotonic() + BOUND_S
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the interrupted compare"
+        time.sleep(0.1)
+
+
+def _state(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"
