@@ -138,6 +138,9 @@ def compile_command(
         if stats is not None:
             raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
                                     f"and each plan carries its own figures (fcp inspect)")
+        if output is not None and output.suffix == ".fcp" and not output.is_dir():
+            raise InvalidInputError(f"-o {str(output)!r} names a plan file, but a .jsonl of batches compiles into a "
+                                    f"folder of plans: give a folder (e.g. -o {output.stem}_plans/)")
         _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
     if jobs is not None:
@@ -296,7 +299,11 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
 
     head = _file_head(source, 64)
     if head.startswith(MAGIC[:7]):  # b"FCPPLAN": this format's magic and the legacy one
-        return PlanReader(str(source))
+        reader = PlanReader(str(source))
+        if gpus is not None:  # a plan is simulated at the ranks it was compiled for: --gpus would be ignored
+            raise InvalidInputError(f"--gpus {gpus} is for a batch; {source} is a plan for "
+                                    f"{reader.header.num_ranks} ranks (compile the batch again for another count)")
+        return reader
     if gpus is None:
         if head.lstrip()[:1] in (b"{", b"["):
             raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")

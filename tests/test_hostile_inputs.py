@@ -139,8 +139,11 @@ def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, cap
                   if (~np.isin(a["tile_kv_block"], a["blocks"])).any())
     arrays[remote[0]]["tile_stage"][remote[1][0]] = 0  # a tile before its data: sealed, structurally sound
     bad = _write(tmp_path / "bad.fcp", rebuild_plan(reader, arrays))
-    for args in (["validate", bad], ["simulate", bad], ["diff", plan, bad]):
+    for args in (["validate", bad], ["simulate", bad], ["diff", bad, plan]):
         expect_one_line(capsys, args, "invalid plan", code=1)
+    # B that stopped validating is the diff's answer: a regression, exit 1 under --fail-on regression.
+    code, out, _ = run(capsys, "diff", plan, bad, "--fail-on", "regression")
+    assert code == 1 and out.splitlines()[-1].startswith("regression: B does not validate: ")
     code, _, err = run(capsys, "inspect", bad)
     assert code == 0 and err == ""  # inspect shows what is there, valid or not
     for args in (["inspect", bad, "--rank", remote[0]], ["inspect", bad, "--memory"]):
@@ -350,3 +353,28 @@ def test_more_sequences_than_a_plan_may_hold_are_refused_before_a_list_of_them_i
         compile_plan(np.ones(101, dtype=np.int64).view(NoList), 8)
     with pytest.raises(InvalidInputError, match="the batch holds 101 sequences"):
         inputs.parse_batch([1] * 101)
+
+
+def test_simulate_refuses_gpus_for_a_plan_it_would_ignore(tmp_path, capsys):
+    plan = tmp_path / "p.fcp"
+    assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
+    expect_one_line(capsys, ["simulate", plan, "--gpus", 16], "--gpus 16 is for a batch; ")
+    expect_one_line(capsys, ["simulate", plan, "--gpus", 16], "is a plan for 8 ranks")
+
+
+def test_a_jsonl_of_batches_refuses_a_plan_file_name_as_its_folder(tmp_path, capsys):
+    steps = _write(tmp_path / "steps.jsonl", "[100, 200]\n")
+    expect_one_line(capsys, ["compile", steps, "--gpus", 2, "-o", tmp_path / "single.fcp"],
+                    "names a plan file, but a .jsonl of batches compiles into a folder")
+    assert not (tmp_path / "single.fcp").exists()
+
+
+def test_a_plan_of_a_newer_or_unknown_format_says_compile_it_again():
+    import msgpack
+
+    from fcp_compiler.errors import PlanFormatError
+    from fcp_compiler.format.plan_format import _parse_header
+
+    for version in (8, 99):
+        with pytest.raises(PlanFormatError, match=f"format_version {version} is not supported .*compile it again"):
+            _parse_header(msgpack.packb({"format_version": version}), "p.fcp")

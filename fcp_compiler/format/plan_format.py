@@ -491,7 +491,7 @@ def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
         raise PlanFormatError(f"{origin}: header is not valid msgpack: {error}") from None
     if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
         raise PlanFormatError(f"{origin}: format_version {raw.get('format_version')!r} is not supported "
-                              f"(this fcp reads version {FORMAT_VERSION})")
+                              f"(this fcp reads version {FORMAT_VERSION}): compile it again with this fcp")
     try:
         return PlanHeader.model_validate(raw)
     except ValidationError as error:
