@@ -154,7 +154,7 @@ def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, opt
     from fcp_compiler.core.simulate import layer_stats
     from fcp_compiler.format.inputs import load_batch
     from fcp_compiler.format.safe_io import write_files_atomic
-    from fcp_compiler.tools.report import compile_summary, floor_progress_line
+    from fcp_compiler.tools.report import compile_summary, floor_progress_line, memory_warning
 
     # Before compiling: a bad target costs nothing, and no output may overwrite an input or another output.
     check_outputs([("-o", output), ("--stats", stats)], [("BATCH", batch), ("--profile", _profile_file(profile))])
@@ -172,6 +172,8 @@ def _compile_one(batch: Path, output: Path, stats: Path | None, quiet: bool, opt
     write_files_atomic(files)
     if not quiet:
         typer.echo(compile_summary(figures, str(output)))
+    if (warning := memory_warning(plan.stats)) is not None:  # even when quiet: the plan may not fit its GPUs
+        typer.echo(warning, err=True)
 
 
 def _memory_budget(value: str | None) -> float | None:

@@ -378,3 +378,20 @@ def test_a_plan_of_a_newer_or_unknown_format_says_compile_it_again():
     for version in (8, 99):
         with pytest.raises(PlanFormatError, match=f"format_version {version} is not supported .*compile it again"):
             _parse_header(msgpack.packb({"format_version": version}), "p.fcp")
+
+
+def test_a_plan_over_the_default_memory_budget_warns_in_one_line(tmp_path, capsys):
+    """The 64-GPU trace on 8 GPUs: its own tokens need more than 4 GiB; written as scheduled, with a warning."""
+    plan = tmp_path / "p.fcp"
+    code, _, err = run(capsys, "compile", ROOT / "traces" / "paper_lognormal_64gpu.json", "--gpus", 8, "-o", plan,
+                       "-q")
+    assert code == 0 and plan.is_file() and err.count("\n") == 1, err
+    assert err.startswith("fcp: warning: the plan's busiest rank peaks at ") and "--memory-budget none" in err
+    from fcp_compiler.format.plan_format import PlanReader
+
+    header = PlanReader(str(plan)).header
+    peak = max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd))
+    assert f"peaks at {peak / 2**30:.2f} GiB, over the 4.00 GiB" in err
+    code, _, err = run(capsys, "compile", ROOT / "traces" / "paper_lognormal_64gpu.json", "--gpus", 8, "-o", plan,
+                       "-q", "--memory-budget", "none")
+    assert code == 0 and err == ""

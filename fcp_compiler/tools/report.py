@@ -166,6 +166,18 @@ def _memory_line(stats: dict) -> list[str]:
             f"{memory['peak_bytes_bwd'] / 2**30:.2f} GiB backward ({held})"]
 
 
+def memory_warning(stats: dict) -> str | None:
+    """One stderr line where the default device memory budget was not met (the plan is written as scheduled, with
+    no budget stated): the overrun, and what to do. None where the budget held or there was none."""
+    memory = stats.get("memory")
+    if not memory or memory["met"] or memory["budget_bytes"] is None:
+        return None
+    peak = max(memory["peak_bytes_fwd"], memory["peak_bytes_bwd"])
+    return (f"fcp: warning: the plan's busiest rank peaks at {peak / 2**30:.2f} GiB, over the "
+            f"{memory['budget_bytes'] / 2**30:.2f} GiB device memory budget by {(peak - memory['budget_bytes']) / 2**30:.2f} "
+            f"GiB; it may not fit: give more GPUs or a smaller --block-size, or --memory-budget none to accept it")
+
+
 def compare_rows(rows: Sequence[dict]) -> str:
     """The table `fcp compare` prints, each scale's methods ranked by layer makespan; methods that could not plan a
     scale are listed under it with the reason."""
