@@ -667,7 +667,7 @@ def _halves(dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
 def _reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:
     """Move per-token rows between the user layout and the plan layout with one all_to_all_single."""
     gather, scatter = plan.indices_on(x.device)
-    flat = x.flatten(1)
+    flat = x.reshape(x.shape[0], -1)  # [T] (token ids, labels) as [T, 1]: flatten(1) needs a second dimension
     if to_plan:
         send, recv_rows, split_in, split_out, where = gather, plan.plan_tokens, plan.send_splits, \
             plan.recv_splits, scatter

@@ -145,6 +145,11 @@ def dispatch_round_trip(plan_bytes: bytes, total: int):
         torch.testing.assert_close(back, 3 * everything[lo:hi], rtol=0, atol=0)
         back.sum().backward()  # d/dx of sum(3 x) through both moves
         torch.testing.assert_close(mine.grad, torch.full_like(mine, 3.0), rtol=0, atol=0)
+        # A 1-D per-token tensor (token ids, labels: [T]) moves the same way, and keeps its shape.
+        ids = torch.arange(total, dtype=torch.int64)
+        moved = dispatch(ids[lo:hi], plan)
+        assert moved.shape == (plan.plan_tokens,) and torch.equal(moved, ids[plan.token_index])
+        assert torch.equal(undispatch(moved, plan), ids[lo:hi])
         return True
 
     return task
