@@ -9,6 +9,7 @@ liveness rule, and :func:`recording` logs every post, tile, wait, allocation and
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -391,9 +392,32 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, ke
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != plan.plan_tokens:
         raise ValueError(f"prefetch_kv: expected k, v [{plan.plan_tokens}, kv_heads, head_dim] (rank {plan.rank}'s "
                          f"plan-layout rows), got {tuple(k.shape)}, {tuple(v.shape)}")
+    _drain_orphans(plan)
     executor = _Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=kernels)
     posted = _post_first(executor, _ForwardPass(executor, None, k.shape[1]), plan.forward, k, v)
-    return KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens)
+    prefetched = KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens)
+    # A prefetch dropped unused leaves its messages posted: they are kept (a backend may abandon a dropped work's
+    # buffers, and its peers' messages would then match this rank's next ones) until this plan's next call drains
+    # them, so that the next call's messages match the peers' again.
+    weakref.finalize(prefetched, _orphan_if_unused, posted, plan._device_cache.setdefault(_ORPHANS, []))
+    return prefetched
+
+
+_ORPHANS = "orphaned_prefetches"  # a plan's cache entry: the posted messages of prefetches dropped unused
+
+
+def _orphan_if_unused(posted: _Posted, orphans: list) -> None:
+    """A KVPrefetch's finalizer: its posted messages, when no fcp_attn_call took them over, kept for draining."""
+    if posted.requests:
+        orphans.append(posted)
+
+
+def _drain_orphans(plan: RankPlan) -> None:
+    """Wait for the messages of every prefetch of this plan dropped unused (every rank posted its part of them when
+    it prefetched, so they complete), and let them go: the call that follows posts its stage 0 afresh."""
+    orphans = plan._device_cache.get(_ORPHANS)
+    while orphans:
+        _wait_all(orphans.pop(0).requests)
 
 
 # Tensors of an arena laid out [heads, rows] (LSE) or [2, rows, ...] (dK and dV as halves): their rows are dim 1.
@@ -708,6 +732,7 @@ def _attention_forward(q, k, v, plan: RankPlan, group, scale: float, layout: str
                        prefetched: KVPrefetch | None):
     """One attention call's forward on this rank: (out in q's layout, the plan-layout tensors the backward reads:
     (q, k, v, out, lse), the executor)."""
+    _drain_orphans(plan)
     executor = _Executor(plan, group, scale, q.device, q.dtype, q.shape[2], kernels)
     if prefetched is not None:  # its received buffers are live already
         executor.live_tokens = prefetched.live_tokens

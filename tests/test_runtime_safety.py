@@ -79,3 +79,29 @@ def test_a_prefetch_is_for_one_call_with_the_tensors_it_sent_in_the_plan_layout(
     for errors in run_ranks(2, _misuse_prefetch(plan.to_bytes(), user_plan.to_bytes()), timeout=60):
         assert ["same k and v" in errors[0], "another plan" in errors[1], "used by an earlier" in errors[2],
                 "expected k, v [" in errors[3], "compiled for the user layout" in errors[4]] == [True] * 5, errors
+
+
+def _drop_prefetch(plan_bytes):
+    def task(rank, world):
+        import gc
+
+        from fcp_runtime import prefetch_kv
+
+        plan = load_rank_plan(plan_bytes, rank)
+        q, k, v = (torch.randn(plan.plan_tokens, heads, 4, dtype=torch.float64) for heads in (2, 1, 1))
+        reference = fcp_attn_func(q, k, v, load_rank_plan(plan_bytes, rank))
+        prefetch_kv(k, v, plan)  # dropped at once, unused
+        gc.collect()
+        torch.testing.assert_close(fcp_attn_func(q, k, v, plan), reference, rtol=0, atol=0)
+        # Twice dropped, then a prefetch that is used: each call's messages still match the peers'.
+        prefetch_kv(k, v, plan)
+        prefetch_kv(k, v, plan)
+        kept = prefetch_kv(k, v, plan)
+        torch.testing.assert_close(fcp_attn_func(q, k, v, plan, prefetched=kept), reference, rtol=0, atol=0)
+        return True
+    return task
+
+
+def test_a_dropped_prefetch_is_drained_and_never_hangs():
+    plan = compile_plan(LENGTHS, 2, block_size=128, coalesce=2)
+    assert run_ranks(2, _drop_prefetch(plan.to_bytes()), timeout=60) == [True, True]
