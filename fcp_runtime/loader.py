@@ -20,11 +20,28 @@ from fcp_runtime.stage_calls import prepare_host
 _RESERVED = ("plan", "lengths", "rows", "token_index", "position_ids", "inputs_digest", "mask")
 
 
+def _check_like_first(doc_idx: int, name: str, tensor: torch.Tensor, earlier: list[torch.Tensor]) -> None:
+    """A field's tensor must have document 0's dtype and per-token shape: concatenating would otherwise promote
+    (int64 token ids to floats) or fail inside torch."""
+    if not earlier:
+        return
+    first = earlier[0]
+    if tensor.dtype != first.dtype:
+        raise ValueError(f"document {doc_idx}'s field {name!r} is {tensor.dtype}; document 0's is {first.dtype} "
+                         f"(give every document's {name!r} one dtype)")
+    if tensor.shape[1:] != first.shape[1:]:
+        raise ValueError(f"document {doc_idx}'s field {name!r} has per-token shape {tuple(tensor.shape[1:])}; "
+                         f"document 0's has {tuple(first.shape[1:])}")
+
+
 def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor]], list | None]:
     """Each document's length, its per-token tensors by name, and its mask (None when no document gives one)."""
     lengths, fields, masks = [], {}, []
     for doc_idx, document in enumerate(documents):
         item = document if isinstance(document, Mapping) else {"tokens": document}
+        odd = [name for name in item if not isinstance(name, str)]
+        if odd:
+            raise ValueError(f"document {doc_idx} has a field named {odd[0]!r}; field names must be strings")
         if doc_idx == 0:
             names = sorted(name for name in item if name != "mask")
             fields = {name: [] for name in names}
@@ -38,6 +55,7 @@ def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor
             raise ValueError(f"document {doc_idx}'s per-token fields differ in length: {rows}")
         length = next(iter(rows.values()), 0)
         for name in fields:
+            _check_like_first(doc_idx, name, item[name], fields[name])
             fields[name].append(item[name])
         lengths.append(length)
         if isinstance(item.get("mask"), torch.Tensor):

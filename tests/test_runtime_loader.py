@@ -50,6 +50,14 @@ def test_collate_refuses_documents_whose_fields_disagree():
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0]}, {"labels": DOCUMENTS[1]}])
     with pytest.raises(ValueError, match="document field 'rows' must be a per-token tensor and not one of"):
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "rows": DOCUMENTS[0]}])  # the output's own key
+    # Fields of one name keep one dtype and per-token shape (no silent promotion of token ids to floats), and are
+    # named by strings.
+    with pytest.raises(ValueError, match="document 1's field 'tokens' is torch.float32; document 0's is torch.int64"):
+        PlanningCollate(0, 4)([DOCUMENTS[0], DOCUMENTS[1].float()])
+    with pytest.raises(ValueError, match=r"document 1's field 'x' has per-token shape \(3,\); document 0's has \(2,\)"):
+        PlanningCollate(0, 4)([{"x": torch.zeros(5, 2)}, {"x": torch.zeros(6, 3)}])
+    with pytest.raises(ValueError, match="document 0 has a field named 7; field names must be strings"):
+        PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], 7: DOCUMENTS[0]}])
     with pytest.raises(ValueError, match="document 0's field 'mask' is a tensor; 'mask' is reserved"):
         PlanningCollate(0, 4)([{"tokens": DOCUMENTS[0], "mask": torch.ones(700, dtype=torch.bool)}])
 
