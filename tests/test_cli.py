@@ -181,3 +181,17 @@ def test_the_summary_inspect_and_the_header_agree_on_stages_and_rounds(capsys, t
     columns = dict(zip(re.split(r"\s{2,}", table_header.strip()), table_row.split()))
     assert columns["stages fwd/bwd"] == stages and columns["pull rounds"] == str(header.num_rounds)
     assert f"fwd {header.num_fwd_rounds} (at least" in summary and f"bwd {header.num_bwd_rounds} (at least" in summary
+
+
+def test_every_compile_option_is_documented_in_usage():
+    """The README says every option is in docs/USAGE.md: each of fcp compile's is in its options table."""
+    import typer
+
+    from cli import app
+
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text()
+    table = usage[usage.index("## `fcp compile` options"):usage.index("## Compile statistics")]
+    command = typer.main.get_command(app).commands["compile"]
+    flags = {opt for param in command.params for opt in param.opts if opt.startswith("--") and opt != "--help"}
+    missing = sorted(flag for flag in flags if f"`{flag}" not in table and f"/`{flag}" not in table)
+    assert not missing, missing
