@@ -64,7 +64,7 @@ def _floor_line(stats: dict) -> list[str]:
     if last is not None:  # the winner again with its backward's pulled-K,V tiles out of the last stage
         other = f"{last['out_of_last_stage_s'] * 1e3:.1f} ms" if last["out_of_last_stage_s"] is not None else \
             f"over memory ({last['max_buffer_tokens']} tokens)"
-        scored.append(f"its backward's last stage: kept {last['kept']} (pulled-K,V tiles out of it {other})")
+        scored.append(f"{floor['winner']}'s backward last stage: {last['kept']} (pulled-K,V tiles out of it {other})")
     return [f"  floor: kept {kept_candidate(stats)} of {count} candidate{'s' if count != 1 else ''} scheduled (layer "
             f"fwd + bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
 
