@@ -395,3 +395,23 @@ def test_a_plan_over_the_default_memory_budget_warns_in_one_line(tmp_path, capsy
     code, _, err = run(capsys, "compile", ROOT / "traces" / "paper_lognormal_64gpu.json", "--gpus", 8, "-o", plan,
                        "-q", "--memory-budget", "none")
     assert code == 0 and err == ""
+
+
+def test_more_rank_stages_than_a_reader_bounds_are_refused_by_compile_and_by_readers(tmp_path, capsys, monkeypatch):
+    """A plan whose ranks x stages pass the bound would make the simulator's and validator's per-stage tables grow
+    with it (1,024 ranks x 20,100 stages took 2.9 GB): every reader refuses it from its header, and the compiler
+    does not write one."""
+    from fcp_compiler.format import plan_format
+    from fcp_compiler.format.plan_format import PlanReader
+
+    plan = tmp_path / "p.fcp"
+    assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
+    header = PlanReader(str(plan)).header
+    cells = 8 * (header.num_fwd_stages + header.num_bwd_stages)
+    monkeypatch.setattr(plan_format, "MAX_RANK_STAGES", cells - 1)
+    for command in ("validate", "simulate", "inspect"):
+        expect_one_line(capsys, [command, plan], f"= {cells:,} rank-stages, more than the {cells - 1:,}")
+    monkeypatch.setattr("fcp_compiler.core.passes.encode.MAX_RANK_STAGES", 8)
+    expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "-o", tmp_path / "q.fcp", "--no-floor"],
+                    "give a larger --block-size or --coalesce")
+    assert not (tmp_path / "q.fcp").exists()

@@ -57,6 +57,9 @@ MAX_BLOCK_SIZE = 2**20  # the largest block, in tokens
 MAX_COALESCE = 2**16  # forward rounds a stage (the backward's: twice); the compiler writes no more
 MAX_HEADER_BYTES = 2**26
 MAX_BYTES = 2**50  # the most bytes of device memory a header may claim for a rank
+# The most (rank, stage) cells of both passes a plan may have: the simulator and the validator keep per-stage tables
+# of every rank (a float64 table of this many cells is 64 MiB), so a reader's memory stays bounded by it.
+MAX_RANK_STAGES = 2**23
 _HEX = re.compile(r"[0-9a-f]*")
 _PREFIX = len(MAGIC) + 4 + 32  # magic, header length, sha256 of the header
 _ARRAY_DTYPE = np.dtype("<i4")
@@ -81,6 +84,12 @@ RANK_ARRAYS = (
     "bwd_push_send_round", "bwd_push_send_pull", "bwd_push_recv_round", "bwd_push_recv_pull",
 )
 GLOBAL_ARRAYS = ("seq_lengths", "seq_window", "seg_block", "seg_seq", "seg_start", "seg_end")
+
+
+def rank_stages_message(num_ranks: int, num_stages: int, cells: int) -> str:
+    """Why a plan of `num_ranks` ranks and `num_stages` stages (both passes) is too large to read in bounded memory."""
+    return (f"{num_ranks} ranks x {num_stages} stages (forward and backward) = {cells:,} rank-stages, more than the "
+            f"{MAX_RANK_STAGES:,} fcp simulates and validates in bounded memory")
 
 
 class PlanHeader(BaseModel):
@@ -166,6 +175,8 @@ class PlanHeader(BaseModel):
             if rounds > most_rounds or stages > rounds // per_stage + 2:
                 raise ValueError(f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
                                  f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")
+        if (cells := self.num_ranks * (self.num_fwd_stages + self.num_bwd_stages)) > MAX_RANK_STAGES:
+            raise ValueError(rank_stages_message(self.num_ranks, self.num_fwd_stages + self.num_bwd_stages, cells))
         if self.num_rounds > self.num_fwd_rounds or self.num_blocks > self.total_tokens:
             raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
                              f"holds")
