@@ -138,9 +138,6 @@ def compile_command(
         if stats is not None:
             raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
                                     f"and each plan carries its own figures (fcp inspect)")
-        if output is not None and output.suffix == ".fcp" and not output.is_dir():
-            raise InvalidInputError(f"-o {str(output)!r} names a plan file, but a .jsonl of batches compiles into a "
-                                    f"folder of plans: give a folder (e.g. -o {output.stem}_plans/)")
         _bulk(batch, output or Path(f"{batch.stem}_plans"), jobs, quiet, options)
         return
     if jobs is not None:
@@ -206,6 +203,9 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
 
     if jobs is not None and jobs < 1:
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
+    if out_dir.suffix == ".fcp" and not out_dir.is_dir():
+        raise InvalidInputError(f"-o {str(out_dir)!r} names a plan file, but a .jsonl of batches compiles into a "
+                                f"folder of plans: give a folder (e.g. -o {out_dir.stem}_plans/)")
     batches = read_jsonl(batch)
 
     counts = [0, len(batches)]

@@ -9,6 +9,7 @@ liveness rule, and :func:`recording` logs every post, tile, wait, allocation and
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -691,7 +692,8 @@ def _halves(dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
 def _reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:
     """Move per-token rows between the user layout and the plan layout with one all_to_all_single."""
     gather, scatter = plan.indices_on(x.device)
-    flat = x.reshape(x.shape[0], -1)  # [T] (token ids, labels) as [T, 1]: flatten(1) needs a second dimension
+    # [T] (token ids, labels) as [T, 1]: flatten(1) needs a second dimension (and reshape(T, -1) a non-empty x).
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))
     if to_plan:
         send, recv_rows, split_in, split_out, where = gather, plan.plan_tokens, plan.send_splits, \
             plan.recv_splits, scatter
