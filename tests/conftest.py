@@ -14,6 +14,15 @@ settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def cases_by_layout(cases, long=(), layouts=("plan", "user")):
+    """(case, layout) parameters of every case in each layout, ids "name-layout"; those named in `long` (as
+    "name-layout") run with the long tests (`python -m pytest -m long`, .ci/run's second step): the suite keeps
+    one layout of a case where the other adds little of its own."""
+    return [pytest.param(case, layout, id=f"{case[0]}-{layout}",
+                         marks=pytest.mark.long if f"{case[0]}-{layout}" in long else ())
+            for case in cases for layout in layouts]
+
+
 def run_cli(capsys, *args):
     """Run the fcp command in process; (exit code, stdout, stderr)."""
     from cli import main

@@ -47,8 +47,8 @@ def _assert_trains_alike(setup: Setup, bounds: dict) -> None:
     assert _worst_weight(four[0]["state"], state_of(setup.model("sdpa")[0])) > 100 * bounds["reference_weights"]
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", "plan"), ("llama", "user"), ("qwen2", "plan"),
-                                         ("qwen2", "user")])
+@pytest.mark.parametrize("arch,layout", [("llama", "plan"), pytest.param("llama", "user", marks=pytest.mark.long),
+                                         pytest.param("qwen2", "plan", marks=pytest.mark.long), ("qwen2", "user")])
 def test_fp64_training_on_4_ranks_equals_one_rank_and_hf_attention(arch, layout):
     _assert_trains_alike(Setup(arch=arch, layout=layout), FP64)
 
@@ -243,6 +243,7 @@ def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
 # --- torch.compile -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_a_compiled_model_equals_eager_with_no_graph_break_and_no_recompile_over_new_plans():
     import torch._dynamo as dynamo
 

@@ -179,6 +179,7 @@ def test_the_bound_is_never_above_the_exact_optimum_of_small_instances(count):
     assert binding["communication"] >= count // 20  # the communication term is exercised, not only the mean
 
 
+@pytest.mark.long
 def test_the_bound_is_never_above_any_planners_simulated_layer_makespan():
     lengths = [3000, 700, 90, 1500, 260, 1200, 5000, 64]
     for planner in ("fcp", "ring", "bytescale", "wlbllm", "magi"):

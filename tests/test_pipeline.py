@@ -71,7 +71,7 @@ def test_stats_hold_every_documented_key(small_plan):
 
 
 @pytest.mark.parametrize("name,gpus", [("paper_lognormal_64gpu", 64), ("paper_lognormal_128gpu", 128),
-                                       ("paper_lognormal_256gpu", 256)])
+                                       pytest.param("paper_lognormal_256gpu", 256, marks=pytest.mark.long)])
 def test_shipped_paper_traces_are_balanced(name, gpus):
     batch = load_batch(ROOT / "traces" / f"{name}.json")
     # The default objective, each rank's layer time: linear layers on its tokens plus modelled tiles within 2% of

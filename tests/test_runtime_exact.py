@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import compile_own  # noqa: E402
+from conftest import cases_by_layout, compile_own  # noqa: E402
 from runtime_harness import compare_with_reference, run_ranks  # noqa: E402
 
 from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func  # noqa: E402
@@ -36,10 +36,12 @@ SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, 
                                                           "gpus_per_node": 2})
 RELAYED = [  # (name, lengths, gpus, block, coalesce, mask, zigzag, layout)
     ("relayed-6-ranks-plan", [752, 2962, 580, 999], 6, 128, 2, "causal", "auto", "plan"),
-    ("relayed-6-ranks-user", [752, 2962, 580, 999], 6, 128, 2, "causal", "auto", "user"),
+    pytest.param(("relayed-6-ranks-user", [752, 2962, 580, 999], 6, 128, 2, "causal", "auto", "user"),
+                 marks=pytest.mark.long),
     ("relayed-8-ranks-plan", [563, 209, 3467, 1669, 298, 1939], 8, 128, 2, "causal", "off", "plan"),
     ("relayed-8-ranks-user", [953, 557, 554], 8, 128, 2, "causal", "off", "user"),
-    ("relayed-full-8-ranks-user", [3699, 3885], 8, 128, 2, "full", "off", "user"),
+    pytest.param(("relayed-full-8-ranks-user", [3699, 3885], 8, 128, 2, "full", "off", "user"),
+                 marks=pytest.mark.long),
 ]
 BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto", 4, 2,
               torch.float64, planner) for planner in ("ring", "bytescale", "wlbllm", "magi")
@@ -59,8 +61,8 @@ def _compile(case, layout):
     return plan
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case, layout", cases_by_layout(CASES, long={"zigzag-8-ranks-fp32-user",
+                                                                     "causal-8-ranks-fp64-user"}))
 def test_output_and_gradients_equal_dense_reference(case, layout):
     name, lengths, gpus, _, _, mask, _, hq, hkv, dtype, *_ = case
     plan = _compile(case, layout)
@@ -117,8 +119,9 @@ FLASH_CASES = [case for case in CASES if case[0] in ("mixed-causal-fp64", "mixed
                                                      "causal-4-ranks-bf16")]
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
-@pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
+# The user layout of every case but the one whose tiles run during the reshuffle is in the long tests.
+@pytest.mark.parametrize("case, layout", cases_by_layout(FLASH_CASES, long={
+    f"{c[0]}-user" for c in FLASH_CASES if c[0] != "mixed-causal-fp64"}))
 def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
     name, lengths, gpus, _, _, mask, _, hq, hkv, dtype, *_ = case
     plan = _compile(case, layout)
@@ -131,7 +134,7 @@ def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
         assert 0 < num_calls <= 2 * (header.num_fwd_stages + header.num_bwd_stages + 1)
 
 
-@pytest.mark.parametrize("case", RELAYED, ids=[c[0] for c in RELAYED])
+@pytest.mark.parametrize("case", RELAYED, ids=[(c.values[0] if hasattr(c, "values") else c)[0] for c in RELAYED])
 def test_plans_with_relays_replay_exactly(case):
     _, lengths, gpus, block, coalesce, mask, zigzag, layout = case
     plan = compile_own(lengths, gpus, block_size=block, coalesce=coalesce, mask=mask, zigzag=zigzag,
@@ -196,8 +199,14 @@ def _fan_out_plan(case, layout):
     return plan
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
-@pytest.mark.parametrize("case", FAN_OUT, ids=[(c.values[0] if hasattr(c, "values") else c)[0] for c in FAN_OUT])
+# One layout of each in the suite, the other in the long tests (with the 16-rank, 4-per-node case).
+@pytest.mark.parametrize("case, layout", [
+    pytest.param(FAN_OUT[0], "plan", id="fan-out-8-ranks-2-per-node-plan"),
+    pytest.param(FAN_OUT[0], "user", id="fan-out-8-ranks-2-per-node-user", marks=pytest.mark.long),
+    *[pytest.param(FAN_OUT[1].values[0], layout, id=f"fan-out-16-ranks-4-per-node-{layout}", marks=pytest.mark.long)
+      for layout in ("plan", "user")],
+    pytest.param(FAN_OUT[2], "plan", id="fan-out-full-16-ranks-2-per-node-plan", marks=pytest.mark.long),
+    pytest.param(FAN_OUT[2], "user", id="fan-out-full-16-ranks-2-per-node-user")])
 def test_plans_with_node_fan_out_replay_exactly(case, layout):
     _, lengths, gpus, _, _, mask, _ = case
     plan = _fan_out_plan(case, layout)

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import compile_valid  # noqa: E402
+from conftest import cases_by_layout, compile_valid  # noqa: E402
 from runtime_harness import compare_with_reference, run_ranks  # noqa: E402
 
 from flash_attn_standin import _flash_attn_varlen_backward, flash_attn_varlen_func  # noqa: E402
@@ -31,8 +31,8 @@ def _plan(masks, gpus, block, coalesce, layout):
     return compile_valid(batch, gpus, block_size=block, coalesce=coalesce, layout=layout), batch.windows()
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case, layout", cases_by_layout(CASES, long={"window-200-2-ranks-user",
+                                                                     "mixed-4-ranks-user"}))
 def test_windowed_and_mixed_batches_equal_dense_reference(case, layout):
     _, masks, gpus, block, coalesce = case
     plan, windows = _plan(masks, gpus, block, coalesce, layout)
@@ -58,7 +58,7 @@ class _WindowFlash(FlashAttnKernels):
         return super().backward(*args)
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
+@pytest.mark.parametrize("layout", ["plan", pytest.param("user", marks=pytest.mark.long)])
 def test_flash_attn_call_sites_pass_the_window_and_are_exact(layout):
     kernels = _WindowFlash()
     plan, windows = _plan(MIXED, 4, 256, 2, layout)

@@ -214,6 +214,7 @@ def test_exposed_comm_is_the_message_time_on_each_passs_critical_path():
         assert figures[f"max_rank_idle_{key}_s"] == float((result.end - result.busy).max())
 
 
+@pytest.mark.long
 def test_ablation_never_loses_and_ends_at_least_twice_the_base():
     steps = run_ablation(load_batch(ROOT / "traces" / "paper_lognormal_128gpu.json"), CompileOptions.of(128))
     assert [s["name"] for s in steps] == ["base", "pipeline", "solver", "coalescer", "reshuffler", "plan layout"]
