@@ -27,8 +27,13 @@ def _worker_start() -> None:
         pass
 
 
-def _terminate(signum, frame):
-    raise KeyboardInterrupt
+def _request_stop(signum, frame) -> None:
+    """The parent's Ctrl-C and SIGTERM while workers run: noted, and acted on between waits, where no pool state is
+    half updated (an exception raised inside the pool's own calls can leave its threads unable to shut down)."""
+    _STOP["signal"] = signum
+
+
+_STOP: dict = {"signal": None}
 
 
 def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = None) -> Iterator:
@@ -46,8 +51,9 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
     if processes == 1:
         yield from map(function, jobs)
         return
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
-        else None
+    _STOP["signal"] = None
+    previous = {stop: signal.signal(stop, _request_stop) for stop in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
     context = multiprocessing.get_context("fork")
     # Each job's state as its worker sets it (1 running, 2 done), shared with the forked workers: when one dies, the
     # jobs still marked running are the ones in flight, its own among them.
@@ -59,6 +65,8 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
         while pending:
             # A bounded wait: the parent's signal handlers run between waits, whatever the workers do.
             done, _ = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+            if _STOP["signal"] is not None:
+                raise KeyboardInterrupt
             for future in done:
                 job = pending.pop(future)
                 try:
@@ -73,14 +81,18 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
                 yield result
         finished = True
     finally:
+        manager = getattr(executor, "_executor_manager_thread", None)
         if not finished:
             _kill_workers(executor)
         executor.shutdown(wait=finished, cancel_futures=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if manager is not None:  # gone before the interpreter exits (its exit hook would wake a closed pipe)
+            manager.join(timeout=MANAGER_JOIN_SECONDS)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
 
 
 POLL_SECONDS = 0.5
+MANAGER_JOIN_SECONDS = 10.0  # the pool's manager thread ends once its killed workers are reaped
 _RUNNING: dict = {}  # the map's job states and function, inherited by its forked workers
 
 
