@@ -140,8 +140,8 @@ def test_plans_with_smaller_backward_stages_validate_and_replay_exactly(seed, gp
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
 
 
-@pytest.mark.parametrize("layout", ["plan", "user"])
-@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("layout, seed", [("plan", 0), ("user", 3), pytest.param("user", 0, marks=pytest.mark.long),
+                                          pytest.param("plan", 3, marks=pytest.mark.long)])
 def test_the_busy_bound_never_exceeds_the_simulated_layer_of_any_schedule_of_the_placement(layout, seed):
     """The floor skips a placement whose busiest rank alone outlasts the best plan so far: the bound must hold for
     every schedule of it, whatever the stage sizes, fan-out or model."""

@@ -43,9 +43,11 @@ RELAYED = [  # (name, lengths, gpus, block, coalesce, mask, zigzag, layout)
     pytest.param(("relayed-full-8-ranks-user", [3699, 3885], 8, 128, 2, "full", "off", "user"),
                  marks=pytest.mark.long),
 ]
-BASELINES = [(f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto", 4, 2,
-              torch.float64, planner) for planner in ("ring", "bytescale", "wlbllm", "magi")
-             for mask in ("causal", "full")]
+# Each baseline's causal plan in the suite, its full-mask plan with the long tests.
+BASELINES = [pytest.param((f"baseline-{planner}-{mask}", [700, 90, 1500, 33, 260, 1200, 64], 4, 256, 2, mask, "auto",
+                           4, 2, torch.float64, planner), id=f"baseline-{planner}-{mask}",
+                          marks=pytest.mark.long if mask == "full" else ())
+             for planner in ("ring", "bytescale", "wlbllm", "magi") for mask in ("causal", "full")]
 
 
 def _compile(case, layout):
@@ -75,7 +77,7 @@ def test_output_and_gradients_equal_dense_reference(case, layout):
     assert calls == [0] * gpus if layout == "plan" else calls == [4] * gpus
 
 
-@pytest.mark.parametrize("case", BASELINES, ids=[c[0] for c in BASELINES])
+@pytest.mark.parametrize("case", BASELINES)
 def test_baselines_replay_exactly(case):
     _, lengths, gpus, _, _, mask, _, hq, hkv, dtype, *_ = case
     plan = _compile(case, "plan")
@@ -147,7 +149,9 @@ def test_plans_with_relays_replay_exactly(case):
 ORDER_CASES = [CASES[1], CASES[5], ("relayed",) + RELAYED[2][1:]]
 
 
-@pytest.mark.parametrize("case", ORDER_CASES, ids=["mixed-full", "causal-8-ranks", "relayed-8-ranks"])
+@pytest.mark.parametrize("case", [pytest.param(ORDER_CASES[0], id="mixed-full", marks=pytest.mark.long),
+                                  pytest.param(ORDER_CASES[1], id="causal-8-ranks", marks=pytest.mark.long),
+                                  pytest.param(ORDER_CASES[2], id="relayed-8-ranks")])
 def test_replay_is_exact_when_messages_match_by_posting_order_as_in_nccl(case):
     """Every tag 0: gloo then pairs each rank pair's messages in posting order, as NCCL does, so a difference in
     the order the two ends post would mismatch sizes or data."""

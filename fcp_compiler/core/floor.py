@@ -60,8 +60,8 @@ EQUAL_CHUNKS = (Placement.GREEDY, Placement.MAGI)  # the placements of MagiAtten
 # each link class; a rule measured, not a bound: on the 54 batches of benchmarks/layer_objective.py's matrix (64 and
 # 256 GPUs, seeds 0-2) every fan-out candidate that fit the budget took in at most 1.38 budgets on its busiest
 # receiver (the winners at most 0.78), and every one above 1.45 came out over it at every stage size the floor
-# tries. Leaving out those above 2 changed no plan and made the 256-GPU matrix compile 6% faster (docs/RESULTS.md,
-# issue 34's eleventh steps).
+# tries. Leaving out those above 2 changed no plan and made the 256-GPU matrix compile 6% faster (measured with
+# benchmarks/compile_matrix.py; the step's record is in the git history of docs/RESULTS.md).
 FAN_OUT_MOST_RECEIVED = 2
 
 
@@ -131,7 +131,7 @@ def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = Tr
     The attention-alone placement (its joint compute/traffic search) is tried only where the looser tolerances are
     not: beside the layer placements at three tolerances it won 1 of the 54 batches of benchmarks/layer_objective.py's
     matrix, by 0.04% (ProLong at 256 GPUs, seed 1), while its search and schedule took 15-26% of the compile time
-    (docs/RESULTS.md, issue 34's fourth steps); the other 53 plans stay byte-identical without it.
+    (benchmarks/compile_matrix.py); the other 53 plans stay byte-identical without it.
 
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).

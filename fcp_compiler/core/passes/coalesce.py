@@ -19,7 +19,7 @@ from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, T
 # Live buffer tokens levelling may make a rank hold, in stages' worth of pulls (coalesce x block size), in either
 # pass. The backward is levelled too since node fan-out: its pulls land a stage after their entry's, and without
 # levelling their tiles bunched up (the MagiAttention-histogram batch at 256 GPUs: backward normalized MFU 0.69
-# unlevelled, 0.86 with 2 stages). Under the floor's 4cB memory budget (issue 31), 3 stages against 2 made the
+# unlevelled, 0.86 with 2 stages). Under the floor's 4cB memory budget, 3 stages against 2 made the
 # matrix's layer time 0.5% faster (geometric mean of 54 batches; 25 faster by up to 3.3%, 4 slower: one by 0.3%,
 # three by at most 0.05%). Levelling bounds the pulled blocks its delays keep live, not the gradients pushed back to their owners,
 # which land later with the delayed tiles (nor pushes that then find a free round later still: 41 of 6,662 on the
