@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 
 
+@pytest.mark.long
 def test_the_dry_run_passes_and_prints_the_table(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)

@@ -67,7 +67,9 @@ def test_a_compare_whose_worker_dies_exits_2_in_one_line(tmp_path):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# Ctrl-C takes the same path in map_on_cores (tests/test_bulk_and_api.py sends both to a bulk compile).
+@pytest.mark.parametrize("stop", [pytest.param(signal.SIGINT, marks=pytest.mark.long), signal.SIGTERM],
+                         ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_sigterm_ends_a_compare_and_its_workers(tmp_path, stop):
     process = _run_compare_script(tmp_path, """
         import sys, time

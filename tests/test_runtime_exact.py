@@ -121,9 +121,11 @@ FLASH_CASES = [case for case in CASES if case[0] in ("mixed-causal-fp64", "mixed
                                                      "causal-4-ranks-bf16")]
 
 
-# The user layout of every case but the one whose tiles run during the reshuffle is in the long tests.
+# The user layout of every case but the one whose tiles run during the reshuffle is in the long tests, and so are
+# the 2-rank cases (the exact kernel replays them in the suite).
 @pytest.mark.parametrize("case, layout", cases_by_layout(FLASH_CASES, long={
-    f"{c[0]}-user" for c in FLASH_CASES if c[0] != "mixed-causal-fp64"}))
+    f"{c[0]}-user" for c in FLASH_CASES if c[0] != "mixed-causal-fp64"} | {
+    "plain-causal-2-ranks-plan", "full-fp32-2-ranks-plan"}))
 def test_flash_attn_call_sites_on_the_contract_stand_in_are_exact(case, layout):
     name, lengths, gpus, _, _, mask, _, hq, hkv, dtype, *_ = case
     plan = _compile(case, layout)

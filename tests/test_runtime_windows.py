@@ -32,7 +32,7 @@ def _plan(masks, gpus, block, coalesce, layout):
 
 
 @pytest.mark.parametrize("case, layout", cases_by_layout(CASES, long={"window-200-2-ranks-user",
-                                                                     "mixed-4-ranks-user"}))
+                                                                     "mixed-4-ranks-user", "window-1000-4-ranks-user"}))
 def test_windowed_and_mixed_batches_equal_dense_reference(case, layout):
     _, masks, gpus, block, coalesce = case
     plan, windows = _plan(masks, gpus, block, coalesce, layout)
