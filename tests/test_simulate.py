@@ -441,3 +441,15 @@ def test_a_plans_tiles_are_found_in_its_tile_set_as_a_search_would_find_them():
     repeated = dataclasses.replace(stacked, arrays=arrays)
     found = _stack_tiles(repeated, tiles, False)[0]
     assert found[1] == found[0] and np.array_equal(np.delete(found, 1), np.delete(np.searchsorted(keys, wanted), 1))
+
+
+def test_last_of_most_is_the_end_of_each_groups_run_in_a_lexsort():
+    from fcp_compiler.algorithms.timeline import last_of_most
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        size = int(rng.integers(0, 60))
+        groups, values = rng.integers(0, 7, size), rng.integers(0, 4, size).astype(float)  # many ties
+        order = np.lexsort((values, groups))
+        expected = order[np.append(groups[order][1:] != groups[order][:-1], True)] if size else order
+        assert np.array_equal(last_of_most(groups, values), expected)
