@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
-from fcp_runtime.plan import LAYOUTS, Message, PassProgram, RankPlan, registered
+from fcp_runtime.plan import LAYOUTS, ORPHANED_PREFETCHES, Message, PassProgram, RankPlan, registered
 from fcp_runtime.stage_calls import LOCAL, KernelCall, RangeCall, arenas, merge_runs, prepare_calls, stage_calls
 
 
@@ -404,7 +404,7 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, ke
     return prefetched
 
 
-_ORPHANS = "orphaned_prefetches"  # a plan's cache entry: the posted messages of prefetches dropped unused
+_ORPHANS = ORPHANED_PREFETCHES  # a plan's cache entry: the posted messages of prefetches dropped unused
 
 
 def _orphan_if_unused(posted: _Posted, orphans: list) -> None:

@@ -63,6 +63,10 @@ class PassProgram:
     num_prefetched: int = 0
 
 
+# A plan's cache entry holding the posted messages of prefetches dropped unused (fcp_runtime.attention drains them).
+ORPHANED_PREFETCHES = "orphaned_prefetches"
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankPlan:
     """What one rank executes: its layout, reshuffle maps, pulls, tiles and pushes, as Python and torch objects."""
@@ -110,6 +114,13 @@ class RankPlan:
 
     def __post_init__(self):
         object.__setattr__(self, "handle", _register(self))
+
+    def __getstate__(self) -> dict:
+        """Pickled with its host caches, but not the posted messages of a dropped prefetch (this process's)."""
+        state = dict(self.__dict__)
+        state["_device_cache"] = {key: value for key, value in self._device_cache.items()
+                                  if key != ORPHANED_PREFETCHES}
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (from a DataLoader worker): registered in this process, under a handle of its own."""

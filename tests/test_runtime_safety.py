@@ -92,6 +92,9 @@ def _drop_prefetch(plan_bytes):
         reference = fcp_attn_func(q, k, v, load_rank_plan(plan_bytes, rank))
         prefetch_kv(k, v, plan)  # dropped at once, unused
         gc.collect()
+        import pickle
+
+        pickle.loads(pickle.dumps(plan))  # a plan holding a dropped prefetch's messages still pickles (without them)
         torch.testing.assert_close(fcp_attn_func(q, k, v, plan), reference, rtol=0, atol=0)
         # Twice dropped, then a prefetch that is used: each call's messages still match the peers'.
         prefetch_kv(k, v, plan)

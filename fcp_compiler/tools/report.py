@@ -400,10 +400,10 @@ def simulation_summary(figures: dict, trace=None) -> str:
 
 def _exposure_cells(figures: dict, key: str) -> list[str]:
     """A pass's exposed communication (ms) and its share of the makespan; "-" where no stage times were kept."""
-    exposed = figures[f"exposed_comm_{key}_s"]
+    exposed, share = figures[f"exposed_comm_{key}_s"], figures[f"exposed_comm_share_{key}"]
     if exposed is None:
         return ["-", "-"]
-    return [f"{exposed * 1e3:.2f}", percent(figures[f"exposed_comm_share_{key}"])]
+    return [f"{exposed * 1e3:.2f}", percent(share) if share is not None else "-"]
 
 
 def _path_ranks(ranks: list[int]) -> str:
