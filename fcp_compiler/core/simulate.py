@@ -154,13 +154,15 @@ class Simulation:
         }
 
     def _exposure(self) -> dict:
-        """Each attention pass's communication not hidden under compute (docs/DESIGN.md section 5): the message time
-        on its critical path (exposed_comm_*_s, None where stage times were not kept) and its share of the pass's
-        makespan; beside it the most time any one rank is idle in the pass (max_rank_idle_*_s), which also counts a
-        lightly loaded rank waiting for the rest."""
+        """Each attention pass's communication not hidden under compute (docs/DESIGN.md section 5): its makespan less
+        the computing on its critical path, i.e. the path's message time plus, in the user layout, the reshuffles
+        it waits for (exposed_comm_*_s, None where stage times were not kept), and its share of the makespan; beside
+        it the most time any one rank is idle in the pass (max_rank_idle_*_s), which also counts a lightly loaded
+        rank waiting for the rest."""
         figures = {}
         for key, result in (("fwd", self.forward), ("bwd", self.backward)):
-            exposed = critical_path(result.stages)["messages_s"] if result.stages is not None else None
+            exposed = max(result.makespan - critical_path(result.stages)["computing_s"], 0.0) \
+                if result.stages is not None else None
             figures[f"exposed_comm_{key}_s"] = exposed
             figures[f"exposed_comm_share_{key}"] = exposed / result.makespan if exposed is not None and \
                 result.makespan > 0 else None

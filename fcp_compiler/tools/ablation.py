@@ -77,8 +77,9 @@ def why_not_faster(before: dict, step: dict) -> str | None:
     simulations measured; None where both rose. Each such pass names the two things a pass's time is made of: the
     busiest rank's kernels (slower in more, smaller launches: a pipeline without coalescing runs each rank's tiles
     in a launch a stage as their data arrives, where the step without it runs them in one launch after the last
-    pull) and the message time on the pass's critical path; the reshuffler also says how many tiles can run during
-    the forward's input reshuffle (those whose tokens are on their rank in the user layout)."""
+    pull) and the pass's exposed communication (its critical path's messages and the reshuffles it waits for); the
+    reshuffler also says how many tiles can run during the forward's input reshuffle (those whose tokens are on their
+    rank in the user layout)."""
     passes = [key for key in ("fwd", "bwd") if step[f"normalized_mfu_{key}"] <= before[f"normalized_mfu_{key}"]]
     if not passes:
         return None
@@ -90,8 +91,8 @@ def why_not_faster(before: dict, step: dict) -> str | None:
                   f"{before[f'path_computing_{key}_s'] * 1e3:.1f} -> {step[f'path_computing_{key}_s'] * 1e3:.1f} ms "
                   f"computing across {before[f'path_ranks_{key}']} -> {step[f'path_ranks_{key}']} ranks (a stage "
                   f"waits for partners still computing the one before) and "
-                  f"{before[f'exposed_comm_{key}_s'] * 1e3:.1f} -> {step[f'exposed_comm_{key}_s'] * 1e3:.1f} ms on "
-                  f"messages")
+                  f"{before[f'exposed_comm_{key}_s'] * 1e3:.1f} -> {step[f'exposed_comm_{key}_s'] * 1e3:.1f} ms "
+                  f"waiting on communication (messages and reshuffles)")
         if step["name"] == "reshuffler":
             reason += (f"; {step['num_tiles_during_reshuffle']} of {step['num_tiles']} tiles have their tokens on "
                        f"their rank in the user layout, to run during the {step['reshuffle_fwd_s'] * 1e3:.1f} ms "

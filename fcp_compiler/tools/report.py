@@ -360,8 +360,9 @@ def simulation_summary(figures: dict, trace=None) -> str:
         [name, f"{figures[f'makespan_{key}_s'] * 1e3:.2f}", f"{figures[f'attention_mfu_{key}']:.3f}",
          f"{figures[f'normalized_mfu_{key}']:.3f}", *_exposure_cells(figures, key)]
         for name, key in (("forward", "fwd"), ("backward", "bwd"))]),
-        *(["  exposed comm: the message time on the pass's critical path (what the pass waited for, not hidden "
-           "under compute)"] if figures["exposed_comm_fwd_s"] is not None else []),
+        *(["  exposed comm: the makespan less the computing on the pass's critical path (its messages and, in the "
+           "user layout, its reshuffles: what the pass waited for)"] if figures["exposed_comm_fwd_s"] is not None
+          else []),
         f"  {len(busy_fwd)} ranks; forward busy {min(busy_fwd) * 1e3:.2f}-{max(busy_fwd) * 1e3:.2f} ms; "
         f"single-GPU efficiency on this batch {figures['single_gpu_efficiency']:.3f}"
         + (f"; trace in {trace}" if trace else "")]
