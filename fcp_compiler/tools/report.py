@@ -173,9 +173,10 @@ def memory_warning(stats: dict) -> str | None:
     if not memory or memory["met"] or memory["budget_bytes"] is None:
         return None
     peak = max(memory["peak_bytes_fwd"], memory["peak_bytes_bwd"])
+    budget = memory["budget_bytes"]
     return (f"fcp: warning: the plan's busiest rank peaks at {peak / 2**30:.2f} GiB, over the "
-            f"{memory['budget_bytes'] / 2**30:.2f} GiB device memory budget by {(peak - memory['budget_bytes']) / 2**30:.2f} "
-            f"GiB; it may not fit: give more GPUs or a smaller --block-size, or --memory-budget none to accept it")
+            f"{budget / 2**30:.2f} GiB device memory budget by {(peak - budget) / 2**30:.2f} GiB; it may not fit: "
+            f"give more GPUs or a smaller --block-size, or --memory-budget none to accept it")
 
 
 def compare_rows(rows: Sequence[dict]) -> str:
@@ -185,9 +186,9 @@ def compare_rows(rows: Sequence[dict]) -> str:
         return f"{row[f'fcp_speedup_{key}']:.2f}x" if row.get(f"fcp_speedup_{key}") else "-"
 
     planned = sorted((r for r in rows if not r.get("error")), key=lambda r: (r["gpus"], r["layer_rank"]))
-    lines = [table(["gpus", "rank", "method", "placement", "fan-out", "live buffers", "layer fwd ms", "layer bwd ms", "gap fwd",
-                    "gap bwd", "compute imb", "max rank bytes", "norm MFU fwd", "norm MFU bwd", "FCP speedup fwd",
-                    "bwd"],
+    lines = [table(["gpus", "rank", "method", "placement", "fan-out", "live buffers", "layer fwd ms", "layer bwd ms",
+                    "gap fwd", "gap bwd", "compute imb", "max rank bytes", "norm MFU fwd", "norm MFU bwd",
+                    "FCP speedup fwd", "bwd"],
                    [[r["gpus"], r["layer_rank"], r["method"], r.get("placement", r["method"]),
                      "on" if r.get("node_fan_out") else "off",
                      r.get("max_buffer_tokens", "-"), f"{r['layer_makespan_fwd_s'] * 1e3:.2f}",
@@ -200,8 +201,8 @@ def compare_rows(rows: Sequence[dict]) -> str:
     lines += [f"  not validated: {r['method']} at {r['gpus']} GPUs has more segment pairs than the validator enumerates "
               f"(scored as compiled)" for r in planned if r.get("validated") is False]
     lines += _ahead_of_fcp(planned)
-    lines.append("  placement: what each plan placed its blocks by; fcp's is the floor candidate it kept, which may be a "
-                 "baseline's placement (magi, greedy) where that simulated faster")
+    lines.append("  placement: what each plan placed its blocks by; fcp's is the floor candidate it kept, which may "
+                 "be a baseline's placement (magi, greedy) where that simulated faster")
     lines.append("  every baseline in the plan layout (tokens dispatched once, as their systems do); fcp in the plan "
                  "layout and, as fcp-user, in the user layout (reshuffles around attention)")
     return "\n".join(lines)

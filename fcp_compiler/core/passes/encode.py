@@ -8,8 +8,8 @@ from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.core.ir import Reshuffle
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.format.plan_format import (MAX_RANK_STAGES, RANK_ARRAYS, assemble_sections, encode_section, int32_bytes,
-                                             rank_stages_message)
+from fcp_compiler.format.plan_format import (MAX_RANK_STAGES, RANK_ARRAYS, assemble_sections, encode_section,
+                                             int32_bytes, rank_stages_message)
 
 
 class _RankSlicer:
