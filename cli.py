@@ -509,7 +509,7 @@ def diff_command(
         validate_plan(readers[1], background=True)
         result = diff_plans(*readers, tolerance)
     except PlanInvalidError as error:
-        result = invalid_after(readers[0], error)
+        result = invalid_after(error)
     if json_out:
         _write_json(json_out, result)
     typer.echo(diff_summary(result, plan_a, plan_b))

@@ -103,7 +103,7 @@ def test_memory_over_the_budget_and_an_invalid_b_are_regressions(tmp_path):
     # B that does not validate: the CLI's answer (exit 1), not an error.
     plan = tmp_path / "p.fcp"
     compile_plan([300, 200], 2, block_size=64).write(plan)
-    result = invalid_after(PlanReader(str(plan)), ValueError("rank 1's fwd peaks at 9 bytes"))
+    result = invalid_after(ValueError("rank 1's fwd peaks at 9 bytes"))
     assert result["regressed"] and "validation" in result["regressions"]
 
 

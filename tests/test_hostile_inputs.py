@@ -411,7 +411,7 @@ def test_more_rank_stages_than_a_reader_bounds_are_refused_by_compile_and_by_rea
     monkeypatch.setattr(plan_format, "MAX_RANK_STAGES", cells - 1)
     for command in ("validate", "simulate", "inspect"):
         expect_one_line(capsys, [command, plan], f"= {cells:,} rank-stages, more than the {cells - 1:,}")
-    monkeypatch.setattr("fcp_compiler.core.passes.encode.MAX_RANK_STAGES", 8)
+    monkeypatch.setattr(plan_format, "MAX_RANK_STAGES", 8)
     expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "-o", tmp_path / "q.fcp", "--no-floor"],
                     "give a larger --block-size or --coalesce")
     assert not (tmp_path / "q.fcp").exists()

@@ -392,7 +392,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
         layer_forward, layer_backward = forward, backward
     else:
         alone = layer_model is None  # attention alone is then the layer
-        # Stage times kept for each pass's critical path, whose message time is the exposed communication.
+        # Stage times kept for each pass's critical path: the makespan less its computing is the exposed communication.
         forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd",
                                 stage_times=True)
         backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,

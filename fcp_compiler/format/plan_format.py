@@ -86,8 +86,12 @@ RANK_ARRAYS = (
 GLOBAL_ARRAYS = ("seq_lengths", "seq_window", "seg_block", "seg_seq", "seg_start", "seg_end")
 
 
-def rank_stages_message(num_ranks: int, num_stages: int, cells: int) -> str:
-    """Why a plan of `num_ranks` ranks and `num_stages` stages (both passes) is too large to read in bounded memory."""
+def rank_stages_excess(num_ranks: int, num_stages: int) -> str | None:
+    """Why a plan of `num_ranks` ranks and `num_stages` stages (both passes) is too large to read in bounded memory
+    (more than MAX_RANK_STAGES), or None where it is not."""
+    cells = num_ranks * num_stages
+    if cells <= MAX_RANK_STAGES:
+        return None
     return (f"{num_ranks} ranks x {num_stages} stages (forward and backward) = {cells:,} rank-stages, more than the "
             f"{MAX_RANK_STAGES:,} fcp simulates and validates in bounded memory")
 
@@ -175,8 +179,8 @@ class PlanHeader(BaseModel):
             if rounds > most_rounds or stages > rounds // per_stage + 2:
                 raise ValueError(f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
                                  f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")
-        if (cells := self.num_ranks * (self.num_fwd_stages + self.num_bwd_stages)) > MAX_RANK_STAGES:
-            raise ValueError(rank_stages_message(self.num_ranks, self.num_fwd_stages + self.num_bwd_stages, cells))
+        if (excess := rank_stages_excess(self.num_ranks, self.num_fwd_stages + self.num_bwd_stages)) is not None:
+            raise ValueError(excess)
         if self.num_rounds > self.num_fwd_rounds or self.num_blocks > self.total_tokens:
             raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
                              f"holds")

@@ -159,7 +159,7 @@ def _regressions(fa: dict, fb: dict, budget: int | None, tolerance: float) -> di
     return regressions
 
 
-def invalid_after(a: PlanReader, error: Exception) -> dict:
+def invalid_after(error: Exception) -> dict:
     """The diff of a valid plan a against a plan b that does not validate: a regression, named by b's first broken
     invariant (b is not simulated: the simulator trusts only valid plans)."""
     regressions = {"validation": {"a": "valid", "b": str(error)}}

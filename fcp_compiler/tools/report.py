@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fcp_compiler.format.plan_format import PlanReader, RankProgram
+from fcp_compiler.tools.diff import TIME_FIGURES
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
@@ -198,8 +199,6 @@ def compare_rows(rows: Sequence[dict]) -> str:
                      speedup(r, "bwd")]
                     for r in planned])]
     lines += [f"  not planned: {r['method']} at {r['gpus']} GPUs: {r['error']}" for r in rows if r.get("error")]
-    lines += [f"  not validated: {r['method']} at {r['gpus']} GPUs has more segment pairs than the validator enumerates "
-              f"(scored as compiled)" for r in planned if r.get("validated") is False]
     lines += _ahead_of_fcp(planned)
     lines.append("  placement: what each plan placed its blocks by; fcp's is the floor candidate it kept, which may "
                  "be a baseline's placement (magi, greedy) where that simulated faster")
@@ -475,8 +474,7 @@ def diff_verdict(result: dict) -> str:
     regressions = result["regressions"]
     if not regressions:
         times = [f"{name.removeprefix('layer_makespan_').removesuffix('_s')} {_relative(result['figures'][name])}"
-                 for name in ("layer_makespan_fwd_s", "layer_makespan_bwd_s")
-                 if _relative(result["figures"].get(name, {}))]
+                 for name in TIME_FIGURES if _relative(result["figures"].get(name, {}))]
         time_note = f"; layer time {', '.join(times)}" if times else "; layer time unchanged"
         return f"changed, no regression ({len(result['figures'])} figures differ{time_note})"
     if "validation" in regressions:

@@ -8,8 +8,8 @@ from fcp_compiler.algorithms.keys import lexsort_ints
 from fcp_compiler.algorithms.ranges import expand_ranges
 from fcp_compiler.core.ir import Reshuffle
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.format.plan_format import (MAX_RANK_STAGES, RANK_ARRAYS, assemble_sections, encode_section,
-                                             int32_bytes, rank_stages_message)
+from fcp_compiler.format.plan_format import (RANK_ARRAYS, assemble_sections, encode_section, int32_bytes,
+                                             rank_stages_excess)
 
 
 class _RankSlicer:
@@ -153,10 +153,10 @@ def encode(plan: Reshuffle, header_fields: dict,
     Raises:
         InfeasibleError: more ranks x stages than a reader takes (MAX_RANK_STAGES).
     """
-    stages = header_fields["num_fwd_stages"] + header_fields["num_bwd_stages"]
-    if plan.num_ranks * stages > MAX_RANK_STAGES:  # what every reader refuses, refused before it is written
-        raise InfeasibleError(rank_stages_message(plan.num_ranks, stages, plan.num_ranks * stages)
-                              + ": give a larger --block-size or --coalesce")
+    # What every reader refuses (the header's bound), refused before it is written.
+    excess = rank_stages_excess(plan.num_ranks, header_fields["num_fwd_stages"] + header_fields["num_bwd_stages"])
+    if excess is not None:
+        raise InfeasibleError(f"{excess}: give a larger --block-size or --coalesce")
     out = _slicer(plan) if columns is None else _RankSlicer.of_columns(plan.num_ranks, columns)
     del columns
     sections = [encode_section(out.rank(rank)) for rank in range(plan.num_ranks)]
