@@ -378,28 +378,13 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     tile_rank = fwd_input.tile_rank
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
-    # Attention alone is recorded only when there is no layer around it to record.
-    attention_record = record and layer_model is None
     rank_tokens = _layer_tokens(header, tables, stacked)
     phases = LayerCosts.of(layer_model, profile).phases(rank_tokens)
     prefetch = header.kv_prefetch if kv_prefetch is None else kv_prefetch
     # Attention alone has no projection to overlap.
     kv_ready = phases["fwd_kv"] if prefetch and header.layout is Layout.PLAN and layer_model is not None else None
-    # The layer passes keep their stage times for the critical path (Simulation.figures) in a full simulation.
-    if layer_model is not None and not attention_alone:
-        forward, backward = _layer_passes(fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record,
-                                          stage_times=False, kv_ready=kv_ready)
-        layer_forward, layer_backward = forward, backward
-    else:
-        alone = layer_model is None  # attention alone is then the layer
-        # Stage times kept for each pass's critical path: the makespan less its computing is the exposed communication.
-        forward = simulate_pass(fwd_input, links, header.reshuffle_overlap, attention_record, 0.0, "fwd",
-                                stage_times=True)
-        backward = simulate_pass(bwd_input, links, header.reshuffle_overlap, attention_record, forward.makespan,
-                                 "bwd", stage_times=True)
-        layer_forward, layer_backward = (forward, backward) if alone else _layer_passes(
-            fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, stage_times=True,
-            kv_ready=kv_ready)
+    (forward, backward), (layer_forward, layer_backward) = _simulate_passes(
+        fwd_input, bwd_input, links, header.reshuffle_overlap, phases, record, layer_model, attention_alone, kv_ready)
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
@@ -415,6 +400,37 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       hbm_bytes_per_s=profile.hbm_gbps * 1e9)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PlanArrays:
+    """What both passes' timing-model inputs read from a plan's stacked ranks (:func:`_pass_inputs`): its tiles
+    (index in the tile set, rank, those run during the input reshuffle, names when recorded), their segment pairs
+    grouped into each pass's launches and the pairs' kinds, and the pulls each rank receives."""
+
+    header: object
+    stacked: StackedRanks
+    tiles: TileSet
+    tile_idx: np.ndarray
+    tile_rank: np.ndarray
+    early: np.ndarray
+    tile_names: list | None
+    pairs: tuple | None
+    groups: dict
+    kinds: tuple | None
+    pull_tokens: np.ndarray  # float64, tokens of each received pull
+    pull_names: list | None
+
+    def rounds_per_stage(self, prefix: str) -> int:
+        """Pull rounds a stage of the pass."""
+        return self.header.coalesce if prefix == "fwd" else self.header.bwd_coalesce
+
+    def pushes(self, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        """Each push of the pass: its stage and its pull's row among the stacked received pulls."""
+        a, stacked = self.stacked.arrays, self.stacked
+        push_round, sender = a[f"{prefix}_push_send_round"], stacked.rank_of(f"{prefix}_push_send_round")
+        return (push_round // self.rounds_per_stage(prefix),
+                a[f"{prefix}_push_send_pull"] + stacked.base("pull_recv_round")[sender])
+
+
 def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool,
                  pairs: tuple | None = None, kinds: tuple | None = None):
     """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
@@ -422,7 +438,7 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
     reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`: pair_kinds of them, when the caller holds them).
     Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves outside the
     kernels)."""
-    n, shape = header.num_ranks, header.shape
+    shape = header.shape
     tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
     # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
     # blocks).
@@ -437,61 +453,86 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
     seconds = coalesced_seconds(tiles, tile_idx, tile_rank, fwd_launch, profile, pairs, groups["fwd"])
     bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs, groups["bwd"])
     a = stacked.arrays
-    r_round, r_me = a["pull_recv_round"], stacked.rank_of("pull_recv_round")
-    r_bwd_round, r_kind, r_block, r_peer = (a[f"pull_recv_{name}"] for name in ("bwd_round", "kind", "block", "peer"))
+    r_kind, r_block = a["pull_recv_kind"], a["pull_recv_block"]
     recv_tokens = stacked.pull_tokens("recv")
     r_tokens = recv_tokens.astype(np.float64)
-    recv_base = stacked.base("pull_recv_round")
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
         if record else None
-
-    def rounds_per_stage(prefix):
-        return header.coalesce if prefix == "fwd" else header.bwd_coalesce
-
-    def pushes(prefix):
-        push_round, sender = a[f"{prefix}_push_send_round"], stacked.rank_of(f"{prefix}_push_send_round")
-        return push_round // rounds_per_stage(prefix), a[f"{prefix}_push_send_pull"] + recv_base[sender]
-
-    no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
-    in_user_layout = header.layout is Layout.USER
-
-    def pass_input(prefix, pull_bytes, pull_round, push_bytes_of, stages, seconds_of_tiles, num_stages, shuffle_in,
-                   shuffle_out, moved):
-        # Tiles that run during the input reshuffle are not a stage's calls.
-        in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
-        calls = kernel_calls(tiles, tile_idx, tile_rank, in_stages, num_stages + 1, n, pairs,
-                             split=prefix == "bwd", groups=groups[prefix], kinds=kinds)[:num_stages]
-        push_stage, push_row = pushes(prefix)
-        names = None
-        if record:
-            names = pull_names + [f"{'dKV' if r_kind[r] == TransferKind.KV else ('O' if prefix == 'fwd' else 'dQ')} "
-                                  f"b{r_block[r]}" for r in push_row.tolist()]
-        return PassInput(
-            num_ranks=n, num_stages=num_stages,
-            flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
-            flow_bytes=np.concatenate((pull_bytes, push_bytes_of(push_row))),
-            flow_stage=np.concatenate((pull_round // rounds_per_stage(prefix), push_stage)), flow_name=names,
-            tile_rank=tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
-            tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=tile_names,
-            reshuffle_in=_reshuffle_flows(stacked, shuffle_in) if in_user_layout else no_flows,
-            reshuffle_out=_swap(_reshuffle_flows(stacked, shuffle_out)) if in_user_layout else no_flows,
-            stage_calls=calls, stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
-            # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
-            flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage(prefix)),
-                                          np.zeros(push_row.size, dtype=bool))))
-
+    plan = _PlanArrays(header=header, stacked=stacked, tiles=tiles, tile_idx=tile_idx, tile_rank=tile_rank,
+                       early=early, tile_names=tile_names, pairs=pairs, groups=groups, kinds=kinds,
+                       pull_tokens=r_tokens, pull_names=pull_names)
     traffic = stacked_range_traffic(stacked, Sizes.of(header), recv_rows=recv_tokens)
-    fwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, q_bytes)
-    bwd_pull_bytes = r_tokens * np.where(r_kind == TransferKind.KV, kv_bytes, 3 * q_bytes + lse_bytes)
-    fwd_input = pass_input("fwd", fwd_pull_bytes, r_round, lambda rows: r_tokens[rows] * (q_bytes + lse_bytes),
-                           tile_stage, seconds, header.num_fwd_stages, q_bytes + kv_bytes, q_bytes, traffic["fwd"])
-    bwd_input = pass_input("bwd", bwd_pull_bytes, r_bwd_round,
-                           lambda rows: r_tokens[rows] * np.where(r_kind[rows] == TransferKind.KV, kv_bytes, q_bytes),
-                           tile_bwd_stage, bwd_seconds * BACKWARD_WORK, header.num_bwd_stages, q_bytes,
-                           q_bytes + kv_bytes, traffic["bwd"])
+    is_kv = r_kind == TransferKind.KV
+    fwd_input = _pass_input(plan, profile, "fwd", r_tokens * np.where(is_kv, kv_bytes, q_bytes),
+                            r_tokens * (q_bytes + lse_bytes), tile_stage, seconds, (q_bytes + kv_bytes, q_bytes),
+                            traffic["fwd"])
+    bwd_input = _pass_input(plan, profile, "bwd", r_tokens * np.where(is_kv, kv_bytes, 3 * q_bytes + lse_bytes),
+                            r_tokens * np.where(is_kv, kv_bytes, q_bytes), tile_bwd_stage,
+                            bwd_seconds * BACKWARD_WORK, (q_bytes, q_bytes + kv_bytes), traffic["bwd"])
     moved = {name: traffic[name].bytes.sum(axis=1) for name in ("fwd", "bwd")}
     return fwd_input, bwd_input, tile_idx, moved
+
+
+def _pass_input(plan: _PlanArrays, profile: HardwareProfile, prefix: str, pull_bytes: np.ndarray,
+                push_bytes: np.ndarray, stages: np.ndarray, seconds_of_tiles: np.ndarray,
+                shuffle_bytes: tuple[int, int], moved) -> PassInput:
+    """One pass's PassInput (:func:`_pass_inputs`): `pull_bytes` of each received pull, `push_bytes` of each pull's
+    push back (indexed by pull row), the tiles' stages and seconds, the bytes a token moves in the input and the
+    output reshuffle (user layout), and the pass's range traffic (`moved`)."""
+    header, stacked, a = plan.header, plan.stacked, plan.stacked.arrays
+    n, early = header.num_ranks, plan.early
+    num_stages = header.num_fwd_stages if prefix == "fwd" else header.num_bwd_stages
+    pull_round = a["pull_recv_round"] if prefix == "fwd" else a["pull_recv_bwd_round"]
+    r_me, r_peer, r_kind = stacked.rank_of("pull_recv_round"), a["pull_recv_peer"], a["pull_recv_kind"]
+    rounds_per_stage = plan.rounds_per_stage(prefix)
+    # Tiles that run during the input reshuffle are not a stage's calls.
+    in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
+    calls = kernel_calls(plan.tiles, plan.tile_idx, plan.tile_rank, in_stages, num_stages + 1, n, plan.pairs,
+                         split=prefix == "bwd", groups=plan.groups[prefix], kinds=plan.kinds)[:num_stages]
+    push_stage, push_row = plan.pushes(prefix)
+    names = None
+    if plan.pull_names is not None:
+        r_block = a["pull_recv_block"]
+        names = plan.pull_names + [f"{'dKV' if r_kind[r] == TransferKind.KV else ('O' if prefix == 'fwd' else 'dQ')} "
+                                   f"b{r_block[r]}" for r in push_row.tolist()]
+    no_flows = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
+    in_user_layout = header.layout is Layout.USER
+    shuffle_in, shuffle_out = shuffle_bytes
+    return PassInput(
+        num_ranks=n, num_stages=num_stages,
+        flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
+        flow_bytes=np.concatenate((pull_bytes, push_bytes[push_row])),
+        flow_stage=np.concatenate((pull_round // rounds_per_stage, push_stage)), flow_name=names,
+        tile_rank=plan.tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
+        tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=plan.tile_names,
+        reshuffle_in=_reshuffle_flows(stacked, shuffle_in) if in_user_layout else no_flows,
+        reshuffle_out=_swap(_reshuffle_flows(stacked, shuffle_out)) if in_user_layout else no_flows,
+        stage_calls=calls, stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
+        # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
+        flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage),
+                                      np.zeros(push_row.size, dtype=bool))))
+
+
+def _simulate_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,
+                     record: bool, layer_model: ModelPreset | None, attention_alone: bool,
+                     kv_ready: np.ndarray | None) -> tuple[tuple[PassResult, PassResult], tuple[PassResult, PassResult]]:
+    """The attention passes and the layer passes of :func:`simulate_plan`: ((forward, backward), (layer forward,
+    layer backward)); without `attention_alone` (and with a model) the attention passes are the layer's."""
+    # Attention alone is recorded only when there is no layer around it to record.
+    attention_record = record and layer_model is None
+    # The layer passes keep their stage times for the critical path (Simulation.figures) in a full simulation.
+    if layer_model is not None and not attention_alone:
+        layer = _layer_passes(fwd_input, bwd_input, links, overlap, phases, record, stage_times=False,
+                              kv_ready=kv_ready)
+        return layer, layer
+    # Stage times kept for each pass's critical path: the makespan less its computing is the exposed communication.
+    forward = simulate_pass(fwd_input, links, overlap, attention_record, 0.0, "fwd", stage_times=True)
+    backward = simulate_pass(bwd_input, links, overlap, attention_record, forward.makespan, "bwd", stage_times=True)
+    if layer_model is None:  # attention alone is then the layer
+        return (forward, backward), (forward, backward)
+    return (forward, backward), _layer_passes(fwd_input, bwd_input, links, overlap, phases, record,
+                                              stage_times=True, kv_ready=kv_ready)
 
 
 def _layer_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,

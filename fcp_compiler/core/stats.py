@@ -97,12 +97,9 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
     assignment = transfers.assignment
     tiles = assignment.tiles
     sharding = tiles.sharding
-    compute = assignment.rank_seconds
     received, sent = forward_comm_bytes(final)
     layer = layer_bounds(sharding.batch, tiles.shape, tiles.profile, model, assignment.num_ranks,
                          assignment.token_cap)
-    bound, bound_kind = makespan_lower_bound(float(tiles.tile_seconds.sum()), assignment.num_ranks,
-                                             float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
     return {
         "num_ranks": assignment.num_ranks,
         "block_size": sharding.block_size,
@@ -120,22 +117,7 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "num_transfers": transfers.num_edges,
         **_exchange_figures(schedule),
         "max_buffer_tokens": max_buffer_tokens(schedule) if max_buffer is None else max_buffer,
-        "compute_imbalance": imbalance_ratio(compute),
-        # The placement's objective: each rank's forward linear layers on its plan-layout tokens (the user layout's
-        # run on even chunks whatever the placement) plus its modelled tiles.
-        "layer_imbalance": imbalance_ratio(compute + (assignment.rank_tokens * LayerCosts.of(
-            model, tiles.profile).linear_seconds_per_token if layout == "plan" else 0.0)),
-        "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
-        "token_imbalance": imbalance_ratio(assignment.rank_tokens),
-        "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()
-                                      / max(sharding.batch.total_tokens, 1)),
-        "comm_imbalance": imbalance_ratio(received),
-        "comm_sent_imbalance": imbalance_ratio(sent),
-        "max_tokens_per_rank": int(assignment.rank_tokens.max()),
-        "token_cap": assignment.token_cap,
-        "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
-        "lower_bound_kind": bound_kind,
-        "max_rank_compute_seconds": float(compute.max()),
+        **_balance_figures(final, layout, model, received, sent),
         "model": model.name if model is not None else NO_MODEL,
         "layer_makespan_lower_bound_fwd_s": layer["fwd"]["bound_s"],
         "layer_makespan_lower_bound_bwd_s": layer["bwd"]["bound_s"],
@@ -148,6 +130,36 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
         "compile_seconds": compile_seconds,
         "pass_seconds": dict(pass_seconds),
         "plan_sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def _balance_figures(final: Reshuffle, layout: str, model: ModelPreset | None, received: np.ndarray,
+                     sent: np.ndarray) -> dict:
+    """:func:`plan_stats`' balance figures: each rank's compute, layer, pairs, tokens and traffic (`received`,
+    `sent`: its forward bytes) against the mean, the tokens the reshuffle leaves where they are, and the busiest
+    rank against the batch's lower bound."""
+    assignment = final.schedule.rounds.transfers.assignment
+    tiles = assignment.tiles
+    compute = assignment.rank_seconds
+    bound, bound_kind = makespan_lower_bound(float(tiles.tile_seconds.sum()), assignment.num_ranks,
+                                             float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
+    return {
+        "compute_imbalance": imbalance_ratio(compute),
+        # The placement's objective: each rank's forward linear layers on its plan-layout tokens (the user layout's
+        # run on even chunks whatever the placement) plus its modelled tiles.
+        "layer_imbalance": imbalance_ratio(compute + (assignment.rank_tokens * LayerCosts.of(
+            model, tiles.profile).linear_seconds_per_token if layout == "plan" else 0.0)),
+        "pair_imbalance": imbalance_ratio(rank_visible_pairs(final)),
+        "token_imbalance": imbalance_ratio(assignment.rank_tokens),
+        "tokens_home_fraction": float(final.run_length[final.run_user_rank == final.run_plan_rank].sum()
+                                      / max(tiles.sharding.batch.total_tokens, 1)),
+        "comm_imbalance": imbalance_ratio(received),
+        "comm_sent_imbalance": imbalance_ratio(sent),
+        "max_tokens_per_rank": int(assignment.rank_tokens.max()),
+        "token_cap": assignment.token_cap,
+        "makespan_lower_bound_ratio": float(compute.max() / bound) if bound > 0 else 1.0,
+        "lower_bound_kind": bound_kind,
+        "max_rank_compute_seconds": float(compute.max()),
     }
 
 

@@ -160,14 +160,9 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     layers on the tokens it holds (`linear_seconds_per_token` a token, in the units of tile seconds) plus the tiles
     it runs. With no linear time that is attention compute alone.
 
-    1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N). A block heavier than the
-       mean keeps three quarters of the mean of its tiles; the rest go in batches of at most that, placed by LPT
-       like blocks of no tokens (the rank a batch lands on runs those tiles for the owner). Large batches, because
-       each costs a pull of the block's Q and a push of its partial output, four times a block's K,V with 8:1
-       grouped-query heads; larger still and whole batches no longer balance (benchmarks/placement.py, mean
-       normalized MFU forward with batches of a half, three quarters and all of the mean: 0.737, 0.751, 0.745, the
-       last with compute imbalance up to 0.060). With a token tolerance, LPT runs under a tight token cap and moves
-       and swaps of sizes fix what it overflows.
+    1. LPT: blocks by decreasing work onto the least-loaded rank with room, O(K log N); a block heavier than the
+       mean lends tiles in batches placed like blocks of no tokens (:func:`_lend_heavy_tiles`). With a token
+       tolerance, LPT runs under a tight token cap and moves and swaps of sizes fix what it overflows.
     2. Refinement: moves and swaps off the most loaded rank while they lower it.
     3. Compute and traffic together (attention alone; not with linear layers, LAYER_TWO_DIMENSIONAL_ROUNDS): moves
        and swaps off the rank furthest above either mean (1% for compute, 4.5% for bytes received, and the token
@@ -196,14 +191,8 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     block_linear = sizes * float(linear_seconds_per_token)
     total = float(tiles.tile_seconds.sum()) + float(block_linear.sum())
     bound, _ = makespan_lower_bound(total, num_ranks, float(tiles.tile_seconds.max()) if tiles.num_tiles else 0.0)
-    # Blocks heavier than the mean cannot balance whole: their tiles beyond HELPER_PIECE of the mean go into
-    # batches that are placed like blocks of no tokens. A full block's linear layers stay with it, so its tiles
-    # are measured against what the mean leaves them.
     mean = total / num_ranks
-    attention_room = max(mean - sharding.block_size * float(linear_seconds_per_token), 0.0)
-    tile_batch, batch_block, batch_seconds = split_heavy_blocks(
-        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, num_blocks, limit=attention_room,
-        piece=attention_room * HELPER_PIECE)
+    tile_batch, batch_seconds = _lend_heavy_tiles(tiles, mean, linear_seconds_per_token)
     weights = np.bincount(*_own_tiles(tile_batch, tiles.tile_q_block, tiles.tile_seconds),
                           minlength=num_blocks) + block_linear
     # A block prefers the rank that holds most of its tokens in the user layout, when that costs little balance:
@@ -225,3 +214,19 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
                               fixed_load=np.bincount(block_rank, weights=block_linear, minlength=num_ranks))
     return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
                       tile_rank=tile_rank)
+
+
+def _lend_heavy_tiles(tiles: TileSet, mean: float, linear_seconds_per_token: float) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1 of :func:`assign` for blocks heavier than the mean load, which cannot balance whole: each keeps
+    HELPER_PIECE of the mean of its tiles (a full block's linear layers stay with it, so its tiles are measured
+    against what the mean leaves them), and the rest go in batches of at most that, placed by LPT like blocks of
+    no tokens (the rank a batch lands on runs those tiles for the owner). Large batches, because each costs a pull
+    of the block's Q and a push of its partial output, four times a block's K,V with 8:1 grouped-query heads;
+    larger still and whole batches no longer balance (benchmarks/placement.py, mean normalized MFU forward with
+    batches of a half, three quarters and all of the mean: 0.737, 0.751, 0.745, the last with compute imbalance up
+    to 0.060). Returns each tile's batch (-1: it stays with its query block) and each batch's seconds."""
+    attention_room = max(mean - tiles.sharding.block_size * float(linear_seconds_per_token), 0.0)
+    tile_batch, _, batch_seconds = split_heavy_blocks(
+        tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, tiles.sharding.num_blocks,
+        limit=attention_room, piece=attention_room * HELPER_PIECE)
+    return tile_batch, batch_seconds

@@ -34,10 +34,20 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     Returns:
         the Sharding, segments sorted by block and, inside a block, by (sequence, start).
     """
+    full = _full_block_segments(batch, block_size, zigzag)
+    num_full_blocks = int((batch.lengths // block_size).sum())
+    segments = np.concatenate((full, _packed_tail_segments(batch.lengths, block_size, num_full_blocks)), axis=1)
+    seg_block, seg_seq, seg_start, seg_end = segments[:, lexsort_ints((segments[2], segments[1], segments[0]))]
+    return Sharding(batch=batch, block_size=block_size, zigzag=bool(zigzag), seg_block=seg_block, seg_seq=seg_seq,
+                    seg_start=seg_start, seg_end=seg_end)
+
+
+def _full_block_segments(batch: Batch, block_size: int, zigzag: bool) -> np.ndarray:
+    """The segments of every sequence's full blocks, rows block, sequence, start, end ([4, segments] int64), zig-zag
+    paired where :func:`shard` says; full block ids count from 0 in batch order."""
     lengths = batch.lengths
     num_full = lengths // block_size
-    seq_ids = np.arange(lengths.size, dtype=np.int64)
-    full_seq = np.repeat(seq_ids, num_full)
+    full_seq = np.repeat(np.arange(lengths.size, dtype=np.int64), num_full)
     full_first_block = np.concatenate(([0], np.cumsum(num_full)[:-1]))
     full_idx = np.arange(full_seq.size, dtype=np.int64) - np.repeat(full_first_block, num_full)
     num_full_blocks = int(full_seq.size)
@@ -50,42 +60,39 @@ def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:
     first_end = np.where(paired, (full_idx + 1) * half, (full_idx + 1) * block_size)
     mirror_start = (chunks_of_seq - 1 - full_idx) * half
     full_blocks = np.arange(num_full_blocks, dtype=np.int64)
-    seg_block = [full_blocks, full_blocks[paired]]
-    seg_seq = [full_seq, full_seq[paired]]
-    seg_start = [first_start, mirror_start[paired]]
-    seg_end = [first_end, mirror_start[paired] + half]
+    return np.array([np.concatenate(column) for column in ((full_blocks, full_blocks[paired]),
+                                                           (full_seq, full_seq[paired]),
+                                                           (first_start, mirror_start[paired]),
+                                                           (first_end, mirror_start[paired] + half))],
+                    dtype=np.int64).reshape(4, -1)
 
+
+def _packed_tail_segments(lengths: np.ndarray, block_size: int, num_full_blocks: int) -> np.ndarray:
+    """The tails and short sequences packed into blocks numbered from `num_full_blocks`: rows block, sequence,
+    start, end ([4, segments] int64; no columns where every length is a multiple of the block)."""
+    num_full = lengths // block_size
     tail_start = num_full * block_size
     has_rest = lengths > tail_start
-    rest_seq = seq_ids[has_rest]
+    rest_seq = np.arange(lengths.size, dtype=np.int64)[has_rest]
+    if not rest_seq.size:
+        return np.zeros((4, 0), dtype=np.int64)
     rest_start = tail_start[has_rest]
     rest_end = lengths[has_rest]
-    if rest_seq.size:
-        # A tail reads every full block of its sequence: many pulls for little work. Tails in blocks of their own
-        # (filled up with short sequences) keep any one block from reading several long sequences, which the
-        # placement needs to balance traffic. The tails of the longest sequences get their own block, as many as
-        # fit without costing a block more than plain best-fit decreasing.
-        rest_sizes = rest_end - rest_start
-        bin_of = best_fit_decreasing(rest_sizes, block_size)
-        reads = np.where(rest_start > 0, num_full[rest_seq], 0)  # full blocks each piece's tail reads
-        by_reads = np.lexsort((np.arange(reads.size), -reads))
-        num_apart = int((reads > 0).sum())
-        while num_apart > 1:
-            seeded = np.zeros(reads.size, dtype=bool)
-            seeded[by_reads[:num_apart]] = True
-            tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=seeded)
-            if tails_apart.max() <= bin_of.max():
-                bin_of = tails_apart
-                break
-            num_apart //= 2
-        seg_block.append(num_full_blocks + bin_of)
-        seg_seq.append(rest_seq)
-        seg_start.append(rest_start)
-        seg_end.append(rest_end)
-    seg_block_all = np.concatenate(seg_block)
-    seg_seq_all = np.concatenate(seg_seq)
-    seg_start_all = np.concatenate(seg_start)
-    order = lexsort_ints((seg_start_all, seg_seq_all, seg_block_all))
-    return Sharding(batch=batch, block_size=block_size, zigzag=bool(zigzag), seg_block=seg_block_all[order],
-                    seg_seq=seg_seq_all[order], seg_start=seg_start_all[order],
-                    seg_end=np.concatenate(seg_end)[order])
+    # A tail reads every full block of its sequence: many pulls for little work. Tails in blocks of their own
+    # (filled up with short sequences) keep any one block from reading several long sequences, which the
+    # placement needs to balance traffic. The tails of the longest sequences get their own block, as many as
+    # fit without costing a block more than plain best-fit decreasing.
+    rest_sizes = rest_end - rest_start
+    bin_of = best_fit_decreasing(rest_sizes, block_size)
+    reads = np.where(rest_start > 0, num_full[rest_seq], 0)  # full blocks each piece's tail reads
+    by_reads = np.lexsort((np.arange(reads.size), -reads))
+    num_apart = int((reads > 0).sum())
+    while num_apart > 1:
+        seeded = np.zeros(reads.size, dtype=bool)
+        seeded[by_reads[:num_apart]] = True
+        tails_apart = best_fit_decreasing(rest_sizes, block_size, seeded=seeded)
+        if tails_apart.max() <= bin_of.max():
+            bin_of = tails_apart
+            break
+        num_apart //= 2
+    return np.array([num_full_blocks + bin_of, rest_seq, rest_start, rest_end], dtype=np.int64)
