@@ -215,24 +215,12 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
     digest = inputs_digest(the_batch, options, cap)
     if _floor_applies(options):
-        final, header_fields, data, floor_stats, rounds_of, others, plain, held, segments_of = _compile_with_floor(
-            timer, the_batch, options, cap, digest, progress)
+        kept = _compile_with_floor(timer, the_batch, options, cap, digest, progress)
     else:
-        assignment = _place(timer, the_batch, options, cap, Placement.LAYER)
-        rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
-        schedule, plain = None, False
-        if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
-            schedule, peak, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
-        if schedule is None:
-            schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
-                True, None
-        final, header_fields, data = _finish(timer, schedule, options, digest, max_buffer=peak)
-        floor_stats, rounds_of, others, plain, held, segments_of = None, lambda: rounds, lambda limit: iter(()), \
-            schedule if plain else None, None, lambda tiles: None
-        del schedule
-    (final, header_fields, data), budget_stats = _within_budget(timer, (final, header_fields, data), options, digest,
-                                                                rounds_of, others, plain, held, segments_of)
-    del plain, held
+        kept = _compile_alone(timer, the_batch, options, cap, digest)
+    (final, header_fields, data), budget_stats = _within_budget(timer, kept, options, digest)
+    floor_stats = kept.floor_stats
+    del kept
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
@@ -246,21 +234,49 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
 
 
-def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str,
-                   rounds_of: Callable[[], Rounds], others: Callable[[float], Iterator],
-                   plain: Schedule | None = None, held: tuple | None = None,
-                   segments_of: Callable[[TileSet], tuple | None] = lambda tiles: None) -> tuple[tuple, dict]:
-    """The plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak is
-    over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
-    levelling, smaller stages) until every rank fits. The floor's candidates are scored without the account, so only
-    the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was (its
-    header then states no budget); a given one is refused. `rounds_of` gives the plan's rounds before relays (the
-    relay pass re-sources pulls in them), which the refits coalesce again; `others(seconds)` the floor's other
-    candidates that simulated faster than `seconds`, fastest first, scheduled again (:func:`_faster_within_budget`);
-    `plain`: the plan's schedule before relays where it is coalesce's at the requested rounds a stage (the first
-    refit levels its backward again, :func:`_budget_ladder`), else None; `held`: the plan's (stacked ranks, encoder
-    columns) where the floor made them to simulate it, else None; `segments_of(tiles)`: the segment pairs and their
-    kinds the floor holds for a tile set, which the refits' simulations read (None: each builds its own).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Kept:
+    """The plan a compile keeps before the memory budget's account (:func:`_within_budget`), and what that account
+    reads where the plan is over the budget: `rounds_of()` gives the plan's rounds before relays (the relay pass
+    re-sources pulls in them), which the refits coalesce again; `others(seconds)` the floor's other candidates that
+    simulated faster than `seconds`, fastest first; `plain`: the plan's schedule before relays where it is
+    coalesce's at the requested rounds a stage (the first refit levels its backward again, :func:`_budget_ladder`),
+    else None; `held`: the plan's (stacked ranks, encoder columns) where the floor made them to simulate it, else
+    None; `segments_of(tiles)`: the segment pairs and their kinds the floor holds for a tile set, which the refits'
+    simulations read (None: each builds its own)."""
+
+    plan: tuple  # (final IR, header fields, None): encoded once its memory figures are known
+    floor_stats: dict | None
+    rounds_of: Callable[[], Rounds]
+    others: Callable[[float], Iterator]
+    plain: Schedule | None = None
+    held: tuple | None = None
+    segments_of: Callable[[TileSet], tuple | None] = lambda tiles: None
+
+
+def _compile_alone(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str) -> _Kept:
+    """FCP's own placement (or a baseline's, or an ablation step) scheduled once: within the floor's live-buffer
+    budget where `fit_memory` asks, else at the requested rounds a stage."""
+    assignment = _place(timer, batch, options, cap, Placement.LAYER)
+    rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
+    schedule, plain, peak = None, False, None
+    if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
+        schedule, peak, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
+    if schedule is None:
+        schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
+            True, None
+    plan = _finish(timer, schedule, options, digest, max_buffer=peak)
+    return _Kept(plan=plan, floor_stats=None, rounds_of=lambda: rounds, others=lambda limit: iter(()),
+                 plain=schedule if plain else None)
+
+
+def _within_budget(timer: _PassTimer, kept: _Kept, options: CompileOptions, digest: str) -> tuple[tuple, dict]:
+    """The kept plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak
+    is over the memory budget, its placement scheduled again holding less (:func:`_refit_to_budget`: shallower
+    levelling, smaller stages) until every rank fits, or the fastest of the floor's other candidates that fits as
+    scheduled (:func:`_faster_within_budget`). The floor's candidates are scored without the account, so only the
+    plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was (its header
+    then states no budget); a given one is refused.
 
     Returns:
         ((final IR, header fields, bytes), the record for stats["memory"]).
@@ -268,6 +284,7 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
         InfeasibleError: a budget the user gave that no schedule tried meets (naming the least peak found, and the
             least any schedule can have).
     """
+    plan, held = kept.plan, kept.held
     budget = options.resolved_memory_budget_bytes
     # The encoder's columns of the plan, read by the account and, where the plan is kept as it is, written out.
     if held is not None:
@@ -283,11 +300,11 @@ def _within_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, dige
         # The refits and the other candidates account their ranks in the order of the winner's peaks: a plan over
         # the budget is most likely over where the winner was, and its account stops there.
         first = peaks.max(axis=1)
-        refit = _refit_to_budget(timer, plan, options, digest, budget, record, rounds_of, plain, first,
-                                 segments_of(plan[0].tiles))
+        refit = _refit_to_budget(timer, plan, options, digest, budget, record, kept.rounds_of, kept.plain, first,
+                                 kept.segments_of(plan[0].tiles))
         found = refit[:3] if refit is not None else None
         if refit is not None or record["unmet"] == "no schedule":  # not where a rank's own tokens are over it
-            found = _faster_within_budget(timer, refit, others, budget, record, first)
+            found = _faster_within_budget(timer, refit, kept.others, budget, record, first)
         if found is not None:
             (plan, peaks, columns), record["refitted"] = found, True
             record["kept"] = record["kept"] or "the winner, in smaller stages"
@@ -319,19 +336,9 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
     step (no step is tried then). Records the steps tried, the least peak found, that floor and why a budget is
     unmet in `record`. `first`: the order the accounts visit ranks in (:func:`stacked_peak_bytes`), the winner's
     peaks; `segments`: its tiles' segment pairs and their kinds, where the floor holds them."""
-    final, fields, _ = plan
-    rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
-                              minlength=final.num_ranks)
-    floor_bytes = int(least_peak_bytes(PlanHeader.model_construct(**fields), rank_tokens).max())
-    record.update(floor_bytes=floor_bytes, least_peak_bytes=record["unbudgeted_peak_bytes"])
-    # The default budget's refits are work the floor's tile budget bounds, as it bounds the candidates: each
-    # schedules, encodes and accounts the whole plan (tens of seconds at thousands of ranks). A given budget is met
-    # whatever it costs.
-    most = _most_refits(options, final.tiles.num_tiles)
-    if floor_bytes > budget or not options.pipelined or most == 0:
-        record["unmet"] = "own tokens" if floor_bytes > budget else "work"
+    most = _refits_allowed(plan, options, budget, record)
+    if most == 0:
         return None
-    record["unmet"] = "no schedule"
     fitting, over = None, []  # fitting: (seconds, plan, peaks, columns) of the first step that fits
     for schedule in _budget_ladder(timer, rounds_of, options, plain):
         if record["refits"] == most:
@@ -367,6 +374,26 @@ def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, di
         _least_over(timer, over, budget, record)
         return None
     return (*fitting[1:], fitting[0])
+
+
+def _refits_allowed(plan: tuple, options: CompileOptions, budget: int, record: dict) -> float:
+    """How many schedules :func:`_refit_to_budget` may try for `plan` (0: none, with why in `record["unmet"]`: a
+    rank's own tokens' accumulators and outputs alone over the budget, or the work bound); records the least peak any
+    schedule can have (`floor_bytes`)."""
+    final, fields, _ = plan
+    rank_tokens = np.bincount(final.assignment.block_rank, weights=final.sharding.block_tokens,
+                              minlength=final.num_ranks)
+    floor_bytes = int(least_peak_bytes(PlanHeader.model_construct(**fields), rank_tokens).max())
+    record.update(floor_bytes=floor_bytes, least_peak_bytes=record["unbudgeted_peak_bytes"])
+    # The default budget's refits are work the floor's tile budget bounds, as it bounds the candidates: each
+    # schedules, encodes and accounts the whole plan (tens of seconds at thousands of ranks). A given budget is met
+    # whatever it costs.
+    most = _most_refits(options, final.tiles.num_tiles)
+    if floor_bytes > budget or not options.pipelined or most == 0:
+        record["unmet"] = "own tokens" if floor_bytes > budget else "work"
+        return 0
+    record["unmet"] = "no schedule"
+    return most
 
 
 def _faster_next_step(timer: _PassTimer, fitting: tuple, step: tuple, budget: int, record: dict,
@@ -472,14 +499,10 @@ def _floor_applies(options: CompileOptions) -> bool:
 
 
 def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str,
-                        progress: Callable[[dict], None] | None = None) -> tuple:
+                        progress: Callable[[dict], None] | None = None) -> _Kept:
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
-    the timing model and keep the winner. Returns (final IR, header fields, plan bytes, the floor's stats, a function
-    giving the winner's rounds before relays (those its schedule was coalesced from), the function giving the other
-    candidates (_FloorRun.others), the winner's schedule before relays where it is coalesce's at the requested
-    rounds a stage and the budget's refits may run, else None, the winner's stacked ranks and encoder columns where
-    the floor made them, else None, and a function giving a tile set's segment pairs and their kinds as the floor
-    holds them: _FloorRun.segments_of, or None where the floor simulates nothing)."""
+    the timing model and keep the winner (with the floor's stats, and what the memory budget's account may read:
+    :class:`_Kept`)."""
     started = time.perf_counter()
     run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
                     progress=progress)
@@ -511,8 +534,9 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most,
                                          run.out_of_reach)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    return *plan, floor_stats, lambda: rounds, lambda limit: run.others(winner, limit), plain, held, \
-        lambda tiles: None if run.alone else run.segments_of(tiles)
+    return _Kept(plan=plan, floor_stats=floor_stats, rounds_of=lambda: rounds,
+                 others=lambda limit: run.others(winner, limit), plain=plain, held=held,
+                 segments_of=lambda tiles: None if run.alone else run.segments_of(tiles))
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
