@@ -60,13 +60,27 @@ def _attention_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _imbalance_rows(rows):
-    return [[r["method"], r["gpus"], _fmt(r["compute_imbalance"]), _fmt(r["comm_imbalance"])] for r in rows]
+def _by_gpus(rows, cell) -> str:
+    """One row per GPU count and one column per method (in the rows' order), each cell `cell(row)`."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    scales = sorted({r["gpus"] for r in rows})
+    cells = {(r["method"], r["gpus"]): cell(r) for r in rows}
+    return _table(["GPUs", *methods], [[g, *[cells.get((m, g), "-") for m in methods]] for g in scales])
 
 
-def _mfu_rows(rows):
-    return [[r["method"], r["gpus"], _fmt(r["normalized_mfu_fwd"]), _fmt(r["normalized_mfu_bwd"]), _speedup(r)]
-            for r in rows]
+def _imbalance_cell(row) -> str:
+    return f"{_fmt(row.get('compute_imbalance'))} / {_fmt(row.get('comm_imbalance'))}"
+
+
+def _mfu_cell(row) -> str:
+    speedup = _speedup(row)
+    return f"{_fmt(row.get('normalized_mfu_fwd'))} / {_fmt(row.get('normalized_mfu_bwd'))}" + \
+        (f" ({speedup})" if speedup != "-" and row["method"] != "fcp" else "")
+
+
+def _mean_cell(row) -> str:
+    speedup = _speedup(row)
+    return _fmt(row.get("normalized_mfu_fwd")) + (f" ({speedup})" if speedup != "-" and row["method"] != "fcp" else "")
 
 
 def _not_planned(rows) -> list[str]:
@@ -221,7 +235,9 @@ def main() -> None:
         "Seed: FCP < 5% compute and communication imbalance; MagiAttention up to 17% communication imbalance;"
         " ByteScale up to 70% compute imbalance.",
         "",
-        _table(["method", "GPUs", "compute imbalance", "comm imbalance"], _imbalance_rows(paper)),
+        "Each cell: compute imbalance / communication imbalance.",
+        "",
+        _by_gpus(paper, _imbalance_cell),
         "",
         "FCP over every seed: " + "; ".join(
             f"seed {seed}: compute <= {max(r['compute_imbalance'] for r in run if r['method'] == 'fcp'):.3f}, "
@@ -233,20 +249,22 @@ def main() -> None:
         "Seed: FCP above 90% (only the SMs given to communication cost it); ring falls as short sequences are "
         "over-sharded.",
         "",
-        _table(["method", "GPUs", "normalized MFU fwd", "normalized MFU bwd", "FCP speedup fwd"], _mfu_rows(even)),
+        "Each cell: normalized MFU forward / backward (FCP's forward speedup over the method).",
+        "",
+        _by_gpus(even, _mfu_cell),
         "",
         "## Figure 11: normalized MFU, weak scaling (paper-like trace)",
         "",
         "Seed: methods are close at 16 GPUs; FCP ahead of every baseline from there, 1.13x-2.21x.",
         "",
-        "Seed 0:",
+        "Seed 0; each cell: normalized MFU forward / backward (FCP's forward speedup over the method):",
         "",
-        _table(["method", "GPUs", "normalized MFU fwd", "normalized MFU bwd", "FCP speedup fwd"], _mfu_rows(paper)),
+        _by_gpus(paper, _mfu_cell),
         "",
-        f"Mean over seeds {args.seeds} (each scale draws its own batch per seed; speedup of the means):",
+        f"Mean over seeds {args.seeds} (each scale draws its own batch per seed); each cell: normalized MFU "
+        "forward (FCP's speedup on the means):",
         "",
-        _table(["method", "GPUs", "normalized MFU fwd", "FCP speedup fwd"],
-               [[r["method"], r["gpus"], _fmt(r["normalized_mfu_fwd"]), _speedup(r)] for r in paper_mean]),
+        _by_gpus(paper_mean, _mean_cell),
         "",
         "## Figure 12: FCP vs block size (paper-like trace, 128 GPUs)",
         "",
@@ -265,9 +283,10 @@ def main() -> None:
             "median 1.9K), the tail drawn log-uniformly: `fcp compare --trace-spec "
             f"file:$EVAL_DATA/distca/dist_prolong.json:{TAIL_FRACTION}`.",
             "",
-            _table(["method", "GPUs", "compute imbalance", "comm imbalance", "normalized MFU fwd",
-                    "normalized MFU bwd", "FCP speedup fwd"],
-                   [row[:4] + _mfu_rows([r])[0][2:] for row, r in zip(_imbalance_rows(prolong), prolong)]),
+            "Each cell: compute imbalance / communication imbalance, then normalized MFU forward / backward (FCP's "
+            "forward speedup over the method).",
+            "",
+            _by_gpus(prolong, lambda r: f"{_imbalance_cell(r)}, {_mfu_cell(r)}"),
             "",
             *_not_planned(prolong),
             "",

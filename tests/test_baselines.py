@@ -168,3 +168,20 @@ def test_magi_cuts_fixed_slices_of_the_packed_sequence_and_gives_every_rank_as_m
         assert (ends[mine] - starts[mine]).sum() == ends[mine].max() - starts[mine].min()
     counts = np.bincount(block_rank, minlength=4)
     assert counts.max() - counts.min() <= 1
+
+
+def test_fit_memory_scores_a_baseline_at_its_variant_within_the_budget():
+    """With --fit-memory a baseline's node fan-out variant within FCP's live-buffer budget outranks a faster one
+    that no smaller stages bring within it (magi with fan-out at 128 GPUs on the paper trace: 3.27x the budget);
+    without it the faster wins."""
+    from fcp_compiler import CompileOptions
+    from fcp_compiler.tools.compare import _variant_rank
+
+    budget = 4 * 16 * 4096
+    faster_over = {"max_buffer_tokens": 3 * budget, "layer_makespan_fwd_s": 0.10, "layer_makespan_bwd_s": 0.26}
+    slower_within = {"max_buffer_tokens": budget, "layer_makespan_fwd_s": 0.11, "layer_makespan_bwd_s": 0.26}
+    held = CompileOptions.of(1, fit_memory=True)
+    assert _variant_rank(slower_within, held) < _variant_rank(faster_over, held)
+    assert _variant_rank(faster_over, CompileOptions.of(1)) < _variant_rank(slower_within, CompileOptions.of(1))
+    # Over the budget both ways, the faster still wins.
+    assert _variant_rank(faster_over, held) < _variant_rank({**slower_within, "max_buffer_tokens": 2 * budget}, held)
