@@ -9,7 +9,7 @@ relay choice, the slot tables and the edge colouring's first fit. Each is timed 
 call only) while the matrix's batches (benchmarks/placement.py, 32K tokens a GPU) compile once each in this process,
 after one warm-up compile. It prints, per scale, the summed compile time, each algorithm's time and share, and what
 the compile would take with all of them taking no time at all: a floor on the compile without changing what it
-schedules (docs/RESULTS.md, "Compile speed: where the time goes"). --paper N measures instead the
+schedules (docs/RESULTS.md, "Compile time"). --paper N measures instead the
 paper-like batch at N GPUs (seed 0, as `compile_latency.py --scaling` makes it), one compile after the warm-up.
 """
 

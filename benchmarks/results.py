@@ -315,22 +315,19 @@ def main() -> None:
         " 256 GPUs: 269M) a plan is refused rather than left to exhaust memory.",
         "- Each scale draws its own batch, and tails differ a lot between draws: one seed's curve is not monotone"
         " even when the mean is; the mean over seeds is the fairer reading of figure 11.",
-        "- ProLong + tail: FCP's communication imbalance stays near 0.2. Each rank holding a block of an n-block"
-        " sequence pulls the rest of that sequence, and compute balance makes many ranks combine blocks of two long"
-        " sequences (a tail sequence's zig-zag block carries about half the mean load), so those ranks pull both."
-        " The single-sequence floor of `benchmarks/balance.py` is about 0 on these batches, so this is not shown"
-        " to be structural: running part of a block's tiles on a rank that already pulls its sequence (a Q pull and"
-        " an O push, 8x a K,V block) instead of giving it a second sequence's block would lower the most-loaded"
-        " ranks; the placement does not try that yet.",
-        "- Every baseline runs in the plan layout (tokens dispatched once per step, as their systems do; no"
-        " per-layer reshuffle); FCP runs in it too, and in the user layout as `fcp-user`. All run under"
-        " the same schedule rules: every round a matching over pulls and pushes, and live received buffers within"
-        " 2 x c x B tokens per rank. The buffer bound limits stage levelling (forward) and rules it out backward,"
-        " and backward pushes sharing the rounds with pulls roughly double the backward pass's rounds; ordering"
-        " the matchings so that stages carry even work wins most of it back: at 256 GPUs FCP's normalized MFU is"
-        " 0.81 forward and 0.75 backward, against 0.83 and 0.84 under the earlier schedule (unbounded buffers,"
-        " pushes beside the pulls, simulated without the reshuffle). Every planner gets the same execution, which"
-        " is why the MagiAttention-like placement stays close.",
+        "- Memory: the baselines here are not held to FCP's live-buffer budget (4 x c x B tokens) nor its 4 GiB"
+        " device budget, and each is scored at its better node fan-out variant; where the magi-like baseline is"
+        " ahead of FCP it holds several times FCP's live buffers (`fcp compare` prints how many). With"
+        " `fcp compare --fit-memory` every method is held to FCP's budgets, and on the whole layer at equal memory FCP"
+        " is ahead on the matrix's batches (below the marker).",
+        "- FCP's plan is the fastest of several placements it schedules (the floor, below the marker), one of them"
+        " the equal-chunk greedy that the magi-like baseline uses; its communication imbalance is that of the"
+        " placement kept, so it can equal magi's (ProLong + tail: each rank holding a block of a long sequence"
+        " pulls the rest of that sequence, and compute balance makes ranks combine blocks of two).",
+        "- Every baseline runs in the plan layout (tokens dispatched once per step, as their systems do); FCP runs in"
+        " it too, and in the user layout as `fcp-user`. All run under the same schedule rules (every round a"
+        " matching over pulls and pushes, live received buffers bounded), which is why the MagiAttention-like"
+        " placement stays close.",
         "",
     ]
     if plotted:
