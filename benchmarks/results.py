@@ -319,7 +319,7 @@ def main() -> None:
         " device budget, and each is scored at its better node fan-out variant; where the magi-like baseline is"
         " ahead of FCP it holds several times FCP's live buffers (`fcp compare` prints how many). With"
         " `fcp compare --fit-memory` every method is held to FCP's budgets, and on the whole layer at equal memory FCP"
-        " is at least as fast on every batch of the matrix, forward plus backward (below the marker).",
+        " is at least as fast on every batch of the matrix (the geometric mean of its two passes; below the marker).",
         "- FCP's plan is the fastest of several placements it schedules (the floor, below the marker), one of them"
         " the equal-chunk greedy that the magi-like baseline uses; its communication imbalance is that of the"
         " placement kept, so it can equal magi's (ProLong + tail: each rank holding a block of a long sequence"
