@@ -133,11 +133,13 @@ class _Earliest:
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
            tile_q_edge: np.ndarray, assignment) -> _Earliest:
         stage = _earliest_stage(arrival_round, coalesce)
-        # Local tiles stay in stage 0 (they hide the first transfers), and tiles run for another rank stay put so
-        # that their partial outputs leave early; a delayed tile keeps its K,V pull live.
-        q_remote = tile_q_edge >= 0
-        movable = (stage > 0) & ~q_remote
-        tile_buffer = np.where(q_remote, -1, tile_kv_edge)
+        # Local tiles stay in stage 0 (they hide the first transfers); a delayed tile keeps its K,V pull live. Tiles
+        # run for another rank move too: a helper's tiles for a heavy block all become runnable once its Q and the
+        # first K,V land, and pinned there they made one stage as long as several (Wikipedia + tail at 256 GPUs:
+        # 16 ms of one helper's tiles in each of two stages against 5 ms elsewhere, the forward 169 -> 156 ms when
+        # they move; on the matrix 23 of 54 plans changed, none more than 0.38% slower, four 2.1-2.9% faster).
+        movable = stage > 0
+        tile_buffer = tile_kv_edge
         return cls(stage=stage, tile_buffer=tile_buffer, prepared=prepare_levelling(
             stage, assignment.tile_rank, assignment.tiles.tile_seconds, assignment.num_ranks, movable, tile_buffer,
             pull_round // coalesce))
