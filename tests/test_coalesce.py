@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import compile_valid, congestion_free
+from conftest import compile_own, compile_valid, congestion_free
 from fcp_compiler.algorithms.exchange import link_capacity, link_ends, place_messages
 from fcp_compiler.algorithms.liveness import live_tokens, peak_live_tokens
 from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens, pass_buffers
 from fcp_compiler.core.stats import exchange_degree
+from fcp_compiler.format.plan_format import TransferKind
 
 
 def _is_matching(rounds, src, dst):
@@ -388,3 +389,34 @@ def test_backward_tiles_out_of_the_last_stage_go_back_to_their_earliest_and_the_
         reads = edge >= 0
         assert (program.tile_stage[reads] > program.edge_stage[edge[reads]]).all()
         assert (pushed_at[edge[reads]] > program.tile_stage[reads]).all()
+
+
+def test_levelling_delays_tiles_run_for_another_rank_and_their_outputs_leave_after_them():
+    """A helper's tiles for a heavy block become runnable together once its Q and K,V land; levelling may delay
+    them like any other (pinned at their earliest stage, one helper's tiles made a stage several times as long).
+    Delayed, each still runs after its data arrives, and its partial output is pushed back after its last tile."""
+    plan = compile_own([3000, 120], 8, block_size=256, coalesce=1, mask="causal", zigzag="off", model="none",
+                       layout="user")
+    header, delayed = plan.header, 0
+    assert plan.stats["num_offloaded_tiles"] > 0
+    for rank in range(header.num_ranks):
+        program = plan.rank(rank)
+        arrays, held = program.arrays, set(program.blocks.tolist())
+        arrival = {(kind, block): recv_round // header.coalesce + 1 for kind, block, recv_round in
+                   zip(arrays["pull_recv_kind"].tolist(), arrays["pull_recv_block"].tolist(),
+                       arrays["pull_recv_round"].tolist())}
+        last_stage: dict[int, int] = {}
+        for q_block, kv_block, stage in zip(arrays["tile_q_block"].tolist(), arrays["tile_kv_block"].tolist(),
+                                            arrays["tile_stage"].tolist()):
+            if q_block in held:
+                continue
+            earliest = max(arrival[(TransferKind.Q, q_block)],
+                           0 if kv_block in held else arrival[(TransferKind.KV, kv_block)])
+            assert stage >= earliest
+            delayed += stage > earliest
+            last_stage[q_block] = max(last_stage.get(q_block, 0), stage)
+        pushes = dict(zip(arrays["pull_recv_block"][arrays["fwd_push_send_pull"]].tolist(),
+                          (arrays["fwd_push_send_round"] // header.coalesce).tolist()))
+        for q_block, stage in last_stage.items():
+            assert pushes[q_block] >= stage
+    assert delayed > 0
