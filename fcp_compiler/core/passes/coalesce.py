@@ -131,13 +131,13 @@ class _Earliest:
 
     @classmethod
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
-           tile_q_edge: np.ndarray, assignment) -> _Earliest:
+           assignment) -> _Earliest:
         stage = _earliest_stage(arrival_round, coalesce)
         # Local tiles stay in stage 0 (they hide the first transfers); a delayed tile keeps its K,V pull live. Tiles
         # run for another rank move too: a helper's tiles for a heavy block all become runnable once its Q and the
         # first K,V land, and pinned there they made one stage as long as several (Wikipedia + tail at 256 GPUs:
         # 16 ms of one helper's tiles in each of two stages against 5 ms elsewhere, the forward 169 -> 156 ms when
-        # they move; on the matrix 23 of 54 plans changed, none more than 0.38% slower, four 2.1-2.9% faster).
+        # they move; on the matrix 23 of 54 plans changed, none more than 0.38% slower, four 1.1-2.9% faster).
         movable = stage > 0
         tile_buffer = tile_kv_edge
         return cls(stage=stage, tile_buffer=tile_buffer, prepared=prepare_levelling(
@@ -316,7 +316,7 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buff
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
-    earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, q_edge, assignment) if pipelined else None
+    earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, assignment) if pipelined else None
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     return ForwardSchedule(rounds=rounds, coalesce=coalesce, pipelined=pipelined, forward=forward,
                            tile_kv_edge=kv_edge, tile_q_edge=q_edge, arrival_round=arrival_round, earliest=earliest,
@@ -410,7 +410,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int,
     forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
     arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
     earliest = _Earliest.of(_backward_arrival_round(arrival_round), 2 * forward_round, backward_rounds,
-                            kv_edge, q_edge, transfers.assignment)
+                            kv_edge, transfers.assignment)
     block_size = transfers.assignment.tiles.sharding.block_size
     backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
                          levelling_stages * coalesce_degree * block_size, rounds.nvlink_lanes)
