@@ -1,12 +1,14 @@
 """What the floor's candidates are worth: which wins where, what keeping fewer would lose, and whether an estimate
 made from a placement alone, before it is scheduled, names the winner.
 
-Usage: python benchmarks/floor_candidates.py --eval-data DIR [--gpus 64,256] [--seeds 3] [--write rows.json]
+Usage: python benchmarks/floor_candidates.py --eval-data DIR [--gpus 64,256] [--seeds 3] [--batches NAMES]
+                                             [--write rows.json]
 
-The batches are benchmarks/compile_matrix.py's matrix. Each is compiled once in this process; for every candidate
-the floor schedules (`stats["floor"]["candidates"]`) it records the simulated layer time, the live buffer tokens and
-the seconds it took, and, from the candidate's placement and pulls as the floor routed them (read by wrapping the
-floor's scheduling step), each rank's linear and attention compute and its bytes over the NIC and NVLink. It prints:
+The batches are the matrix of benchmarks/placement.py (and compile_matrix.py), named kind/gpus/seed. Each is
+compiled once in this process; for every candidate the floor schedules (`stats["floor"]["candidates"]`) it records
+the simulated layer time, the live buffer tokens and the seconds it took, and, from the candidate's placement and
+pulls as the floor routed them (read by wrapping the floor's scheduling step), each rank's linear and attention
+compute and its NIC receive time. It prints:
 
 - the winners by kind;
 - keeping only some candidates: how many batches get more than 0.5% slower than with all of them, the worst, the
@@ -30,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_matrix import SLOWER, matrix_batches  # noqa: E402
+from compile_matrix import SLOWER  # noqa: E402
+from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments  # noqa: E402
 
 import fcp_compiler.core.pipeline as pipeline  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
@@ -154,12 +157,13 @@ SUBSETS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--eval-data", type=Path, required=True, help="the length files of the matrix's kinds")
-    parser.add_argument("--gpus", default="64,256")
-    parser.add_argument("--seeds", type=int, default=3)
+    matrix_arguments(parser)
     parser.add_argument("--write", type=Path, help="write every batch's candidates as JSON")
     args = parser.parse_args()
-    rows = record_batches(matrix_batches(args.eval_data, [int(g) for g in args.gpus.split(",")], args.seeds))
+    makers, chosen = chosen_batches(parser, args)
+    rows = record_batches({f"{name}/{gpus}/{seed}": ([int(v) for v in makers[name](gpus * TOKENS_PER_GPU, seed)], gpus)
+                           for name in chosen for gpus in [int(g) for g in args.gpus.split(",")]
+                           for seed in range(args.seeds)})
     if args.write:
         args.write.write_text(json.dumps(rows))
     winners: dict[str, int] = {}
