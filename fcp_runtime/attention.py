@@ -400,11 +400,8 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, ke
     # A prefetch dropped unused leaves its messages posted: they are kept (a backend may abandon a dropped work's
     # buffers, and its peers' messages would then match this rank's next ones) until this plan's next call drains
     # them, so that the next call's messages match the peers' again.
-    weakref.finalize(prefetched, _orphan_if_unused, posted, plan._device_cache.setdefault(_ORPHANS, []))
+    weakref.finalize(prefetched, _orphan_if_unused, posted, plan._device_cache.setdefault(ORPHANED_PREFETCHES, []))
     return prefetched
-
-
-_ORPHANS = ORPHANED_PREFETCHES  # a plan's cache entry: the posted messages of prefetches dropped unused
 
 
 def _orphan_if_unused(posted: _Posted, orphans: list) -> None:
@@ -416,7 +413,7 @@ def _orphan_if_unused(posted: _Posted, orphans: list) -> None:
 def _drain_orphans(plan: RankPlan) -> None:
     """Wait for the messages of every prefetch of this plan dropped unused (every rank posted its part of them when
     it prefetched, so they complete), and let them go: the call that follows posts its stage 0 afresh."""
-    orphans = plan._device_cache.get(_ORPHANS)
+    orphans = plan._device_cache.get(ORPHANED_PREFETCHES)
     while orphans:
         _wait_all(orphans.pop(0).requests)
 

@@ -214,7 +214,7 @@ def test_a_plan_that_deeper_levelling_lifts_over_the_budget_keeps_its_stages_wit
     assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 64, 4096),
                                  Placement.LAYER)
     rounds = pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
-    budget = pipeline._memory_budget(options)
+    budget = pipeline.memory_budget_tokens(options)
     deep, shallow = (coalesce(rounds, 16, levelling_stages=depth) for depth in (LEVELLING_STAGES,
                                                                                   TIGHT_LEVELLING_STAGES))
     assert pass_peaks(deep)[1] > budget >= pass_peaks(deep)[0]  # the backward is the one over

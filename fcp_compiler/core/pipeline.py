@@ -261,7 +261,7 @@ def _compile_alone(timer: _PassTimer, batch: Batch, options: CompileOptions, cap
     rounds = _rounds(timer, _route(timer, assignment, options), options, options.resolved_node_fan_out)
     schedule, plain, peak = None, False, None
     if options.fit_memory:  # smaller stages until it fits, as the floor does (None: hopelessly over)
-        schedule, peak, plain = _fit_memory(timer, rounds, options, _memory_budget(options))
+        schedule, peak, plain = _fit_memory(timer, rounds, options, memory_budget_tokens(options))
     if schedule is None:
         schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
             True, None
@@ -487,8 +487,15 @@ def _budget_ladder(timer: _PassTimer, rounds_of: Callable[[], Rounds], options: 
         per_stage = per_stage * 3 // 4 if per_stage > 3 else per_stage - 1
 
 
-def _memory_budget(options: CompileOptions) -> int:
-    """The live buffer tokens a plan may hold: MEMORY_BUDGET_STAGES stages' worth of pulls (4cB)."""
+def memory_budget_tokens(options: CompileOptions) -> int:
+    """The live buffer tokens a plan may hold: MEMORY_BUDGET_STAGES stages' worth of pulls (4cB), what the floor
+    and `fit_memory` hold every plan to.
+
+    Args:
+        options: the compile options (their rounds a stage and block size).
+    Returns:
+        tokens.
+    """
     return floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
 
 
@@ -504,8 +511,8 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     the timing model and keep the winner (with the floor's stats, and what the memory budget's account may read:
     :class:`_Kept`)."""
     started = time.perf_counter()
-    run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest, budget=_memory_budget(options),
-                    progress=progress)
+    run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest,
+                    budget=memory_budget_tokens(options), progress=progress)
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if not run.schedule(candidate):

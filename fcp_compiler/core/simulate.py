@@ -404,7 +404,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
 class _PlanArrays:
     """What both passes' timing-model inputs read from a plan's stacked ranks (:func:`_pass_inputs`): its tiles
     (index in the tile set, rank, those run during the input reshuffle, names when recorded), their segment pairs
-    grouped into each pass's launches and the pairs' kinds, and the pulls each rank receives."""
+    grouped into each pass's launches and the pairs' kinds, and the received pulls' names when recorded."""
 
     header: object
     stacked: StackedRanks
@@ -416,7 +416,6 @@ class _PlanArrays:
     pairs: tuple | None
     groups: dict
     kinds: tuple | None
-    pull_tokens: np.ndarray  # float64, tokens of each received pull
     pull_names: list | None
 
     def rounds_per_stage(self, prefix: str) -> int:
@@ -461,7 +460,7 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
         if record else None
     plan = _PlanArrays(header=header, stacked=stacked, tiles=tiles, tile_idx=tile_idx, tile_rank=tile_rank,
                        early=early, tile_names=tile_names, pairs=pairs, groups=groups, kinds=kinds,
-                       pull_tokens=r_tokens, pull_names=pull_names)
+                       pull_names=pull_names)
     traffic = stacked_range_traffic(stacked, Sizes.of(header), recv_rows=recv_tokens)
     is_kv = r_kind == TransferKind.KV
     fwd_input = _pass_input(plan, profile, "fwd", r_tokens * np.where(is_kv, kv_bytes, q_bytes),

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.options import CompileOptions
-from fcp_compiler.core.pipeline import compile_plan
+from fcp_compiler.core.pipeline import compile_plan, memory_budget_tokens
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.validate import validate_plan
 from fcp_compiler.tools.parallel import map_on_cores
@@ -56,8 +55,7 @@ def _variant_rank(row: dict, options: CompileOptions) -> tuple[bool, float]:
     """How a method's node fan-out variants rank (the least first): by layer time, and with `fit_memory` those
     within FCP's live-buffer budget before those over it (a variant no smaller stages bring within it is scheduled
     as it is, and is kept only where no variant fits)."""
-    budget = floor.MEMORY_BUDGET_STAGES * options.coalesce * options.resolved_block_size
-    over = options.fit_memory and row["max_buffer_tokens"] > budget
+    over = options.fit_memory and row["max_buffer_tokens"] > memory_budget_tokens(options)
     return over, row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"]
 
 
