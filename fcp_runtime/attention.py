@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from fcp_compiler.format.plan_format import TransferKind
 from fcp_runtime.kernels import default_kernels, merge_into, merge_rows
-from fcp_runtime.plan import LAYOUTS, ORPHANED_PREFETCHES, Message, PassProgram, RankPlan, registered
+from fcp_runtime.plan import (LAYOUTS, ORPHANED_PREFETCHES, LayeredRankPlan, Message, PassProgram, RankPlan, layout_plan,
+                              registered, resolve_kind)
 from fcp_runtime.stage_calls import LOCAL, KernelCall, RangeCall, arenas, merge_runs, prepare_calls, stage_calls
 
 
@@ -54,15 +55,17 @@ def _log(*event) -> None:
         _EVENT_LOG.append(event)
 
 
-def check_plan(plan: RankPlan, group=None) -> None:
+def check_plan(plan: RankPlan | LayeredRankPlan, group=None) -> None:
     """Fail on every rank, before any transfer, unless all ranks hold the same plan and the group is its world.
 
     One all_gather_object of (digest, world size, rank) whatever the plan says, so a mismatch is an error
-    everywhere, never a hang. Checked once per plan and group.
+    everywhere, never a hang. Checked once per plan and group (a layered plan: its primary kind's digest, which
+    names every kind).
 
     Raises:
         PlanMismatchError: naming the ranks and what differs.
     """
+    plan = layout_plan(plan)
     key = (id(plan), id(group), plan.digest)
     if key in _CHECKED:
         return
@@ -363,7 +366,8 @@ def _post_first(executor: _Executor, phase, program: PassProgram, k: torch.Tenso
     return _Posted(num_messages=len(messages), requests=requests, arrived=arrived, arenas=phase.arenas)
 
 
-def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, kernels=None) -> KVPrefetch:
+def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None, kernels=None,
+                kind: str | None = None, mask: tuple[bool, int | None] | None = None) -> KVPrefetch:
     """Post this rank's part of the forward's first-stage K,V pulls (its own blocks' K,V sent, the blocks its
     first stage reads received) as soon as K and V are projected, so that they cross while Q is projected; pass
     the result to :func:`fcp_attn_func` (`prefetched=`) with the same k and v, unchanged in between, and the
@@ -380,12 +384,15 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None, ke
         plan: this rank's plan; group: its process group (default: the world).
         kernels: the kernels the fcp_attn_func call will use (default: the same default): a range kernel receives
             the pulls into the pass's arena.
+        kind, mask: a layered plan's layer kind, by name or by the layer's mask, as fcp_attn_func takes them (the
+            call must name the same kind).
     Returns:
         the in-flight pulls, for one fcp_attn_func call.
     Raises:
         PlanMismatchError: as fcp_attn_func.
-        ValueError: a user-layout plan, or k, v that do not fit the plan.
+        ValueError: a user-layout plan, k, v that do not fit the plan, or a kind the plan does not hold.
     """
+    plan = resolve_kind(plan, kind, mask)
     check_plan(plan, group)
     if plan.layout != "plan":
         raise ValueError(f"prefetch_kv: the plan was compiled for the {plan.layout} layout, whose attention "
@@ -875,9 +882,10 @@ def _compiled_attention(q, k, v, plan: RankPlan, group, scale: float | None, lay
     return out
 
 
-def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group=None,
+def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None,
                   softmax_scale: float | None = None, layout: str | None = None, kernels=None,
-                  prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None) -> torch.Tensor:
+                  prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None,
+                  kind: str | None = None) -> torch.Tensor:
     """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
 
     Under torch.compile it is one custom op a pass (``fcp::attention`` and ``fcp::attention_backward``) with fake
@@ -890,7 +898,8 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
             `plan.token_index` (see :func:`fcp_runtime.dispatch`): no all-to-all runs, only the plan's blocks
             move. In the user layout they are rows [floor(r*T/N), floor((r+1)*T/N)) of the concatenated batch on
             rank r, and attention reshuffles them in and the output back.
-        plan: this rank's plan (:func:`fcp_runtime.load_rank_plan`).
+        plan: this rank's plan (:func:`fcp_runtime.load_rank_plan`); for a layered plan (one schedule for each layer
+            kind), the kind named by `kind`, else the one whose mask is `mask`.
         group: the process group (default: the world); its size must be the plan's.
         softmax_scale: default head_dim ** -0.5.
         layout: "plan" or "user"; default the layout the plan was compiled for.
@@ -899,14 +908,16 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         prefetched: what :func:`prefetch_kv` posted for this call, with these k and v (plan layout).
         mask: the calling layer's own mask, (causal, sliding window or None), checked against every document's
             mask in the plan (None: not checked). A model layer passes it so that a plan compiled for other masks
-            is refused, not silently used.
+            is refused, not silently used; a layered plan's kind is picked by it unless `kind` names one.
+        kind: a layered plan's layer kind by name (as compiled: --layer-masks NAME=MASK,...).
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
-        ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask the plan does not
-            hold, or a prefetch for other tensors, another plan or group, or one already used.
+        ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask or kind the plan
+            does not hold, or a prefetch for other tensors, another plan or group, or one already used.
     """
+    plan = resolve_kind(plan, kind, mask)
     if torch.compiler.is_compiling():
         return _compiled_attention(q, k, v, plan, group, softmax_scale, layout, kernels, prefetched, mask)
     layout = plan.layout if layout is None else layout
@@ -992,16 +1003,19 @@ class _Dispatch(torch.autograd.Function):
         return _reshuffle(ctx.plan, grad.contiguous(), not ctx.to_plan, ctx.group), None, None, None
 
 
-def dispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+def dispatch(x: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None) -> torch.Tensor:
     """Move a per-token tensor [user_tokens, ...] from the user layout to this rank's plan layout
-    [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way)."""
+    [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way). A layered
+    plan's kinds share one layout: one dispatch serves every kind."""
+    plan = layout_plan(plan)
     check_plan(plan, group)
     _check_rows(x, plan.user_tokens, plan, "dispatch", "user")
     return _Dispatch.apply(x, plan, group, True)
 
 
-def undispatch(x: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+def undispatch(x: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None) -> torch.Tensor:
     """The inverse of :func:`dispatch`: plan layout [plan_tokens, ...] back to the user layout [user_tokens, ...]."""
+    plan = layout_plan(plan)
     check_plan(plan, group)
     _check_rows(x, plan.plan_tokens, plan, "undispatch", "plan")
     return _Dispatch.apply(x, plan, group, False)

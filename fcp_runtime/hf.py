@@ -135,6 +135,34 @@ def attention_shape(config, dtype: torch.dtype | str | None = None) -> Attention
     return AttentionShape(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_DTYPES[dtype])
 
 
+# transformers' layer types (config.layer_types) that fcp replays, as the mask each gives its layers' attention.
+_LAYER_TYPE_MASKS = {"full_attention": lambda config: "causal",
+                     "sliding_attention": lambda config: f"sliding_window:{int(config.sliding_window)}"}
+
+
+def layer_kinds(config) -> tuple[dict[str, str], dict[str, int]] | None:
+    """A model's layer kinds from its transformers config: each of its `layer_types` with the mask it gives
+    (full_attention: causal; sliding_attention: the config's sliding_window), and how many layers each has. None
+    for a model whose layers are all full attention (a plan of one kind).
+
+    Raises:
+        ValueError: a layer type fcp has no mask for (named), or sliding layers without a sliding_window.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types or set(types) == {"full_attention"}:
+        return None
+    unknown = sorted(set(types) - set(_LAYER_TYPE_MASKS))
+    if unknown:
+        raise ValueError(f"the model's layer_types has {unknown[0]!r}; fcp replays "
+                         f"{', '.join(_LAYER_TYPE_MASKS)} layers")
+    if "sliding_attention" in types and not getattr(config, "sliding_window", None):
+        raise ValueError("the model has sliding_attention layers but no sliding_window in its config")
+    kinds = dict.fromkeys(types)  # in the order the layers first name them
+    return ({name: _LAYER_TYPE_MASKS[name](config) for name in kinds},
+            {name: types.count(name) for name in kinds})
+
+
 def _document(item, doc_idx: int) -> dict:
     """One document as the fields the collate takes at its rows: input_ids and labels shifted inside it."""
     item = item if isinstance(item, Mapping) else {"input_ids": item}
@@ -180,8 +208,9 @@ class HFPlanningCollate:
     def for_model(cls, config, group_or_mesh=None, rank: int | None = None, world_size: int | None = None,
                   dtype: torch.dtype | str | None = None, **compile_options) -> HFPlanningCollate:
         """A collate for a model's config: its attention shape and dtype (`dtype` if the model was cast), no K,V prefetch (HF projects Q with K and
-        V), attention-only balance unless `model` is given; the rank and size from a DeviceMesh's "cp" dimension,
-        a process group, or given.
+        V), attention-only balance unless `model` is given, and its layer kinds where its layers differ in mask
+        (:func:`layer_kinds`: a layered plan, whose kind each layer's attention picks by the layer's mask); the
+        rank and size from a DeviceMesh's "cp" dimension, a process group, or given.
 
         Raises:
             ValueError: no way to tell the rank and group size, or a mesh without a "cp" dimension.
@@ -192,8 +221,12 @@ class HFPlanningCollate:
                 raise ValueError("give rank and world_size, or a process group or DeviceMesh after "
                                  "dist.init_process_group")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        options = {"kv_prefetch": False, "model": "none", "shape": attention_shape(config, dtype), **compile_options}
-        return cls(rank, world_size, **options)
+        options = {"kv_prefetch": False, "model": "none", "shape": attention_shape(config, dtype)}
+        kinds = layer_kinds(config)
+        if kinds is not None:  # one placement, one schedule a layer kind; the layers pick theirs by their mask
+            options.update(layer_masks=",".join(f"{name}={mask}" for name, mask in kinds[0].items()),
+                           layer_mix=",".join(f"{name}={count}" for name, count in kinds[1].items()))
+        return cls(rank, world_size, **{**options, **compile_options})
 
     def __call__(self, documents: Sequence) -> dict:
         documents = [_document(item, doc_idx) for doc_idx, item in enumerate(documents)]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fcp_runtime.kernels import default_takes_ranges
-from fcp_runtime.plan import LAYOUTS, RankPlan, load_rank_plan
+from fcp_runtime.plan import LAYOUTS, LayeredRankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
@@ -107,12 +107,13 @@ class PlanningCollate:
         lengths, fields, masks = _fields(documents)
         batch = BatchSpec(sequences=lengths, masks=[mask or "causal" for mask in masks]) if masks else lengths
         plan = compile_plan(batch, self.world_size, layout=self.layout, **self.compile_options)
-        rank_plan: RankPlan = load_rank_plan(plan.to_bytes(), self.rank)
+        rank_plan = load_rank_plan(plan.to_bytes(), self.rank)  # a LayeredRankPlan where kinds were given
         ranges = self.ranges
         if ranges is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             ranges = default_takes_ranges(device, rank_plan.has_windows)
-        prepare_host(rank_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
+        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, LayeredRankPlan) else (rank_plan,)):
+            prepare_host(kind_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             rows, position_ids = rank_plan.token_index, rank_plan.position_ids
         else:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fcp_compiler.format.call_plan import tiles_during_reshuffle
+from fcp_compiler.format.layered import PlanKinds, is_layered
 from fcp_compiler.format.plan_format import PlanReader, RankProgram, TransferKind, expand_ranges
 
 LAYOUTS = ("plan", "user")
@@ -325,10 +326,114 @@ def from_program(program: RankProgram) -> RankPlan:
         program=program)
 
 
-def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan:
-    """Read one rank's slice of a plan file (or plan bytes) and index it for execution.
+# What every layer kind of a layered plan must share on a rank: its rows in both layouts and how they move
+# between them (one dispatch for every kind).
+_SHARED_LAYOUT = ("rank", "num_ranks", "layout", "user_tokens", "plan_tokens", "token_index", "user_gather",
+                  "send_splits", "plan_scatter", "recv_splits")
+
+
+class LayeredRankPlan:
+    """One rank's plans for every layer kind of a layered plan (fcp_compiler.format.layered): one layout, so the
+    batch is dispatched once, and a program a kind. The layout's attributes (`token_index`, `position_ids`,
+    `plan_tokens`, ...) are every kind's; :meth:`kind` and :meth:`for_mask` give a kind's RankPlan, which
+    ``fcp_attn_func(..., kind=NAME)`` (or its `mask`) picks.
+
+    Raises (on construction):
+        fcp_compiler.PlanFormatError: kinds whose layouts differ on this rank.
+    """
+
+    def __init__(self, kinds: dict[str, RankPlan], num_layers: dict[str, int], masks: dict[str, tuple],
+                 primary: str):
+        from fcp_compiler.errors import PlanFormatError
+
+        self.kinds, self.num_layers, self.masks, self.primary = dict(kinds), dict(num_layers), dict(masks), primary
+        first = self.kinds[primary]
+        for name, plan in self.kinds.items():
+            for attribute in _SHARED_LAYOUT:
+                mine, theirs = getattr(plan, attribute), getattr(first, attribute)
+                same = torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs
+                if not same:
+                    raise PlanFormatError(f"layer kind {name!r} has another {attribute} than kind {primary!r} on rank "
+                                          f"{first.rank}: the kinds of a layered plan share one layout")
+        self._by_mask = {mask: name for name, mask in self.masks.items()}
+
+    def __getattr__(self, name: str):
+        # The layout and batch every kind shares, read from the primary kind (position_ids, seq_lengths, ...).
+        if name in ("kinds", "primary", "num_layers", "masks", "_by_mask") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.kinds[self.primary], name)
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether any kind has a sliding window (the kernels must take windows)."""
+        return any(plan.has_windows for plan in self.kinds.values())
+
+    def kind(self, name: str) -> RankPlan:
+        """A kind's plan by name.
+
+        Raises:
+            ValueError: naming the kinds the plan has.
+        """
+        if name not in self.kinds:
+            raise ValueError(f"layer kind {name!r} is not in the plan; its kinds: {', '.join(self.kinds)}")
+        return self.kinds[name]
+
+    def for_mask(self, causal: bool, window: int | None) -> RankPlan:
+        """The kind whose mask is a layer's (causal or not, a sliding window of `window` keys or none).
+
+        Raises:
+            ValueError: no kind has it (the kinds' masks are named).
+        """
+        name = self._by_mask.get((bool(causal), window))
+        if name is None:
+            have = ", ".join(f"{kind} {_mask_name(*mask)}" for kind, mask in self.masks.items())
+            raise ValueError(f"no layer kind of the plan has the layer's mask {_mask_name(causal, window)} (the "
+                             f"plan's kinds: {have}); compile the plan with this layer's kind (--layer-masks)")
+        return self.kinds[name]
+
+
+def _mask_name(causal: bool, window: int | None) -> str:
+    return "full" if not causal else ("causal" if window is None else f"sliding window {window}")
+
+
+def resolve_kind(plan: RankPlan | LayeredRankPlan, kind: str | None = None,
+                 mask: tuple[bool, int | None] | None = None) -> RankPlan:
+    """The RankPlan a call runs: `plan` itself for a plan of one kind, else the kind named, or the one whose mask is
+    the layer's `mask` (causal, window).
 
     Raises:
-        fcp_compiler.PlanFormatError: unreadable plan or rank out of range.
+        ValueError: a kind named for a plan of one kind, an unknown kind, or a layered plan and neither a kind nor a
+            mask to choose one by.
     """
-    return from_program(PlanReader(source).rank(rank))
+    if isinstance(plan, LayeredRankPlan):
+        if kind is not None:
+            return plan.kind(kind)
+        if mask is not None:
+            return plan.for_mask(*mask)
+        raise ValueError(f"the plan holds a schedule for each of the layer kinds {', '.join(plan.kinds)}; name the "
+                         f"layer's (kind=...) or give its mask")
+    if kind is not None:
+        raise ValueError(f"kind={kind!r} names a layer kind, but the plan holds one schedule for every layer "
+                         f"(compile it with --layer-masks for kinds)")
+    return plan
+
+
+def layout_plan(plan: RankPlan | LayeredRankPlan) -> RankPlan:
+    """The RankPlan whose layout a dispatch reads: the plan, or a layered plan's primary kind (every kind's
+    layout is one)."""
+    return plan.kinds[plan.primary] if isinstance(plan, LayeredRankPlan) else plan
+
+
+def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan | LayeredRankPlan:
+    """Read one rank's slice of a plan file (or plan bytes) and index it for execution; a layered plan (one plan
+    for each layer kind) gives a LayeredRankPlan of every kind's.
+
+    Raises:
+        fcp_compiler.PlanFormatError: unreadable plan, rank out of range, or layer kinds of different layouts.
+    """
+    if not is_layered(source):
+        return from_program(PlanReader(source).rank(rank))
+    kinds = PlanKinds(source)
+    plans = {kind.name: from_program(kind.reader.rank(rank)) for kind in kinds.kinds}
+    masks = {kind.name: (kind.mask.kind.value != "full", kind.mask.window) for kind in kinds.kinds}
+    return LayeredRankPlan(plans, {kind.name: kind.num_layers for kind in kinds.kinds}, masks, kinds.primary.name)

@@ -32,6 +32,9 @@ class Setup:
     # HF's own loss (labels=, num_items_in_batch=), which computes in fp32 whatever the model's dtype; else the same
     # sum of cross-entropies over the label count, in the model's dtype (fp64 parity to 1e-12 needs it).
     hf_loss: bool = False
+    # qwen2 only: layers alternate a sliding window of this many keys with full causal attention (layer_types), as
+    # gpt-oss does; None: every layer full.
+    sliding_window: int | None = None
 
     def config(self, attn_implementation: str):
         common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=self.num_layers,
@@ -40,7 +43,11 @@ class Setup:
         if self.arch == "llama":
             return transformers.LlamaConfig(**common)
         if self.arch == "qwen2":
-            return transformers.Qwen2Config(**common)
+            if self.sliding_window is None:
+                return transformers.Qwen2Config(**common)
+            layer_types = ["sliding_attention", "full_attention"] * (self.num_layers // 2)
+            return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=self.sliding_window,
+                                            layer_types=layer_types)
         raise ValueError(self.arch)
 
     def model(self, attn_implementation: str):

@@ -128,6 +128,40 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     return task
 
 
+def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict, layout: str, q_heads: int = 4,
+                                 kv_heads: int = 2, head_dim: int = 8, dtype=torch.float64):
+    """A rank task for a layered plan: the rank's rows are taken once (one layout for every kind), and each kind's
+    fcp_attn_func (kind=NAME) forward and backward on them must equal dense fp64 attention under that kind's
+    windows (`kind_windows`: name -> each sequence's window, 0: full) at those rows. Returns the kinds run."""
+    total = sum(lengths)
+    generator = torch.Generator().manual_seed(1)
+    q, d_out = (torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype) for _ in range(2))
+    expected = {}
+    for name, windows in kind_windows.items():
+        ref_q, ref_k, ref_v = (x.to(torch.float64, copy=True).requires_grad_() for x in (q, k, v))
+        ref = reference_attention(lengths, ref_q, ref_k, ref_v, windows, head_dim ** -0.5)
+        ref.backward(d_out.to(torch.float64))
+        expected[name] = (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad)
+
+    def task(rank, world):
+        from fcp_runtime import LayeredRankPlan, fcp_attn_func, load_rank_plan
+
+        plan = load_rank_plan(plan_bytes, rank)
+        assert isinstance(plan, LayeredRankPlan) and set(plan.kinds) == set(kind_windows)
+        rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
+                                                                      (rank + 1) * total // world)
+        for name, want in expected.items():
+            mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
+            out = fcp_attn_func(*mine, plan, layout=layout, kind=name)
+            out.backward(d_out[rows])
+            for got, reference in zip((out, *(x.grad for x in mine)), want):
+                torch.testing.assert_close(got, reference[rows].to(dtype), **TOLERANCE[dtype])
+        return sorted(expected)
+
+    return task
+
+
 def dispatch_round_trip(plan_bytes: bytes, total: int):
     """A rank task: dispatch() moves the rank's user-layout rows to exactly its plan-layout tokens, undispatch()
     moves them back, and the gradient of both moves comes back the same way (asserts exact equality)."""

@@ -106,6 +106,9 @@ class Score:
     # Its placement's busiest rank's layer work (no schedule is faster); None for the only candidate (not bounded).
     busy_lower_bound_s: float | None = 0.0
     seconds: float = 0.0  # what placing (where it was the first candidate of its placement) and scheduling it took
+    # With layer kinds (core.kinds): the other kinds' forward plus backward makespans on this placement, each
+    # weighted by its layers per layer of the kind scheduled here, so that the floor chooses by the model's mix.
+    kinds_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -114,8 +117,9 @@ class Score:
 
     @property
     def layer_seconds(self) -> float:
-        """What a training step pays for the layer: forward plus backward makespan."""
-        return self.layer_makespan_fwd_s + self.layer_makespan_bwd_s
+        """What a training step pays for the layer: forward plus backward makespan (with layer kinds, per layer of
+        this kind, the others' weighted in)."""
+        return self.layer_makespan_fwd_s + self.layer_makespan_bwd_s + self.kinds_s
 
 
 def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = True) -> list[Candidate]:

@@ -36,6 +36,9 @@ class Batch:
 
     lengths: np.ndarray  # int64 [num_sequences]
     windows: np.ndarray  # int64 [num_sequences]
+    # Where several layer kinds share one layout (core.kinds), the windows that decide zig-zag pairing: the
+    # narrowest kind's, so that every kind's sharding is one. None: this batch's own windows.
+    pairing_windows: np.ndarray | None = None
 
     @classmethod
     def uniform(cls, lengths, mask: MaskKind = MaskKind.CAUSAL, window: int | None = None) -> Batch:

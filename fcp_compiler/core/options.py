@@ -10,7 +10,7 @@ from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.ir import ZigzagMode
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
-                                        Mask, load_profile, parse_mask)
+                                        Mask, load_profile, parse_layer_masks, parse_layer_mix, parse_mask)
 from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, ModelPreset, load_model
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_COALESCE, MAX_RANKS
 
@@ -92,6 +92,10 @@ class CompileOptions:
     # (a rank with several times the seed's tokens cannot: the default is the seed's setting's, not a refusal);
     # math.inf: no budget.
     memory_budget_gib: float | None = None
+    # Layer kinds, each a mask for every sequence, overriding the batch's own (`layers`): ((name, Mask), ...).
+    layer_masks: tuple[tuple[str, Mask], ...] | None = None
+    # Layers of each kind, overriding the batch's `layer_mix` and the model preset's: ((name, count), ...).
+    layer_mix: tuple[tuple[str, int], ...] | None = None
 
     @property
     def resolved_memory_budget_bytes(self) -> int | None:
@@ -128,6 +132,14 @@ class CompileOptions:
                 fields[name] = _enum(kind, fields[name], what)
         if fields.get("mask") is not None:
             fields["mask"] = parse_mask(fields["mask"])
+        if fields.get("layer_masks") is not None:
+            fields["layer_masks"] = tuple(parse_layer_masks(dict(fields["layer_masks"])
+                                                            if not isinstance(fields["layer_masks"], str)
+                                                            else fields["layer_masks"]).items())
+        if fields.get("layer_mix") is not None:
+            fields["layer_mix"] = tuple(parse_layer_mix(dict(fields["layer_mix"])
+                                                        if not isinstance(fields["layer_mix"], str)
+                                                        else fields["layer_mix"]).items())
         if isinstance(fields.get("model"), str):
             fields["model"] = load_model(fields["model"])
         if isinstance(fields.get("profile"), str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -18,6 +19,7 @@ from fcp_compiler.core import floor
 from fcp_compiler.core.baselines import BASELINES, Planner
 from fcp_compiler.core.floor import Placement
 from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule, TileSet, Transfers, ZigzagMode
+from fcp_compiler.core.kinds import LayerKind, LayerKinds, layer_kinds
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.plan_memory import plan_peak_bytes, stack_plan
@@ -35,11 +37,12 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
 from fcp_compiler.core.passes.transfers import plan_transfers
-from fcp_compiler.core.simulate import LAYER_STATS, HeldPlan, busy_lower_bound, pair_kinds, simulate_plan
+from fcp_compiler.core.simulate import LAYER_STATS, HeldPlan, busy_lower_bound, layer_stats, pair_kinds, simulate_plan
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
                                         too_many_sequences)
+from fcp_compiler.format.layered import encode_layered
 from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
@@ -53,12 +56,26 @@ BALANCE_TOLERANCE = 0.02
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompiledPlan:
-    """A compiled plan: its bytes, header, statistics and the final IR."""
+    """A compiled plan: its bytes, header, statistics and the final IR. With layer kinds, `data` is the layered
+    file (fcp_compiler.format.layered) holding every kind's plan, `kinds` each kind's, and `ir`, `header`, `rank`
+    and `stats` are the primary kind's (the one the placement was scheduled for; stats["layer_kinds"] lists all)."""
 
     data: bytes
     ir: Reshuffle
     stats: dict
     _reader: PlanReader
+    kinds: tuple[KindPlan, ...] = ()
+
+    def kind(self, name: str) -> KindPlan:
+        """A layer kind's plan by name.
+
+        Raises:
+            KeyError: naming the kinds the plan has.
+        """
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise KeyError(f"layer kind {name!r} is not in the plan; its kinds: {[k.name for k in self.kinds] or 'none'}")
 
     def to_bytes(self) -> bytes:
         """The plan file's bytes."""
@@ -81,8 +98,21 @@ class CompiledPlan:
         write_atomic(Path(path), self.data)
 
 
-def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
-    """sha256 of a canonical JSON of everything the plan depends on."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KindPlan:
+    """One layer kind's plan in a compile of several (core.kinds): its name, mask, layers in the model, and its
+    whole plan (bytes, IR, stats; its header's digest names the kind)."""
+
+    name: str
+    mask: Mask
+    num_layers: int
+    plan: CompiledPlan
+
+
+def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, kinds: LayerKinds | None = None,
+                  kind: LayerKind | None = None) -> str:
+    """sha256 of a canonical JSON of everything the plan depends on; with layer kinds, every kind's name, mask and
+    layer count and which kind's plan this is."""
     canonical = {
         "format_version": FORMAT_VERSION, "planner": options.planner.value, "lengths": batch.lengths.tolist(),
         "mask": batch.mask.value, "num_ranks": options.num_ranks, "block_size": options.resolved_block_size,
@@ -102,6 +132,8 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int) -> str:
         canonical["token_tolerance"] = options.resolved_token_tolerance
     if batch.mask not in (MaskKind.CAUSAL, MaskKind.FULL):  # the lengths say every window of the others
         canonical["windows"] = batch.windows.tolist()
+    if kinds is not None:  # absent for one kind, as before kinds existed
+        canonical["layer_kinds"], canonical["kind"] = kinds.canonical(), kind.name
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -130,8 +162,19 @@ def _to_batch(batch: BatchSpec | Sequence[int] | np.ndarray, mask: Mask | None) 
                                                                                           dtype=np.int64))
 
 
-def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, fields: dict):
-    """compile_plan's arguments checked into (options, batch, token cap)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Prepared:
+    """compile_plan's arguments, checked: the options, the batch the placement is scheduled for (with layer kinds,
+    the primary kind's), the token cap and the layer kinds (None: one)."""
+
+    options: CompileOptions
+    batch: Batch
+    cap: int
+    kinds: LayerKinds | None
+
+
+def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, fields: dict) -> _Prepared:
+    """compile_plan's arguments checked."""
     if options is None:
         if num_ranks is None:
             raise InvalidInputError("give the number of ranks (num_ranks) or a CompileOptions")
@@ -139,6 +182,21 @@ def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, field
     elif num_ranks is not None or fields:
         options = options.replace(**fields, **({} if num_ranks is None else {"num_ranks": num_ranks}))
     the_batch = _to_batch(batch, options.mask)
+    spec = batch if isinstance(batch, BatchSpec) else BatchSpec(sequences=[1])
+    kinds = layer_kinds(the_batch.lengths, spec.layers, spec.layer_mix, options.layer_masks, options.layer_mix,
+                        options.model)
+    if kinds is not None:
+        if isinstance(batch, BatchSpec) and (batch.masks is not None or "mask" in batch.model_fields_set):
+            raise InvalidInputError("the batch gives its own masks ('mask' or 'masks') and layer kinds are given "
+                                    "(--layer-masks): give each kind's mask in the kinds only")
+        if options.mask is not None:
+            raise InvalidInputError(f"--mask {options.mask.kind.value} gives every layer one mask, but the batch "
+                                    f"names layer kinds ({', '.join(kind.name for kind in kinds.kinds)}); give "
+                                    f"either, not both")
+        if options.planner is not Planner.FCP:
+            raise InvalidInputError(f"--planner {options.planner.value} compiles one mask; layer kinds "
+                                    f"({', '.join(kind.name for kind in kinds.kinds)}) are compiled by fcp")
+        the_batch = kinds.primary.batch
     if options.validatable and options.planner is Planner.FCP:
         # Sequences of L tokens are cut into at least L / B segments each: a batch too large to validate is refused
         # from its lengths, before sharding allocates per block.
@@ -147,7 +205,7 @@ def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, field
             raise _too_many_pairs(least, options, at_least=True)
     cap = options.token_cap if options.token_cap is not None else default_token_cap(
         the_batch.total_tokens, options.num_ranks, options.resolved_block_size)
-    return options, the_batch, cap
+    return _Prepared(options=options, batch=the_batch, cap=cap, kinds=kinds)
 
 
 def _too_many_pairs(num_pairs: int, options: CompileOptions, at_least: bool = False) -> InfeasibleError:
@@ -171,8 +229,10 @@ def plan_digest(batch, num_ranks: int | None = None, *, options: CompileOptions 
     Raises:
         InvalidInputError: as compile_plan.
     """
-    options, the_batch, cap = _prepare(batch, num_ranks, options, fields)
-    return inputs_digest(the_batch, options, cap)
+    prepared = _prepare(batch, num_ranks, options, fields)
+    kinds = prepared.kinds
+    return inputs_digest(prepared.batch, prepared.options, prepared.cap, kinds,
+                         kinds.primary if kinds is not None else None)
 
 
 @base_pages()
@@ -212,14 +272,15 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     """
     total_start = time.perf_counter()
     timer = _PassTimer()
-    options, the_batch, cap = timer.run("parse", _prepare, batch, num_ranks, options, fields)
-    digest = inputs_digest(the_batch, options, cap)
+    prepared = timer.run("parse", _prepare, batch, num_ranks, options, fields)
+    options, the_batch, cap, kinds = prepared.options, prepared.batch, prepared.cap, prepared.kinds
+    digest = inputs_digest(the_batch, options, cap, kinds, kinds.primary if kinds is not None else None)
     if _floor_applies(options):
-        kept = _compile_with_floor(timer, the_batch, options, cap, digest, progress)
+        kept = _compile_with_floor(timer, the_batch, options, cap, digest, progress, kinds)
     else:
         kept = _compile_alone(timer, the_batch, options, cap, digest)
     (final, header_fields, data), budget_stats = _within_budget(timer, kept, options, digest)
-    floor_stats = kept.floor_stats
+    floor_stats, fan_out = kept.floor_stats, kept.fan_out
     del kept
     if floor_stats is not None and budget_stats["refitted"]:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
@@ -231,7 +292,10 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     stats["memory"] = budget_stats
     if floor_stats is not None:
         stats.update(floor_stats)
-    return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+    if kinds is None:
+        return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+    primary = CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+    return _with_kinds(timer, primary, kinds, prepared, fan_out, total_start)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,11 +311,90 @@ class _Kept:
 
     plan: tuple  # (final IR, header fields, None): encoded once its memory figures are known
     floor_stats: dict | None
+    fan_out: bool  # whether the plan's K,V fan out inside nodes (layer kinds scheduled on its placement do too)
     rounds_of: Callable[[], Rounds]
     others: Callable[[float], Iterator]
     plain: Schedule | None = None
     held: tuple | None = None
     segments_of: Callable[[TileSet], tuple | None] = lambda tiles: None
+
+
+def _with_kinds(timer: _PassTimer, primary: CompiledPlan, kinds: LayerKinds, prepared: _Prepared, fan_out: bool,
+                started: float) -> CompiledPlan:
+    """The other layer kinds scheduled on the primary kind's placement (each within the memory budget, as the
+    primary), and the layered plan of them all: stats["layer_kinds"] gives each kind's figures and
+    stats["layer_mix_s"] the model's attention layers' simulated time, forward plus backward."""
+    options = prepared.options
+    plans = {kinds.primary.name: primary}
+    for kind in kinds.others:
+        digest = inputs_digest(kind.batch, options, prepared.cap, kinds, kind)
+        plan, rounds, plain = _schedule_kind(timer, primary.ir.transfers.assignment, kind, options, digest, fan_out)
+        kept = _Kept(plan=plan, floor_stats=None, fan_out=fan_out, rounds_of=lambda held=rounds: held,
+                     others=lambda limit: iter(()), plain=plain)
+        (final, fields, data), budget_stats = _within_budget(timer, kept, options, digest)
+        stats = plan_stats(final, data, 0.0, {}, options.layout.value, options.model,
+                           max_buffer=fields["max_buffer_tokens"])
+        stats["kv_prefetch"], stats["memory"] = fields["kv_prefetch"], budget_stats
+        plans[kind.name] = CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+    ordered = tuple(KindPlan(name=kind.name, mask=kind.mask, num_layers=kind.num_layers, plan=plans[kind.name])
+                    for kind in kinds.kinds)
+    summary = [_kind_summary(timer, kind) for kind in ordered]
+    data = timer.run("encode", encode_layered, [(kind.name, kind.mask.model_dump(mode="json"), kind.num_layers,
+                                                 kind.plan.data) for kind in ordered], kinds.primary.name)
+    stats = {**primary.stats, "layer_kinds": summary, "primary_kind": kinds.primary.name,
+             "layer_mix_s": sum(row["num_layers"] * row["layer_seconds"] for row in summary),
+             "plan_bytes": len(data), "plan_sha256": hashlib.sha256(data).hexdigest(),
+             "compile_seconds": time.perf_counter() - started, "pass_seconds": dict(timer.seconds)}
+    return CompiledPlan(data=data, ir=primary.ir, stats=stats, _reader=primary._reader, kinds=ordered)
+
+
+def _kind_summary(timer: _PassTimer, kind: KindPlan) -> dict:
+    """One layer kind's row of stats["layer_kinds"]: its mask, layers, traffic and simulated layer time."""
+    stats = kind.plan.stats
+    figures = {name: stats[name] for name in LAYER_STATS} if "layer_makespan_fwd_s" in stats else \
+        timer.run("score", layer_stats, kind.plan)
+    return {"name": kind.name, "mask": kind.mask.model_dump(mode="json"), "num_layers": kind.num_layers,
+            "num_tiles": stats["num_tiles"], "num_transfers": stats["num_transfers"],
+            "total_comm_bytes": stats["total_comm_bytes"], "max_buffer_tokens": stats["max_buffer_tokens"],
+            "peak_bytes": max(stats["memory"]["peak_bytes_fwd"], stats["memory"]["peak_bytes_bwd"]),
+            "num_fwd_stages": kind.plan.header.num_fwd_stages, "num_bwd_stages": kind.plan.header.num_bwd_stages,
+            **figures, "layer_seconds": figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]}
+
+
+def _kind_assignment(timer: _PassTimer, placed: Assignment, kind: LayerKind, options: CompileOptions) -> Assignment:
+    """A layer kind's tiles on a placement made for another kind: the same blocks on the same ranks (one layout,
+    so one dispatch), its own mask's tiles (costed here), each run by its query block's owner."""
+    sharding = dataclasses.replace(placed.tiles.sharding, batch=kind.batch)
+    tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+    return Assignment(tiles=tiles, num_ranks=placed.num_ranks, token_cap=placed.token_cap,
+                      block_rank=placed.block_rank, tile_rank=placed.block_rank[tiles.tile_q_block])
+
+
+def _schedule_kind(timer: _PassTimer, placed: Assignment, kind: LayerKind, options: CompileOptions, digest: str,
+                   fan_out: bool) -> tuple[tuple, Rounds, Schedule | None]:
+    """plan_transfers, fan_out (as the placement's own plan), schedule_rounds, coalesce within the live-buffer
+    budget, relay and reshuffle for one layer kind on `placed`: it pulls only the blocks its mask reads. Returns
+    (the finished plan, its rounds before relays, its schedule where it is coalesce's at the requested stages)."""
+    transfers = timer.run("plan_transfers", plan_transfers, _kind_assignment(timer, placed, kind, options))
+    rounds = _rounds(timer, transfers, options, fan_out)
+    schedule, peak, plain = _fit_memory(timer, rounds, options, memory_budget_tokens(options))
+    if schedule is None:
+        schedule, peak, plain = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), None, \
+            True
+    plan = _finish(timer, schedule, options, digest, max_buffer=peak)
+    return plan, rounds, schedule if plain else None
+
+
+def _kinds_seconds(timer: _PassTimer, plan: tuple, kinds: LayerKinds, options: CompileOptions,
+                   fan_out: bool) -> float:
+    """The layer kinds other than the primary, scheduled on a floor candidate's placement (`plan`, the primary's)
+    and simulated: their forward plus backward makespans weighted by layers per primary layer."""
+    seconds = 0.0
+    for kind in kinds.others:
+        kind_plan, _, _ = _schedule_kind(timer, plan[0].transfers.assignment, kind, options, "", fan_out)
+        figures = timer.run("score", _layer_figures, kind_plan)
+        seconds += kinds.weight(kind) * (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+    return seconds
 
 
 def _compile_alone(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str) -> _Kept:
@@ -266,8 +409,8 @@ def _compile_alone(timer: _PassTimer, batch: Batch, options: CompileOptions, cap
         schedule, plain, peak = timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined), \
             True, None
     plan = _finish(timer, schedule, options, digest, max_buffer=peak)
-    return _Kept(plan=plan, floor_stats=None, rounds_of=lambda: rounds, others=lambda limit: iter(()),
-                 plain=schedule if plain else None)
+    return _Kept(plan=plan, floor_stats=None, fan_out=options.resolved_node_fan_out, rounds_of=lambda: rounds,
+                 others=lambda limit: iter(()), plain=schedule if plain else None)
 
 
 def _within_budget(timer: _PassTimer, kept: _Kept, options: CompileOptions, digest: str) -> tuple[tuple, dict]:
@@ -506,13 +649,14 @@ def _floor_applies(options: CompileOptions) -> bool:
 
 
 def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions, cap: int, digest: str,
-                        progress: Callable[[dict], None] | None = None) -> _Kept:
+                        progress: Callable[[dict], None] | None = None, kinds: LayerKinds | None = None) -> _Kept:
     """Schedule every candidate of :mod:`fcp_compiler.core.floor` within the memory budget, score each that fits by
     the timing model and keep the winner (with the floor's stats, and what the memory budget's account may read:
-    :class:`_Kept`)."""
+    :class:`_Kept`). With layer kinds a candidate's score counts every kind on its placement, weighted by the mix,
+    and the budget's account keeps the winner's placement (the other kinds are scheduled on it)."""
     started = time.perf_counter()
     run = _FloorRun(timer=timer, batch=batch, options=options, cap=cap, digest=digest,
-                    budget=memory_budget_tokens(options), progress=progress)
+                    budget=memory_budget_tokens(options), progress=progress, kinds=kinds)
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
     for candidate in floor.candidates(options.model is None, options.node_fan_out, tolerances):
         if not run.schedule(candidate):
@@ -541,9 +685,10 @@ def _compile_with_floor(timer: _PassTimer, batch: Batch, options: CompileOptions
     floor_stats["floor"] = _floor_record(scores, winner, run.pruned, budget, time.perf_counter() - started, most,
                                          run.out_of_reach)
     floor_stats["floor"]["backward_last_stage"] = last_stage
-    return _Kept(plan=plan, floor_stats=floor_stats, rounds_of=lambda: rounds,
-                 others=lambda limit: run.others(winner, limit), plain=plain, held=held,
-                 segments_of=lambda tiles: None if run.alone else run.segments_of(tiles))
+    return _Kept(plan=plan, floor_stats=floor_stats, fan_out=scores[winner].candidate.fan_out,
+                 rounds_of=lambda: rounds,
+                 others=lambda limit: run.others(winner, limit) if kinds is None else iter(()), plain=plain,
+                 held=held, segments_of=lambda tiles: None if run.alone else run.segments_of(tiles))
 
 
 def _backward_last_stage(timer: _PassTimer, plan: tuple, figures: dict, options: CompileOptions, digest: str,
@@ -609,6 +754,7 @@ class _FloorRun:
     best: tuple | None = None
     least: tuple | None = None
     progress: Callable[[dict], None] | None = None
+    kinds: LayerKinds | None = None  # the compile's layer kinds: each candidate is scored by the mix
 
     def pairs_of(self, tiles: TileSet) -> tuple | None:
         """The segment pairs of a tile set the floor's candidates share (FCP's placements one, the equal-chunk ones
@@ -676,13 +822,15 @@ class _FloorRun:
         figures = timer.run("score", _layer_figures, plan, self.segments_of(plan[0].tiles), stacked) \
             if stacked is not None else None
         unscored = math.nan if fits else math.inf
+        kinds_s = _kinds_seconds(timer, plan, self.kinds, options, candidate.fan_out) \
+            if figures is not None and self.kinds is not None else 0.0
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
             layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else unscored,
             layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else unscored, max_buffer_tokens=peak,
             relays=relays, seconds=time.perf_counter() - started,
-            busy_lower_bound_s=self.bounds[candidate.placement])
+            busy_lower_bound_s=self.bounds[candidate.placement], kinds_s=kinds_s)
         if fits and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
             # The rounds before relays, which the memory budget's refits schedule again, and the schedule itself
             # where their first may start from it (its forward; held only where refits may run).
@@ -759,7 +907,7 @@ def _candidate_record(score: floor.Score) -> dict:
     return {"name": score.name, "layer_makespan_fwd_s": _simulated(score.layer_makespan_fwd_s),
             "layer_makespan_bwd_s": _simulated(score.layer_makespan_bwd_s),
             "max_buffer_tokens": score.max_buffer_tokens, "busy_lower_bound_s": score.busy_lower_bound_s,
-            "seconds": score.seconds}
+            "seconds": score.seconds, **({"other_kinds_s": score.kinds_s} if score.kinds_s else {})}
 
 
 def _simulated(seconds: float) -> float | None:

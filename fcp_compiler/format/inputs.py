@@ -104,8 +104,14 @@ MAX_BATCH_TOKENS = 2**31 - 1  # a plan stores token counts and offsets as int32
 MAX_SEQUENCES = MAX_SEGMENT_PAIRS  # every sequence is at least one segment pair
 
 
+MAX_LAYER_KINDS = 8  # layer kinds a plan may hold: each is a schedule of its own
+MAX_LAYERS_OF_A_KIND = 100_000
+LAYER_KIND_NAME = r"[A-Za-z_][A-Za-z0-9_.-]{0,63}"  # e.g. HF's "full_attention", "sliding_attention"
+
+
 class BatchSpec(BaseModel):
-    """A batch: an ordered list of sequence lengths, one mask for all of them or one a sequence."""
+    """A batch: an ordered list of sequence lengths, one mask for all of them or one a sequence; or layer kinds,
+    each with its own mask for every sequence (one placement for all, one schedule a kind)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -113,11 +119,26 @@ class BatchSpec(BaseModel):
                        "of it; {\"kind\": \"sliding_window\", \"window\": W}: t - W + 1 .. t")
     masks: list[Mask] | None = Field(None, description="one mask a sequence, in batch order (instead of mask)")
     sequences: list[int] = Field(..., description="token length of each sequence, in batch order", min_length=1)
+    layers: dict[str, Mask] | None = Field(
+        None, description="layer kinds by name, each with its mask for every sequence (instead of mask and masks): "
+        "the plan holds one schedule a kind over one placement, e.g. {\"full_attention\": \"causal\", "
+        "\"sliding_attention\": {\"kind\": \"sliding_window\", \"window\": 128}}")
+    layer_mix: dict[str, int] | None = Field(
+        None, description="how many layers of each kind the model has, by the names in layers (default: the "
+        "model preset's): the placement is chosen by the time of this mix")
 
     @model_validator(mode="after")
     def _one_mask_a_sequence(self) -> "BatchSpec":
         if self.masks is not None and "mask" in self.model_fields_set:
             raise ValueError("give either 'mask' (one for every sequence) or 'masks' (one a sequence), not both")
+        if self.layers is not None:
+            if self.masks is not None or "mask" in self.model_fields_set:
+                raise ValueError("give either 'layers' (a mask for each layer kind) or 'mask'/'masks', not both")
+            check_layer_kinds(self.layers)
+        if self.layer_mix is not None:
+            if self.layers is None:
+                raise ValueError("'layer_mix' counts the layers of each kind named in 'layers'; give 'layers' too")
+            check_layer_mix(self.layer_mix, self.layers)
         if self.masks is not None and len(self.masks) != len(self.sequences):
             raise ValueError(f"masks holds {len(self.masks)} masks for {len(self.sequences)} sequences; give one a "
                              f"sequence, or one 'mask' for all")
@@ -305,6 +326,96 @@ def parse_mask(value: object, what: str = "--mask") -> Mask:
         reason = error.errors()[0]["msg"].removeprefix("Value error, ")
         raise InvalidInputError(f"{what} {given!r}: {reason}; valid: causal, full or sliding_window:W "
                                 f"(W >= 1)") from None
+
+
+def check_layer_kinds(layers: dict) -> None:
+    """Layer kinds by name, each with a mask: 1 to MAX_LAYER_KINDS names of LAYER_KIND_NAME's form, no two with one
+    mask (a kind is a schedule; two kinds of one mask are one kind).
+
+    Raises:
+        ValueError: naming the first bad name or the repeated mask.
+    """
+    if not 1 <= len(layers) <= MAX_LAYER_KINDS:
+        raise ValueError(f"layers names {len(layers)} kinds; give 1 to {MAX_LAYER_KINDS}")
+    seen: dict[Mask, str] = {}
+    for name, mask in layers.items():
+        if not isinstance(name, str) or not re.fullmatch(LAYER_KIND_NAME, name):
+            raise ValueError(f"layer kind name {name!r} must be a letter or _ then up to 63 letters, digits, "
+                             f"'_', '.' or '-' (e.g. full_attention)")
+        if mask in seen:
+            raise ValueError(f"layer kinds {seen[mask]!r} and {name!r} have one mask; give it one kind")
+        seen[mask] = name
+
+
+def check_layer_mix(layer_mix: dict, layers: dict) -> None:
+    """A layer count for every kind and no other name, each 0 to MAX_LAYERS_OF_A_KIND, not all 0.
+
+    Raises:
+        ValueError: naming the first bad name or count.
+    """
+    if set(layer_mix) != set(layers):
+        missing, unknown = sorted(set(layers) - set(layer_mix)), sorted(set(layer_mix) - set(layers))
+        raise ValueError(f"the layer mix names {sorted(layer_mix)} but the layer kinds are {sorted(layers)}"
+                         + (f": {missing[0]!r} has no count" if missing else f": {unknown[0]!r} is no kind"))
+    for name, count in layer_mix.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LAYERS_OF_A_KIND:
+            raise ValueError(f"layer mix {name}={count!r} must be a layer count from 0 to {MAX_LAYERS_OF_A_KIND}")
+    if not any(layer_mix.values()):
+        raise ValueError("every count of the layer mix is 0; a model has at least one layer")
+
+
+def _named_pairs(value: str, what: str, example: str) -> list[tuple[str, str]]:
+    """NAME=VALUE,... split into pairs; a bad form is refused with one line."""
+    pairs = []
+    for part in value.split(","):
+        name, equals, item = part.strip().partition("=")
+        if not equals or not name.strip() or not item.strip():
+            raise InvalidInputError(f"{what} {value!r}: each entry must be NAME=VALUE, e.g. {example}")
+        pairs.append((name.strip(), item.strip()))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        repeated = next(name for name in names if names.count(name) > 1)
+        raise InvalidInputError(f"{what} {value!r}: kind {repeated!r} is named twice")
+    return pairs
+
+
+def parse_layer_masks(value: object, what: str = "--layer-masks") -> dict[str, Mask]:
+    """Layer kinds from ``NAME=MASK,...`` (a mask as :func:`parse_mask` takes it: causal, full,
+    sliding_window:W) or a dict of names to masks.
+
+    Raises:
+        InvalidInputError: naming the value and what would be valid.
+    """
+    example = "full_attention=causal,sliding_attention=sliding_window:128"
+    if isinstance(value, str):
+        value = {name: parse_mask(mask, f"{what} {name}=") for name, mask in _named_pairs(value, what, example)}
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{what} {value!r}: give NAME=MASK,... e.g. {example}")
+    layers = {name: parse_mask(mask, f"{what} {name}=") for name, mask in value.items()}
+    try:
+        check_layer_kinds(layers)
+    except ValueError as error:
+        raise InvalidInputError(f"{what}: {error}") from None
+    return layers
+
+
+def parse_layer_mix(value: object, what: str = "--layer-mix") -> dict[str, int]:
+    """Layer counts from ``NAME=COUNT,...`` or a dict of names to counts (checked against the kinds later).
+
+    Raises:
+        InvalidInputError: naming the value and what would be valid.
+    """
+    example = "full_attention=18,sliding_attention=18"
+    if isinstance(value, str):
+        pairs = _named_pairs(value, what, example)
+        for name, count in pairs:
+            if not re.fullmatch(r"[0-9]{1,6}", count):
+                raise InvalidInputError(f"{what} {name}={count!r}: a layer count must be an integer from 0 to "
+                                        f"{MAX_LAYERS_OF_A_KIND}, e.g. {example}")
+        value = {name: int(count) for name, count in pairs}
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{what} {value!r}: give NAME=COUNT,... e.g. {example}")
+    return dict(value)
 
 
 def too_many_sequences(num_sequences: int) -> str:

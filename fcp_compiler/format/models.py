@@ -25,6 +25,10 @@ class ModelPreset:
     num_layers: int
     linear_efficiency: float = 0.75
     source: str = ""
+    # Models whose layers differ in mask: each kind's mask (as --layer-masks takes it) and layer count, by the names
+    # transformers' `layer_types` gives them. A batch whose layer kinds have these names takes the counts as its mix.
+    layer_masks: tuple[tuple[str, str], ...] = ()
+    layer_mix: tuple[tuple[str, int], ...] = ()
 
     @property
     def projection_flops_per_token(self) -> int:
@@ -52,6 +56,14 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "llama3-70b": ModelPreset(name="llama3-70b", hidden=8192, ffn=28672, q_heads=64, kv_heads=8, head_dim=128,
                               num_layers=80, source="Meta Llama 3 70B config: hidden 8192, FFN 28672, 64/8 heads "
                                                     "(the seed's attention shape)"),
+    # Attention sinks and MoE aside (the linear layers count the 4 experts a token is routed to), the layer's shapes.
+    "gpt-oss-120b": ModelPreset(name="gpt-oss-120b", hidden=2880, ffn=4 * 2880, q_heads=64, kv_heads=8, head_dim=64,
+                                num_layers=36, layer_masks=(("sliding_attention", "sliding_window:128"),
+                                                            ("full_attention", "causal")),
+                                layer_mix=(("sliding_attention", 18), ("full_attention", 18)),
+                                source="openai/gpt-oss-120b config: hidden 2880, 36 layers alternating "
+                                       "sliding_attention (window 128) and full_attention, 64/8 heads of 64, 128 "
+                                       "experts of 2880 with 4 active a token"),
 }
 
 

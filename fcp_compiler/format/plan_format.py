@@ -46,6 +46,7 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
+LAYERED_MAGIC = b"FCPKINDS"  # a plan for each layer kind over one layout (fcp_compiler.format.layered)
 FORMAT_VERSION = 10  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
 # 8: two link classes (a round is a matching per class: NVLink inside a node, the NIC across; nodes are runs of
 # profile.gpus_per_node ranks), node fan-out (pulls re-sent inside a node by the one that crossed the NIC);
@@ -319,18 +320,25 @@ def assemble_sections(header_fields: dict, global_bytes: bytes, rank_bytes: list
 
 
 class _Source:
-    """Bytes of a plan, from memory or from a regular file read by offset (never the whole file at once)."""
+    """Bytes of a plan, from memory or from a regular file read by offset (never the whole file at once); with
+    `window` (offset, length), the plan that range of the source holds (a layer kind's in a layered plan)."""
 
-    def __init__(self, source: str | Path | bytes | bytearray | memoryview):
-        self._file = None
+    def __init__(self, source: str | Path | bytes | bytearray | memoryview, window: tuple[int, int] | None = None):
+        self._file, self._base = None, 0
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._data = memoryview(source)
             self.size = len(self._data)
             self.origin = "plan bytes"
-            return
-        path = str(source)
-        self.origin = f"plan file {path!r}"
-        self._file, self.size = open_regular_file(path, "plan", PlanFormatError)
+        else:
+            path = str(source)
+            self.origin = f"plan file {path!r}"
+            self._file, self.size = open_regular_file(path, "plan", PlanFormatError)
+        if window is not None:
+            offset, length = window
+            if offset < 0 or length < 0 or offset + length > self.size:
+                raise PlanFormatError(f"{self.origin}: a plan at [{offset}, {offset + length}) lies outside its "
+                                      f"{self.size} bytes")
+            self._base, self.size = offset, length
 
     def __del__(self) -> None:
         if getattr(self, "_file", None) is not None:
@@ -340,6 +348,7 @@ class _Source:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise PlanFormatError(f"{self.origin}: {what} [{offset}, {offset + length}) lies outside the file's "
                                   f"{self.size} bytes")
+        offset += self._base
         if self._file is None:
             return bytes(self._data[offset:offset + length])
         self._file.seek(offset)
@@ -357,14 +366,18 @@ class PlanReader:
     candidates), so the structural checks of each rank, which guard against plans from elsewhere, are skipped.
     """
 
-    def __init__(self, source: str | Path | bytes, *, encoded_here: bool = False):
+    def __init__(self, source: str | Path | bytes, *, encoded_here: bool = False, window: tuple[int, int] | None = None,
+                 origin: str | None = None):
         self._encoded_here = encoded_here
-        self._source = _Source(source)
-        self.origin = self._source.origin
+        self._source = _Source(source, window)
+        self.origin = origin or self._source.origin
         prefix = self._source.read(0, min(_PREFIX, self._source.size), "the header")
         if prefix[:8] == _LEGACY_MAGIC:
             raise PlanFormatError(f"{self.origin} was written by an older fcp (format 4 or earlier); this fcp reads "
                                   f"version {FORMAT_VERSION}: compile it again")
+        if prefix[:8] == LAYERED_MAGIC:
+            raise PlanFormatError(f"{self.origin} holds a plan for each of several layer kinds; read it with "
+                                  f"fcp_compiler.format.layered.PlanKinds (fcp inspect lists its kinds)")
         if prefix[:8] != MAGIC or len(prefix) < _PREFIX:
             raise PlanFormatError(f"{self.origin} is not an fcp plan (bad magic {prefix[:8]!r})")
         (header_len,) = struct.unpack("<I", prefix[8:12])

@@ -13,8 +13,10 @@ def pairs_chunks(batch: Batch) -> np.ndarray:
     """Per sequence, whether zig-zag pairing pays under its mask: always for causal and full ones (as asked), and
     for a sliding window only when it reaches back half the sequence or more. Under a shorter window every block
     past the first window carries the same work already, and pairing a chunk with its mirror would make the block
-    read keys at both ends of the sequence."""
-    return (batch.windows == 0) | (2 * batch.windows >= batch.lengths)
+    read keys at both ends of the sequence. Layer kinds that share one layout pair by the narrowest kind's window
+    (`batch.pairing_windows`), so that every kind is cut alike."""
+    windows = batch.windows if batch.pairing_windows is None else batch.pairing_windows
+    return (windows == 0) | (2 * windows >= batch.lengths)
 
 
 def shard(batch: Batch, block_size: int, zigzag: bool) -> Sharding:

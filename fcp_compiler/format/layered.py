@@ -1,0 +1,190 @@
+"""The layered plan file: one plan for each layer kind of a model, over one layout.
+
+A model whose layers differ in mask (gpt-oss's 128-token sliding window beside full causal layers) runs every
+layer on the same tokens' layout, so it is dispatched once; each kind has its own schedule, which pulls only the
+blocks its mask reads. The file holds each kind's whole plan (format :data:`FORMAT_VERSION` of plan_format, with
+its own header and checksums) after a small header naming the kinds::
+
+    b"FCPKINDS" | u32 header length | sha256 of the header | header (JSON) | each kind's plan, back to back
+
+The header is ``{"format": 1, "primary": NAME, "kinds": [{"name", "mask", "num_layers", "offset", "length"}]}``
+(offsets from the end of the header). Every kind's plan is read by offset, as a plan file is: nothing is read
+whole. :class:`PlanKinds` checks the header; `fcp validate` checks that the kinds share one layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.format.inputs import LAYER_KIND_NAME, MAX_LAYER_KINDS, MAX_LAYERS_OF_A_KIND, Mask, check_layer_kinds
+from fcp_compiler.format.plan_format import LAYERED_MAGIC, PlanReader
+from fcp_compiler.format.safe_io import open_regular_file
+
+LAYERED_FORMAT = 1
+MAX_LAYERED_HEADER_BYTES = 2**16  # eight kinds' names, masks and ranges take a few hundred bytes
+_PREFIX = len(LAYERED_MAGIC) + 4 + 32
+
+
+class KindEntry(BaseModel):
+    """One layer kind in the layered header: its name, mask, layers in the model and where its plan lies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str = Field(..., pattern=f"^{LAYER_KIND_NAME}$")
+    mask: Mask
+    num_layers: int = Field(..., ge=0, le=MAX_LAYERS_OF_A_KIND)
+    offset: int = Field(..., ge=0)
+    length: int = Field(..., ge=1)
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _mask(cls, value: object) -> object:
+        return Mask.model_validate(value)
+
+
+class LayeredHeader(BaseModel):
+    """The layered file's header: every kind, its plans back to back in order, the primary among them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    format: int
+    primary: str
+    kinds: list[KindEntry] = Field(..., min_length=1, max_length=MAX_LAYER_KINDS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LayeredHeader":
+        if self.format != LAYERED_FORMAT:
+            raise ValueError(f"layered format {self.format} is not {LAYERED_FORMAT}, the one this fcp reads")
+        names = [kind.name for kind in self.kinds]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer kinds {names} name one kind twice")
+        check_layer_kinds({kind.name: kind.mask for kind in self.kinds})
+        if self.primary not in names:
+            raise ValueError(f"primary kind {self.primary!r} is not among the kinds {names}")
+        offset = 0
+        for kind in self.kinds:
+            if kind.offset != offset:
+                raise ValueError(f"kind {kind.name!r}'s plan starts at {kind.offset}, not at {offset} where the one "
+                                 f"before it ends")
+            offset += kind.length
+        return self
+
+
+def encode_layered(kinds: list[tuple[str, dict, int, bytes]], primary: str) -> bytes:
+    """The layered file of each kind's (name, mask as JSON, layers in the model, plan bytes), in that order."""
+    entries, offset = [], 0
+    for name, mask, num_layers, data in kinds:
+        entries.append({"name": name, "mask": mask, "num_layers": num_layers, "offset": offset, "length": len(data)})
+        offset += len(data)
+    header = json.dumps({"format": LAYERED_FORMAT, "primary": primary, "kinds": entries}, sort_keys=True,
+                        separators=(",", ":")).encode()
+    assert len(header) <= MAX_LAYERED_HEADER_BYTES
+    return b"".join([LAYERED_MAGIC, struct.pack("<I", len(header)), hashlib.sha256(header).digest(), header,
+                     *(data for _, _, _, data in kinds)])
+
+
+def is_layered(source: str | Path | bytes) -> bool:
+    """Whether a plan file (or its bytes) is a layered one: by its first eight bytes (a missing or unreadable file
+    is not; its reader says why)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source[:len(LAYERED_MAGIC)]) == LAYERED_MAGIC
+    try:
+        file, _ = open_regular_file(str(source), "plan", PlanFormatError)
+    except PlanFormatError:
+        return False
+    with file:
+        return file.read(len(LAYERED_MAGIC)) == LAYERED_MAGIC
+
+
+class KindReader:
+    """One layer kind of a plan file: its name, mask and layers in the model (None, None, 1 for a plan of one
+    kind), and a reader of its plan."""
+
+    def __init__(self, name: str | None, mask: Mask | None, num_layers: int, reader: PlanReader):
+        self.name, self.mask, self.num_layers, self.reader = name, mask, num_layers, reader
+
+
+class PlanKinds:
+    """Every layer kind of a plan file: a layered file's kinds, or one plan's as the single kind None.
+
+    Raises:
+        PlanFormatError: a bad magic, header (its sha256, its JSON, its fields) or a kind's range outside the file;
+            each kind's plan is checked as a plan file is, by its PlanReader.
+    """
+
+    def __init__(self, source: str | Path | bytes):
+        self.layered = is_layered(source)
+        if not self.layered:
+            self.header, self.kinds = None, (KindReader(None, None, 1, PlanReader(source)),)
+            return
+        origin = "plan bytes" if isinstance(source, (bytes, bytearray, memoryview)) else f"plan file {str(source)!r}"
+        prefix, header_bytes = _read_header(source, origin)
+        try:
+            self.header = LayeredHeader.model_validate(json.loads(header_bytes))
+        except (ValidationError, ValueError, UnicodeDecodeError) as error:
+            reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
+            raise PlanFormatError(f"{origin}: bad layered header: {reason}") from None
+        body = prefix + len(header_bytes)
+        self.kinds = tuple(KindReader(entry.name, entry.mask, entry.num_layers,
+                                      PlanReader(source, window=(body + entry.offset, entry.length),
+                                                 origin=f"{origin} kind {entry.name!r}"))
+                           for entry in self.header.kinds)
+        if body + sum(entry.length for entry in self.header.kinds) != _size(source):
+            raise PlanFormatError(f"{origin}: the kinds' plans do not end where the file does")
+
+    @property
+    def names(self) -> list[str | None]:
+        return [kind.name for kind in self.kinds]
+
+    @property
+    def primary(self) -> KindReader:
+        """The kind the placement was scheduled for (a single plan's only kind)."""
+        if self.header is None:
+            return self.kinds[0]
+        return next(kind for kind in self.kinds if kind.name == self.header.primary)
+
+    def kind(self, name: str) -> KindReader:
+        """A kind by name.
+
+        Raises:
+            PlanFormatError: naming the kinds the plan has.
+        """
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise PlanFormatError(f"layer kind {name!r} is not in the plan; its kinds: "
+                              f"{', '.join(str(known) for known in self.names)}")
+
+
+def _size(source) -> int:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return len(source)
+    file, size = open_regular_file(str(source), "plan", PlanFormatError)
+    file.close()
+    return size
+
+
+def _read_header(source, origin: str) -> tuple[int, bytes]:
+    """(where the header starts, the header's bytes), checked against its sha256 and its bound."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source[:_PREFIX + MAX_LAYERED_HEADER_BYTES])
+    else:
+        file, _ = open_regular_file(str(source), "plan", PlanFormatError)
+        with file:
+            data = file.read(_PREFIX + MAX_LAYERED_HEADER_BYTES)
+    if len(data) < _PREFIX:
+        raise PlanFormatError(f"{origin}: the file ends inside the layered header")
+    (length,) = struct.unpack("<I", data[8:12])
+    if length > MAX_LAYERED_HEADER_BYTES or _PREFIX + length > len(data):
+        raise PlanFormatError(f"{origin}: layered header length {length} exceeds the file or "
+                              f"{MAX_LAYERED_HEADER_BYTES} bytes")
+    header = data[_PREFIX:_PREFIX + length]
+    if hashlib.sha256(header).digest() != data[12:_PREFIX]:
+        raise PlanFormatError(f"{origin}: the layered header does not match its sha256 (corrupt plan)")
+    return _PREFIX, header
