@@ -62,6 +62,19 @@ def _write_json(path: Path, data: object) -> None:
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
+MEMORY_BUDGET = typer.Option(None, "--memory-budget", help="GiB of device memory a rank's attention may peak at in "
+                             "either pass; stages shrink until every rank fits, and a budget none meets is refused; "
+                             "none: no budget [4 with a model: what Llama-3-70B leaves of an 80 GB H100 at 256 GPUs; "
+                             "none with --model none]")
+NODE_FAN_OUT = typer.Option(None, "--node-fan-out", help="on or off: a K,V block crosses into a node once and fans "
+                            "out over NVLink [fcp tries both; magi on; ring, bytescale, wlbllm off]")
+LAYER_MASKS = typer.Option(None, "--layer-masks", help="layer kinds, each with its mask for every sequence: "
+                           "NAME=MASK,... e.g. full_attention=causal,sliding_attention=sliding_window:128; one "
+                           "placement (one dispatch), one schedule a kind [the batch's 'layers']")
+LAYER_MIX = typer.Option(None, "--layer-mix", help="layers of each kind in the model, NAME=COUNT,...: the placement "
+                         "is chosen by the mix's time [the batch's 'layer_mix', else the --model preset's]")
+
+
 @app.command("compile")
 def compile_command(
     batch: Path = typer.Argument(..., help="batch JSON: {\"mask\": MASK, \"sequences\": [...]}, {\"masks\": [MASK, "
@@ -86,9 +99,7 @@ def compile_command(
     layout: str = typer.Option("plan", "--layout",
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
     planner: str = typer.Option("fcp", "--planner", help="fcp, or a baseline: ring, bytescale, wlbllm, magi"),
-    node_fan_out: Optional[str] = typer.Option(None, "--node-fan-out", help="on or off: a K,V block crosses into a "
-                                               "node once and fans out over NVLink [fcp tries both; magi on; ring, "
-                                               "bytescale, wlbllm off]"),
+    node_fan_out: Optional[str] = NODE_FAN_OUT,
     no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only (with its node "
                                   "fan-out unless --node-fan-out off), not the floor's candidates: to study it, not "
                                   "a faster compile (nothing guards its time or memory)"),
@@ -102,6 +113,8 @@ def compile_command(
                                         "while Q is projected; fcp_runtime.prefetch_kv)"),
     mask: Optional[str] = typer.Option(None, "--mask", help="override the batch's mask(s): causal, full or "
                                                             "sliding_window:W (the W most recent keys) [the batch's]"),
+    layer_masks: Optional[str] = LAYER_MASKS,
+    layer_mix: Optional[str] = LAYER_MIX,
     q_heads: int = typer.Option(64, "--q-heads", help="attention query heads", parser=_ascii_int),
     kv_heads: int = typer.Option(8, "--kv-heads", help="key/value heads (grouped-query attention; divides --q-heads)",
                                  parser=_ascii_int),
@@ -109,12 +122,9 @@ def compile_command(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp64"),
     model: str = typer.Option("llama3-70b", "--model", help="the layer whose per-rank time (linear layers on a "
                                                             "rank's tokens + attention) placement balances: "
-                                                            "llama3-8b, llama3-70b or none (attention alone)"),
-    memory_budget: Optional[str] = typer.Option(
-        None, "--memory-budget", help="GiB of device memory a rank's attention may peak at in either pass; stages "
-                                      "shrink until every rank fits, and a budget none meets is refused; none: no "
-                                      "budget [4 with a model: what Llama-3-70B leaves of an 80 GB H100 at 256 GPUs; "
-                                      "none with --model none]"),
+                                                            "llama3-8b, llama3-70b, gpt-oss-120b or none "
+                                                            "(attention alone)"),
+    memory_budget: Optional[str] = MEMORY_BUDGET,
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="plan file [BATCH name with .fcp]; a folder for a .jsonl"),
     stats: Optional[Path] = typer.Option(None, "--stats", help="write the plan's figures as JSON [not written]"),
@@ -133,7 +143,8 @@ def compile_command(
                                 reshuffle_overlap=not no_reshuffle_overlap, kv_prefetch=not no_kv_prefetch,
                                 planner=planner, model=model,
                                 gpus_per_node=gpus_per_node, node_fan_out=_on_off("--node-fan-out", node_fan_out),
-                                floor=not no_floor, memory_budget_gib=_memory_budget(memory_budget))
+                                floor=not no_floor, memory_budget_gib=_memory_budget(memory_budget),
+                                layer_masks=layer_masks, layer_mix=layer_mix)
     if batch.suffix == ".jsonl":
         if stats is not None:
             raise InvalidInputError(f"--stats {str(stats)!r} takes one batch; a .jsonl of batches prints its table "
@@ -236,15 +247,21 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
 @app.command("validate")
 def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
     """Check every invariant of docs/DESIGN.md section 4; exit 1 naming the first one broken."""
-    from fcp_compiler.format.validate import PlanInvalidError, validate_plan
+    from fcp_compiler.format.layered import PlanKinds
+    from fcp_compiler.format.validate import PlanInvalidError
+    from fcp_compiler.format.validate_kinds import validate_kinds
+    from fcp_compiler.tools.kinds import validation_lines
     from fcp_compiler.tools.report import validation_summary
 
     try:
-        report = validate_plan(str(plan), background=True)
+        reports = validate_kinds(str(plan), background=True)
     except PlanInvalidError as error:
         typer.echo(f"fcp: invalid plan {plan}: {error}", err=True)
         raise typer.Exit(1)
-    typer.echo(validation_summary(plan, report))
+    if None in reports:  # a plan of one kind
+        typer.echo(validation_summary(plan, reports[None]))
+    else:
+        typer.echo(validation_lines(plan, PlanKinds(str(plan)), reports))
 
 
 @app.command("inspect")
@@ -256,12 +273,21 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     memory: bool = typer.Option(False, "--memory", help="add each rank's device memory peak per pass, in GiB, as "
                                                         "the header states it (fcp validate recomputes it)"),
+    kind: Optional[str] = typer.Option(None, "--kind", help="a layered plan's layer kind, inspected as a plan of its "
+                                                            "own [the kinds' table]"),
 ) -> None:
-    """Show a plan's parameters and per-rank figures, or one rank's program."""
-    from fcp_compiler.format.plan_format import PlanReader
+    """Show a plan's parameters and per-rank figures, or one rank's program (a layered plan: its layer kinds)."""
+    from fcp_compiler.tools.kinds import inspect_kinds
     from fcp_compiler.tools.report import add_memory_columns, inspect_summary, rank_program_text, rank_rows
 
-    reader = PlanReader(str(plan))
+    kinds = _plan_kinds(plan, kind)
+    if kinds.layered and kind is None:
+        if rank is not None or as_json or memory:
+            raise InvalidInputError(f"{plan} is a layered plan of kinds {', '.join(kinds.names)}: give --kind NAME "
+                                    f"with --rank, --json or --memory")
+        typer.echo(inspect_kinds(plan, kinds))
+        return
+    reader = kinds.kind(kind).reader if kind is not None else kinds.kinds[0].reader
     header = reader.header
     if rank is not None:
         program = reader.rank(rank)
@@ -283,6 +309,17 @@ def inspect_command(
     typer.echo(inspect_summary(plan, header, rows))
 
 
+def _plan_kinds(plan: Path, kind: str | None):
+    """A plan file's layer kinds (a plan of one kind is one, unnamed); --kind must name one of a layered plan's."""
+    from fcp_compiler.format.layered import PlanKinds
+
+    kinds = PlanKinds(str(plan))
+    if kind is not None and (not kinds.layered or kind not in kinds.names):
+        have = f"its kinds: {', '.join(kinds.names)}" if kinds.layered else "it is a plan of one kind"
+        raise InvalidInputError(f"--kind {kind!r} is not a layer kind of {plan} ({have})")
+    return kinds
+
+
 def _file_head(source: Path, size: int) -> bytes:
     """The first `size` bytes of a regular file (a FIFO or device is refused before it can block)."""
     from fcp_compiler.format.safe_io import open_regular_file
@@ -297,22 +334,26 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
     (placed for `model`, default llama3-70b)."""
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch
-    from fcp_compiler.format.plan_format import MAGIC, PlanReader
+    from fcp_compiler.format.layered import PlanKinds
+    from fcp_compiler.format.plan_format import LAYERED_MAGIC, MAGIC, PlanReader
 
     head = _file_head(source, 64)
-    if head.startswith(MAGIC[:7]):  # b"FCPPLAN": this format's magic and the legacy one
-        reader = PlanReader(str(source))
+    if head.startswith(MAGIC[:7]) or head.startswith(LAYERED_MAGIC):  # this format's magic, the legacy, layered
+        reader = PlanKinds(str(source)) if head.startswith(LAYERED_MAGIC) else PlanReader(str(source))
         if gpus is not None:  # a plan is simulated at the ranks it was compiled for: --gpus would be ignored
-            raise InvalidInputError(f"--gpus {gpus} is for a batch; {source} is a plan for "
-                                    f"{reader.header.num_ranks} ranks (compile the batch again for another count)")
+            ranks = reader.kinds[0].reader.header.num_ranks if isinstance(reader, PlanKinds) else \
+                reader.header.num_ranks
+            raise InvalidInputError(f"--gpus {gpus} is for a batch; {source} is a plan for {ranks} ranks (compile "
+                                    f"the batch again for another count)")
         return reader
     if gpus is None:
         if head.lstrip()[:1] in (b"{", b"["):
             raise InvalidInputError(f"{source} is a batch, not a plan: give --gpus to compile it")
         raise InvalidInputError(f"{source} is neither an fcp plan nor a batch JSON (it starts with {head[:8]!r}); "
                                 f"give a plan file, or a batch JSON with --gpus")
-    return compile_plan(load_batch(source), gpus, profile=profile or "h100",
+    data = compile_plan(load_batch(source), gpus, profile=profile or "h100",
                         **({"model": model} if model is not None else {})).to_bytes()
+    return PlanKinds(data) if data.startswith(LAYERED_MAGIC) else data
 
 
 @app.command("simulate")
@@ -330,9 +371,14 @@ def simulate_command(
     kv_prefetch: Optional[str] = typer.Option(None, "--kv-prefetch", help="on or off: the runtime posts each pass's "
                                               "first-stage K,V pulls early (forward: while Q is projected; "
                                               "fcp_runtime.prefetch_kv; plan layout) [as the plan was compiled]"),
+    kind: Optional[str] = typer.Option(None, "--kind", help="a layered plan's layer kind, simulated as a plan of its "
+                                                            "own (its tables, --json and --trace) [every kind and the "
+                                                            "layer mix]"),
 ) -> None:
-    """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication."""
+    """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication (a layered plan:
+    each layer kind and the model's mix)."""
     from fcp_compiler.format.inputs import load_profile
+    from fcp_compiler.format.layered import PlanKinds
     from fcp_compiler.format.validate import validate_plan
     from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
@@ -344,6 +390,16 @@ def simulate_command(
     check_outputs([("--json", json_out), ("--trace", trace)],
                   [("SOURCE", source), ("--profile", _profile_file(profile))])
     data = _plan_or_batch(source, gpus, profile, model)
+    if isinstance(data, PlanKinds):
+        if kind is None:
+            _simulate_kinds(data, profile, model, prefetch, json_out, trace)
+            return
+        if kind not in data.names:
+            raise InvalidInputError(f"--kind {kind!r} is not a layer kind of {source} (its kinds: "
+                                    f"{', '.join(data.names)})")
+        data = data.kind(kind).reader
+    elif kind is not None:
+        raise InvalidInputError(f"--kind {kind!r} names a layer kind; {source} is a plan of one kind")
     if not isinstance(data, bytes):
         # The simulator trusts the invariants: an invalid plan exits 1 naming the broken one.
         validate_plan(data, background=True)
@@ -355,6 +411,23 @@ def simulate_command(
     if trace:
         write_trace(simulation, trace)
     typer.echo(simulation_summary(figures, trace))
+
+
+def _simulate_kinds(kinds, profile: Optional[str], model: Optional[str], prefetch: Optional[bool],
+                    json_out: Optional[Path], trace: Optional[Path]) -> None:
+    """`fcp simulate` of a layered plan: every kind validated and simulated, and the layer mix."""
+    from fcp_compiler.format.inputs import load_profile
+    from fcp_compiler.format.validate_kinds import validate_kinds
+    from fcp_compiler.tools.kinds import simulate_kinds, simulation_lines
+
+    if trace is not None:
+        raise InvalidInputError(f"--trace {str(trace)!r} records one schedule: give --kind NAME (the plan's kinds: "
+                                f"{', '.join(kinds.names)})")
+    validate_kinds(kinds, background=True)  # the simulator trusts the invariants: an invalid plan exits 1
+    result = simulate_kinds(kinds, load_profile(profile) if profile else None, model, prefetch)
+    if json_out:
+        _write_json(json_out, result)
+    typer.echo(simulation_lines(result))
 
 
 @app.command("ablate")
@@ -491,9 +564,11 @@ def diff_command(
 
     A regression is a pass's simulated layer time grown by more than --tolerance, device memory that crossed the
     budget, or a plan B that no longer validates; every other figure is reported as a change."""
+    from fcp_compiler.format.layered import PlanKinds
     from fcp_compiler.format.plan_format import PlanReader
     from fcp_compiler.format.validate import PlanInvalidError, validate_plan
     from fcp_compiler.tools.diff import diff_plans, invalid_after
+    from fcp_compiler.tools.kinds import diff_kinds, diff_lines
     from fcp_compiler.tools.report import diff_summary
 
     if fail_on not in (None, "change", "regression"):
@@ -501,6 +576,15 @@ def diff_command(
     if not math.isfinite(tolerance) or tolerance < 0:
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
+    kinds = [PlanKinds(str(plan_a)), PlanKinds(str(plan_b))]
+    if kinds[0].layered or kinds[1].layered:  # layer kinds matched by name, each diffed as two plans
+        result = diff_kinds(*kinds, tolerance)
+        if json_out:
+            _write_json(json_out, result)
+        typer.echo(diff_lines(result, plan_a, plan_b))
+        if (fail_on == "change" and result["changed"]) or (fail_on == "regression" and result["regressed"]):
+            raise typer.Exit(1)
+        return
     readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
     # The diff simulates both: each must keep the invariants the simulator trusts. A that does not validate is an
     # error; B that stopped validating is the diff's answer.

@@ -147,6 +147,35 @@ def test_the_plan_is_compiled_for_the_models_attention_shape():
     assert collate.planning.compile_options["kv_prefetch"] is False
 
 
+def test_alternating_sliding_and_full_layers_train_on_4_ranks_as_in_one_process():
+    """A Qwen2 whose layers alternate a 24-token window with full causal attention (layer_types, as gpt-oss): one
+    layered plan a step, each layer's attention picking its kind by its mask; 5 steps on 4 gloo ranks equal one
+    process with HF's own attention (its per-layer sliding masks) document by document."""
+    setup = Setup(arch="qwen2", sliding_window=24)
+    _assert_trains_alike(setup, FP64)
+    # The windows are live: the same model with every layer full trains to other weights (9e-3 apart, 900 times
+    # the bound above).
+    full, windowed = train_reference(Setup(arch="qwen2")), train_reference(setup)
+    assert _worst_weight(full["state"], windowed["state"]) > 100 * FP64["reference_weights"]
+
+
+def test_the_collate_maps_layer_types_to_layer_kinds():
+    import transformers
+
+    from fcp_runtime import LayeredRankPlan
+
+    config = Setup(arch="qwen2", sliding_window=24, num_layers=6).config("fcp")
+    assert fcp_hf.layer_kinds(config) == ({"sliding_attention": "sliding_window:24", "full_attention": "causal"},
+                                          {"sliding_attention": 3, "full_attention": 3})
+    assert fcp_hf.layer_kinds(Setup(arch="qwen2").config("fcp")) is None
+    collate = fcp_hf.HFPlanningCollate.for_model(config, None, rank=1, world_size=2, block_size=64)
+    plan = collate([torch.arange(150), torch.arange(90)])["fcp_plan"]
+    assert isinstance(plan, LayeredRankPlan) and plan.num_layers == {"sliding_attention": 3, "full_attention": 3}
+    chunked = transformers.Qwen2Config(layer_types=["full_attention", "chunked_attention"], num_hidden_layers=2)
+    with pytest.raises(ValueError, match="layer_types has 'chunked_attention'"):
+        fcp_hf.layer_kinds(chunked)
+
+
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 

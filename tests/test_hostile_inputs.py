@@ -158,11 +158,11 @@ def test_simulate_diff_and_inspect_on_a_plan_the_validator_rejects(tmp_path, cap
 
 
 def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):
-    import fcp_compiler.format.validate as validate
+    import fcp_compiler.format.validate_kinds as validate_kinds
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(validate, "validate_plan", broken)
+    monkeypatch.setattr(validate_kinds, "validate_plan", broken)  # what `fcp validate` runs on each kind's plan
     expect_one_line(capsys, ["validate", ROOT / "tests" / "golden" / "small_8gpu.fcp"], "internal error", code=3)
 
 

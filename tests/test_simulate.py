@@ -393,7 +393,7 @@ def test_simulate_with_a_model_prints_the_layer_and_refuses_unknown_models(tmp_p
     assert alone["layer_makespan_fwd_s"] == pytest.approx(alone["makespan_fwd_s"]) and alone["linear_fwd_s"] == 0
     capsys.readouterr()
     assert main(["simulate", str(plan), "--model", "gpt-9"]) == 2
-    assert "model 'gpt-9' must be one of llama3-70b, llama3-8b or none" in capsys.readouterr().err
+    assert "model 'gpt-9' must be one of gpt-oss-120b, llama3-70b, llama3-8b or none" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("launch_kind", ["stages", "one launch", "reshuffle"])

@@ -385,12 +385,12 @@ def _schedule_kind(timer: _PassTimer, placed: Assignment, kind: LayerKind, optio
     return plan, rounds, schedule if plain else None
 
 
-def _kinds_seconds(timer: _PassTimer, plan: tuple, kinds: LayerKinds, options: CompileOptions,
+def _kinds_seconds(timer: _PassTimer, plan: tuple, kinds: LayerKinds | None, options: CompileOptions,
                    fan_out: bool) -> float:
     """The layer kinds other than the primary, scheduled on a floor candidate's placement (`plan`, the primary's)
-    and simulated: their forward plus backward makespans weighted by layers per primary layer."""
+    and simulated: their forward plus backward makespans weighted by layers per primary layer (0 with no kinds)."""
     seconds = 0.0
-    for kind in kinds.others:
+    for kind in kinds.others if kinds is not None else ():
         kind_plan, _, _ = _schedule_kind(timer, plan[0].transfers.assignment, kind, options, "", fan_out)
         figures = timer.run("score", _layer_figures, kind_plan)
         seconds += kinds.weight(kind) * (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
@@ -822,15 +822,14 @@ class _FloorRun:
         figures = timer.run("score", _layer_figures, plan, self.segments_of(plan[0].tiles), stacked) \
             if stacked is not None else None
         unscored = math.nan if fits else math.inf
-        kinds_s = _kinds_seconds(timer, plan, self.kinds, options, candidate.fan_out) \
-            if figures is not None and self.kinds is not None else 0.0
         score = floor.Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
             backward_rounds=schedule.backward.coalesce if schedule else 2 * options.coalesce,
             layer_makespan_fwd_s=figures["layer_makespan_fwd_s"] if figures else unscored,
             layer_makespan_bwd_s=figures["layer_makespan_bwd_s"] if figures else unscored, max_buffer_tokens=peak,
             relays=relays, seconds=time.perf_counter() - started,
-            busy_lower_bound_s=self.bounds[candidate.placement], kinds_s=kinds_s)
+            busy_lower_bound_s=self.bounds[candidate.placement],
+            kinds_s=_kinds_seconds(timer, plan, self.kinds, options, candidate.fan_out) if figures else 0.0)
         if fits and (self.best is None or score.layer_seconds < self.best[0].layer_seconds):
             # The rounds before relays, which the memory budget's refits schedule again, and the schedule itself
             # where their first may start from it (its forward; held only where refits may run).

@@ -430,8 +430,8 @@ def parse_batch(data: object, origin: str = "batch") -> BatchSpec:
     Raises:
         InvalidInputError: naming the first bad value.
     """
-    if isinstance(data, list):
-        data = {"mask": "causal", "sequences": data}
+    if isinstance(data, list):  # causal: the default mask, not one the batch gives (layer kinds may give theirs)
+        data = {"sequences": data}
     if not isinstance(data, dict):
         raise InvalidInputError(f"{origin}: expected an object with 'sequences' or a list of lengths, "
                                 f"got {type(data).__name__}")

@@ -23,12 +23,13 @@ _SHARED_RANK = ("blocks", "reshuffle_send_peer", "reshuffle_send_offset", "reshu
                 "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length")
 
 
-def validate_kinds(source: str | Path | bytes, background: bool = False) -> dict[str | None, ValidationReport]:
+def validate_kinds(source: str | Path | bytes | PlanKinds,
+                   background: bool = False) -> dict[str | None, ValidationReport]:
     """Check every kind's plan (invariants 0-5) and that the kinds share one layout with each kind's mask
     (invariant 7); a plan of one kind is checked alone.
 
     Args:
-        source: a plan file's path or its bytes (layered or not).
+        source: a plan file's path or its bytes (layered or not), or its PlanKinds.
         background: as validate_plan's.
     Returns:
         each kind's ValidationReport by name (None: a plan of one kind).
@@ -36,7 +37,7 @@ def validate_kinds(source: str | Path | bytes, background: bool = False) -> dict
         PlanFormatError: a file that cannot be read.
         PlanInvalidError: an invariant broken (naming the kind).
     """
-    kinds = PlanKinds(source)
+    kinds = source if isinstance(source, PlanKinds) else PlanKinds(source)
     reports = {}
     for kind in kinds.kinds:
         try:

@@ -95,7 +95,10 @@ def _candidate_figure(row: dict, over_memory: bool) -> str:
         return f"over memory ({row['max_buffer_tokens']} tokens)"
     if row["layer_makespan_fwd_s"] is None:
         return "not simulated (the only candidate)"
-    return f"{(row['layer_makespan_fwd_s'] + row['layer_makespan_bwd_s']) * 1e3:.1f} ms"
+    figure = f"{(row['layer_makespan_fwd_s'] + row['layer_makespan_bwd_s']) * 1e3:.1f} ms"
+    if row.get("other_kinds_s"):  # layer kinds: the others' time a layer of this kind, by the mix
+        figure += f" + {row['other_kinds_s'] * 1e3:.1f} ms other kinds"
+    return figure
 
 
 def _skipped_because(row: dict) -> str:
@@ -135,6 +138,7 @@ def compile_summary(stats: dict, path: str | None) -> str:
         *_memory_line(stats),
         *_layer_line(stats),
         *_floor_line(stats),
+        *kinds_lines(stats),
         "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" ({stats['floor']['seconds']:.3f} s of it "
                                           "in the floor)" if stats.get("floor") else "", "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
@@ -490,3 +494,26 @@ def _short(value) -> str:
         return f"{value:.4g}"
     text = str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def mask_text(mask: dict) -> str:
+    """A mask as --layer-masks spells it: causal, full or sliding_window:W."""
+    return f"sliding_window:{mask['window']}" if mask["kind"] == "sliding_window" else mask["kind"]
+
+
+def kinds_lines(stats: dict) -> list[str]:
+    """`fcp compile`'s lines for a layered plan: each kind's schedule and simulated layer time, and the mix's."""
+    rows = stats.get("layer_kinds")
+    if not rows:
+        return []
+    lines = [f"  layer kinds: one placement (scheduled for {stats['primary_kind']}, chosen by the mix's time), one "
+             f"dispatch, one schedule a kind:",
+             table(["kind", "mask", "layers", "tiles", "transfers", "traffic", "stages fwd/bwd", "peak GiB",
+                    "layer fwd ms", "layer bwd ms"],
+                   [[row["name"], mask_text(row["mask"]), row["num_layers"], row["num_tiles"], row["num_transfers"],
+                     human_bytes(row["total_comm_bytes"]), f"{row['num_fwd_stages']}/{row['num_bwd_stages']}",
+                     f"{row['peak_bytes'] / 2**30:.2f}", f"{row['layer_makespan_fwd_s'] * 1e3:.2f}",
+                     f"{row['layer_makespan_bwd_s'] * 1e3:.2f}"] for row in rows])]
+    terms = " + ".join(f"{row['num_layers']} x {row['layer_seconds'] * 1e3:.2f}" for row in rows)
+    lines.append(f"  layer mix: {terms} = {stats['layer_mix_s'] * 1e3:.1f} ms a step (forward + backward)")
+    return lines
