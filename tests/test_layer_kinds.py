@@ -230,3 +230,55 @@ def test_the_cli_compiles_validates_inspects_simulates_and_diffs_a_layered_plan(
                               "-o", tmp_path / "bad.fcp")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "local=" in err, err
     assert not (tmp_path / "bad.fcp").exists()
+
+
+def test_a_layered_plan_compiles_from_a_batch_file_and_in_bulk(tmp_path, capsys):
+    from conftest import run_cli
+
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps({"layers": KINDS, "layer_mix": {"full_attention": 1, "sliding_attention": 1},
+                                 "sequences": LENGTHS}))
+    code, text, err = run_cli(capsys, "compile", batch, "--gpus", 8, "--block-size", 128, "-o", tmp_path / "a.fcp")
+    assert code == 0 and "sliding_attention" in text, err
+    assert set(validate_kinds(tmp_path / "a.fcp")) == set(KINDS)
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(json.dumps(LENGTHS) + "\n" + json.dumps(LENGTHS[:5]) + "\n")
+    code, text, err = run_cli(capsys, "compile", steps, "--gpus", 4, "--block-size", 128, "--layer-masks",
+                              "g=causal,l=sliding_window:50", "--layer-mix", "g=1,l=1", "-o", tmp_path / "plans",
+                              "--jobs", 1)
+    assert code == 0, err
+    plans = sorted((tmp_path / "plans").glob("*.fcp"))
+    assert len(plans) == 2 and all(PlanKinds(path).names == ["g", "l"] for path in plans)
+
+
+def test_compile_options_take_a_shape_as_its_json_and_refuse_a_bad_one():
+    from fcp_compiler.core.options import CompileOptions
+
+    assert CompileOptions.of(8, shape={"q_heads": 8, "kv_heads": 2, "head_dim": 64}).shape.kv_heads == 2
+    with pytest.raises(InvalidInputError, match="shape .*q_heads 6 is not a multiple of kv_heads 4"):
+        CompileOptions.of(8, shape={"q_heads": 6, "kv_heads": 4})
+
+
+def test_prefetch_kv_takes_the_kind_and_a_layered_plan_replays_with_it():
+    from runtime_harness import run_ranks
+
+    lengths = [700, 300, 120, 900]
+    plan = compile_plan(_spec(lengths), 4, block_size=128)
+
+    def task(rank, world):
+        import torch
+
+        from fcp_runtime import fcp_attn_func, load_rank_plan, prefetch_kv
+
+        rank_plan = load_rank_plan(plan.data, rank)
+        generator = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(rank_plan.plan_tokens, heads, 8, generator=generator, dtype=torch.float64)
+                   for heads in (4, 2, 2))
+        outs = {}
+        for name in KINDS:
+            prefetched = prefetch_kv(k, v, rank_plan, kind=name)
+            outs[name] = fcp_attn_func(q, k, v, rank_plan, kind=name, prefetched=prefetched)
+            torch.testing.assert_close(outs[name], fcp_attn_func(q, k, v, rank_plan, kind=name), rtol=0, atol=0)
+        return float((outs["full_attention"] - outs["sliding_attention"]).abs().max())
+
+    assert max(run_ranks(4, task)) > 1e-3  # the kinds compute different attention

@@ -10,7 +10,8 @@ from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.ir import ZigzagMode
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
-                                        Mask, load_profile, parse_layer_masks, parse_layer_mix, parse_mask)
+                                        Mask, load_profile, parse_layer_masks, parse_layer_mix, parse_mask,
+                                        parse_shape)
 from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS, NO_MODEL, ModelPreset, load_model
 from fcp_compiler.format.plan_format import MAX_BLOCK_SIZE, MAX_COALESCE, MAX_RANKS
 
@@ -132,6 +133,8 @@ class CompileOptions:
                 fields[name] = _enum(kind, fields[name], what)
         if fields.get("mask") is not None:
             fields["mask"] = parse_mask(fields["mask"])
+        if isinstance(fields.get("shape"), dict):  # the JSON form, as schemas/attention_shape.v1.json gives it
+            fields["shape"] = parse_shape(fields["shape"])
         if fields.get("layer_masks") is not None:
             fields["layer_masks"] = tuple(parse_layer_masks(dict(fields["layer_masks"])
                                                             if not isinstance(fields["layer_masks"], str)

@@ -328,6 +328,18 @@ def parse_mask(value: object, what: str = "--mask") -> Mask:
                                 f"(W >= 1)") from None
 
 
+def parse_shape(value: dict) -> AttentionShape:
+    """An attention shape from its JSON form ({"q_heads", "kv_heads", "head_dim", "dtype"}).
+
+    Raises:
+        InvalidInputError: naming the value and the first bad field.
+    """
+    try:
+        return AttentionShape.model_validate(value)
+    except ValidationError as error:
+        raise InvalidInputError(f"shape {value!r}: {_first_error(error)}") from None
+
+
 def check_layer_kinds(layers: dict) -> None:
     """Layer kinds by name, each with a mask: 1 to MAX_LAYER_KINDS names of LAYER_KIND_NAME's form, no two with one
     mask (a kind is a schedule; two kinds of one mask are one kind).

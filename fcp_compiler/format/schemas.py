@@ -1,5 +1,5 @@
-"""JSON Schema documents for every boundary model: the batch, the hardware profile, the attention shape and the
-plan header (written to and checked against `schemas/` by `fcp schemas`)."""
+"""JSON Schema documents for every boundary model: the batch, the hardware profile, the attention shape, the plan
+header and the layered plan's header (written to and checked against `schemas/` by `fcp schemas`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pydantic import BaseModel
 
 from fcp_compiler.format.inputs import SCHEMA_VERSION, AttentionShape, BatchSpec, HardwareProfile
+from fcp_compiler.format.layered import LAYERED_FORMAT, LayeredHeader
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader
 
 SCHEMA_MODELS: dict[str, type[BaseModel]] = {
@@ -22,6 +23,7 @@ def schema_documents() -> dict[str, str]:
     # The plan header's schema follows the plan format's version; the input models have their own.
     models = {name: (model, SCHEMA_VERSION) for name, model in SCHEMA_MODELS.items()}
     models["plan_header"] = (PlanHeader, FORMAT_VERSION)
+    models["layered_header"] = (LayeredHeader, LAYERED_FORMAT)  # a plan for each layer kind (format/layered.py)
     documents = {}
     for name, (model, version) in models.items():
         schema = model.model_json_schema()
