@@ -198,7 +198,7 @@ class HFPlanningCollate:
     as HF takes them; default the ids) and an optional `mask`. A call returns `input_ids`, `position_ids`, `labels`
     and `shift_labels` as [1, T] in the layout (labels already shifted inside each document, so HF's loss
     does not shift them again), `num_items_in_batch` (0-d int64: the labels of every document of the batch, not
-    only this rank's) and `fcp_plan` (this rank's plan).
+    only this rank's), `fcp_plan` (this rank's plan) and `use_cache` False (training keeps no KV cache).
     """
 
     def __init__(self, rank: int, world_size: int, layout: str = "plan", **compile_options):
@@ -236,7 +236,10 @@ class HFPlanningCollate:
         num_items = sum(int((document["shift_labels"] != IGNORE_INDEX).sum()) for document in documents)
         return {"input_ids": batch["input_ids"][None], "position_ids": batch["position_ids"][None],
                 "labels": shift_labels, "shift_labels": shift_labels,
-                "num_items_in_batch": torch.tensor(num_items, dtype=torch.int64), "fcp_plan": batch["plan"]}
+                "num_items_in_batch": torch.tensor(num_items, dtype=torch.int64), "fcp_plan": batch["plan"],
+                # Training keeps no KV cache: HF's sliding-window cache layers would slice each step's keys for
+                # nothing (and, compiled, make dynamo convert the model's frame again each step).
+                "use_cache": False}
 
 
 def step_label_count(num_items_in_batch: torch.Tensor, data_parallel_group) -> torch.Tensor:

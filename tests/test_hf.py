@@ -273,10 +273,13 @@ def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
 
 
 @pytest.mark.long
-def test_a_compiled_model_equals_eager_with_no_graph_break_and_no_recompile_over_new_plans():
+@pytest.mark.parametrize("setup", [Setup(dtype=torch.float32, num_layers=2),
+                                   Setup(arch="qwen2", sliding_window=24, dtype=torch.float32, num_layers=2)],
+                         ids=["llama", "qwen2-sliding-and-full"])
+def test_a_compiled_model_equals_eager_with_no_graph_break_and_no_recompile_over_new_plans(setup):
+    """Under torch.compile a model's attention is fcp's custom op: one graph, no break, no recompile as plans change
+    each step; a model of two layer kinds (a layered plan, each layer picking its kind by its mask) too."""
     import torch._dynamo as dynamo
-
-    setup = Setup(dtype=torch.float32, num_layers=2)
 
     def task(rank, world):
         group = dist.new_group([0, 1])  # a group of its own, named to the op by its group_name
