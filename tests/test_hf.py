@@ -132,7 +132,8 @@ def test_the_collate_gives_each_rank_its_rows_with_labels_shifted_inside_each_do
     assert all(int(b["num_items_in_batch"]) == want for b in batches)
     assert all(b["input_ids"].shape == b["position_ids"].shape == b["labels"].shape for b in batches)
     assert set(batches[0]) == {"input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch",
-                               "fcp_plan"}
+                               "fcp_plan", "use_cache"}
+    assert batches[0]["use_cache"] is False
 
 
 def test_the_plan_is_compiled_for_the_models_attention_shape():
