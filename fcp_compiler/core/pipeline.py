@@ -182,9 +182,9 @@ def _prepare(batch, num_ranks: int | None, options: CompileOptions | None, field
     elif num_ranks is not None or fields:
         options = options.replace(**fields, **({} if num_ranks is None else {"num_ranks": num_ranks}))
     the_batch = _to_batch(batch, options.mask)
-    spec = batch if isinstance(batch, BatchSpec) else BatchSpec(sequences=[1])
-    kinds = layer_kinds(the_batch.lengths, spec.layers, spec.layer_mix, options.layer_masks, options.layer_mix,
-                        options.model)
+    spec = batch if isinstance(batch, BatchSpec) else None  # a list of lengths names no kinds
+    kinds = layer_kinds(the_batch.lengths, spec and spec.layers, spec and spec.layer_mix, options.layer_masks,
+                        options.layer_mix, options.model)
     if kinds is not None:
         if isinstance(batch, BatchSpec) and (batch.masks is not None or "mask" in batch.model_fields_set):
             raise InvalidInputError("the batch gives its own masks ('mask' or 'masks') and layer kinds are given "
@@ -242,7 +242,9 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
-    timing each (stats["pass_seconds"]). For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
+    timing each (stats["pass_seconds"]). A batch of layer kinds (its `layers`, or the options' `layer_masks`:
+    :mod:`fcp_compiler.core.kinds`) gives one placement, chosen by the mix's simulated time, and a schedule a kind
+    on it: the returned plan's `data` is the layered file and `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
     candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
     least simulated layer time whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which,
     and what each scored).
@@ -259,7 +261,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
             node_fan_out (None: FCP's floor tries both, each baseline as its system ships), floor (False: FCP's own
             placement only), fit_memory (one placement scheduled within the floor's live-buffer budget, for
             comparisons at equal memory), validatable (False: a plan past the validator's segment pairs is
-            allowed, for scoring ring baselines), and the ablation switches pipelined, matching_rounds (False fails
+            allowed, for scoring ring baselines), layer_masks and layer_mix (layer kinds: "NAME=MASK,..." and
+            "NAME=COUNT,..." or their dicts), and the ablation switches pipelined, matching_rounds (False fails
             validation), reshuffle_overlap, kv_prefetch (False: the runtime posts the first stage's K,V pulls
             only when attention starts; the plan layout only).
         progress: called with each floor candidate's record (as stats["floor"]["candidates"] lists it) once it is
