@@ -242,9 +242,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     """Compile a batch into a per-rank execution plan.
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
-    timing each (stats["pass_seconds"]). A batch of layer kinds (its `layers`, or the options' `layer_masks`:
-    :mod:`fcp_compiler.core.kinds`) gives one placement, chosen by the mix's simulated time, and a schedule a kind
-    on it: the returned plan's `data` is the layered file and `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
+    timing each (stats["pass_seconds"]). Layer kinds (:mod:`fcp_compiler.core.kinds`) give one placement, chosen by
+    the mix's time, and a schedule a kind: `data` is then the layered file, `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
     candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
     least simulated layer time whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which,
     and what each scored).
@@ -295,10 +294,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     stats["memory"] = budget_stats
     if floor_stats is not None:
         stats.update(floor_stats)
-    if kinds is None:
-        return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
-    primary = CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
-    return _with_kinds(timer, primary, kinds, prepared, fan_out, total_start)
+    plan = CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
+    return plan if kinds is None else _with_kinds(timer, plan, kinds, prepared, fan_out, total_start)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
