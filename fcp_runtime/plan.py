@@ -332,6 +332,11 @@ _SHARED_LAYOUT = ("rank", "num_ranks", "layout", "user_tokens", "plan_tokens", "
                   "send_splits", "plan_scatter", "recv_splits")
 
 
+# What a LayeredRankPlan answers for every kind: the layout, the batch, the attention shape and the inputs' digest.
+_LAYOUT_ATTRIBUTES = frozenset({*_SHARED_LAYOUT, "position_ids", "sequence_ids", "seq_lengths", "self_user_rows",
+                                "self_plan_rows", "digest", "q_heads", "kv_heads", "head_dim"})
+
+
 class LayeredRankPlan:
     """One rank's plans for every layer kind of a layered plan (fcp_compiler.format.layered): one layout, so the
     batch is dispatched once, and a program a kind. The layout's attributes (`token_index`, `position_ids`,
@@ -358,10 +363,13 @@ class LayeredRankPlan:
         self._by_mask = {mask: name for name, mask in self.masks.items()}
 
     def __getattr__(self, name: str):
-        # The layout and batch every kind shares, read from the primary kind (position_ids, seq_lengths, ...).
-        if name in ("kinds", "primary", "num_layers", "masks", "_by_mask") or name.startswith("__"):
+        # The layout and batch every kind shares, read from the primary kind; a schedule's attributes are a kind's.
+        if name in _LAYOUT_ATTRIBUTES:
+            return getattr(self.kinds[self.primary], name)
+        if name.startswith("_") or name in ("kinds", "primary", "num_layers", "masks"):
             raise AttributeError(name)
-        return getattr(self.kinds[self.primary], name)
+        raise AttributeError(f"{name!r} belongs to one layer kind's schedule: take plan.kind(NAME).{name} (kinds: "
+                             f"{', '.join(self.kinds)})")
 
     @property
     def has_windows(self) -> bool:

@@ -282,3 +282,12 @@ def test_prefetch_kv_takes_the_kind_and_a_layered_plan_replays_with_it():
         return float((outs["full_attention"] - outs["sliding_attention"]).abs().max())
 
     assert max(run_ranks(4, task)) > 1e-3  # the kinds compute different attention
+
+
+def test_a_layered_rank_plan_answers_for_its_layout_and_names_a_kind_for_the_rest():
+    from fcp_runtime import load_rank_plan
+
+    rank_plan = load_rank_plan(compile_plan(_spec(), 8, block_size=128).data, 5)
+    assert rank_plan.rank == 5 and rank_plan.num_ranks == 8 and rank_plan.position_ids.numel() == rank_plan.plan_tokens
+    with pytest.raises(AttributeError, match="take plan.kind\\(NAME\\).forward"):
+        rank_plan.forward
