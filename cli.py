@@ -320,6 +320,15 @@ def _plan_kinds(plan: Path, kind: str | None):
     return kinds
 
 
+def _one_kind(batch, command: str):
+    """A batch for a study of one mask (compare, sweep, ablate): one with layer kinds is refused by name."""
+    if batch.layers is not None:
+        raise InvalidInputError(f"fcp {command} studies one mask; the batch names layer kinds "
+                                f"({', '.join(batch.layers)}): compile them with fcp compile (fcp simulate shows "
+                                f"each kind and the mix), or give the batch one mask")
+    return batch
+
+
 def _file_head(source: Path, size: int) -> bytes:
     """The first `size` bytes of a regular file (a FIFO or device is refused before it can block)."""
     from fcp_compiler.format.safe_io import open_regular_file
@@ -445,7 +454,8 @@ def ablate_command(
 
     check_outputs([("--json", json_out)], [("BATCH", batch), ("--profile", _profile_file(profile))])
     # The seed's Table 2 measures attention: each step is placed for attention alone, as the seed's system was.
-    steps = run_ablation(load_batch(batch), CompileOptions.of(gpus, profile=profile, model="none"))
+    steps = run_ablation(_one_kind(load_batch(batch), "ablate"), CompileOptions.of(gpus, profile=profile,
+                                                                                    model="none"))
     if json_out:
         _write_json(json_out, {"gpus": gpus, "batch": str(batch), "steps": steps})
     typer.echo(ablation_table(steps))
@@ -507,7 +517,7 @@ def compare_command(
     if trace_spec:
         batch_for = parse_trace_spec(trace_spec, tokens_per_gpu)
     else:
-        fixed = load_batch(batch)
+        fixed = _one_kind(load_batch(batch), "compare")
         batch_for = lambda n: fixed  # noqa: E731
     if jobs is not None and jobs < 1:
         raise InvalidInputError(f"--jobs {jobs} must be >= 1")
@@ -542,7 +552,8 @@ def sweep_command(
         from fcp_compiler.tools.plots import check_plot_path, sweep_figure
 
         check_plot_path(plot)
-    rows = sweep_block_sizes(load_batch(batch), CompileOptions.of(gpus, profile=profile), sizes)
+    rows = sweep_block_sizes(_one_kind(load_batch(batch), "sweep"), CompileOptions.of(gpus, profile=profile),
+                             sizes)
     if json_out:
         _write_json(json_out, {"gpus": gpus, "results": rows})
     if plot:

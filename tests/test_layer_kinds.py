@@ -291,3 +291,14 @@ def test_a_layered_rank_plan_answers_for_its_layout_and_names_a_kind_for_the_res
     assert rank_plan.rank == 5 and rank_plan.num_ranks == 8 and rank_plan.position_ids.numel() == rank_plan.plan_tokens
     with pytest.raises(AttributeError, match="take plan.kind\\(NAME\\).forward"):
         rank_plan.forward
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep", "ablate"])
+def test_studies_of_one_mask_refuse_a_batch_of_layer_kinds_in_one_line(tmp_path, capsys, command):
+    from conftest import run_cli
+
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps({"layers": KINDS, "layer_mix": {"full_attention": 1, "sliding_attention": 1},
+                                 "sequences": LENGTHS}))
+    code, _, err = run_cli(capsys, command, batch, "--gpus", 8)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"fcp {command} studies one mask" in err, err
