@@ -135,9 +135,13 @@ def attention_shape(config, dtype: torch.dtype | str | None = None) -> Attention
     return AttentionShape(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_DTYPES[dtype])
 
 
-# transformers' layer types (config.layer_types) that fcp replays, as the mask each gives its layers' attention.
-_LAYER_TYPE_MASKS = {"full_attention": lambda config: "causal",
-                     "sliding_attention": lambda config: f"sliding_window:{int(config.sliding_window)}"}
+# transformers' layer types (config.layer_types) that fcp replays.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_type_mask(layer_type: str, config) -> str:
+    """The mask a layer type gives its layers' attention, as --layer-masks spells it."""
+    return "causal" if layer_type == "full_attention" else f"sliding_window:{int(config.sliding_window)}"
 
 
 def layer_kinds(config) -> tuple[dict[str, str], dict[str, int]] | None:
@@ -152,14 +156,13 @@ def layer_kinds(config) -> tuple[dict[str, str], dict[str, int]] | None:
     types = list(getattr(config, "layer_types", None) or [])
     if not types or set(types) == {"full_attention"}:
         return None
-    unknown = sorted(set(types) - set(_LAYER_TYPE_MASKS))
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
     if unknown:
-        raise ValueError(f"the model's layer_types has {unknown[0]!r}; fcp replays "
-                         f"{', '.join(_LAYER_TYPE_MASKS)} layers")
+        raise ValueError(f"the model's layer_types has {unknown[0]!r}; fcp replays {', '.join(_LAYER_TYPES)} layers")
     if "sliding_attention" in types and not getattr(config, "sliding_window", None):
         raise ValueError("the model has sliding_attention layers but no sliding_window in its config")
     kinds = dict.fromkeys(types)  # in the order the layers first name them
-    return ({name: _LAYER_TYPE_MASKS[name](config) for name in kinds},
+    return ({name: _layer_type_mask(name, config) for name in kinds},
             {name: types.count(name) for name in kinds})
 
 

@@ -302,3 +302,25 @@ def test_studies_of_one_mask_refuse_a_batch_of_layer_kinds_in_one_line(tmp_path,
                                  "sequences": LENGTHS}))
     code, _, err = run_cli(capsys, command, batch, "--gpus", 8)
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"fcp {command} studies one mask" in err, err
+
+
+def _forged(header: bytes, body: bytes = b"") -> bytes:
+    import hashlib
+    import struct
+
+    return b"FCPKINDS" + struct.pack("<I", len(header)) + hashlib.sha256(header).digest() + header + body
+
+
+@pytest.mark.parametrize("header,message", [
+    (b"[" * 30000 + b"]" * 30000, "bad layered header"),  # nested past the JSON parser's depth
+    (b"\xff\xfe", "bad layered header"),
+    (b'{"format": 1, "primary": "a", "kinds": []}', "bad layered header"),
+    (b'{"format": 2, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
+     b'"offset": 0, "length": 10}]}', "layered format 2"),
+    (b'{"format": 1, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
+     b'"offset": 0, "length": 4294967296}]}', "lies outside"),
+])
+def test_a_forged_layered_header_is_refused_in_one_line(header, message):
+    with pytest.raises(PlanFormatError, match=message) as caught:
+        PlanKinds(_forged(header, b"\0" * 16))
+    assert "\n" not in str(caught.value)

@@ -127,7 +127,7 @@ class PlanKinds:
         prefix, header_bytes = _read_header(source, origin)
         try:
             self.header = LayeredHeader.model_validate(json.loads(header_bytes))
-        except (ValidationError, ValueError, UnicodeDecodeError) as error:
+        except (ValidationError, ValueError, RecursionError) as error:  # JSON and UTF-8 errors are ValueErrors
             reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
             raise PlanFormatError(f"{origin}: bad layered header: {reason}") from None
         body = prefix + len(header_bytes)
