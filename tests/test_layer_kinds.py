@@ -174,6 +174,9 @@ def test_a_corrupt_layered_header_is_refused_in_one_line():
     ({"sequences": [10], "layers": {"a": "causal"}, "layer_mix": {"b": 1}}, "'a' has no count"),
     ({"sequences": [10], "layers": {"a": "causal"}, "layer_mix": {"a": -1}}, "a=-1 must be a layer count"),
     ({"sequences": [10], "layers": {"a": "causal"}, "layer_mix": {"a": 0}}, "every count of the layer mix is 0"),
+    ({"sequences": [10], "layers": {"a": "causal"}, "layer_mix": {"a": "2"}}, "layer_mix.a: Input should be a valid "
+                                                                              "integer"),
+    ({"sequences": [10], "layers": {"a": "causal"}, "layer_mix": {"a": True}}, "layer_mix.a"),
 ])
 def test_bad_layer_kinds_in_a_batch_are_refused_with_one_line(batch, message):
     with pytest.raises(InvalidInputError, match=message):

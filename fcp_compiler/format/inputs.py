@@ -123,7 +123,7 @@ class BatchSpec(BaseModel):
         None, description="layer kinds by name, each with its mask for every sequence (instead of mask and masks): "
         "the plan holds one schedule a kind over one placement, e.g. {\"full_attention\": \"causal\", "
         "\"sliding_attention\": {\"kind\": \"sliding_window\", \"window\": 128}}")
-    layer_mix: dict[str, int] | None = Field(
+    layer_mix: dict[str, Annotated[int, Field(strict=True)]] | None = Field(
         None, description="how many layers of each kind the model has, by the names in layers (default: the "
         "model preset's): the placement is chosen by the time of this mix")
 
