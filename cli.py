@@ -576,7 +576,6 @@ def diff_command(
     A regression is a pass's simulated layer time grown by more than --tolerance, device memory that crossed the
     budget, or a plan B that no longer validates; every other figure is reported as a change."""
     from fcp_compiler.format.layered import PlanKinds
-    from fcp_compiler.format.plan_format import PlanReader
     from fcp_compiler.format.validate import PlanInvalidError, validate_plan
     from fcp_compiler.tools.diff import diff_plans, invalid_after
     from fcp_compiler.tools.kinds import diff_kinds, diff_lines
@@ -596,7 +595,7 @@ def diff_command(
         if (fail_on == "change" and result["changed"]) or (fail_on == "regression" and result["regressed"]):
             raise typer.Exit(1)
         return
-    readers = [PlanReader(str(plan_a)), PlanReader(str(plan_b))]
+    readers = [plan_kinds.kinds[0].reader for plan_kinds in kinds]  # each a plan of one kind: its reader
     # The diff simulates both: each must keep the invariants the simulator trusts. A that does not validate is an
     # error; B that stopped validating is the diff's answer.
     validate_plan(readers[0], background=True)
