@@ -43,11 +43,33 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def register() -> str:
-    """Register fcp with transformers' attention interface (idempotent; done on import); returns its name."""
+    """Register fcp with transformers' attention interface and its mask interface (idempotent; done on import);
+    returns its name.
+
+    The mask function matters: transformers builds no mask for an attention implementation its mask interface does
+    not know, and then drops a 2-D ``attention_mask`` (padding) before any attention function sees it. Registered,
+    the model's mask construction reaches :func:`fcp_attention_mask`, which refuses such a mask.
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, fcp_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, fcp_attention_mask)
     return ATTENTION_NAME
+
+
+def fcp_attention_mask(*, attention_mask=None, **kwargs):
+    """transformers' mask-interface contract for "fcp": no mask is built (the plan holds the documents and their
+    masks), so it returns None; a 2-D mask given to the model (padding, or any other) is refused.
+
+    Raises:
+        ValueError: an attention mask was given, naming its shape.
+    """
+    if attention_mask is not None:
+        raise ValueError(f"fcp attention takes its documents from the plan, not from an attention mask; the model got "
+                         f"attention_mask of shape {tuple(attention_mask.shape)}: call it without attention_mask "
+                         f"(HFPlanningCollate's batches have none: documents are packed, never padded)")
+    return None
 
 
 def cp_group(group_or_mesh):
@@ -137,33 +159,67 @@ def attention_shape(config, dtype: torch.dtype | str | None = None) -> Attention
 
 # transformers' layer types (config.layer_types) that fcp replays.
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# Model families whose attention passes the config's sliding_window to every layer, whatever layer_types says (their
+# modeling code reads getattr(config, "sliding_window", None) in each attention module): Mistral's window is on
+# every layer, and a Mistral config given layer_types still slides on all of them.
+_WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "mixtral", "ministral3", "phi3", "starcoder2", "olmoe"})
 
 
-def _layer_type_mask(layer_type: str, config) -> str:
-    """The mask a layer type gives its layers' attention, as --layer-masks spells it."""
-    return "causal" if layer_type == "full_attention" else f"sliding_window:{int(config.sliding_window)}"
+def _config_window(config) -> int | None:
+    """The config's sliding window, None where the model has none or turned it off (Qwen2's use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False or not window:
+        return None
+    return int(window)
 
 
-def layer_kinds(config) -> tuple[dict[str, str], dict[str, int]] | None:
-    """A model's layer kinds from its transformers config: each of its `layer_types` with the mask it gives
-    (full_attention: causal; sliding_attention: the config's sliding_window), and how many layers each has. None
-    for a model whose layers are all full attention (a plan of one kind).
+def layer_masks(config) -> list[str]:
+    """Each layer's attention mask as transformers' model family means it, spelled as --layer-masks takes it
+    ("causal" or "sliding_window:W"):
+
+    - families that give every layer the config's window (Mistral, Mixtral, Phi-3, Starcoder2, ...): every layer
+      slides when `sliding_window` is set, whatever `layer_types` says;
+    - otherwise `layer_types` where the config has them (Qwen2 derives them from `use_sliding_window` and
+      `max_window_layers`; Gemma 2/3 and gpt-oss alternate): `sliding_attention` slides over the config's window
+      (causal when the config has none, as the layer then gets no window), `full_attention` is causal;
+    - a config with neither: every layer slides when `sliding_window` is set, else causal.
 
     Raises:
-        ValueError: a layer type fcp has no mask for (named), or sliding layers without a sliding_window.
+        ValueError: a layer type fcp has no mask for, named.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = _config_window(config)
+    sliding = "causal" if window is None else f"sliding_window:{window}"
     types = list(getattr(config, "layer_types", None) or [])
-    if not types or set(types) == {"full_attention"}:
-        return None
+    if getattr(config, "model_type", None) in _WINDOW_ON_EVERY_LAYER or not types:
+        return [sliding] * int(config.num_hidden_layers)
     unknown = sorted(set(types) - set(_LAYER_TYPES))
     if unknown:
         raise ValueError(f"the model's layer_types has {unknown[0]!r}; fcp replays {', '.join(_LAYER_TYPES)} layers")
-    if "sliding_attention" in types and not getattr(config, "sliding_window", None):
-        raise ValueError("the model has sliding_attention layers but no sliding_window in its config")
+    return [sliding if layer_type == "sliding_attention" else "causal" for layer_type in types]
+
+
+def layer_kinds(config) -> tuple[dict[str, str], dict[str, int]] | None:
+    """A model's layer kinds where its layers differ in mask: each of its `layer_types` with the mask it gives
+    (:func:`layer_masks`), and how many layers each has. None where every layer has one mask (a plan of one kind,
+    compiled with that mask: :func:`model_mask`).
+
+    Raises:
+        ValueError: a layer type fcp has no mask for (named).
+    """
+    masks = layer_masks(config)
+    if len(set(masks)) == 1:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = list(config.layer_types)
     kinds = dict.fromkeys(types)  # in the order the layers first name them
-    return ({name: _layer_type_mask(name, config) for name in kinds},
-            {name: types.count(name) for name in kinds})
+    return ({name: masks[types.index(name)] for name in kinds}, {name: types.count(name) for name in kinds})
+
+
+def model_mask(config) -> str | None:
+    """The one mask of a model whose layers all have the same one, None where they differ (:func:`layer_kinds`)."""
+    masks = set(layer_masks(config))
+    return masks.pop() if len(masks) == 1 else None
 
 
 def _document(item, doc_idx: int) -> dict:
@@ -208,27 +264,34 @@ class HFPlanningCollate:
         self.planning = PlanningCollate(rank, world_size, layout=layout, **compile_options)
 
     @classmethod
-    def for_model(cls, config, group_or_mesh=None, rank: int | None = None, world_size: int | None = None,
+    def for_model(cls, model_or_config, group_or_mesh=None, rank: int | None = None, world_size: int | None = None,
                   dtype: torch.dtype | str | None = None, **compile_options) -> HFPlanningCollate:
-        """A collate for a model's config: its attention shape and dtype (`dtype` if the model was cast), no K,V prefetch (HF projects Q with K and
-        V), attention-only balance unless `model` is given, and its layer kinds where its layers differ in mask
-        (:func:`layer_kinds`: a layered plan, whose kind each layer's attention picks by the layer's mask); the
-        rank and size from a DeviceMesh's "cp" dimension, a process group, or given.
+        """A collate for a model (or its config): its attention shape and dtype (`dtype` where attention computes in
+        another, as under autocast; else the model's own, or the config's), no K,V prefetch (HF projects Q with K
+        and V), attention-only balance unless `model` is given, and its layers' masks (:func:`layer_masks`: one
+        sliding window on every layer as Mistral's, or a layered plan where layers differ, each layer's attention
+        picking its kind by its mask); the rank and size from a DeviceMesh's "cp" dimension, a process group, or
+        given (rank 0 of 1 in a process without torch.distributed).
 
         Raises:
-            ValueError: no way to tell the rank and group size, or a mesh without a "cp" dimension.
+            ValueError: a mesh without a "cp" dimension.
         """
+        config = model_or_config
+        if isinstance(model_or_config, torch.nn.Module):  # the model's parameters say what its attention computes in
+            config, dtype = model_or_config.config, dtype or next(model_or_config.parameters()).dtype
         if rank is None or world_size is None:
             group = cp_group(group_or_mesh)
-            if group is None and not dist.is_initialized():
-                raise ValueError("give rank and world_size, or a process group or DeviceMesh after "
-                                 "dist.init_process_group")
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            if group is None and not dist.is_initialized():  # one process, no torch.distributed: world 1
+                rank, world_size = 0, 1
+            else:
+                rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         options = {"kv_prefetch": False, "model": "none", "shape": attention_shape(config, dtype)}
         kinds = layer_kinds(config)
         if kinds is not None:  # one placement, one schedule a layer kind; the layers pick theirs by their mask
             options.update(layer_masks=",".join(f"{name}={mask}" for name, mask in kinds[0].items()),
                            layer_mix=",".join(f"{name}={count}" for name, count in kinds[1].items()))
+        elif model_mask(config) != "causal":  # every layer slides (Mistral): the plan's documents have its window
+            options["mask"] = model_mask(config)
         return cls(rank, world_size, **{**options, **compile_options})
 
     def __call__(self, documents: Sequence) -> dict:

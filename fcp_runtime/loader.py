@@ -18,6 +18,7 @@ from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
 _RESERVED = ("plan", "lengths", "rows", "token_index", "position_ids", "inputs_digest", "mask")
+_MIN_BLOCK_SIZE = 64  # the compiler's smallest block (and the step between block sizes)
 
 
 def _check_like_first(doc_idx: int, name: str, tensor: torch.Tensor, earlier: list[torch.Tensor]) -> None:
@@ -98,15 +99,44 @@ class PlanningCollate:
         self.rank, self.world_size, self.layout, self.ranges = rank, world_size, layout, ranges
         self.compile_options = compile_options
 
+    def _compile(self, batch, total: int):
+        """The step's plan, with no rank empty: a short step (fewer blocks than ranks, in the plan layout) is
+        compiled again at half the block size, down to 64 tokens, until every rank holds a token, since a rank
+        without tokens cannot run a model's layers. Every rank takes the same steps, so every rank keeps the same plan.
+
+        Raises:
+            ValueError: a rank is still empty at block 64 (a step of a few tiny documents), naming the fix.
+        """
+        from fcp_compiler.core.pipeline import compile_plan
+
+        options = dict(self.compile_options)
+        while True:
+            plan = compile_plan(batch, self.world_size, layout=self.layout, **options)
+            # Each rank's plan-layout tokens, from the plan's placement (the same on every kind of a layered plan).
+            rank_tokens = plan.ir.transfers.assignment.rank_tokens
+            block_size = plan.header.block_size
+            if self.layout == "user" or int(rank_tokens.min()) > 0:
+                return plan
+            own_block_size = str(getattr(options.get("planner"), "value", options.get("planner") or "fcp")) != "fcp"
+            if block_size <= _MIN_BLOCK_SIZE or own_block_size:
+                empty = int(np.flatnonzero(rank_tokens == 0)[0])
+                raise ValueError(f"a step of {total} tokens leaves rank {empty} of {self.world_size} without a token "
+                                 f"in the plan layout at block {block_size}; collate it with layout='user' (every "
+                                 f"rank holds a contiguous share) or give the step more tokens")
+            options["block_size"] = max(_MIN_BLOCK_SIZE, block_size // 2 // _MIN_BLOCK_SIZE * _MIN_BLOCK_SIZE)
+
     def __call__(self, documents: Sequence) -> dict:
         # The one runtime module that calls the compiler (pyproject.toml lists it beside the layer contracts);
         # imported in the worker, and the compiler never imports torch.
-        from fcp_compiler.core.pipeline import compile_plan
         from fcp_compiler.format.inputs import BatchSpec
 
         lengths, fields, masks = _fields(documents)
+        total = sum(lengths)
+        if total < self.world_size:
+            raise ValueError(f"a step of {total} tokens ({len(lengths)} documents) cannot give each of the "
+                             f"{self.world_size} ranks a token; drop it (DataLoader(drop_last=True)) or add documents")
         batch = BatchSpec(sequences=lengths, masks=[mask or "causal" for mask in masks]) if masks else lengths
-        plan = compile_plan(batch, self.world_size, layout=self.layout, **self.compile_options)
+        plan = self._compile(batch, total)
         rank_plan = load_rank_plan(plan.to_bytes(), self.rank)  # a LayeredRankPlan where kinds were given
         ranges = self.ranges
         if ranges is None:

@@ -20,7 +20,7 @@ IGNORE = fcp_hf.IGNORE_INDEX
 class Setup:
     """A model, its data and optimiser: every rank and the reference build the same from it."""
 
-    arch: str = "llama"  # "llama" or "qwen2"
+    arch: str = "llama"  # "llama", "qwen2" or "mistral"
     num_layers: int = 4
     dtype: torch.dtype = torch.float64
     steps: int = 5
@@ -32,9 +32,11 @@ class Setup:
     # HF's own loss (labels=, num_items_in_batch=), which computes in fp32 whatever the model's dtype; else the same
     # sum of cross-entropies over the label count, in the model's dtype (fp64 parity to 1e-12 needs it).
     hf_loss: bool = False
-    # qwen2 only: layers alternate a sliding window of this many keys with full causal attention (layer_types), as
-    # gpt-oss does; None: every layer full.
+    # qwen2: layers alternate a sliding window of this many keys with full causal attention (layer_types), as
+    # gpt-oss does; mistral: every layer slides over it (Mistral's config has no layer_types); None: every layer full.
     sliding_window: int | None = None
+    # Every step's document lengths; None: a long-tail draw of tokens_per_step tokens a step.
+    lengths: tuple[int, ...] | None = None
 
     def config(self, attn_implementation: str):
         common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=self.num_layers,
@@ -48,11 +50,14 @@ class Setup:
             layer_types = ["sliding_attention", "full_attention"] * (self.num_layers // 2)
             return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=self.sliding_window,
                                             layer_types=layer_types)
+        if self.arch == "mistral":
+            return transformers.MistralConfig(**common, sliding_window=self.sliding_window)
         raise ValueError(self.arch)
 
     def model(self, attn_implementation: str):
         torch.manual_seed(0)
-        cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[self.arch]
+        cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+               "mistral": transformers.MistralForCausalLM}[self.arch]
         model = cls(self.config(attn_implementation)).to(self.dtype)
         if self.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -63,8 +68,8 @@ class Setup:
 def documents(setup: Setup, step: int) -> list[dict]:
     """Step `step`'s long-tail documents (lognormal lengths, one long one among many short), learnable ids."""
     rng = np.random.default_rng(1000 + step)
-    lengths, total = [], 0
-    while total < setup.tokens_per_step:
+    lengths, total = list(setup.lengths or []), 0
+    while setup.lengths is None and total < setup.tokens_per_step:
         length = int(np.clip(rng.lognormal(np.log(48), 1.3), 2, setup.tokens_per_step - total))
         lengths.append(length)
         total += length

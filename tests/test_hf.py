@@ -177,6 +177,63 @@ def test_the_collate_maps_layer_types_to_layer_kinds():
         fcp_hf.layer_kinds(chunked)
 
 
+# --- every batch trains: short steps, windows from every config ----------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", [
+    Setup(lengths=(2000, 2000, 2000), block_size=4096, steps=3, num_layers=2),
+    Setup(lengths=(100, 100, 100), block_size=4096, steps=3, num_layers=2),
+    Setup(arch="mistral", sliding_window=4096, lengths=(5000, 300), block_size=4096, steps=3, num_layers=2)],
+    ids=["3x2000-at-block-4096", "3x100", "mistral-window-4096-on-5000"])
+def test_a_short_step_or_a_mistral_window_trains_on_4_ranks_as_in_one_process(setup):
+    """A step of fewer blocks than ranks is compiled at smaller blocks so that no rank is empty (an empty rank would
+    crash inside the model); a Mistral config (a sliding_window, no layer_types) gets plans whose documents slide
+    over its window on every layer, so a document longer than the window trains instead of being refused."""
+    _assert_trains_alike(setup, FP64)
+
+
+def test_layer_masks_are_read_from_every_config_as_its_model_family_means_them():
+    import transformers
+
+    assert fcp_hf.layer_masks(transformers.MistralConfig(num_hidden_layers=2, sliding_window=4096)) == \
+        ["sliding_window:4096"] * 2
+    assert fcp_hf.layer_masks(transformers.MistralConfig(num_hidden_layers=2, sliding_window=None)) == ["causal"] * 2
+    # Qwen2: use_sliding_window and max_window_layers (layers from max_window_layers on slide), or no window at all.
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64,
+                                     max_window_layers=2)
+    assert fcp_hf.layer_masks(qwen2) == ["causal", "causal", "sliding_window:64", "sliding_window:64"]
+    assert fcp_hf.layer_masks(transformers.Qwen2Config(num_hidden_layers=2, sliding_window=64)) == ["causal"] * 2
+    gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=32)
+    assert fcp_hf.layer_masks(gemma3) == ["sliding_window:32"] * 5 + ["causal"]
+    assert fcp_hf.model_mask(transformers.MistralConfig(num_hidden_layers=2, sliding_window=96)) == "sliding_window:96"
+    assert fcp_hf.layer_kinds(transformers.MistralConfig(num_hidden_layers=2, sliding_window=96)) is None
+    collate = fcp_hf.HFPlanningCollate.for_model(transformers.MistralConfig(
+        num_hidden_layers=2, sliding_window=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2),
+        rank=0, world_size=1, block_size=64)
+    plan = collate([torch.arange(300)])["fcp_plan"]
+    assert plan.seq_window.tolist() == [96]
+
+
+def test_a_padding_mask_is_refused_on_every_rank_in_one_line():
+    """transformers drops a 2-D mask for an attention implementation its mask interface does not know, so a padding
+    mask never reached fcp's attention and the loss came out as if it were all ones: fcp registers a mask function
+    that refuses it, before any layer runs."""
+    setup = Setup(num_layers=2)
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        batch = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)(documents(setup, 0))
+        padding = torch.ones_like(batch["input_ids"])
+        padding[0, -3:] = 0
+        with pytest.raises(ValueError, match=r"not from an attention mask; the model got attention_mask of shape "
+                                             r"\(1, \d+\)") as caught:
+            model(**batch, attention_mask=padding)
+        return str(caught.value)
+
+    errors = run_ranks(4, task)
+    assert len(errors) == 4 and all("\n" not in error for error in errors)
+
+
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 

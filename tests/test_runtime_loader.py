@@ -120,3 +120,31 @@ def test_dispatch_and_undispatch_refuse_a_tensor_of_another_rank_count():
                 refused += 1
         return refused
     assert run_ranks(4, task) == [6] * 4
+
+
+# --- short steps: every rank gets tokens, or the step is refused before any model runs ---------------------------
+
+
+def test_a_step_of_fewer_blocks_than_ranks_is_planned_at_smaller_blocks_so_no_rank_is_empty():
+    """3 documents of 2,000 tokens at block 4,096 are 2 blocks for 4 ranks: two ranks would hold no token and crash
+    the model's layers. The collate compiles the step again at smaller blocks until every rank holds rows, and every
+    rank takes the same steps (one plan)."""
+    documents = [torch.arange(2000) + 10_000 * i for i in range(3)]
+    assert min(compile_plan([2000] * 3, 4, block_size=4096).ir.transfers.assignment.rank_tokens) == 0
+    batches = [PlanningCollate(rank, 4, block_size=4096)(documents) for rank in range(4)]
+    assert len({batch["plan"].digest for batch in batches}) == 1
+    assert all(batch["tokens"].shape[0] > 0 for batch in batches)
+    assert torch.equal(torch.sort(torch.cat([batch["tokens"] for batch in batches])).values,
+                       torch.sort(torch.cat(documents)).values)  # every token once
+
+
+@pytest.mark.parametrize("lengths,message", [
+    ((1, 1, 1), "a step of 3 tokens [(]3 documents[)] cannot give each of the 4 ranks a token"),
+    ((50, 50, 50), "a step of 150 tokens leaves rank 3 of 4 without a token in the plan layout at block 64; "
+                   "collate it with layout='user'")])
+def test_a_step_too_short_for_every_rank_to_hold_a_token_is_refused_in_one_line(lengths, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        PlanningCollate(0, 4, block_size=4096)([torch.arange(n) for n in lengths])
+    assert "\n" not in str(caught.value)
+    if sum(lengths) >= 4:  # the user layout gives each rank a contiguous share, however short the step
+        assert PlanningCollate(3, 4, layout="user", block_size=4096)([torch.arange(n) for n in lengths])["tokens"].numel()
