@@ -1,0 +1,89 @@
+"""A plan is bound to the batch it was compiled for: each rank's position ids must be the plan's.
+
+A plan from another step can hold the same number of rows on every rank and still describe other documents (a plan
+for documents [96, 96] replayed on one 192-token document trains silently wrong). The rows' positions inside their
+documents tell the two apart wherever the documents differ, so attention compares the positions the model was given
+with the ones the plan's layout holds, on the device, before its first message:
+
+- every rank compares its own rows (one elementwise compare of T int64 values);
+- one all-reduce of one int32 over the context-parallel group makes the verdict every rank's, so all refuse
+  together and none waits on a peer that stopped;
+- on the CPU the verdict is read and a mismatch raises :class:`BatchMismatchError` on every rank; on a GPU it is
+  never read on the host (no sync): ``torch._assert_async`` stops every rank's stream with the same message.
+
+A step's layers share one position tensor, so the check runs once per (plan, position tensor) pair: the first layer
+pays it, the rest find it done.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fcp_runtime.plan import RankPlan
+
+
+class BatchMismatchError(ValueError):
+    """The model's rows are not the ones the plan was compiled for (a plan from another step)."""
+
+
+# Per live plan (by id, dropped when the plan dies), the position tensors already checked against it, by weak
+# reference: nothing here keeps a step's plan or tensors alive.
+_CHECKED: dict[int, weakref.WeakValueDictionary] = {}
+
+
+def expected_positions(plan: RankPlan, layout: str) -> torch.Tensor:
+    """int64 [rows]: each of this rank's rows' position inside its own document, in `layout` ("plan": the plan's
+    rows; "user": rows [floor(r*T/N), floor((r+1)*T/N)) of the concatenated batch)."""
+    if layout == "plan":
+        return plan.position_ids
+    lengths = plan.seq_lengths.astype(np.int64)
+    total = int(lengths.sum())
+    lo, hi = plan.rank * total // plan.num_ranks, (plan.rank + 1) * total // plan.num_ranks
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return torch.from_numpy(np.arange(lo, hi, dtype=np.int64) - starts[lo:hi])
+
+
+def _mismatch_message(plan: RankPlan) -> str:
+    return (f"the model's position_ids are not those of the batch plan {plan.digest[:12]} was compiled for: a plan "
+            f"is bound to its step's documents; give the model the fcp_plan its own batch's collate returned")
+
+
+def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: str) -> None:
+    """Refuse, on every rank of `group`, a call whose position ids are not the plan's rows' (a plan from another
+    step). Once per plan and position tensor; no host sync on a GPU.
+
+    Args:
+        position_ids: the model's position ids for this rank's rows, [rows] or [1, rows].
+        plan: this rank's plan (one kind's, for a layered plan: they share the layout).
+        group: the context-parallel group (None: the world; no group at all: a one-rank plan).
+        layout: the rows' layout, "plan" or "user".
+    Raises:
+        BatchMismatchError: on every rank, on the CPU, when any rank's positions differ (on a GPU the
+            device-side assertion carries the same message).
+    """
+    checked = _CHECKED.get(id(plan))
+    if checked is None:
+        checked = _CHECKED[id(plan)] = weakref.WeakValueDictionary()  # id(tensor) -> tensor: identity, not ==
+        weakref.finalize(plan, _CHECKED.pop, id(plan), None)
+    if checked.get(id(position_ids)) is position_ids:
+        return
+    rows = position_ids.reshape(-1)
+    expected = expected_positions(plan, layout)
+    if rows.numel() != expected.numel():
+        raise BatchMismatchError(f"rank {plan.rank}: the model's position_ids hold {rows.numel()} rows but the plan's "
+                                 f"{layout} layout gives this rank {expected.numel()}")
+    device_expected = plan.cached(("expected_positions", layout, rows.device),
+                                  lambda: expected.to(rows.device, non_blocking=True))
+    differs = (rows != device_expected).any().to(torch.int32).reshape(1)
+    if plan.num_ranks > 1:
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+    if differs.device.type == "cpu":
+        if int(differs[0]):
+            raise BatchMismatchError(_mismatch_message(plan))
+    else:
+        torch._assert_async(differs[0] == 0, _mismatch_message(plan))
+    checked[id(position_ids)] = position_ids

@@ -1,0 +1,78 @@
+"""A plan is bound to its batch (fcp_runtime/binding.py): a plan from another step whose ranks hold as many rows as
+this step's is refused on every rank, before attention sends anything; the check reads nothing back from a device."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime_harness import run_ranks  # noqa: E402
+
+from fcp_runtime.binding import BatchMismatchError, check_positions, expected_positions  # noqa: E402
+from fcp_runtime.loader import PlanningCollate  # noqa: E402
+
+
+def _step(lengths, rank: int, world: int, layout: str = "plan", **options) -> dict:
+    return PlanningCollate(rank, world, layout=layout, block_size=64, model="none", **options)(
+        [torch.arange(n) for n in lengths])
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_the_expected_positions_are_the_collates(layout):
+    for rank in range(4):
+        batch = _step([300, 96, 1000, 7], rank, 4, layout)
+        assert torch.equal(expected_positions(batch["plan"], layout), batch["position_ids"])
+
+
+def test_another_steps_plan_with_the_same_rows_per_rank_is_refused_on_every_rank_in_one_line():
+    """Documents [96, 96] and one document of 192 tokens give every rank as many rows, so the row count cannot tell
+    the plans apart; the positions do."""
+
+    def task(rank, world):
+        this, other = _step([192], rank, world), _step([96, 96], rank, world)
+        assert this["plan"].plan_tokens == other["plan"].plan_tokens
+        check_positions(this["position_ids"], this["plan"], None, "plan")  # its own plan: passes
+        with pytest.raises(BatchMismatchError, match="not those of the batch plan") as caught:
+            check_positions(this["position_ids"], other["plan"], None, "plan")
+        return str(caught.value)
+
+    assert all("\n" not in message for message in run_ranks(2, task))
+
+
+def test_one_ranks_wrong_positions_are_refused_on_every_rank():
+    """Only rank 1's rows are wrong; rank 0 refuses too (rather than wait for a peer that stopped)."""
+
+    def task(rank, world):
+        batch = _step([300, 90, 500], rank, world)
+        positions = batch["position_ids"].clone()
+        if rank == 1:
+            positions[-1] += 1
+        with pytest.raises(BatchMismatchError):
+            check_positions(positions, batch["plan"], None, "plan")
+        return True
+
+    assert run_ranks(2, task) == [True, True]
+
+
+def test_a_rank_whose_positions_hold_another_row_count_is_refused_by_name():
+    batch = _step([300, 90], 0, 1)
+    with pytest.raises(BatchMismatchError, match="hold 389 rows but the plan's plan layout gives this rank 390"):
+        check_positions(batch["position_ids"][:-1], batch["plan"], None, "plan")
+
+
+def test_the_check_runs_once_per_plan_and_position_tensor():
+    batch = _step([300, 90], 0, 1)
+    positions = batch["position_ids"].clone()
+    check_positions(positions, batch["plan"], None, "plan")
+    positions[0] = 5  # changed in place after the check: the same tensor is not checked again ...
+    check_positions(positions, batch["plan"], None, "plan")
+    with pytest.raises(BatchMismatchError):  # ... but a new tensor is
+        check_positions(positions.clone(), batch["plan"], None, "plan")
+
+
+def test_the_check_reads_nothing_back_from_the_device():
+    """On the meta device any read of a tensor's value on the host fails: the check (compare, all-reduce, device
+    assertion) runs there without one."""
+    batch = _step([300, 90], 0, 1)
+    check_positions(batch["position_ids"].to("meta"), batch["plan"], None, "plan")
