@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from fcp_compiler.errors import FcpError, InvalidInputError
+from fcp_compiler.errors import SHOWN_CHARS, FcpError, InvalidInputError, clipped, shown
 from fcp_compiler.format.safe_io import check_outputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -30,7 +30,7 @@ def _ascii_int(value: object) -> int:
     if isinstance(value, int):
         return value
     if not _INTEGER.fullmatch(str(value)):
-        raise typer.BadParameter(f"{str(value)!r} is not an integer (ASCII digits, like 4096)")
+        raise typer.BadParameter(f"{shown(str(value))} is not an integer (ASCII digits, like 4096)")
     return int(value)
 
 
@@ -39,7 +39,7 @@ def _on_off(flag: str, value: str | None) -> bool | None:
     if value is None:
         return None
     if value not in ("on", "off"):
-        raise InvalidInputError(f"{flag} {value!r} must be on or off")
+        raise InvalidInputError(f"{flag} {shown(value)} must be on or off")
     return value == "on"
 
 
@@ -48,7 +48,7 @@ def _finite_float(value: object) -> float:
     if isinstance(value, float):
         return value
     if not _DECIMAL.fullmatch(str(value)) or not math.isfinite(float(value)):
-        raise typer.BadParameter(f"{str(value)!r} is not a finite decimal number (like 1.8 or 1e-3)")
+        raise typer.BadParameter(f"{shown(str(value))} is not a finite decimal number (like 1.8 or 1e-3)")
     return float(value)
 
 
@@ -195,7 +195,7 @@ def _memory_budget(value: str | None) -> float | None:
     except ValueError:
         budget = None
     if budget is None or not math.isfinite(budget):
-        raise InvalidInputError(f"--memory-budget {value!r} must be a number of GiB (e.g. 4) or none")
+        raise InvalidInputError(f"--memory-budget {shown(value)} must be a number of GiB (e.g. 4) or none")
     return budget
 
 
@@ -316,7 +316,7 @@ def _plan_kinds(plan: Path, kind: str | None):
     kinds = PlanKinds(str(plan))
     if kind is not None and (not kinds.layered or kind not in kinds.names):
         have = f"its kinds: {', '.join(kinds.names)}" if kinds.layered else "it is a plan of one kind"
-        raise InvalidInputError(f"--kind {kind!r} is not a layer kind of {plan} ({have})")
+        raise InvalidInputError(f"--kind {shown(kind)} is not a layer kind of {plan} ({have})")
     return kinds
 
 
@@ -404,11 +404,11 @@ def simulate_command(
             _simulate_kinds(data, profile, model, prefetch, json_out, trace)
             return
         if kind not in data.names:
-            raise InvalidInputError(f"--kind {kind!r} is not a layer kind of {source} (its kinds: "
+            raise InvalidInputError(f"--kind {shown(kind)} is not a layer kind of {source} (its kinds: "
                                     f"{', '.join(data.names)})")
         data = data.kind(kind).reader
     elif kind is not None:
-        raise InvalidInputError(f"--kind {kind!r} names a layer kind; {source} is a plan of one kind")
+        raise InvalidInputError(f"--kind {shown(kind)} names a layer kind; {source} is a plan of one kind")
     if not isinstance(data, bytes):
         # The simulator trusts the invariants: an invalid plan exits 1 naming the broken one.
         validate_plan(data, background=True)
@@ -465,9 +465,9 @@ def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise InvalidInputError(f"{flag} {text!r} must be a comma-separated list of integers") from None
+        raise InvalidInputError(f"{flag} {shown(text)} must be a comma-separated list of integers") from None
     if not values or min(values) < 1:
-        raise InvalidInputError(f"{flag} {text!r} must list positive integers")
+        raise InvalidInputError(f"{flag} {shown(text)} must list positive integers")
     return values
 
 
@@ -510,7 +510,7 @@ def compare_command(
     try:
         chosen = [Planner(m.strip()) for m in methods.split(",")]
     except ValueError:
-        raise InvalidInputError(f"--methods {methods!r}: each must be one of "
+        raise InvalidInputError(f"--methods {shown(methods)}: each must be one of "
                                 f"{', '.join(p.value for p in Planner)}") from None
     if (batch is None) == (trace_spec is None):
         raise InvalidInputError("give either BATCH or --trace-spec")
@@ -582,7 +582,7 @@ def diff_command(
     from fcp_compiler.tools.report import diff_summary
 
     if fail_on not in (None, "change", "regression"):
-        raise InvalidInputError(f"--fail-on {fail_on!r} must be change or regression")
+        raise InvalidInputError(f"--fail-on {shown(fail_on)} must be change or regression")
     if not math.isfinite(tolerance) or tolerance < 0:
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
@@ -708,16 +708,26 @@ def trace_file(lengths_file: Path = typer.Argument(..., help="JSON list, or one 
     _write_batch(empirical_batch(read_lengths_file(lengths_file), total, seed, max_len), mask, output, quiet)
 
 
-def _offending_value(argv: list[str], error: Exception) -> str:
-    """' (got VALUE)' for a bad option value, found after its flag on the command line."""
+def _offending_value(argv: list[str], error: Exception) -> str | None:
+    """A bad option's value as the message shows it (cut to a sane length), found after its flag on the command
+    line; None where there is none."""
     options = getattr(getattr(error, "param", None), "opts", None) or []
     for flag in options:
-        for idx, token in enumerate(argv[:-1]):
-            if token == flag:
-                return f" (got {argv[idx + 1]!r})"
+        for idx, token in enumerate(argv):
+            if token == flag and idx + 1 < len(argv):
+                return shown(argv[idx + 1])
             if token.startswith(flag + "="):
-                return f" (got {token.split('=', 1)[1]!r})"
-    return ""
+                return shown(token.split("=", 1)[1])
+    return None
+
+
+def _clip_arguments(message: str, argv: list[str]) -> str:
+    """Click's own usage messages (an unknown option or command, an extra argument) quote the argument whole: each
+    long one is cut as :func:`~fcp_compiler.errors.clipped` cuts."""
+    parts = {part for token in argv for part in (token, token.split("=", 1)[-1]) if len(part) > SHOWN_CHARS}
+    for part in sorted(parts, key=len, reverse=True):
+        message = message.replace(part, clipped(part))
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -735,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo("fcp: aborted", err=True)
         return 130
     except typer.TyperException as error:  # a usage error: bad flag, value or missing argument
-        message, got = error.format_message(), _offending_value(argv, error)
+        message, got = _clip_arguments(error.format_message(), argv), _offending_value(argv, error)
         # A bare `fcp` or group: its help, and exit 2. Typer raises its vendored click's NoArgsIsHelpError (a private
         # module, typer._click), so the class is known by name.
         if type(error).__name__ == "NoArgsIsHelpError":
@@ -744,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         if not message:  # a bare `fcp` (or a group without its command): the help above says what to give
             return 2
         # One prefix for every error, usage or input: "fcp: error:" (the message names the option).
-        typer.echo(f"fcp: error: {message}{'' if got[7:-1] in message else got}", err=True)
+        typer.echo(f"fcp: error: {message}{'' if got is None or got in message else f' (got {got})'}", err=True)
         return 2
     except FcpError as error:
         from fcp_compiler.format.validate import PlanInvalidError

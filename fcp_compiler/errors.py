@@ -15,3 +15,19 @@ class InfeasibleError(FcpError):
 
 class PlanFormatError(FcpError):
     """A plan file is corrupt, of an unknown version, or breaks an invariant."""
+
+
+SHOWN_CHARS = 60  # the most characters of a value a message echoes
+
+
+def clipped(text: str, limit: int = SHOWN_CHARS) -> str:
+    """Text a message echoes, cut to `limit` characters: a longer one (a 10,000-character name) is shown by its
+    start, an ellipsis and its length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A value as a one-line message quotes it: its repr, cut as :func:`clipped` cuts (a string's start quoted)."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    return clipped(repr(value), limit)

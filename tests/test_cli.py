@@ -195,3 +195,44 @@ def test_every_compile_option_is_documented_in_usage():
     flags = {opt for param in command.params for opt in param.opts if opt.startswith("--") and opt != "--help"}
     missing = sorted(flag for flag in flags if f"`{flag}" not in table and f"/`{flag}" not in table)
     assert not missing, missing
+
+
+LONG = "y" * 10_000  # a user string a message must not echo whole
+
+
+@pytest.fixture(scope="module")
+def plain_and_layered(tmp_path_factory):
+    from fcp_compiler import compile_plan
+    from fcp_compiler.format.inputs import BatchSpec
+
+    folder = tmp_path_factory.mktemp("plans")
+    plain, layered = folder / "plain.fcp", folder / "layered.fcp"
+    lengths = [1900, 700, 333, 1200, 64, 90, 517, 250]
+    compile_plan(lengths, 8, block_size=128).write(plain)
+    compile_plan(BatchSpec(sequences=lengths, layers={"global": "causal",
+                                                      "local": {"kind": "sliding_window", "window": 96}},
+                           layer_mix={"global": 1, "local": 3}), 8, block_size=128).write(layered)
+    return plain, layered
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "LAYERED", "--kind", LONG], ["simulate", "LAYERED", "--kind", LONG],
+    ["simulate", "PLAIN", "--kind", LONG], ["simulate", "PLAIN", "--model", LONG],
+    ["compile", SMALL, "--gpus", LONG, "-o", "OUT"], ["compile", SMALL, f"--gpus={LONG}", "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--memory-budget", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--node-fan-out", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--model", LONG, "-o", "OUT"],
+    ["diff", "PLAIN", "PLAIN", "--fail-on", LONG], ["diff", "PLAIN", "PLAIN", "--tolerance", LONG],
+    ["compare", SMALL, "--gpus", 8, "--methods", LONG], ["sweep", SMALL, "--gpus", 8, "--block-size", LONG],
+    ["validate", "PLAIN", LONG], ["validate", f"--{LONG}"], [LONG],
+], ids=lambda args: "-".join(arg.name if isinstance(arg, Path) else str(arg)[:12] for arg in args))
+def test_an_echoed_user_value_is_cut_to_a_sane_length(tmp_path, capsys, plain_and_layered, args):
+    """A 10,000-character --kind (or any option's value, or a stray argument) is echoed by its first 60 characters,
+    an ellipsis and its length, in one line (issue 65, N7)."""
+    plain, layered = plain_and_layered
+    given = [{"PLAIN": plain, "LAYERED": layered, "OUT": tmp_path / "p.fcp"}.get(arg, arg) for arg in args]
+    code, out, err = run(capsys, *given)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(r"y{50,60}'?\.\.\. \(10,00[02] characters\)", err), err
+    assert "y" * 61 not in err and len(err) < 400, err
+    assert not (tmp_path / "p.fcp").exists()

@@ -410,8 +410,51 @@ def test_more_rank_stages_than_a_reader_bounds_are_refused_by_compile_and_by_rea
     cells = 8 * (header.num_fwd_stages + header.num_bwd_stages)
     monkeypatch.setattr(plan_format, "MAX_RANK_STAGES", cells - 1)
     for command in ("validate", "simulate", "inspect"):
-        expect_one_line(capsys, [command, plan], f"= {cells:,} rank-stages, more than the {cells - 1:,}")
+        # The fields named, not pydantic's model-level "header field : Value error, ..." (issue 65, N5).
+        expect_one_line(capsys, [command, plan], f"plan file {str(plan)!r}: header fields 'num_ranks', "
+                                                 f"'num_fwd_stages', 'num_bwd_stages': 8 ranks x "
+                                                 f"{cells // 8} stages (forward and backward) = {cells:,} "
+                                                 f"rank-stages, more than the {cells - 1:,}")
     monkeypatch.setattr(plan_format, "MAX_RANK_STAGES", 8)
     expect_one_line(capsys, ["compile", SMALL, "--gpus", 8, "-o", tmp_path / "q.fcp", "--no-floor"],
                     "give a larger --block-size or --coalesce")
     assert not (tmp_path / "q.fcp").exists()
+
+
+def _forged_header(data: bytes, **changes) -> bytes:
+    """A plan's bytes with header fields changed (None: removed) and the header's sha256 made to match: a forged
+    header the checksum does not catch."""
+    import hashlib
+    import struct
+
+    import msgpack
+
+    (length,) = struct.unpack("<I", data[8:12])
+    header = msgpack.unpackb(data[44:44 + length], raw=False)
+    header.update(changes)
+    header = {name: value for name, value in header.items() if value is not None}
+    packed = msgpack.packb(header, use_bin_type=True)
+    return data[:8] + struct.pack("<I", len(packed)) + hashlib.sha256(packed).digest() + packed + data[44 + length:]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_ranks": 70000}, "header field 'num_ranks': must be less than or equal to 65536 (got 70000)"),
+    ({"block_size": 3}, "header field 'block_size': must be greater than or equal to 64 (got 3)"),
+    ({"coalesce": "x"}, "header field 'coalesce': must be a valid integer, unable to parse string as an integer "
+                        "(got 'x')"),
+    ({"num_ranks": None}, "header field 'num_ranks': missing"),
+    ({"num_fwd_stages": 10**6}, "header fields 'num_fwd_rounds', 'num_fwd_stages': num_fwd_rounds "),
+    ({"max_buffer_bytes_fwd": [1]}, "header field 'max_buffer_bytes_fwd': max_buffer_bytes_fwd must hold one value"),
+    ({"model": "m" * 10_000}, "header field 'model': model '" + "m" * 60 + "'... (10,000 characters) must be one of"),
+])
+def test_a_forged_header_field_is_named_in_one_clean_line(tmp_path, capsys, changes, message):
+    """A header the pydantic model refuses reads as one line naming the field and its value (cut to a sane
+    length), without pydantic's "Value error, " or an empty field name (issue 65, N5)."""
+    plan = tmp_path / "p.fcp"
+    assert run(capsys, "compile", SMALL, "--gpus", 8, "-o", plan, "-q")[0] == 0
+    forged = _write(tmp_path / "forged.fcp", _forged_header(plan.read_bytes(), **changes))
+    for command in ("validate", "inspect", "simulate"):
+        code, _, err = run(capsys, command, forged)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"fcp: error: plan file {str(forged)!r}: {message}"), err
+        assert "Value error" not in err and "field :" not in err and len(err) < 400, err

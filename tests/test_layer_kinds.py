@@ -322,8 +322,51 @@ def _forged(header: bytes, body: bytes = b"") -> bytes:
      b'"offset": 0, "length": 10}]}', "layered format 2"),
     (b'{"format": 1, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
      b'"offset": 0, "length": 4294967296}]}', "lies outside"),
+    # json.loads keeps a repeated key's last value silently: which primary, which offset, is the file's to say once.
+    (b'{"format": 1, "primary": "b", "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, '
+     b'"num_layers": 1, "offset": 0, "length": 16}]}', "bad layered header: key 'primary' appears more than once"),
+    (b'{"format": 1, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
+     b'"offset": 0, "offset": 0, "length": 16}]}', "bad layered header: key 'offset' appears more than once"),
+    (b'{"format": 1, "primary": "a", "kinds": [{"name": "9a", "mask": {"kind": "causal"}, "num_layers": 1, '
+     b'"offset": 0, "length": 16}]}', "bad layered header field 'kinds.0.name': String should match pattern .*"
+                                      "\\(got '9a'\\)"),
 ])
 def test_a_forged_layered_header_is_refused_in_one_line(header, message):
     with pytest.raises(PlanFormatError, match=message) as caught:
         PlanKinds(_forged(header, b"\0" * 16))
-    assert "\n" not in str(caught.value)
+    assert "\n" not in str(caught.value) and "Value error" not in str(caught.value)
+
+
+@pytest.mark.parametrize("field, value, shown", [("shape.dtype", "fp32", "'fp32', kind 'full_attention' 'bf16'"),
+                                                 ("shape.q_heads", 32, "32, kind 'full_attention' 64"),
+                                                 ("model", "llama3-8b", "'llama3-8b', kind 'full_attention' "
+                                                                        "'llama3-70b'"),
+                                                 ("zigzag", True, "True, kind 'full_attention' False")])
+def test_kinds_of_other_attention_shapes_are_refused_on_load_and_by_validate(tmp_path, capsys, field, value, shown):
+    """The runtime reads a layered plan's attention shape from one kind for all: kinds whose shapes differ are
+    refused wherever the file is read (PlanKinds: fcp validate, the runtime's loader), naming the field and both
+    values (issue 65, N9)."""
+    from conftest import run_cli
+    from fcp_compiler.format.layered import encode_layered
+    from fcp_compiler.format.plan_format import rebuild_plan
+
+    plan = compile_plan(_spec(), 8, block_size=128)
+    sliding = PlanReader(plan.kind("sliding_attention").plan.data)
+    name, _, part = field.partition(".")
+    changed = {**getattr(sliding.header, name).model_dump(mode="json"), part: value} if part else value
+    forged = encode_layered([("full_attention", {"kind": "causal"}, 2, plan.kind("full_attention").plan.data),
+                             ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2,
+                              rebuild_plan(sliding, **{name: changed}))], "full_attention")
+    message = f"layer kind 'sliding_attention' has {field} {shown}: the kinds of a layered plan share one"
+    with pytest.raises(PlanFormatError, match=message):
+        PlanKinds(forged)
+    with pytest.raises(PlanFormatError, match=message):
+        validate_kinds(forged)
+    from fcp_runtime import load_rank_plan
+
+    with pytest.raises(PlanFormatError, match=message):
+        load_rank_plan(forged, 0)
+    path = tmp_path / "forged.fcp"
+    path.write_bytes(forged)
+    code, _, err = run_cli(capsys, "validate", path)
+    assert code == 2 and err.count("\n") == 1 and message in err, err

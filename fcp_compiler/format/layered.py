@@ -9,11 +9,14 @@ its own header and checksums) after a small header naming the kinds::
 
 The header is ``{"format": 1, "primary": NAME, "kinds": [{"name", "mask", "num_layers", "offset", "length"}]}``
 (offsets from the end of the header). Every kind's plan is read by offset, as a plan file is: nothing is read
-whole. :class:`PlanKinds` checks the header; `fcp validate` checks that the kinds share one layout.
+whole. :class:`PlanKinds` checks the header, and that the kinds' plan headers agree where one layout, one batch and
+one attention shape must (:data:`SHARED_HEADER`): the runtime reads those from one kind for all. `fcp validate`
+checks the rest of one layout (format/validate_kinds.py).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import struct
@@ -21,14 +24,19 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.errors import InvalidInputError, PlanFormatError, shown
 from fcp_compiler.format.inputs import LAYER_KIND_NAME, MAX_LAYER_KINDS, MAX_LAYERS_OF_A_KIND, Mask, check_layer_kinds
-from fcp_compiler.format.plan_format import LAYERED_MAGIC, PlanReader
-from fcp_compiler.format.safe_io import open_regular_file
+from fcp_compiler.format.plan_format import LAYERED_MAGIC, PlanReader, validation_reason
+from fcp_compiler.format.safe_io import open_regular_file, parse_json
 
 LAYERED_FORMAT = 1
 MAX_LAYERED_HEADER_BYTES = 2**16  # eight kinds' names, masks and ranges take a few hundred bytes
 _PREFIX = len(LAYERED_MAGIC) + 4 + 32
+# What every kind's plan header states alike: the batch and its blocks, where tokens live (one layout, one
+# dispatch), the attention shape the runtime's tensors have (read from one kind for all), and the placement's
+# planner, model, cluster and zigzag. A kind's own schedule (rounds, stages, coalesce, its mask, its memory) differs.
+SHARED_HEADER = ("num_ranks", "block_size", "layout", "num_sequences", "total_tokens", "num_blocks", "token_cap",
+                 "shape", "zigzag", "planner", "model", "profile")
 
 
 class KindEntry(BaseModel):
@@ -122,14 +130,21 @@ class PlanKinds:
         self.layered = is_layered(source)
         if not self.layered:
             self.header, self.kinds = None, (KindReader(None, None, 1, PlanReader(source)),)
+            self.origin = self.kinds[0].reader.origin
             return
         origin = "plan bytes" if isinstance(source, (bytes, bytearray, memoryview)) else f"plan file {str(source)!r}"
+        self.origin = origin
         prefix, header_bytes = _read_header(source, origin)
+        try:  # untrusted JSON: a key given twice, NaN, a huge number or deep nesting is refused
+            raw = parse_json(header_bytes.decode("utf-8"), "layered header")
+        except UnicodeDecodeError:
+            raise PlanFormatError(f"{origin}: bad layered header: not UTF-8") from None
+        except InvalidInputError as error:
+            raise PlanFormatError(f"{origin}: bad {error}") from None
         try:
-            self.header = LayeredHeader.model_validate(json.loads(header_bytes))
-        except (ValidationError, ValueError, RecursionError) as error:  # JSON and UTF-8 errors are ValueErrors
-            reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
-            raise PlanFormatError(f"{origin}: bad layered header: {reason}") from None
+            self.header = LayeredHeader.model_validate(raw)
+        except ValidationError as error:
+            raise PlanFormatError(f"{origin}: {validation_reason(error, 'bad layered header')}") from None
         body = prefix + len(header_bytes)
         self.kinds = tuple(KindReader(entry.name, entry.mask, entry.num_layers,
                                       PlanReader(source, window=(body + entry.offset, entry.length),
@@ -137,6 +152,7 @@ class PlanKinds:
                            for entry in self.header.kinds)
         if body + sum(entry.length for entry in self.header.kinds) != _size(source):
             raise PlanFormatError(f"{origin}: the kinds' plans do not end where the file does")
+        _check_shared_header(origin, self.kinds)
 
     @property
     def names(self) -> list[str | None]:
@@ -158,8 +174,38 @@ class PlanKinds:
         for kind in self.kinds:
             if kind.name == name:
                 return kind
-        raise PlanFormatError(f"layer kind {name!r} is not in the plan; its kinds: "
+        raise PlanFormatError(f"layer kind {shown(name)} is not in the plan; its kinds: "
                               f"{', '.join(str(known) for known in self.names)}")
+
+
+def _check_shared_header(origin: str, kinds: tuple[KindReader, ...]) -> None:
+    """Every kind's plan header states SHARED_HEADER's fields as the first kind's does (a nested one, the shape or
+    the profile, compared field by field).
+
+    Raises:
+        PlanFormatError: naming the field, both kinds and both values.
+    """
+    first = kinds[0]
+    for kind in kinds[1:]:
+        for name in SHARED_HEADER:
+            where, mine, theirs = _first_difference(name, getattr(first.reader.header, name),
+                                                    getattr(kind.reader.header, name))
+            if where is not None:
+                raise PlanFormatError(f"{origin}: layer kind {kind.name!r} has {where} {shown(theirs)}, kind "
+                                      f"{first.name!r} {shown(mine)}: the kinds of a layered plan share one "
+                                      f"layout, batch and attention shape")
+
+
+def _first_difference(where: str, mine: object, theirs: object) -> tuple[str | None, object, object]:
+    """(the dotted name of the first field where two header values differ, or None; the two values there)."""
+    if hasattr(mine, "model_dump") and type(mine) is type(theirs):
+        for name in type(mine).model_fields:
+            found = _first_difference(f"{where}.{name}", getattr(mine, name), getattr(theirs, name))
+            if found[0] is not None:
+                return found
+        return None, mine, theirs
+    plain = [value.value if isinstance(value, enum.Enum) else value for value in (mine, theirs)]
+    return (None if mine == theirs else where), *plain
 
 
 def _size(source) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.errors import InvalidInputError, shown
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,5 +80,5 @@ def load_model(name: str) -> ModelPreset | None:
     if name == NO_MODEL:
         return None
     if not isinstance(name, str) or name not in MODEL_PRESETS:
-        raise InvalidInputError(f"model {name!r} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
+        raise InvalidInputError(f"model {shown(name)} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
     return MODEL_PRESETS[name]

@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fcp_compiler.algorithms.ranges import expand_ranges
-from fcp_compiler.errors import PlanFormatError
+from fcp_compiler.errors import PlanFormatError, shown
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, Layout, MaskKind
 from fcp_compiler.format.models import MODEL_PRESETS, NO_MODEL
 from fcp_compiler.format.plan_structure import (check_joined_arrays, check_rank_arrays, check_ranks_arrays,
@@ -85,6 +85,39 @@ RANK_ARRAYS = (
     "bwd_push_send_round", "bwd_push_send_pull", "bwd_push_recv_round", "bwd_push_recv_pull",
 )
 GLOBAL_ARRAYS = ("seq_lengths", "seq_window", "seg_block", "seg_seq", "seg_start", "seg_end")
+
+
+class FieldsError(ValueError):
+    """A check of a model over several of its fields, which it names: :func:`validation_reason` says "fields 'a',
+    'b': ..." rather than pydantic's bare model-level message."""
+
+    def __init__(self, fields: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.fields = fields
+
+
+def validation_reason(error: ValidationError, what: str) -> str:
+    """The first error of a pydantic validation of `what` (a header) as one line: "WHAT field 'a.b': must be ...
+    (got VALUE)", "WHAT fields 'a', 'b': ..." for a check over several (:class:`FieldsError`), or "WHAT: ..." for
+    another check of the whole; the value is cut to a sane length (:func:`~fcp_compiler.errors.shown`)."""
+    detail = error.errors()[0]
+    message = detail["msg"].removeprefix("Value error, ")
+    if detail["type"] == "missing":
+        message = "missing"
+    elif detail["type"] == "extra_forbidden":
+        message = "is not a field of this format"
+    elif message.startswith("Input should be "):
+        message = "must be " + message.removeprefix("Input should be ")
+    fields = getattr(detail.get("ctx", {}).get("error"), "fields", None)
+    if fields:
+        return f"{what} field{'s' if len(fields) > 1 else ''} {', '.join(map(repr, fields))}: {message}"
+    if not detail["loc"]:
+        return f"{what}: {message}"
+    where = ".".join(map(str, detail["loc"]))
+    got = shown(detail.get("input"))
+    if detail["type"] != "missing" and "got" not in message and got not in message:
+        message += f" (got {got})"
+    return f"{what} field {where!r}: {message}"
 
 
 def rank_stages_excess(num_ranks: int, num_stages: int) -> str | None:
@@ -178,13 +211,14 @@ class PlanHeader(BaseModel):
                                                  ("bwd", self.num_bwd_rounds, self.num_bwd_stages, self.bwd_coalesce)):
             most_rounds = 2 * most_messages + 4 * per_stage
             if rounds > most_rounds or stages > rounds // per_stage + 2:
-                raise ValueError(f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
-                                 f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")
+                raise FieldsError((f"num_{name}_rounds", f"num_{name}_stages"),
+                                  f"num_{name}_rounds {rounds} and num_{name}_stages {stages} exceed what "
+                                  f"{self.num_ranks} ranks and {self.num_blocks} blocks can use")
         if (excess := rank_stages_excess(self.num_ranks, self.num_fwd_stages + self.num_bwd_stages)) is not None:
-            raise ValueError(excess)
+            raise FieldsError(("num_ranks", "num_fwd_stages", "num_bwd_stages"), excess)
         if self.num_rounds > self.num_fwd_rounds or self.num_blocks > self.total_tokens:
-            raise ValueError(f"num_rounds {self.num_rounds} or num_blocks {self.num_blocks} exceeds what the plan "
-                             f"holds")
+            raise FieldsError(("num_rounds", "num_blocks"), f"num_rounds {self.num_rounds} or num_blocks "
+                                                            f"{self.num_blocks} exceeds what the plan holds")
         return self
 
     @model_validator(mode="after")
@@ -192,15 +226,15 @@ class PlanHeader(BaseModel):
         for name in ("max_buffer_bytes_fwd", "max_buffer_bytes_bwd"):
             values = getattr(self, name)
             if len(values) != self.num_ranks or any(not 0 <= value <= MAX_BYTES for value in values):
-                raise ValueError(f"{name} must hold one value in [0, {MAX_BYTES}] per rank ({self.num_ranks}), "
-                                 f"got {len(values)} values")
+                raise FieldsError((name,), f"{name} must hold one value in [0, {MAX_BYTES}] per rank "
+                                           f"({self.num_ranks}), got {len(values)} values")
         return self
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, name: str) -> str:
         if name != NO_MODEL and name not in MODEL_PRESETS:
-            raise ValueError(f"model {name!r} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
+            raise ValueError(f"model {shown(name)} must be one of {', '.join(sorted(MODEL_PRESETS))} or {NO_MODEL}")
         return name
 
     @field_validator("rank_sha256")
@@ -208,7 +242,7 @@ class PlanHeader(BaseModel):
     def _hex_digests(cls, digests: list[str]) -> list[str]:
         if any(len(d) != 64 for d in digests) or not _HEX.fullmatch("".join(digests)):
             bad = next(d for d in digests if len(d) != 64 or not _HEX.fullmatch(d))
-            raise ValueError(f"rank_sha256 entry {bad[:80]!r} is not a sha256 hex digest")
+            raise ValueError(f"rank_sha256 entry {shown(bad)} is not a sha256 hex digest")
         return digests
 
 
@@ -518,14 +552,12 @@ def _parse_header(header_bytes: bytes, origin: str) -> PlanHeader:
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as error:
         raise PlanFormatError(f"{origin}: header is not valid msgpack: {error}") from None
     if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
-        raise PlanFormatError(f"{origin}: format_version {raw.get('format_version')!r} is not supported "
+        raise PlanFormatError(f"{origin}: format_version {shown(raw.get('format_version'))} is not supported "
                               f"(this fcp reads version {FORMAT_VERSION}): compile it again with this fcp")
     try:
         return PlanHeader.model_validate(raw)
     except ValidationError as error:
-        detail = error.errors()[0]
-        raise PlanFormatError(f"{origin}: header field {'.'.join(map(str, detail['loc']))}: "
-                              f"{detail['msg']}") from None
+        raise PlanFormatError(f"{origin}: {validation_reason(error, 'header')}") from None
 
 
 def load_rank_program(source: str | Path | bytes, rank: int) -> RankProgram:

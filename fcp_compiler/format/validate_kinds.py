@@ -16,8 +16,8 @@ from fcp_compiler.format.layered import PlanKinds
 from fcp_compiler.format.validate import PlanInvalidError, ValidationReport, validate_plan
 
 LAYOUT_INVARIANT = 7
-# Every kind's header agrees on these: the batch, its blocks and where tokens live.
-_SHARED_HEADER = ("num_ranks", "block_size", "layout", "num_sequences", "total_tokens", "num_blocks", "token_cap")
+# Every kind's header agrees on the batch, its blocks, where tokens live and the attention shape: PlanKinds refuses
+# a file whose kinds' headers differ there (fcp_compiler.format.layered.SHARED_HEADER), as the runtime reads it.
 _SHARED_TABLES = ("seq_lengths", "seg_block", "seg_seq", "seg_start", "seg_end")
 _SHARED_RANK = ("blocks", "reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length",
                 "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length")
@@ -34,7 +34,9 @@ def validate_kinds(source: str | Path | bytes | PlanKinds,
     Returns:
         each kind's ValidationReport by name (None: a plan of one kind).
     Raises:
-        PlanFormatError: a file that cannot be read.
+        PlanFormatError: a file that cannot be read, or kinds whose headers differ in a field they share
+            (fcp_compiler.format.layered.SHARED_HEADER: the batch, the layout, the attention shape), named with
+            both values.
         PlanInvalidError: an invariant broken (naming the kind).
     """
     kinds = source if isinstance(source, PlanKinds) else PlanKinds(source)
@@ -56,16 +58,12 @@ def _fail(message: str) -> None:
 
 
 def _check_one_layout(kinds: PlanKinds) -> None:
-    """Invariant 7: the kinds' headers, batch tables and every rank's blocks and reshuffle runs are one; each kind's
-    windows are its mask's."""
+    """Invariant 7: the kinds' batch tables and every rank's blocks and reshuffle runs are one (their headers' shared
+    fields PlanKinds has checked); each kind's windows are its mask's."""
     first = kinds.kinds[0]
     first_tables = first.reader.tables
     for kind in kinds.kinds:
-        header, tables = kind.reader.header, kind.reader.tables
-        for name in _SHARED_HEADER:
-            if getattr(header, name) != getattr(first.reader.header, name):
-                _fail(f"kind {kind.name!r} has {name} {getattr(header, name)!r}, kind {first.name!r} "
-                      f"{getattr(first.reader.header, name)!r}")
+        tables = kind.reader.tables
         for name in _SHARED_TABLES:
             if not np.array_equal(getattr(tables, name), getattr(first_tables, name)):
                 _fail(f"kind {kind.name!r}'s {name} differs from kind {first.name!r}'s: the kinds cut one batch alike")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.layered import PlanKinds
 from fcp_compiler.format.validate import PlanInvalidError, ValidationReport
 from fcp_compiler.tools.diff import diff_plans, invalid_after
@@ -74,8 +75,20 @@ def simulation_lines(result: dict) -> str:
 
 def diff_kinds(a: PlanKinds, b: PlanKinds, tolerance: float) -> dict:
     """Each kind both plans have, diffed as two plans (fcp_compiler.tools.diff), and the kinds only one has:
-    {"changed", "regressed", "kinds": {name: diff}, "only_a", "only_b"}."""
+    {"changed", "regressed", "kinds": {name: diff}, "only_a", "only_b"}.
+
+    Raises:
+        InvalidInputError: one plan layered and the other not (a plan of one kind has no kind to match by name),
+            naming which is which.
+    """
     from fcp_compiler.format.validate import validate_plan
+
+    if a.layered != b.layered:
+        layered, plain = (a, b) if a.layered else (b, a)
+        raise InvalidInputError(f"{layered.origin} ({'A' if layered is a else 'B'}) is a layered plan of kinds "
+                                f"{', '.join(layered.names)} and {plain.origin} ({'A' if plain is a else 'B'}) a "
+                                f"plan of one kind: fcp diff compares two plans of one kind, or two layered plans "
+                                f"kind by kind")
 
     readers_a = {kind.name: kind.reader for kind in a.kinds}
     readers_b = {kind.name: kind.reader for kind in b.kinds}
