@@ -50,6 +50,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fcp_runtime.attention as attention
 from fcp_runtime.plan import load_rank_plan
 
+try:  # the modules whose names the stage loop and the call's checks look up (attention.py before its split)
+    import fcp_runtime.checks as checks
+    import fcp_runtime.executor as stage_loop
+except ImportError:
+    checks = stage_loop = attention
+
 INDEXED = {"index_select": (1, 0), "index": (1, 0), "index_copy_": (0, 1), "index_copy": (0, 1),
            "index_put_": (0, 1), "_index_put_impl_": (0, 1), "index_put": (0, 1), "index_add_": (0, 2),
            "index_add": (0, 2)}
@@ -185,8 +191,8 @@ class FakeDist:
 def measure(plan_path, rank, dtype, kernels):
     global COUNTER
     plan = load_rank_plan(plan_path, rank)
-    attention.dist = FakeDist(attention.dist)
-    attention.check_plan = lambda plan, group=None: None
+    stage_loop.dist = FakeDist(stage_loop.dist)
+    checks.check_plan = lambda plan, group=None: None
     meta = torch.device("meta")
     tokens = plan.plan_tokens
     q = torch.empty((tokens, plan.q_heads, plan.head_dim), dtype=dtype, device=meta, requires_grad=True)

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fcp_runtime.attention as attention  # noqa: E402
+import fcp_runtime.checks as checks  # noqa: E402
+import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_compiler.format.liveness import stacked_messages  # noqa: E402
 from fcp_compiler.format.memory import rank_peak_bytes  # noqa: E402
@@ -101,8 +103,8 @@ def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("fan_out", [False, True])
 def test_the_account_is_the_peak_a_replay_of_the_runtime_records(monkeypatch, fan_out):
-    monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
                          node_fan_out=fan_out)
     data = plan.to_bytes()

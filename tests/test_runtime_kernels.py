@@ -5,7 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fcp_runtime.kernels import ExactKernels, merge_into, merge_rows  # noqa: E402
+from fcp_runtime.kernels import ExactKernels  # noqa: E402
+from fcp_runtime.merge import merge_into, merge_rows  # noqa: E402
 
 
 def _attention(q, k, v):
@@ -115,7 +116,7 @@ def test_flash_attn_backward_must_take_the_arguments_in_2_8s_order():
 
 
 def test_dk_and_dv_written_as_halves_of_one_tensor_are_added_as_it_else_stacked():
-    from fcp_runtime.attention import _halves
+    from fcp_runtime.passes import _halves
 
     dkv = torch.randn(2, 5, 2, 8, dtype=torch.float64)
     assert _halves(dkv[0], dkv[1]) is dkv  # no copy

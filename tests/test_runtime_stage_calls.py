@@ -8,6 +8,8 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fcp_runtime.attention as attention  # noqa: E402
+import fcp_runtime.checks as checks  # noqa: E402
+import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
 from fcp_runtime.stage_calls import plan_requests, prepare_calls, prepare_host, stage_calls  # noqa: E402
@@ -76,8 +78,8 @@ def rank_plan(plan_bytes):
 
 @pytest.mark.parametrize("kernels", [_MetaKernels, MetaRangeKernels])
 def test_a_step_copies_its_index_tensors_in_one_copy(rank_plan, monkeypatch, kernels):
-    monkeypatch.setattr(attention, "dist", _NoMessages(attention.dist))
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(executor, "dist", _NoMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     meta = torch.device("meta")
     shape = (rank_plan.plan_tokens, rank_plan.q_heads, rank_plan.head_dim)
     q = torch.empty(shape, device=meta, requires_grad=True)

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fcp_runtime.attention as attention  # noqa: E402
+import fcp_runtime.checks as checks  # noqa: E402
+import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_runtime.kernels import FlashAttnKernels, FlexFlashAttnKernels, TorchFlashKernels  # noqa: E402
 from test_memory import _HeldMessages, meta_replay  # noqa: E402
@@ -97,8 +98,8 @@ def plans():
 def test_the_stage_loops_read_nothing_back_from_the_device(monkeypatch, plans, backend, mask):
     if backend == "ffa" and mask == "windows":
         pytest.skip("FFA has no sliding window: the executor refuses such a plan (tested below)")
-    monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     kernels = BACKENDS[backend]()
     for rank in range(4):
         modes = meta_replay(plans[mask], rank, kernels, _HostReads)
@@ -113,13 +114,13 @@ def test_the_audit_catches_a_host_read(monkeypatch, plans):
             _ = bool(cu_q.sum())
             return super().forward(q, k, v, cu_q, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
         meta_replay(plans["causal"], 0, Reading(), _HostReads)
 
 
 def test_ffa_refuses_a_plan_with_windows_before_any_message(monkeypatch, plans):
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     with pytest.raises(ValueError, match="the ffa kernels have no sliding window"):
         meta_replay(plans["windows"], 0, BACKENDS["ffa"](), _HostReads)

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fcp_runtime.attention as attention  # noqa: E402
+import fcp_runtime.checks as checks  # noqa: E402
+import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_compiler.format.memory import Sizes, rank_range_peak_bytes  # noqa: E402
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
@@ -57,8 +58,8 @@ class _Count(TorchDispatchMode):
 
 @pytest.mark.parametrize("fan_out", [False, True])
 def test_the_range_accounts_are_what_a_replay_of_the_runtime_counts(monkeypatch, fan_out):
-    monkeypatch.setattr(attention, "dist", _HeldMessages(attention.dist))
-    monkeypatch.setattr(attention, "check_plan", lambda plan, group=None: None)
+    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     # Long and short sequences over 8 ranks in nodes of 4: K,V and Q pulls, pushes both ways, relays with fan-out.
     plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,
                          node_fan_out=fan_out, model="none")
