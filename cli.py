@@ -764,8 +764,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         typer.echo(f"fcp: error: {error}", err=True)
         return 2
-    except OSError as error:  # an output path that cannot be written
-        typer.echo(f"fcp: error: cannot write {error.filename!r}: {error.strerror}", err=True)
+    except OSError as error:  # a file no check above foresaw (outputs and inputs have their own messages): the
+        # error does not say whether it was read or written, so the message does not claim either
+        where = "" if error.filename is None else f" {shown(error.filename)}"
+        typer.echo(f"fcp: error: cannot access{where}: {error.strerror or error}", err=True)
         return 2
     except MemoryError:
         typer.echo("fcp: error: out of memory (the inputs ask for more than this machine has)", err=True)

@@ -225,6 +225,18 @@ def plain_and_layered(tmp_path_factory):
     ["diff", "PLAIN", "PLAIN", "--fail-on", LONG], ["diff", "PLAIN", "PLAIN", "--tolerance", LONG],
     ["compare", SMALL, "--gpus", 8, "--methods", LONG], ["sweep", SMALL, "--gpus", 8, "--block-size", LONG],
     ["validate", "PLAIN", LONG], ["validate", f"--{LONG}"], [LONG],
+    ["compile", SMALL, "--gpus", 8, "--mask", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-masks", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-masks", f"a={LONG}", "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-masks", f"{LONG}=causal", "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-mix", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-masks", "a=causal,b=full", "--layer-mix", f"a={LONG}", "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layer-masks", "a=causal,b=full", "--layer-mix", f"a=1,b=2,{LONG}=3", "-o",
+     "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--profile", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--planner", LONG, "-o", "OUT"],
+    ["compile", SMALL, "--gpus", 8, "--layout", LONG, "-o", "OUT"],
+    ["simulate", "PLAIN", "--profile", LONG],
 ], ids=lambda args: "-".join(arg.name if isinstance(arg, Path) else str(arg)[:12] for arg in args))
 def test_an_echoed_user_value_is_cut_to_a_sane_length(tmp_path, capsys, plain_and_layered, args):
     """A 10,000-character --kind (or any option's value, or a stray argument) is echoed by its first 60 characters,
@@ -236,3 +248,65 @@ def test_an_echoed_user_value_is_cut_to_a_sane_length(tmp_path, capsys, plain_an
     assert re.search(r"y{50,60}'?\.\.\. \(10,00[02] characters\)", err), err
     assert "y" * 61 not in err and len(err) < 400, err
     assert not (tmp_path / "p.fcp").exists()
+
+
+MASKS_VALID = "valid: causal, full or sliding_window:W (W >= 1)"
+
+
+@pytest.mark.parametrize("args,shown,valid", [
+    (["--layer-masks", "a=bogus"], "--layer-masks a='bogus': mask kind 'bogus' must be one of", MASKS_VALID),
+    (["--layer-masks", "a=causal,b=sliding_window:x"], "--layer-masks b='sliding_window:x': the window must be",
+     "a positive integer, e.g. sliding_window:4096"),
+    (["--mask", "bogus"], "--mask 'bogus': mask kind 'bogus' must be one of", MASKS_VALID),
+    (["--layer-masks", "a=causal,b=full", "--layer-mix", "a=1,b=x"], "--layer-mix b='x': a layer count must be",
+     "an integer from 0 to 100000, e.g. full_attention=18"),
+])
+def test_a_bad_mask_of_a_layer_kind_reads_name_equals_value(tmp_path, capsys, args, shown, valid):
+    """--layer-masks a=bogus is quoted as the user wrote it, a='bogus', not 'a= 'bogus'' (issue 65, N7); --mask
+    and --layer-mix read alike; each says what is valid."""
+    code, _, err = run(capsys, "compile", SMALL, "--gpus", 8, "-o", tmp_path / "p.fcp", *args)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert shown in err and "= '" not in err, err
+    assert valid in err, err
+
+
+@pytest.mark.parametrize("name", ["p" * 300, "p" * 300 + ".json", f"{'d' * 300}/profile.json"])
+@pytest.mark.parametrize("command", ["compile", "simulate"])
+def test_a_profile_name_too_long_for_a_path_is_bad_input_not_a_write(tmp_path, capsys, plain_and_layered, command,
+                                                                     name):
+    """A 300-character --profile is no preset and no file it can read: one line naming the cut value and what is
+    valid (a preset or a readable JSON file), not "cannot write" with the name whole (issue 65, N7)."""
+    plain, _ = plain_and_layered
+    args = [SMALL, "--gpus", 8, "-o", tmp_path / "p.fcp"] if command == "compile" else [plain]
+    code, _, err = run(capsys, command, *args, "--profile", name)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "write" not in err and name not in err and len(err) < 400, err
+    assert re.search(rf"'{name[:60]}'\.\.\. \({len(name)} characters\)", err), err
+    assert "File name too long" in err and "presets are a100, b200, h100, h200" in err, err
+    assert "or give a readable profile JSON file" in err, err
+    assert not (tmp_path / "p.fcp").exists()
+
+
+def test_a_file_that_fails_to_read_is_not_reported_as_a_write(tmp_path, capsys, monkeypatch):
+    """An OSError no check foresaw, here reading the batch, reaches main(): it names the file and the reason in
+    one line, and does not claim a write (it said "cannot write" for every OSError, reads too)."""
+    import errno
+
+    import fcp_compiler.format.inputs as inputs
+
+    def failing(path, what):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+    monkeypatch.setattr(inputs, "read_input_text", failing)
+    code, _, err = run(capsys, "compile", SMALL, "--gpus", 8, "-o", tmp_path / "p.fcp")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "write" not in err and f"{str(SMALL)!r}: Input/output error" in err, err
+    assert not (tmp_path / "p.fcp").exists()
+
+
+def test_a_layer_mix_naming_more_kinds_than_a_plan_holds_is_refused_by_count(tmp_path, capsys):
+    """A --layer-mix of 3,000 entries is refused by its count (at most 8 kinds), not echoed whole."""
+    mix = ",".join(f"k{idx}=1" for idx in range(3000))
+    code, _, err = run(capsys, "compile", SMALL, "--gpus", 8, "-o", tmp_path / "p.fcp", "--layer-masks",
+                       "a=causal,b=full", "--layer-mix", mix)
+    assert code == 2 and err.count("\n") == 1 and len(err) < 200, err
+    assert "--layer-mix names 3,000 layer kinds; give 1 to 8" in err, err

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fcp_compiler.core.baselines import OWN_BLOCK_SIZE, Planner
 from fcp_compiler.core.ir import ZigzagMode
-from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.errors import InvalidInputError, shown
 from fcp_compiler.format.inputs import (MAX_BATCH_TOKENS, PRESET_PROFILES, AttentionShape, HardwareProfile, Layout,
                                         Mask, load_profile, parse_layer_masks, parse_layer_mix, parse_mask,
                                         parse_shape)
@@ -123,7 +123,7 @@ class CompileOptions:
         """
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise InvalidInputError(f"unknown compile option {unknown[0]!r}; valid: "
+            raise InvalidInputError(f"unknown compile option {shown(unknown[0])}; valid: "
                                     f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         # None means "the default" for the fields whose default is not None itself.
         fields = {name: value for name, value in fields.items() if value is not None or name in _NONE_IS_A_VALUE}
@@ -192,43 +192,43 @@ class CompileOptions:
         """Raise InvalidInputError naming the first parameter out of range."""
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or \
                 not 1 <= self.num_ranks <= MAX_RANKS:
-            raise InvalidInputError(f"--gpus {self.num_ranks!r} must be an integer from 1 to {MAX_RANKS}")
+            raise InvalidInputError(f"--gpus {shown(self.num_ranks)} must be an integer from 1 to {MAX_RANKS}")
         block_size = self.block_size
         if block_size is not None and self.planner in OWN_BLOCK_SIZE:
-            raise InvalidInputError(f"--block-size {block_size!r} does not apply to --planner {self.planner.value}: "
-                                    f"it shards each sequence over ranks and sizes its blocks itself; leave "
-                                    f"--block-size out")
+            raise InvalidInputError(f"--block-size {shown(block_size)} does not apply to --planner "
+                                    f"{self.planner.value}: it shards each sequence over ranks and sizes its blocks "
+                                    f"itself; leave --block-size out")
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or not 64 <= block_size <= MAX_BLOCK_SIZE or block_size % 64):
-            raise InvalidInputError(f"--block-size {block_size!r} must be a multiple of 64 from 64 to "
+            raise InvalidInputError(f"--block-size {shown(block_size)} must be a multiple of 64 from 64 to "
                                     f"{MAX_BLOCK_SIZE} (e.g. 1024, 2048, 4096)")
         if isinstance(self.coalesce, bool) or not isinstance(self.coalesce, int) or \
                 not 1 <= self.coalesce <= MAX_COALESCE:
-            raise InvalidInputError(f"--coalesce {self.coalesce!r} must be an integer from 1 to {MAX_COALESCE}")
+            raise InvalidInputError(f"--coalesce {shown(self.coalesce)} must be an integer from 1 to {MAX_COALESCE}")
         if self.token_cap is not None and (not isinstance(self.token_cap, int) or
                                            not 1 <= self.token_cap <= MAX_BATCH_TOKENS):
-            raise InvalidInputError(f"--token-cap {self.token_cap!r} must be an integer from 1 to "
+            raise InvalidInputError(f"--token-cap {shown(self.token_cap)} must be an integer from 1 to "
                                     f"{MAX_BATCH_TOKENS}")
         if self.gpus_per_node is not None and (isinstance(self.gpus_per_node, bool) or
                                                not isinstance(self.gpus_per_node, int) or
                                                not 1 <= self.gpus_per_node <= MAX_RANKS):
-            raise InvalidInputError(f"--gpus-per-node {self.gpus_per_node!r} must be an integer from 1 to {MAX_RANKS} "
-                                    f"(8 on an HGX node)")
+            raise InvalidInputError(f"--gpus-per-node {shown(self.gpus_per_node)} must be an integer from 1 to "
+                                    f"{MAX_RANKS} (8 on an HGX node)")
         if self.node_fan_out is not None and not isinstance(self.node_fan_out, bool):
-            raise InvalidInputError(f"--node-fan-out {self.node_fan_out!r} must be on or off")
+            raise InvalidInputError(f"--node-fan-out {shown(self.node_fan_out)} must be on or off")
         for name in ("pipelined", "matching_rounds", "reshuffle_overlap", "kv_prefetch", "floor", "validatable",
                      "fit_memory"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"{name} {getattr(self, name)!r} must be True or False")
+                raise InvalidInputError(f"{name} {shown(getattr(self, name))} must be True or False")
         budget = self.memory_budget_gib
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or
                                    not (0.0 < budget <= MAX_MEMORY_BUDGET_GIB or budget == math.inf)):
-            raise InvalidInputError(f"--memory-budget {budget!r} must be a number of GiB in (0, "
+            raise InvalidInputError(f"--memory-budget {shown(budget)} must be a number of GiB in (0, "
                                     f"{MAX_MEMORY_BUDGET_GIB:g}], e.g. 4, or none")
         if self.token_tolerance is not None and (
                 isinstance(self.token_tolerance, bool) or not isinstance(self.token_tolerance, (int, float))
                 or not 0.0 < self.token_tolerance < 1.0):
-            raise InvalidInputError(f"--token-tolerance {self.token_tolerance!r} must be a number in (0, 1), "
+            raise InvalidInputError(f"--token-tolerance {shown(self.token_tolerance)} must be a number in (0, 1), "
                                     f"e.g. 0.02")
 
 
@@ -236,5 +236,5 @@ def _enum(kind, value, what: str):
     try:
         return kind(value)
     except ValueError:
-        raise InvalidInputError(f"{what} {value!r} must be one of "
+        raise InvalidInputError(f"{what} {shown(value)} must be one of "
                                 f"{', '.join(member.value for member in kind)}") from None

@@ -14,7 +14,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fcp_compiler.algorithms.limits import MAX_SEGMENT_PAIRS
-from fcp_compiler.errors import InvalidInputError
+from fcp_compiler.errors import InvalidInputError, clipped, shown
 from fcp_compiler.format.safe_io import parse_json, read_input_text
 
 SCHEMA_VERSION = 1
@@ -61,7 +61,7 @@ class Mask(BaseModel):
             return kind
         if kind in (MaskKind.MIXED, MaskKind.MIXED.value):
             raise ValueError("mask 'mixed' only describes a plan; give each sequence's mask in 'masks'")
-        raise ValueError(f"mask kind {kind!r} must be one of {', '.join(INPUT_MASK_KINDS)}")
+        raise ValueError(f"mask kind {shown(kind)} must be one of {', '.join(INPUT_MASK_KINDS)}")
 
     @model_validator(mode="after")
     def _window_matches_kind(self) -> "Mask":
@@ -160,7 +160,7 @@ class BatchSpec(BaseModel):
             raise ValueError(too_many_sequences(len(value)))
         for seq_idx, length in enumerate(value):
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-                raise ValueError(f"sequence {seq_idx} has length {length!r}; lengths must be positive integers")
+                raise ValueError(f"sequence {seq_idx} has length {shown(length)}; lengths must be positive integers")
         total = sum(value)
         if total > MAX_BATCH_TOKENS:
             raise ValueError(f"the batch holds {total} tokens, more than {MAX_BATCH_TOKENS} (a plan's arrays are "
@@ -295,36 +295,39 @@ PRESET_PROFILES: dict[str, HardwareProfile] = {
 
 def _first_error(error: ValidationError) -> str:
     detail = error.errors()[0]
-    where = ".".join(str(part) for part in detail["loc"]) or "value"
+    where = clipped(".".join(str(part) for part in detail["loc"]) or "value")
     message = detail["msg"].removeprefix("Value error, ")
-    shown = repr(detail.get("input"))
-    return f"{where}: {message} (got {shown})" if "got" not in message and len(shown) < 60 else f"{where}: {message}"
+    got = repr(detail.get("input"))
+    return f"{where}: {message} (got {got})" if "got" not in message and len(got) < 60 else f"{where}: {message}"
 
 
 def _read_json(path: Path, what: str) -> object:
-    return parse_json(read_input_text(path, what), f"{what} file {str(path)!r}")
+    return parse_json(read_input_text(path, what), f"{what} file {shown(str(path))}")
 
 
 def parse_mask(value: object, what: str = "--mask") -> Mask:
     """A mask from its name (``causal``, ``full``), ``sliding_window:W`` or a Mask / its JSON object.
+
+    `what` names the value in a message: ``--mask`` reads ``--mask 'bogus': ...``; one ending in ``=``
+    (``--layer-masks a=``) takes the value right after it, ``--layer-masks a='bogus': ...``.
 
     Raises:
         InvalidInputError: naming the value and what would be valid.
     """
     if isinstance(value, Mask):
         return value
-    given = value
+    given = f"{what}{'' if what.endswith('=') else ' '}{shown(value)}"  # the value as a message names it
     if isinstance(value, str) and value.startswith(f"{MaskKind.SLIDING_WINDOW.value}:"):
         window = value.split(":", 1)[1]
         if not re.fullmatch(r"[0-9]{1,10}", window):  # ASCII digits only: str.isdigit() also takes superscripts
-            raise InvalidInputError(f"{what} {given!r}: the window must be a positive integer, e.g. "
+            raise InvalidInputError(f"{given}: the window must be a positive integer, e.g. "
                                     f"sliding_window:4096")
         value = {"kind": MaskKind.SLIDING_WINDOW.value, "window": int(window)}
     try:
         return Mask.model_validate(value)
     except ValidationError as error:
         reason = error.errors()[0]["msg"].removeprefix("Value error, ")
-        raise InvalidInputError(f"{what} {given!r}: {reason}; valid: causal, full or sliding_window:W "
+        raise InvalidInputError(f"{given}: {reason}; valid: causal, full or sliding_window:W "
                                 f"(W >= 1)") from None
 
 
@@ -337,7 +340,7 @@ def parse_shape(value: dict) -> AttentionShape:
     try:
         return AttentionShape.model_validate(value)
     except ValidationError as error:
-        raise InvalidInputError(f"shape {value!r}: {_first_error(error)}") from None
+        raise InvalidInputError(f"shape {shown(value)}: {_first_error(error)}") from None
 
 
 def check_layer_kinds(layers: dict) -> None:
@@ -351,12 +354,17 @@ def check_layer_kinds(layers: dict) -> None:
         raise ValueError(f"layers names {len(layers)} kinds; give 1 to {MAX_LAYER_KINDS}")
     seen: dict[Mask, str] = {}
     for name, mask in layers.items():
-        if not isinstance(name, str) or not re.fullmatch(LAYER_KIND_NAME, name):
-            raise ValueError(f"layer kind name {name!r} must be a letter or _ then up to 63 letters, digits, "
-                             f"'_', '.' or '-' (e.g. full_attention)")
+        _check_kind_name(name)
         if mask in seen:
-            raise ValueError(f"layer kinds {seen[mask]!r} and {name!r} have one mask; give it one kind")
+            raise ValueError(f"layer kinds {shown(seen[mask])} and {shown(name)} have one mask; give it one kind")
         seen[mask] = name
+
+
+def _check_kind_name(name: object) -> None:
+    """Raise ValueError unless `name` is a layer kind's name (LAYER_KIND_NAME)."""
+    if not isinstance(name, str) or not re.fullmatch(LAYER_KIND_NAME, name):
+        raise ValueError(f"layer kind name {shown(name)} must be a letter or _ then up to 63 letters, digits, "
+                         f"'_', '.' or '-' (e.g. full_attention)")
 
 
 def check_layer_mix(layer_mix: dict, layers: dict) -> None:
@@ -367,13 +375,21 @@ def check_layer_mix(layer_mix: dict, layers: dict) -> None:
     """
     if set(layer_mix) != set(layers):
         missing, unknown = sorted(set(layers) - set(layer_mix)), sorted(set(layer_mix) - set(layers))
-        raise ValueError(f"the layer mix names {sorted(layer_mix)} but the layer kinds are {sorted(layers)}"
-                         + (f": {missing[0]!r} has no count" if missing else f": {unknown[0]!r} is no kind"))
+        raise ValueError(f"the layer mix names {_names(layer_mix)} but the layer kinds are {_names(layers)}"
+                         + (f": {shown(missing[0])} has no count" if missing else f": {shown(unknown[0])} is no kind"))
     for name, count in layer_mix.items():
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LAYERS_OF_A_KIND:
-            raise ValueError(f"layer mix {name}={count!r} must be a layer count from 0 to {MAX_LAYERS_OF_A_KIND}")
+            raise ValueError(f"layer mix {clipped(str(name))}={shown(count)} must be a layer count from 0 to "
+                             f"{MAX_LAYERS_OF_A_KIND}")
     if not any(layer_mix.values()):
         raise ValueError("every count of the layer mix is 0; a model has at least one layer")
+
+
+def _names(names: object) -> str:
+    """Names as a message lists them: sorted, each quoted and cut, at most MAX_LAYER_KINDS of them."""
+    names = sorted(names, key=str)
+    more = f", ... ({len(names):,} names)" if len(names) > MAX_LAYER_KINDS else ""
+    return f"[{', '.join(shown(name, 24) for name in names[:MAX_LAYER_KINDS])}{more}]"
 
 
 def _named_pairs(value: str, what: str, example: str) -> list[tuple[str, str]]:
@@ -382,12 +398,12 @@ def _named_pairs(value: str, what: str, example: str) -> list[tuple[str, str]]:
     for part in value.split(","):
         name, equals, item = part.strip().partition("=")
         if not equals or not name.strip() or not item.strip():
-            raise InvalidInputError(f"{what} {value!r}: each entry must be NAME=VALUE, e.g. {example}")
+            raise InvalidInputError(f"{what} {shown(value)}: each entry must be NAME=VALUE, e.g. {example}")
         pairs.append((name.strip(), item.strip()))
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         repeated = next(name for name in names if names.count(name) > 1)
-        raise InvalidInputError(f"{what} {value!r}: kind {repeated!r} is named twice")
+        raise InvalidInputError(f"{what} {shown(value)}: kind {shown(repeated)} is named twice")
     return pairs
 
 
@@ -400,10 +416,10 @@ def parse_layer_masks(value: object, what: str = "--layer-masks") -> dict[str, M
     """
     example = "full_attention=causal,sliding_attention=sliding_window:128"
     if isinstance(value, str):
-        value = {name: parse_mask(mask, f"{what} {name}=") for name, mask in _named_pairs(value, what, example)}
+        value = dict(_named_pairs(value, what, example))  # each mask parsed below
     if not isinstance(value, dict):
-        raise InvalidInputError(f"{what} {value!r}: give NAME=MASK,... e.g. {example}")
-    layers = {name: parse_mask(mask, f"{what} {name}=") for name, mask in value.items()}
+        raise InvalidInputError(f"{what} {shown(value)}: give NAME=MASK,... e.g. {example}")
+    layers = {name: parse_mask(mask, f"{what} {clipped(str(name))}=") for name, mask in value.items()}
     try:
         check_layer_kinds(layers)
     except ValueError as error:
@@ -420,14 +436,33 @@ def parse_layer_mix(value: object, what: str = "--layer-mix") -> dict[str, int]:
     example = "full_attention=18,sliding_attention=18"
     if isinstance(value, str):
         pairs = _named_pairs(value, what, example)
+        _check_mix_names([name for name, _ in pairs], what, example)
         for name, count in pairs:
             if not re.fullmatch(r"[0-9]{1,6}", count):
-                raise InvalidInputError(f"{what} {name}={count!r}: a layer count must be an integer from 0 to "
-                                        f"{MAX_LAYERS_OF_A_KIND}, e.g. {example}")
+                raise InvalidInputError(f"{what} {clipped(name)}={shown(count)}: a layer count must be an integer "
+                                        f"from 0 to {MAX_LAYERS_OF_A_KIND}, e.g. {example}")
         value = {name: int(count) for name, count in pairs}
     if not isinstance(value, dict):
-        raise InvalidInputError(f"{what} {value!r}: give NAME=COUNT,... e.g. {example}")
+        raise InvalidInputError(f"{what} {shown(value)}: give NAME=COUNT,... e.g. {example}")
+    _check_mix_names(list(value), what, example)
     return dict(value)
+
+
+def _check_mix_names(names: list, what: str, example: str) -> None:
+    """A layer mix names 1 to MAX_LAYER_KINDS layer kinds (whether they are the batch's is checked later): no more,
+    and none that is no kind's name, can match.
+
+    Raises:
+        InvalidInputError: naming the count or the first bad name.
+    """
+    if not 1 <= len(names) <= MAX_LAYER_KINDS:
+        raise InvalidInputError(f"{what} names {len(names):,} layer kinds; give 1 to {MAX_LAYER_KINDS}, e.g. "
+                                f"{example}")
+    for name in names:
+        try:
+            _check_kind_name(name)
+        except ValueError as error:
+            raise InvalidInputError(f"{what}: {error}") from None
 
 
 def too_many_sequences(num_sequences: int) -> str:
@@ -466,19 +501,26 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     """Return a preset profile by name, or read a profile JSON file.
 
     Raises:
-        InvalidInputError: unknown preset, missing file or bad field (named).
+        InvalidInputError: unknown preset, missing or unreadable file (a name too long for a path one), or a bad
+            field (named).
     """
     if name_or_path in PRESET_PROFILES:
         return PRESET_PROFILES[name_or_path]
+    valid = f"presets are {', '.join(sorted(PRESET_PROFILES))}, or give a readable profile JSON file"
     path = Path(name_or_path)
-    if not path.suffix and not path.exists():
-        raise InvalidInputError(f"unknown hardware profile {name_or_path!r}; presets are "
-                                f"{', '.join(sorted(PRESET_PROFILES))}, or give a JSON file")
+    try:  # a name too long for a path (stat says so) or with a NUL (no path has one) is no file
+        exists = "\0" not in name_or_path and path.exists()
+    except OSError as error:
+        raise InvalidInputError(f"hardware profile {shown(name_or_path)} is no preset and cannot be read as a file "
+                                f"({error.strerror}); {valid}") from None
+    if not exists:
+        raise InvalidInputError(f"profile file {shown(name_or_path)} does not exist; {valid}" if path.suffix else
+                                f"unknown hardware profile {shown(name_or_path)}; {valid}")
     data = _read_json(path, "profile")
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as error:
-        raise InvalidInputError(f"profile {name_or_path!r}: {_first_error(error)}") from None
+        raise InvalidInputError(f"profile {shown(name_or_path)}: {_first_error(error)}") from None
 
 
 def make_shape(q_heads: int, kv_heads: int, head_dim: int, dtype: str) -> AttentionShape:
