@@ -33,6 +33,13 @@ def check_plan(plan: RankPlan | LayeredRankPlan, group=None) -> None:
     key = (id(plan), id(group), plan.digest)
     if key in _CHECKED:
         return
+    if group is None and not dist.is_initialized():  # one process: a one-rank plan needs no process group
+        if plan.num_ranks != 1:
+            raise PlanMismatchError(f"the plan is for {plan.num_ranks} ranks but torch.distributed is not "
+                                    f"initialized: call dist.init_process_group on each rank (only a plan for one "
+                                    f"rank runs without it)")
+        _CHECKED.add(key)
+        return
     size = dist.get_world_size(group)
     mine = (plan.digest, plan.num_ranks, plan.rank)
     gathered: list = [None] * size
@@ -98,8 +105,9 @@ def check_layer_mask(plan: RankPlan, causal: bool, window: int | None) -> None:
         name = "full" if not causal else ("causal" if window is None else f"sliding window {window}")
         have = {0: "full"}.get(int(got[seq]), "causal" if got[seq] == lengths[seq] else f"window {int(got[seq])}")
         raise ValueError(f"the layer's mask is {name} but the plan gives document {seq} ({int(lengths[seq])} "
-                         f"tokens) a {have} mask: compile the plan with the layer's mask (--mask), or run this "
-                         f"layer with another attention")
+                         f"tokens) a {have} mask: compile the plan with the layer's mask (HFPlanningCollate."
+                         f"for_model(model) reads every layer's; PlanningCollate(..., mask=...) or layer_masks=...; "
+                         f"fcp compile --mask), or run this layer with another attention")
     plan._device_cache[key] = True
 
 

@@ -13,6 +13,23 @@ from fcp_runtime.layered_plan import LayeredRankPlan, layout_plan
 from fcp_runtime.rank_plan import RankPlan
 
 
+class _Done:
+    """The exchange of a one-rank plan: a copy, done when made."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _all_to_all(plan: RankPlan, out: torch.Tensor, rows: torch.Tensor, split_out, split_in, group,
+                async_op: bool = False):
+    """all_to_all_single of `rows` into `out`; a one-rank plan copies, so it runs with no process group."""
+    if plan.num_ranks == 1:
+        out.copy_(rows)
+        return _Done()
+    return dist.all_to_all_single(out, rows, output_split_sizes=split_out, input_split_sizes=split_in, group=group,
+                                  async_op=async_op)
+
+
 def reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Tensor:
     """Move per-token rows between the user layout and the plan layout with one all_to_all_single."""
     gather, scatter = plan.indices_on(x.device)
@@ -25,8 +42,7 @@ def reshuffle(plan: RankPlan, x: torch.Tensor, to_plan: bool, group) -> torch.Te
         send, recv_rows, split_in, split_out, where = scatter, plan.user_tokens, plan.recv_splits, \
             plan.send_splits, gather
     out = torch.empty((sum(split_out), flat.shape[1]), dtype=flat.dtype, device=flat.device)
-    dist.all_to_all_single(out, flat.index_select(0, send).contiguous(), output_split_sizes=split_out,
-                           input_split_sizes=split_in, group=group)
+    _all_to_all(plan, out, flat.index_select(0, send).contiguous(), split_out, split_in, group)
     result = torch.empty((recv_rows, flat.shape[1]), dtype=flat.dtype, device=flat.device)
     result[where] = out
     return result.view(recv_rows, *x.shape[1:])
@@ -37,8 +53,8 @@ def reshuffle_async(plan: RankPlan, x: torch.Tensor, group):
     rows that stay on this rank, and a function that waits for the rest and puts them in place."""
     gather, scatter = plan.indices_on(x.device)
     out = torch.empty((sum(plan.recv_splits), x.shape[1]), dtype=x.dtype, device=x.device)
-    work = dist.all_to_all_single(out, x.index_select(0, gather).contiguous(), output_split_sizes=plan.recv_splits,
-                                  input_split_sizes=plan.send_splits, group=group, async_op=True)
+    work = _all_to_all(plan, out, x.index_select(0, gather).contiguous(), plan.recv_splits, plan.send_splits, group,
+                       async_op=True)
     result = torch.empty((plan.plan_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
     self_user, self_plan = plan.self_rows_on(x.device)
     result[self_plan] = x[self_user]
