@@ -60,7 +60,7 @@ class Setup:
                "mistral": transformers.MistralForCausalLM}[self.arch]
         model = cls(self.config(attn_implementation)).to(self.dtype)
         if self.checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         return model, torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.01)
 

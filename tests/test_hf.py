@@ -234,6 +234,38 @@ def test_a_padding_mask_is_refused_on_every_rank_in_one_line():
     assert len(errors) == 4 and all("\n" not in error for error in errors)
 
 
+_ONE_PROCESS = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from hf_harness import Setup, documents, step_loss, train_reference
+import fcp_runtime.hf as fcp_hf
+setup = Setup(num_layers=2, steps=2)
+model, optimizer = setup.model("fcp")
+collate = fcp_hf.HFPlanningCollate.for_model(model, block_size=64, layout={layout!r})
+losses = []
+for step in range(setup.steps):
+    loss = step_loss(setup, model, collate(documents(setup, step)), None)
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+    losses.append(float(loss))
+assert not dist.is_initialized()
+reference = train_reference(setup)["losses"]
+print(max(abs(a - b) / b for a, b in zip(losses, reference)))
+"""
+
+
+@pytest.mark.parametrize("layout", ["plan", "user"])
+def test_one_process_without_torch_distributed_trains_as_hf_attention(layout):
+    """At world 1 no process group is needed: the collate plans for rank 0 of 1 and attention sends nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _ONE_PROCESS.format(tests=str(Path(__file__).parent), layout=layout)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip()) <= FP64["reference_loss"]
+
+
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 
