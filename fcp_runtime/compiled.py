@@ -4,6 +4,10 @@ torch.compile sees fcp attention as two opaque ops with fake shapes: no graph br
 plan reaches them as its handle (a tensor whose value changes, not a Python object dynamo guards on), a new plan
 each step is no recompile. Their implementations run the same stage loops as the eager path, with the default
 kernels, in the plan layout.
+
+The forward op also returns its handle pinned (:func:`fcp_runtime.rank_plan.pinned`), which the backward op takes:
+the graph saves it for the backward, so the plan lives until its backward has run (or the graph is dropped), even
+where the step lets the plan go after the forward.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch.distributed as dist
 
 from fcp_runtime.checks import check_call
 from fcp_runtime.executor import Executor
-from fcp_runtime.rank_plan import RankPlan, registered
+from fcp_runtime.rank_plan import RankPlan, pinned, registered
 from fcp_runtime.replay import attention_backward, attention_forward
 
 
@@ -27,17 +31,18 @@ def _group_of(name: str):
 
 @torch.library.custom_op("fcp::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, group_name: str,
-                  scale: float, causal: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, causal: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, the handle pinned: what the backward op takes to find the plan)."""
     plan, group = registered(handle), _group_of(group_name)
     check_call(q, k, v, plan, group, "plan", None if causal < 0 else (bool(causal), window or None))
     out, saved, _ = attention_forward(q, k, v, plan, group, scale, "plan", None, None)
-    return out, saved[4]
+    return out, saved[4], pinned(handle)
 
 
 @_attention_op.register_fake
 def _(q, k, v, handle, group_name, scale, causal, window):
     acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc), torch.empty_like(handle)
 
 
 @torch.library.custom_op("fcp::attention_backward", mutates_args=())
@@ -56,14 +61,14 @@ def _(d_out, q, k, v, out, lse, handle, group_name, scale):
 
 
 def _op_setup(ctx, inputs, output) -> None:
-    q, k, v, handle, group_name, scale, _, _ = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], handle)
+    q, k, v, _, group_name, scale, _, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)  # the pinned handle, not the plan's: it holds the plan for the backward
     ctx.group_name, ctx.scale = group_name, scale
 
 
-def _op_backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, handle = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(d_out, q, k, v, out, lse, handle, ctx.group_name, ctx.scale)
+def _op_backward(ctx, d_out, d_lse, d_pinned):
+    q, k, v, out, lse, pinned_handle = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(d_out, q, k, v, out, lse, pinned_handle, ctx.group_name, ctx.scale)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -78,5 +83,5 @@ def compiled_attention(q, k, v, plan: RankPlan, group, scale: float | None, layo
                          "layout; call it eagerly for the others")
     causal, window = (-1, 0) if mask is None else (int(mask[0]), mask[1] or 0)
     scale = scale if scale is not None else q.shape[2] ** -0.5
-    out, _ = _attention_op(q, k, v, plan.handle, _group_name(group), scale, causal, window)
+    out, _, _ = _attention_op(q, k, v, plan.handle, _group_name(group), scale, causal, window)
     return out

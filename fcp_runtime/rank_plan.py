@@ -202,3 +202,20 @@ def registered(handle: torch.Tensor):
                          f"load_rank_plan or the collate, and keep it alive for the step")
     return entry
 
+
+class _Holding(np.ndarray):
+    """A handle's int64 [1] array that holds the entry it names (in `entry`)."""
+
+
+def pinned(handle: torch.Tensor) -> torch.Tensor:
+    """A copy of a live entry's handle whose storage holds the entry alive: an autograd graph that saves it for a
+    backward keeps the plan that backward runs, whatever the step dropped, and lets it go with the graph (after the
+    backward, or when the graph is dropped unused). Nothing holds the copy but its holders, so no cycle forms.
+
+    Raises:
+        ValueError: as :func:`registered`.
+    """
+    holding = np.array([int(handle.reshape(-1)[0])], dtype=np.int64).view(_Holding)
+    holding.entry = registered(handle)
+    return torch.from_numpy(holding)  # the tensor's storage keeps `holding`, and so the entry, until it is freed
+
