@@ -254,6 +254,33 @@ def test_every_ablation_step_that_does_not_rise_says_why():
     assert f"pipeline is not faster than the step before: {pipeline['why_not_faster']}" in ablation_table(steps)
 
 
+
+@pytest.mark.parametrize("gpus, gpus_per_node, mask", [(4, 8, "causal"), (8, 4, "causal"), (16, 4, "causal"),
+                                                       (8, 4, "sliding_window:300"), (8, 2, "full")])
+def test_the_first_stage_bound_holds_for_every_user_layout_plan(gpus, gpus_per_node, mask):
+    """first_stage_bound: no rank starts the forward's stage 1 before every link end has carried its share of the
+    input reshuffle and of the stage-0 messages, so the bound is at most the simulated start (and in the plan layout
+    there is none)."""
+    from fcp_compiler.format.inputs import load_profile
+    from fcp_compiler.format.plan_format import PlanReader
+    from fcp_compiler.format.stacked import stack_reader
+    from fcp_compiler.tools.ablation import first_stage_bound
+
+    lengths = [9000, 700, 90, 1500, 260, 1200, 5000, 64, 2100, 30000, 333, 4096]
+    profile = load_profile("h100").model_copy(update={"gpus_per_node": gpus_per_node})
+    for layout in ("user", "plan"):
+        plan = compile_valid(lengths, gpus, block_size=512, coalesce=2, mask=mask, layout=layout, profile=profile)
+        bound = first_stage_bound(stack_reader(PlanReader(plan.to_bytes())))
+        if layout == "plan":
+            assert bound is None
+            continue
+        assert plan.header.num_fwd_stages >= 2
+        simulation = simulate_plan(plan)
+        start = float(simulation.forward.stages.start[1].max())
+        assert 0 < bound["bound_s"] <= start * (1 + 1e-9)
+        assert bound["bound_s"] == pytest.approx(bound["reshuffle_s"] + bound["messages_s"])
+        assert bound["reshuffle_s"] > 0
+
 MIXED_MASKS = {"masks": [{"kind": "sliding_window", "window": 300}, "full", "causal",
                          {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
 
