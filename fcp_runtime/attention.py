@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from fcp_runtime.binding import check_positions
 from fcp_runtime.checks import PlanMismatchError, check_call, check_layer_mask, check_plan, check_prefetched
 from fcp_runtime.compiled import compiled_attention
 from fcp_runtime.events import recording
@@ -56,7 +57,7 @@ class _FcpAttention(torch.autograd.Function):
 def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None,
                   softmax_scale: float | None = None, layout: str | None = None, kernels=None,
                   prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None,
-                  kind: str | None = None) -> torch.Tensor:
+                  kind: str | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
 
     Under torch.compile it is one custom op a pass (``fcp::attention`` and ``fcp::attention_backward``) with fake
@@ -81,18 +82,25 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
             mask in the plan (None: not checked). A model layer passes it so that a plan compiled for other masks
             is refused, not silently used; a layered plan's kind is picked by it unless `kind` names one.
         kind: a layered plan's layer kind by name (as compiled: --layer-masks NAME=MASK,...).
+        position_ids: the rows' positions inside their documents, as the model has them ([T] or [1, T]): checked
+            against the plan's rows on every rank, so that a plan from another step is refused
+            (:func:`fcp_runtime.binding.check_positions`: once per plan and tensor, no host read on a GPU).
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
         ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask or kind the plan
             does not hold, or a prefetch for other tensors, another plan or group, or one already used.
+        BatchMismatchError: on every rank, when `position_ids` are not the plan's rows' (a ValueError).
     """
     plan = resolve_kind(plan, kind, mask)
     if torch.compiler.is_compiling():
-        return compiled_attention(q, k, v, plan, group, softmax_scale, layout, kernels, prefetched, mask)
+        return compiled_attention(q, k, v, plan, group, softmax_scale, layout, kernels, prefetched, mask,
+                                  position_ids)
     layout = plan.layout if layout is None else layout
     check_call(q, k, v, plan, group, layout, mask)
+    if position_ids is not None:
+        check_positions(position_ids, plan, group, layout)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
     if prefetched is not None:
         check_prefetched(prefetched, k, v, plan, group, layout)

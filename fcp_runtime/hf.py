@@ -100,13 +100,14 @@ def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         attention_mask: must be None: the plan holds the documents (no attention mask is built for "fcp").
         scaling: the softmax scale. dropout: must be 0.
         kwargs: `fcp_plan` (this rank's RankPlan, from the collate) and `fcp_group` (the context-parallel group or
-            a DeviceMesh with a "cp" dimension; default the world); `sliding_window`, `softcap` and `s_aux` as
-            models pass them.
+            a DeviceMesh with a "cp" dimension; default the world); `position_ids`, `sliding_window`, `softcap`
+            and `s_aux` as models pass them.
     Returns:
         (out [1, T, q_heads, head_dim], None).
     Raises:
         ValueError: no plan; softcap, attention sinks, dropout or an attention mask; a batch dimension other than
-            1; a layer mask the plan's documents do not have.
+            1; a plan compiled for another dtype; a layer mask the plan's documents do not have; on every rank,
+            position ids that are not the plan's rows' (a plan from another step: BatchMismatchError).
     """
     plan = kwargs.get("fcp_plan")
     if plan is None:
@@ -116,10 +117,15 @@ def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise ValueError(f"fcp attention takes one packed row of this rank's tokens, batch size 1; got batch size "
                          f"{query.shape[0]} (input_ids [1, T] from HFPlanningCollate)")
+    if _DTYPES.get(query.dtype) != plan.dtype:
+        raise ValueError(f"the plan was compiled for {plan.dtype} attention but the model's query is {query.dtype}: "
+                         f"build the collate with HFPlanningCollate.for_model(model) after casting the model, or "
+                         f"for_model(..., dtype={query.dtype}) (under autocast)")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     mask = (bool(getattr(module, "is_causal", True)), window)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # views [T, heads, dim]
-    out = fcp_attn_func(q, k, v, plan, group=cp_group(kwargs.get("fcp_group")), softmax_scale=scaling, mask=mask)
+    out = fcp_attn_func(q, k, v, plan, group=cp_group(kwargs.get("fcp_group")), softmax_scale=scaling, mask=mask,
+                        position_ids=kwargs.get("position_ids"))
     return out.unsqueeze(0), None
 
 

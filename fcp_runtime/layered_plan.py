@@ -15,7 +15,7 @@ _SHARED_LAYOUT = ("rank", "num_ranks", "layout", "user_tokens", "plan_tokens", "
 
 # What a LayeredRankPlan answers for every kind: the layout, the batch, the attention shape and the inputs' digest.
 _LAYOUT_ATTRIBUTES = frozenset({*_SHARED_LAYOUT, "position_ids", "sequence_ids", "seq_lengths", "self_user_rows",
-                                "self_plan_rows", "digest", "q_heads", "kv_heads", "head_dim"})
+                                "self_plan_rows", "digest", "q_heads", "kv_heads", "head_dim", "dtype"})
 
 
 class LayeredRankPlan:

@@ -81,6 +81,7 @@ class RankPlan:
     q_heads: int
     kv_heads: int
     head_dim: int
+    dtype: str  # Q, K, V's dtype as the plan's memory figures count it: "bf16", "fp16", "fp32" or "fp64"
     max_buffer_tokens: int  # the header's peak live buffer tokens (any rank, either pass)
     user_tokens: int  # rows this rank holds in the user layout
     plan_tokens: int  # rows this rank holds in the plan layout

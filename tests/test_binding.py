@@ -76,3 +76,47 @@ def test_the_check_reads_nothing_back_from_the_device():
     assertion) runs there without one."""
     batch = _step([300, 90], 0, 1)
     check_positions(batch["position_ids"].to("meta"), batch["plan"], None, "plan")
+
+
+# --- the Hugging Face path: the probe's repros ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-sliding"])
+def test_a_hf_model_given_another_steps_plan_is_refused_on_every_rank_before_attention_sends(arch):
+    """The probe's repro: a plan for documents [96, 96] with the rows of one 192-token document (as many rows on
+    every rank) trained 6.5e-4 (Llama) and 1.1e-3 (a layered Qwen2) off in the loss. Now every rank refuses in one
+    line; with the step's own plan the same call runs."""
+    pytest.importorskip("transformers")
+    import fcp_runtime.hf as fcp_hf
+    from hf_harness import Setup
+
+    setup = Setup(num_layers=2) if arch == "llama" else Setup(arch="qwen2", sliding_window=24, num_layers=2)
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)
+        batch, other = collate([torch.arange(192) % 96]), collate([torch.arange(96), torch.arange(96)])
+        assert batch["input_ids"].shape == other["input_ids"].shape
+        model(**batch)  # its own plan
+        with pytest.raises(ValueError, match="not those of the batch plan") as caught:
+            model(**{**batch, "fcp_plan": other["fcp_plan"]})
+        return str(caught.value)
+
+    errors = run_ranks(2, task)
+    assert len(errors) == 2 and all("\n" not in error for error in errors)
+
+
+def test_a_hf_model_cast_after_its_plan_was_compiled_is_refused_by_dtype():
+    pytest.importorskip("transformers")
+    import fcp_runtime.hf as fcp_hf
+    from hf_harness import Setup
+
+    def task(rank, world):
+        model, _ = Setup(num_layers=2, dtype=torch.float32).model(fcp_hf.ATTENTION_NAME)
+        batch = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)([torch.arange(150) % 96])
+        assert batch["fcp_plan"].dtype == "fp32"
+        with pytest.raises(ValueError, match="compiled for fp32 attention but the model's query is torch.float64"):
+            model.to(torch.float64)(**batch)
+        return fcp_hf.HFPlanningCollate.for_model(model, block_size=64)([torch.arange(150) % 96])["fcp_plan"].dtype
+
+    assert run_ranks(1, task) == ["fp64"]
