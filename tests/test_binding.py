@@ -120,3 +120,26 @@ def test_a_hf_model_cast_after_its_plan_was_compiled_is_refused_by_dtype():
         return fcp_hf.HFPlanningCollate.for_model(model, block_size=64)([torch.arange(150) % 96])["fcp_plan"].dtype
 
     assert run_ranks(1, task) == ["fp64"]
+
+
+@pytest.mark.long
+def test_a_compiled_hf_model_given_another_steps_plan_is_refused_on_every_rank():
+    """Under torch.compile the check runs inside fcp's custom op, at run time: the same refusal."""
+    pytest.importorskip("transformers")
+    import fcp_runtime.hf as fcp_hf
+    from hf_harness import Setup
+
+    setup = Setup(num_layers=2, dtype=torch.float32)
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)
+        batch, other = collate([torch.arange(192) % 96]), collate([torch.arange(96), torch.arange(96)])
+        compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+        compiled(**batch)
+        with pytest.raises(ValueError, match="not those of the batch plan") as caught:
+            compiled(**{**batch, "fcp_plan": other["fcp_plan"]})
+        return str(caught.value).strip().splitlines()[-1]
+
+    errors = run_ranks(2, task, timeout=600)
+    assert len(errors) == 2 and all("not those of the batch plan" in error for error in errors)
