@@ -46,7 +46,8 @@ def check_plan(plan: RankPlan | LayeredRankPlan, group=None) -> None:
     dist.all_gather_object(gathered, mine, group=group)
     if size != plan.num_ranks:
         raise PlanMismatchError(f"the process group has {size} ranks but the plan was compiled for "
-                                f"{plan.num_ranks}; compile it with --gpus {size}")
+                                f"{plan.num_ranks}; compile it for {size} ranks (PlanningCollate(rank, {size}, ...), "
+                                f"or fcp compile --gpus {size})")
     wrong_world = [r for r, (_, n, _) in enumerate(gathered) if n != size]
     digests = sorted({d for d, _, _ in gathered})
     if len(digests) > 1 or wrong_world:

@@ -77,7 +77,8 @@ class LayeredRankPlan:
         if name is None:
             have = ", ".join(f"{kind} {_mask_name(*mask)}" for kind, mask in self.masks.items())
             raise ValueError(f"no layer kind of the plan has the layer's mask {_mask_name(causal, window)} (the "
-                             f"plan's kinds: {have}); compile the plan with this layer's kind (--layer-masks)")
+                             f"plan's kinds: {have}); compile the plan with this layer's kind (HFPlanningCollate.for_model(model) reads every "
+                             f"layer's; layer_masks=... in Python, --layer-masks on the command line)")
         return self.kinds[name]
 
 
@@ -103,7 +104,7 @@ def resolve_kind(plan: RankPlan | LayeredRankPlan, kind: str | None = None,
                          f"layer's (kind=...) or give its mask")
     if kind is not None:
         raise ValueError(f"kind={kind!r} names a layer kind, but the plan holds one schedule for every layer "
-                         f"(compile it with --layer-masks for kinds)")
+                         f"(compile it with layer_masks=... in Python, --layer-masks on the command line, for kinds)")
     return plan
 
 

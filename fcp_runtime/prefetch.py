@@ -120,7 +120,8 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPl
     check_plan(plan, group)
     if plan.layout != "plan":
         raise ValueError(f"prefetch_kv: the plan was compiled for the {plan.layout} layout, whose attention "
-                         f"reshuffles K and V first; prefetch needs a plan-layout plan (fcp compile --layout plan)")
+                         f"reshuffles K and V first; prefetch needs a plan-layout plan (layout='plan' in Python, "
+                         f"fcp compile --layout plan)")
     if k.dim() != 3 or k.shape != v.shape or k.shape[0] != plan.plan_tokens:
         raise ValueError(f"prefetch_kv: expected k, v [{plan.plan_tokens}, kv_heads, head_dim] (rank {plan.rank}'s "
                          f"plan-layout rows), got {tuple(k.shape)}, {tuple(v.shape)}")
