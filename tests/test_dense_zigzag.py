@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fcp_compiler.algorithms.dense_zigzag import (dense_zigzag_needs, dense_zigzag_pairs, dense_zigzag_sequences,
-                                                  num_dense_pairs)
+from fcp_compiler.algorithms.dense_zigzag import (dense_row_spans, dense_zigzag_needs, dense_zigzag_pairs,
+                                                  dense_zigzag_rows, dense_zigzag_sequences, num_dense_pairs)
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import Batch
 from fcp_compiler.core.passes.shard import pairs_chunks, shard
@@ -89,6 +89,22 @@ def test_pairs_are_every_visible_chunk_pair_in_listing_order(block_counts):
                         if seen:
                             expected.append((int(tile_offset[seq]) + i * num + j, q, k, q == k))
     assert list(zip(pair_tile.tolist(), q_seg.tolist(), kv_seg.tolist(), itself.tolist())) == expected
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 60))
+def test_row_spans_list_the_pairs_in_parts(block_counts, most):
+    """dense_row_spans' parts, each listed by dense_zigzag_rows, are dense_zigzag_pairs cut at row boundaries:
+    about `most` pairs a part, at least one row."""
+    num_blocks = np.array(block_counts, dtype=np.int64)
+    first_seg = 2 * np.concatenate(([0], np.cumsum(num_blocks)[:-1]))
+    tile_offset = np.concatenate(([0], np.cumsum(num_blocks ** 2)[:-1])) + 3
+    whole = dense_zigzag_pairs(first_seg, num_blocks, tile_offset)
+    parts = [dense_zigzag_rows(spans) for spans in dense_row_spans(first_seg, num_blocks, tile_offset, most)]
+    for column, cut in zip(whole, zip(*parts)):
+        assert np.array_equal(column, np.concatenate(cut))
+    for part in parts:
+        assert part[0].size <= most or np.unique(part[1] // 2).size == 1  # over `most`: one row of one sequence
 
 
 @given(batches)

@@ -457,23 +457,55 @@ def test_coalesced_seconds_charge_each_query_segments_keys_in_a_launch_as_one_ca
     np.testing.assert_allclose(ours, expected, rtol=1e-12)
 
 
+@pytest.mark.parametrize("mask", ["causal", "sliding_window:300"])
+def test_launches_read_in_parts_are_those_of_every_pair_at_once(monkeypatch, mask):
+    """The segment pairs read a part at a time (TileSet.pair_parts: a query block's pairs in one part) give each
+    tile's seconds and each stage's kernel calls to the last bit, whatever the parts' size, built part by part or cut
+    from the pairs held whole."""
+    from fcp_compiler.core import launches
+
+    plan = compile_valid([4096, 2048 + 100, 700, 64, 1200], 4, block_size=128, mask=mask, floor=False)
+    tiles = plan.ir.tiles
+    pairs = tiles.segment_pairs()
+    assert (tiles.dense.num_blocks.size > 1) == (mask == "causal") and tiles.listed_pair_tile.size > 0
+    rng = np.random.default_rng(0)
+    order, rank = rng.permutation(tiles.num_tiles), rng.integers(0, 4, tiles.num_tiles)
+    launch, stage = rng.integers(-1, 3, tiles.num_tiles), rng.integers(0, 4, tiles.num_tiles)
+    found = []
+    for most, held in ((1 << 20, pairs), (1 << 20, None), (37, None), (1, pairs)):
+        monkeypatch.setattr(launches, "PAIR_PART", most)
+        parts = list(tiles.pair_parts(most, held))
+        for column, cut in zip(pairs, zip(*(part for _, part in parts))):
+            assert np.array_equal(column, np.concatenate(cut))
+        found.append([launches.coalesced_seconds(tiles, order, rank, launch, tiles.profile, held)] +
+                     [launches.kernel_calls(tiles, order, rank, stage, 4, 4, held, split) for split in (False, True)])
+    for other in found[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(found[0], other))
+
+
 def test_a_plans_tiles_are_found_in_its_tile_set_as_a_search_would_find_them():
     import dataclasses
 
-    from fcp_compiler.core.simulate import _stack_tiles
+    from fcp_compiler.core.plan_tiles import plan_tiles
 
     plan = compile_valid([3000, 700, 2900, 90, 1500], 4, block_size=256, coalesce=2)
     stacked, tiles = stack_plan(plan.ir, plan.header), plan.ir.tiles
     keys = tiles.tile_q_block * tiles.sharding.num_blocks + tiles.tile_kv_block
     wanted = stacked.arrays["tile_q_block"] * tiles.sharding.num_blocks + stacked.arrays["tile_kv_block"]
-    assert np.array_equal(_stack_tiles(stacked, tiles, False)[0], np.searchsorted(keys, wanted))
+    found = plan_tiles(stacked, tiles)
+    assert np.array_equal(found.row_tile, np.searchsorted(keys, wanted))
+    # The IR's pipeline order is the plan's rows, and its tiles' ranks and stages those the rows read.
+    from_ir = plan_tiles(stacked, tiles, plan.ir)
+    assert np.array_equal(from_ir.row_tile, found.row_tile) and np.array_equal(from_ir.rank_rows, found.rank_rows)
+    for name in ("rank", "fwd_stage", "bwd_stage"):
+        assert np.array_equal(getattr(from_ir, name), getattr(found, name))
     assert not np.array_equal(wanted, np.sort(wanted))  # the plan's order is not the tile set's
     # A stack that repeats a tile is not a permutation of the tile set: searched tile by tile.
     arrays = dict(stacked.arrays, tile_kv_block=stacked.arrays["tile_kv_block"].copy())
     arrays["tile_q_block"] = arrays["tile_q_block"].copy()
     arrays["tile_q_block"][1], arrays["tile_kv_block"][1] = arrays["tile_q_block"][0], arrays["tile_kv_block"][0]
     repeated = dataclasses.replace(stacked, arrays=arrays)
-    found = _stack_tiles(repeated, tiles, False)[0]
+    found = plan_tiles(repeated, tiles).row_tile
     assert found[1] == found[0] and np.array_equal(np.delete(found, 1), np.delete(np.searchsorted(keys, wanted), 1))
 
 

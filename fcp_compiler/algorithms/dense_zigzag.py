@@ -103,22 +103,52 @@ def dense_zigzag_pairs(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offse
         (pair_tile, pair_q_seg, pair_kv_seg) int64 [head + P] and pair_self bool [head + P] (a chunk against
         itself), the pairs from row `head` on.
     """
-    num_pairs = head + num_dense_pairs(num_blocks)
+    return dense_zigzag_rows([(seg0, num, offset, 0, num) for seg0, num, offset in
+                              zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist())], head)
+
+
+def dense_zigzag_rows(spans: list[tuple[int, int, int, int, int]], head: int = 0):
+    """The segment pairs of some rows of dense zig-zag sequences, in :func:`dense_zigzag_pairs`' order: each span
+    (first segment, blocks n, first tile, first row, end row) lists rows first row .. end row - 1 of one sequence
+    (all its rows: 0, n), the spans one after another. What a caller reads a part at a time (a sequence of 2,048
+    blocks has 8.4 million pairs) is cut into spans of rows. Returns the arrays :func:`dense_zigzag_pairs` does,
+    `head` rows unwritten before the pairs."""
+    num_pairs = head + sum((high - low) * (2 * num + 1) for _, num, _, low, high in spans)
     pair_tile, pair_q_seg, pair_kv_seg = (np.empty(num_pairs, dtype=np.int64) for _ in range(3))
     pair_self = np.empty(num_pairs, dtype=bool)
     first = head
-    for seg0, num, offset in zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist()):
+    for seg0, num, offset, low, high in spans:
         kind, step, itself = _by_offset(num)
-        shape = (num, 2 * num + 1)
-        row = np.arange(num, dtype=np.int64)[:, None]
+        shape = (high - low, 2 * num + 1)
+        row = np.arange(low, high, dtype=np.int64)[:, None]
         part = slice(first, first + shape[0] * shape[1])
-        np.add(_rows(step, num), offset + row * (num + 1), out=pair_tile[part].reshape(shape))
-        np.add(_rows((kind != FIRST_FIRST).astype(np.int64), num), seg0 + 2 * row,
+        np.add(_rows(step, num)[low:high], offset + row * (num + 1), out=pair_tile[part].reshape(shape))
+        np.add(_rows((kind != FIRST_FIRST).astype(np.int64), num)[low:high], seg0 + 2 * row,
                out=pair_q_seg[part].reshape(shape))
-        np.add(_rows(2 * step + (kind == SECOND_SECOND), num), seg0 + 2 * row, out=pair_kv_seg[part].reshape(shape))
-        pair_self[part].reshape(shape)[...] = _rows(itself, num)
+        np.add(_rows(2 * step + (kind == SECOND_SECOND), num)[low:high], seg0 + 2 * row,
+               out=pair_kv_seg[part].reshape(shape))
+        pair_self[part].reshape(shape)[...] = _rows(itself, num)[low:high]
         first = part.stop
     return pair_tile, pair_q_seg, pair_kv_seg, pair_self
+
+
+def dense_row_spans(first_seg: np.ndarray, num_blocks: np.ndarray, tile_offset: np.ndarray, most: int):
+    """The rows of dense zig-zag sequences in parts of about `most` segment pairs (at least one row each), in order:
+    each part a list of :func:`dense_zigzag_rows` spans, whole short sequences together and a long one's rows over
+    several parts. Yields the parts."""
+    spans, size = [], 0
+    for seg0, num, offset in zip(first_seg.tolist(), num_blocks.tolist(), tile_offset.tolist()):
+        per_row, low = 2 * num + 1, 0
+        while low < num:
+            if spans and size + per_row > most:
+                yield spans
+                spans, size = [], 0
+            high = min(num, low + max(1, (most - size) // per_row))
+            spans.append((seg0, num, offset, low, high))
+            size += (high - low) * per_row
+            low = high
+    if spans:
+        yield spans
 
 
 def num_dense_needs(num_blocks: np.ndarray) -> np.ndarray:

@@ -61,6 +61,50 @@ class PassInput:
     # float [stages, ranks]: seconds of data movement outside the kernels on each rank's compute stream in each stage
     # (the runtime's copies, zeroings and landings, at HBM bandwidth); None: none
     stage_extra_s: np.ndarray | None = None
+    # The tiles summed as the pass reads them (TileWork.of the tile_* arrays, which may then be empty unless the
+    # pass is recorded: millions of tiles at small blocks); None: summed here
+    tile_work: TileWork | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TileWork:
+    """A pass's tiles as :func:`simulate_pass` reads them, each sum taken over the tiles in their order (so the
+    same to the last bit however they are visited, a rank's tiles at a time): per stage and rank the tiles' seconds
+    and how many there are, per rank the seconds of those that may run during the input reshuffle (in their stage's
+    too) and of all of them."""
+
+    stage_work: np.ndarray  # float [max(stages, 1), ranks]
+    stage_tiles: np.ndarray  # int [max(stages, 1), ranks]
+    early_work: np.ndarray  # float [ranks]
+    compute: np.ndarray  # float [ranks]
+
+    @classmethod
+    def zeros(cls, num_stages: int, num_ranks: int) -> TileWork:
+        """No tiles yet: :meth:`add` sums them a few ranks at a time."""
+        rows = max(num_stages, 1)
+        return cls(stage_work=np.zeros((rows, num_ranks)), stage_tiles=np.zeros((rows, num_ranks), dtype=np.int64),
+                   early_work=np.zeros(num_ranks), compute=np.zeros(num_ranks))
+
+    @classmethod
+    def of(cls, data: PassInput) -> TileWork:
+        """The sums of a pass's tile_* arrays."""
+        work = cls.zeros(max(data.num_stages, int(data.tile_stage.max(initial=-1)) + 1), data.num_ranks)
+        work.add(0, data.num_ranks, data.tile_rank, data.tile_stage, data.tile_seconds, data.tile_early)
+        return work
+
+    def add(self, low: int, high: int, rank: np.ndarray, stage: np.ndarray, seconds: np.ndarray,
+            early: np.ndarray | None) -> None:
+        """Every tile of ranks low..high-1, in order (their rank, stage, seconds, and whether each may run during
+        the input reshuffle; None: none may)."""
+        width, rows = high - low, self.stage_work.shape[0]
+        local = np.subtract(rank, low, dtype=np.int64)
+        bucket = np.multiply(stage, width, dtype=np.int64)
+        bucket += local
+        self.stage_work[:, low:high] = np.bincount(bucket, weights=seconds, minlength=rows * width).reshape(rows, -1)
+        self.stage_tiles[:, low:high] = np.bincount(bucket, minlength=rows * width).reshape(rows, -1)
+        self.compute[low:high] = np.bincount(local, weights=seconds, minlength=width)
+        if early is not None:
+            self.early_work[low:high] = np.bincount(local[early], weights=seconds[early], minlength=width)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,13 +254,12 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     if prefetch_start is not None and data.flow_prefetch is not None and data.flow_prefetch.any():
         prefetched, begin = _prefetch(data, links, np.minimum(prefetch_start, begin), begin)
     events: list[dict] = []
-    work_by = np.bincount(data.tile_stage * n + data.tile_rank, weights=data.tile_seconds,
-                          minlength=max(data.num_stages, 1) * n).reshape(-1, n)
+    tile_work = data.tile_work if data.tile_work is not None else TileWork.of(data)
+    work_by = tile_work.stage_work.copy()
     early = data.tile_early if overlap_reshuffle else np.zeros(data.tile_rank.size, dtype=bool)
-    early_work = np.bincount(data.tile_rank[early], weights=data.tile_seconds[early], minlength=n)
+    early_work = tile_work.early_work if overlap_reshuffle else np.zeros(n)
     work_by[0] -= early_work
-    has_tiles = np.bincount(data.tile_stage * n + data.tile_rank, minlength=max(data.num_stages, 1) * n
-                            ).reshape(-1, n) > 0
+    has_tiles = tile_work.stage_tiles > 0
     busy = np.zeros(n)
 
     trace = _TraceRecorder(events=events, data=data, links=links, time_offset=time_offset, label=label)
@@ -261,7 +304,7 @@ def simulate_pass(data: PassInput, links: LinkModel, overlap_reshuffle: bool, re
     t0, ends, end, _ = _exchange(start, src, dst, nbytes, links, n)
     if record:
         trace.messages(t0, ends, src, dst, None, "reshuffle out")
-    compute = np.bincount(data.tile_rank, weights=data.tile_seconds, minlength=n)
+    compute = tile_work.compute.copy()
     reshuffle_out = _slowest_message(src, dst, nbytes, links, n)
     return PassResult(end=end, busy=busy, compute=compute, calls=data.stage_calls,
                       reshuffle=reshuffle_in + reshuffle_out, events=events,

@@ -7,11 +7,12 @@ one carries everything. Arrays are numpy and never mutated after construction. D
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fcp_compiler.algorithms.dense_zigzag import dense_zigzag_pairs
+from fcp_compiler.algorithms.dense_zigzag import dense_row_spans, dense_zigzag_pairs, dense_zigzag_rows
 from fcp_compiler.algorithms.fan_out import class_degrees, link_class
 from fcp_compiler.format.inputs import AttentionShape, HardwareProfile, MaskKind
 from fcp_compiler.format.plan_format import TransferKind
@@ -190,6 +191,27 @@ class TileSet:
         for column, values in zip((pair_tile, q_seg, kv_seg, flops), listed):
             column[:head] = values
         return pair_tile, q_seg, kv_seg, flops
+
+    def pair_parts(self, most: int, pairs: tuple | None = None) -> Iterator[tuple[slice, tuple]]:
+        """:meth:`segment_pairs` a part at a time: (its rows among them, its (pair_tile, pair_q_seg, pair_kv_seg,
+        pair_flops)). The listed pairs are one part; the dense ones follow about `most` pairs a part, a few rows of a
+        sequence (at least one) or a few whole sequences, each tile's pairs together and tiles in order. A query
+        block's pairs, and so a tile's and a query segment's, are all in one part. `pairs`: segment_pairs(), where
+        the caller holds them (the parts are views of them); else each part is built alone (tens of millions of
+        pairs at small blocks are never all held)."""
+        head, dense = self.listed_pair_tile.size, self.dense
+        if head:
+            yield slice(0, head), (tuple(column[:head] for column in pairs) if pairs is not None else (
+                self.listed_pair_tile, self.listed_pair_q_seg, self.listed_pair_kv_seg, self.listed_pair_flops))
+        start = head
+        for spans in dense_row_spans(dense.first_seg, dense.num_blocks, dense.tile_offset, most):
+            part = slice(start, start + sum((high - low) * (2 * num + 1) for _, num, _, low, high in spans))
+            if pairs is not None:
+                yield part, tuple(column[part] for column in pairs)
+            else:
+                pair_tile, q_seg, kv_seg, itself = dense_zigzag_rows(spans)
+                yield part, (pair_tile, q_seg, kv_seg, np.where(itself, dense.self_flops, dense.whole_flops))
+            start = part.stop
 
     @property
     def pair_tile(self) -> np.ndarray:

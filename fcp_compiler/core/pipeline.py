@@ -925,9 +925,10 @@ def _layer_figures(plan: tuple, segments: tuple | None = None, stacked: StackedR
     encoder lays them out (nothing encoded); `segments`: its tiles' segment pairs and their kinds
     (_FloorRun.segments_of), and `stacked`: stack_plan of it, when the caller holds them."""
     final, fields, _ = plan
-    stacked = stack_plan(final, fields) if stacked is None else stacked
+    if stacked is None:  # its tiles are read from the IR, but where the user layout's reshuffle overlap reads them
+        stacked = stack_plan(final, fields, rank_columns(final, tile_rows=fields["layout"] is Layout.USER))
     pairs, kinds = segments if segments is not None else (None, None)
-    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs, kinds=kinds),
+    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs, kinds=kinds, final=final),
                          attention_alone=False).layer_figures()
 
 

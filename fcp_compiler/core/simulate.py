@@ -17,21 +17,26 @@ import numpy as np
 
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import NO_MODEL, ModelPreset, load_model
-from fcp_compiler.core.ir import Batch, Sharding, TileSet
+from fcp_compiler.core.ir import Batch, Reshuffle, Sharding, TileSet
+from fcp_compiler.core.launches import (PassLaunches, busy_lower_bound, coalesced_seconds, kernel_calls,
+                                        pair_kinds, sweep)
+from fcp_compiler.core.passes.encode import rank_columns
 from fcp_compiler.core.plan_memory import stack_plan
-from fcp_compiler.algorithms.call_plan import call_parts
-from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
-from fcp_compiler.algorithms.keys import search_sorted, stable_order, unique_keys
+from fcp_compiler.core.plan_tiles import plan_tiles
+from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.algorithms.pages import base_pages
 from fcp_compiler.algorithms.timeline import TRACKS, LinkModel, PassInput, PassResult, critical_path, simulate_pass
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
-from fcp_compiler.format.call_plan import stacked_tiles_during_reshuffle
 from fcp_compiler.format.memory import Sizes
 from fcp_compiler.format.plan_format import PlanReader, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_reader
 from fcp_compiler.format.traffic import stacked_range_traffic
 from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LSE_BYTES, LayerCosts, layer_bounds
+
+# Re-exported: the figures' kernel launches (core.launches) are read from here by the benchmarks and the floor.
+__all__ = ["HeldPlan", "LAYER_STATS", "Simulation", "busy_lower_bound", "coalesced_seconds", "kernel_calls",
+           "layer_stats", "link_model", "pair_kinds", "simulate_plan", "write_trace"]
 
 
 def link_model(profile: HardwareProfile, num_ranks: int) -> LinkModel:
@@ -181,155 +186,6 @@ class Simulation:
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LaunchGroups:
-    """A plan's segment pairs grouped as one pass launches them: by (rank, launch, query segment), a launch being a
-    stage (or the tiles run during the input reshuffle). :func:`coalesced_seconds` charges a group as one kernel
-    call, and :func:`kernel_calls` counts the calls its entries make: one grouping serves both.
-
-    pair_plan_tile: each pair's plan tile; group: each pair's group, groups in key order; group_pair: one pair of
-    each group (its rank, launch and query segment are the group's).
-    """
-
-    pair_plan_tile: np.ndarray
-    group: np.ndarray
-    group_pair: np.ndarray
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.group_pair.size)
-
-    @classmethod
-    def of(cls, tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch: np.ndarray,
-           pairs: tuple | None = None) -> "LaunchGroups":
-        """The groups of the plan tiles (each tile of `tiles` once: its index there, rank, launch: any int, one per
-        launch) of a TileSet with segment pairs (`pairs`: tiles.segment_pairs(), when the caller has them).
-        O(P log P) for P pairs."""
-        plan_tile_of = np.full(tiles.num_tiles, -1, dtype=np.int64)
-        plan_tile_of[tile_idx] = np.arange(tile_idx.size)
-        pair_tile, q_seg = (pairs if pairs is not None else tiles.segment_pairs())[:2]
-        pair_plan_tile = plan_tile_of[pair_tile]
-        launch = np.asarray(launch, dtype=np.int64)
-        low = int(launch.min()) if launch.size else 0
-        num_launches = int(launch.max()) - low + 1 if launch.size else 1
-        num_segments = tiles.sharding.num_segments
-        # (rank, launch) per plan tile first: one gather a pair, and the rest in place (tens of millions of pairs).
-        key = (tile_rank * num_launches + launch - low)[pair_plan_tile]
-        key *= num_segments
-        key += q_seg
-        space = int(tile_rank.max() + 1 if tile_rank.size else 1) * num_launches * num_segments
-        _, group = unique_keys(key, space, return_inverse=True)
-        group_pair = np.zeros(int(group.max()) + 1 if group.size else 0, dtype=np.int64)
-        group_pair[group] = np.arange(group.size)
-        return cls(pair_plan_tile=pair_plan_tile, group=group, group_pair=group_pair)
-
-
-def coalesced_seconds(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, launch_group: np.ndarray,
-                      profile: HardwareProfile, pairs: tuple | None = None,
-                      groups: LaunchGroups | None = None) -> np.ndarray:
-    """Modelled time of each plan tile when a stage runs as one launch.
-
-    Scheduling is at block size, execution at the stage: the tiles a rank runs in one launch for the same query
-    segment form one kernel call over all their keys, whose efficiency is that of a tile of
-    sqrt(query tokens x all their key tokens). Each tile is charged its FLOPs at its call's efficiency.
-
-    Args:
-        tiles: the TileSet of the plan's blocks (segment pairs and FLOPs).
-        tile_idx: for each plan tile, its index in `tiles`.
-        tile_rank, launch_group: rank and launch (stage, or -1 for tiles run during the reshuffle) of each plan tile.
-        profile: peak and efficiency curve.
-        pairs: tiles.segment_pairs(), when the caller has them (they are built on each call).
-        groups: LaunchGroups.of(tiles, tile_idx, tile_rank, launch_group, pairs), when the caller has them.
-    Returns:
-        seconds per plan tile.
-    """
-    if not tiles.has_pairs:  # costed in closed form: each tile is one call (a ring step over every sequence)
-        return tiles.tile_seconds[tile_idx]
-    pairs = pairs if pairs is not None else tiles.segment_pairs()
-    groups = groups if groups is not None else LaunchGroups.of(tiles, tile_idx, tile_rank, launch_group, pairs)
-    _, q_seg, kv_seg, flops = pairs
-    seg_tokens = tiles.sharding.seg_tokens
-    key_tokens = np.bincount(groups.group, weights=seg_tokens[kv_seg], minlength=groups.num_groups)
-    query_tokens = seg_tokens[q_seg[groups.group_pair]].astype(np.float64)
-    efficiency = tile_efficiency(profile, np.sqrt(query_tokens * key_tokens))
-    pair_seconds = flops / (profile.peak_tflops * 1e12 * efficiency[groups.group])
-    return np.bincount(groups.pair_plan_tile, weights=pair_seconds, minlength=tile_idx.size)
-
-
-def kernel_calls(tiles, tile_idx: np.ndarray, tile_rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 num_ranks: int, pairs: tuple | None = None, split: bool = False,
-                 groups: LaunchGroups | None = None, kinds: tuple | None = None) -> np.ndarray:
-    """Kernel calls the runtime makes per (stage, rank), as fcp_runtime.stage_calls groups them: one entry per
-    query segment with its wholly visible keys, those holding their diagonal segment in one causal call, the rest
-    in one unmasked call; under a sliding window each cut key segment (or a diagonal longer than the window) is an
-    entry of its own, one call per distinct window, and as many calls as a query segment has entries in it
-    (:mod:`fcp_compiler.algorithms.kernel_entries`). `pairs`: tiles.segment_pairs(), when the caller has them.
-    `split`: large packed calls are cut as the call plan cuts the backward's (call_parts). `groups`:
-    LaunchGroups.of(tiles, tile_idx, tile_rank, stage, pairs), and `kinds`: :func:`pair_kinds` of the pairs, when
-    the caller has them.
-
-    Returns:
-        int64 [num_stages, num_ranks].
-    """
-    num_slots = num_stages * num_ranks
-    sharding = tiles.sharding
-    if not tiles.has_pairs:  # closed-form tiles (all causal or all full): one call per stage and rank, two causal
-        runs = np.bincount(stage * num_ranks + tile_rank, minlength=num_slots) > 0
-        per_run = 2 if bool(sharding.batch.seq_causal.any()) else 1
-        return (runs * per_run).astype(np.int64).reshape(num_stages, num_ranks)
-    pairs = pairs if pairs is not None else tiles.segment_pairs()
-    groups = groups if groups is not None else LaunchGroups.of(tiles, tile_idx, tile_rank, stage, pairs)
-    _, q_seg, k_seg, _ = pairs
-    kind, left = kinds if kinds is not None else pair_kinds(tiles, pairs)
-    group_tile = groups.pair_plan_tile[groups.group_pair]
-    group_slot = stage[group_tile] * num_ranks + tile_rank[group_tile]
-    packed = kind <= CAUSAL
-    # An entry is a group with packed pairs: a query segment's call in its slot, causal where it holds its diagonal.
-    packed_group = groups.group[packed]
-    has_packed = np.bincount(packed_group, minlength=groups.num_groups) > 0
-    diagonal = np.bincount(packed_group, weights=kind[packed] == CAUSAL, minlength=groups.num_groups) > 0
-    # One causal and one unmasked call per slot, each cut as the call plan cuts a large backward call (call_parts).
-    seg_tokens = sharding.seg_tokens
-    call = (group_slot * 2 + diagonal)[has_packed]
-    query_rows = np.bincount(call, weights=seg_tokens[q_seg[groups.group_pair[has_packed]]], minlength=2 * num_slots)
-    key_rows = np.bincount(call, weights=np.bincount(packed_group, weights=seg_tokens[k_seg[packed]],
-                                                     minlength=groups.num_groups)[has_packed],
-                           minlength=2 * num_slots)
-    count = np.bincount(call, minlength=2 * num_slots)
-    parts = call_parts(count, query_rows.astype(np.int64), key_rows.astype(np.int64)) if split else 1
-    calls = np.where(count > 0, parts, 0).reshape(num_slots, 2).sum(axis=1)
-    cut = ~packed
-    if cut.any():
-        # One call per (slot, window kind, left), repeated as often as one query segment recurs in it.
-        slot = group_slot[groups.group[cut]]
-        groups_cut, group_of = np.unique(np.stack([slot, kind[cut], left[cut]]), axis=1, return_inverse=True)
-        per_query, counts = np.unique(np.stack([group_of.ravel(), q_seg[cut]]), axis=1, return_counts=True)
-        most = np.zeros(groups_cut.shape[1], dtype=np.int64)
-        np.maximum.at(most, per_query[0], counts)
-        calls += np.bincount(groups_cut[0], weights=most, minlength=num_slots).astype(np.int64)
-    return calls.reshape(num_stages, num_ranks)
-
-
-# Segment pairs classified at a time (pair_kinds): each part's temporaries stay a few MB, reused, where one pass over
-# the tens of millions of pairs of 64-token blocks spent most of its time faulting in fresh pages.
-KIND_PART_PAIRS = 1 << 20
-
-
-def pair_kinds(tiles, pairs: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment pair's kernel entry kind (int8) and window left (:func:`classify_pairs`), the same in both
-    passes, classified KIND_PART_PAIRS pairs at a time."""
-    sharding = tiles.sharding
-    _, q_seg, k_seg, _ = pairs
-    start, end, window = sharding.seg_start, sharding.seg_end, sharding.batch.windows[sharding.seg_seq]
-    kind = np.empty(q_seg.size, dtype=np.int8)
-    left = np.empty(q_seg.size, dtype=np.int64)
-    for low in range(0, q_seg.size, KIND_PART_PAIRS):
-        q, k = q_seg[low:low + KIND_PART_PAIRS], k_seg[low:low + KIND_PART_PAIRS]
-        kind[low:low + q.size], left[low:low + q.size], _, _ = classify_pairs(start[q], end[q], start[k], end[k],
-                                                                              window[q])
-    return kind, left
-
-
 def _reshuffle_flows(stacked: StackedRanks, bytes_per_token: float):
     """The input reshuffle's flows: per (rank, peer) pair with tokens to move, by rank then peer, the bytes."""
     a, n = stacked.arrays, stacked.num_ranks
@@ -369,13 +225,12 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     Raises:
         InvalidInputError: an unknown model name.
     """
-    header, tables, stacked, profile, tiles = _read_with_costs(source, profile)
+    header, tables, stacked, profile, tiles, final = _read_with_costs(source, profile)
     n = header.num_ranks
     held = isinstance(source, HeldPlan) and tiles is source.tiles
-    fwd_input, bwd_input, tile_idx, moved = _pass_inputs(header, stacked, tiles, profile, record,
-                                                         source.pairs if held else None,
-                                                         source.kinds if held else None)
-    tile_rank = fwd_input.tile_rank
+    fwd_input, bwd_input, planned, moved = _pass_inputs(header, stacked, tiles, profile, record,
+                                                        source.pairs if held else None,
+                                                        source.kinds if held else None, final)
     links = link_model(profile, n)
     layer_model = load_model(header.model if model is None else model)
     rank_tokens = _layer_tokens(header, tables, stacked)
@@ -391,8 +246,7 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
                       bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
                       flops_fwd=float(tiles.tile_flops.sum()),
                       single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
-                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n,
-                      planned_compute=np.bincount(tile_rank, weights=tiles.tile_seconds[tile_idx], minlength=n),
+                      peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=planned,
                       layout=header.layout.value, rank_tokens=rank_tokens,
                       kv_prefetch=kv_ready is not None,
                       peak_bytes={"fwd": header.max_buffer_bytes_fwd, "bwd": header.max_buffer_bytes_bwd},
@@ -402,20 +256,11 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _PlanArrays:
-    """What both passes' timing-model inputs read from a plan's stacked ranks (:func:`_pass_inputs`): its tiles
-    (index in the tile set, rank, those run during the input reshuffle, names when recorded), their segment pairs
-    grouped into each pass's launches and the pairs' kinds, and the received pulls' names when recorded."""
+    """What both passes' timing-model inputs read from a plan's stacked ranks (:func:`_pass_inputs`) besides its
+    tiles: the received pulls' names when recorded."""
 
     header: object
     stacked: StackedRanks
-    tiles: TileSet
-    tile_idx: np.ndarray
-    tile_rank: np.ndarray
-    early: np.ndarray
-    tile_names: list | None
-    pairs: tuple | None
-    groups: dict
-    kinds: tuple | None
     pull_names: list | None
 
     def rounds_per_stage(self, prefix: str) -> int:
@@ -430,27 +275,49 @@ class _PlanArrays:
                 a[f"{prefix}_push_send_pull"] + stacked.base("pull_recv_round")[sender])
 
 
+def _tile_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool, pairs: tuple | None,
+                 kinds: tuple | None, final) -> tuple[dict, dict, np.ndarray]:
+    """Both passes' tiles as PassInput takes them (:func:`_pass_inputs`), and each rank's planned compute (its tiles
+    at the tile set's seconds). Each tile is charged at its kernel call's efficiency, and each stage's calls are
+    counted, in one pass over the segment pairs a part at a time (:func:`launches.sweep`); the tiles are summed a
+    few ranks at a time (TileWork), and only a recorded pass has a column per tile (millions at small blocks)."""
+    found = plan_tiles(stacked, tiles, final)
+    num_stages = (header.num_fwd_stages, header.num_bwd_stages)
+    passes = [PassLaunches(rank=found.rank, launch=launch, num_launches=stages + 1, num_ranks=header.num_ranks,
+                           split=split)
+              for launch, stages, split in ((found.fwd_launch(num_stages[0]), num_stages[0], False),
+                                            (found.bwd_stage, num_stages[1], True))]
+    sweep(tiles, passes, profile, pairs, kinds)
+    # Tiles that run during the input reshuffle are not a stage's calls.
+    calls = [launches.stage_calls()[:stages] for launches, stages in zip(passes, num_stages)]
+    seconds = [launches.seconds for launches in passes]
+    del passes
+    work = found.work(seconds[0], seconds[1], BACKWARD_WORK, num_stages, tiles.tile_seconds)
+    empty = np.zeros(0, dtype=np.int64)
+    fields = [{"tile_rank": empty, "tile_stage": empty, "tile_seconds": np.zeros(0),
+               "tile_early": np.zeros(0, dtype=bool), "tile_name": None} for _ in range(2)]
+    if record:
+        tile, rank, fwd_stage, bwd_stage, early = found.in_plan_order()
+        names = [f"q{q} kv{kv}" for q, kv in zip(tiles.tile_q_block[tile].tolist(), tiles.tile_kv_block[tile].tolist())]
+        for pass_fields, stage, tile_seconds, tile_early in (
+                (fields[0], fwd_stage, seconds[0][tile], early),
+                (fields[1], bwd_stage, seconds[1][tile] * BACKWARD_WORK, np.zeros(early.size, dtype=bool))):
+            pass_fields.update(tile_rank=rank, tile_stage=stage, tile_seconds=tile_seconds, tile_early=tile_early,
+                               tile_name=names)
+    for pass_fields, pass_work, pass_calls in zip(fields, work, calls):
+        pass_fields.update(tile_work=pass_work, stage_calls=pass_calls)
+    return fields[0], fields[1], work[2]
+
+
 def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool,
-                 pairs: tuple | None = None, kinds: tuple | None = None):
-    """Both passes' timing-model inputs from a plan's stacked ranks: messages (pulls and the pass's pushes, in bytes and
-    stages), tiles (seconds, stages, kernel calls), the data moved outside the kernels and, in the user layout, the
-    reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`: pair_kinds of them, when the caller holds them).
-    Returns (forward, backward, each stacked tile's index in `tiles`, per pass the bytes each rank moves outside the
-    kernels)."""
+                 pairs: tuple | None = None, kinds: tuple | None = None, final=None):
+    """Both passes' timing-model inputs from a plan's stacked ranks (its tiles from its IR, `final`, where given):
+    messages (pulls and the pass's pushes, in bytes and stages), tiles (seconds, stages, kernel calls), the data
+    moved outside the kernels and, in the user layout, the reshuffles (`pairs`: tiles.segment_pairs(), and `kinds`:
+    pair_kinds of them, when the caller holds them). Returns (forward, backward, each rank's planned compute, per
+    pass the bytes each rank moves outside the kernels)."""
     shape = header.shape
-    tile_idx, tile_rank, tile_stage, tile_bwd_stage, early, tile_names = _stack_tiles(stacked, tiles, record)
-    # Four passes over every segment pair: built once (the dense ones are not stored, and are millions at small
-    # blocks).
-    if pairs is None and tiles.has_pairs:
-        pairs = tiles.segment_pairs()
-    # One grouping of the pairs a pass (coalesced_seconds and kernel_calls group them alike), and their kinds.
-    fwd_launch = np.where(early, -1, tile_stage)
-    groups = {name: LaunchGroups.of(tiles, tile_idx, tile_rank, launch, pairs) if tiles.has_pairs else None
-              for name, launch in (("fwd", fwd_launch), ("bwd", tile_bwd_stage))}
-    if kinds is None and tiles.has_pairs:
-        kinds = pair_kinds(tiles, pairs)
-    seconds = coalesced_seconds(tiles, tile_idx, tile_rank, fwd_launch, profile, pairs, groups["fwd"])
-    bwd_seconds = coalesced_seconds(tiles, tile_idx, tile_rank, tile_bwd_stage, profile, pairs, groups["bwd"])
+    fwd_tiles, bwd_tiles, planned = _tile_inputs(header, stacked, tiles, profile, record, pairs, kinds, final)
     a = stacked.arrays
     r_kind, r_block = a["pull_recv_kind"], a["pull_recv_block"]
     recv_tokens = stacked.pull_tokens("recv")
@@ -458,37 +325,30 @@ def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile,
     kv_bytes, q_bytes, lse_bytes = shape.kv_bytes_per_token, shape.q_bytes_per_token, LSE_BYTES * shape.q_heads
     pull_names = [f"{'KV' if k == TransferKind.KV else 'Q'} b{b}" for k, b in zip(r_kind.tolist(), r_block.tolist())] \
         if record else None
-    plan = _PlanArrays(header=header, stacked=stacked, tiles=tiles, tile_idx=tile_idx, tile_rank=tile_rank,
-                       early=early, tile_names=tile_names, pairs=pairs, groups=groups, kinds=kinds,
-                       pull_names=pull_names)
+    plan = _PlanArrays(header=header, stacked=stacked, pull_names=pull_names)
     traffic = stacked_range_traffic(stacked, Sizes.of(header), recv_rows=recv_tokens)
     is_kv = r_kind == TransferKind.KV
     fwd_input = _pass_input(plan, profile, "fwd", r_tokens * np.where(is_kv, kv_bytes, q_bytes),
-                            r_tokens * (q_bytes + lse_bytes), tile_stage, seconds, (q_bytes + kv_bytes, q_bytes),
+                            r_tokens * (q_bytes + lse_bytes), fwd_tiles, (q_bytes + kv_bytes, q_bytes),
                             traffic["fwd"])
     bwd_input = _pass_input(plan, profile, "bwd", r_tokens * np.where(is_kv, kv_bytes, 3 * q_bytes + lse_bytes),
-                            r_tokens * np.where(is_kv, kv_bytes, q_bytes), tile_bwd_stage,
-                            bwd_seconds * BACKWARD_WORK, (q_bytes, q_bytes + kv_bytes), traffic["bwd"])
+                            r_tokens * np.where(is_kv, kv_bytes, q_bytes), bwd_tiles, (q_bytes, q_bytes + kv_bytes),
+                            traffic["bwd"])
     moved = {name: traffic[name].bytes.sum(axis=1) for name in ("fwd", "bwd")}
-    return fwd_input, bwd_input, tile_idx, moved
+    return fwd_input, bwd_input, planned, moved
 
 
 def _pass_input(plan: _PlanArrays, profile: HardwareProfile, prefix: str, pull_bytes: np.ndarray,
-                push_bytes: np.ndarray, stages: np.ndarray, seconds_of_tiles: np.ndarray,
-                shuffle_bytes: tuple[int, int], moved) -> PassInput:
+                push_bytes: np.ndarray, tile_fields: dict, shuffle_bytes: tuple[int, int], moved) -> PassInput:
     """One pass's PassInput (:func:`_pass_inputs`): `pull_bytes` of each received pull, `push_bytes` of each pull's
-    push back (indexed by pull row), the tiles' stages and seconds, the bytes a token moves in the input and the
-    output reshuffle (user layout), and the pass's range traffic (`moved`)."""
+    push back (indexed by pull row), the tiles' fields (:func:`_tile_inputs`), the bytes a token moves in the input
+    and the output reshuffle (user layout), and the pass's range traffic (`moved`)."""
     header, stacked, a = plan.header, plan.stacked, plan.stacked.arrays
-    n, early = header.num_ranks, plan.early
+    n = header.num_ranks
     num_stages = header.num_fwd_stages if prefix == "fwd" else header.num_bwd_stages
     pull_round = a["pull_recv_round"] if prefix == "fwd" else a["pull_recv_bwd_round"]
     r_me, r_peer, r_kind = stacked.rank_of("pull_recv_round"), a["pull_recv_peer"], a["pull_recv_kind"]
     rounds_per_stage = plan.rounds_per_stage(prefix)
-    # Tiles that run during the input reshuffle are not a stage's calls.
-    in_stages = stages if prefix == "bwd" else np.where(early, num_stages, stages)
-    calls = kernel_calls(plan.tiles, plan.tile_idx, plan.tile_rank, in_stages, num_stages + 1, n, plan.pairs,
-                         split=prefix == "bwd", groups=plan.groups[prefix], kinds=plan.kinds)[:num_stages]
     push_stage, push_row = plan.pushes(prefix)
     names = None
     if plan.pull_names is not None:
@@ -503,14 +363,12 @@ def _pass_input(plan: _PlanArrays, profile: HardwareProfile, prefix: str, pull_b
         flow_src=np.concatenate((r_peer, r_me[push_row])), flow_dst=np.concatenate((r_me, r_peer[push_row])),
         flow_bytes=np.concatenate((pull_bytes, push_bytes[push_row])),
         flow_stage=np.concatenate((pull_round // rounds_per_stage, push_stage)), flow_name=names,
-        tile_rank=plan.tile_rank, tile_stage=stages, tile_seconds=seconds_of_tiles,
-        tile_early=early if prefix == "fwd" else np.zeros(early.size, dtype=bool), tile_name=plan.tile_names,
         reshuffle_in=_reshuffle_flows(stacked, shuffle_in) if in_user_layout else no_flows,
         reshuffle_out=_swap(_reshuffle_flows(stacked, shuffle_out)) if in_user_layout else no_flows,
-        stage_calls=calls, stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
+        stage_extra_s=moved.bytes.T[:num_stages] / (profile.hbm_gbps * 1e9),
         # Each pass's stage-0 K,V pulls are what a rank may post before the pass starts (K,V prefetch).
         flow_prefetch=np.concatenate(((r_kind == TransferKind.KV) & (pull_round < rounds_per_stage),
-                                      np.zeros(push_row.size, dtype=bool))))
+                                      np.zeros(push_row.size, dtype=bool))), **tile_fields)
 
 
 def _simulate_passes(fwd_input: PassInput, bwd_input: PassInput, links: LinkModel, overlap: bool, phases: dict,
@@ -592,16 +450,22 @@ class HeldPlan:
     tiles: TileSet
     pairs: tuple | None = None  # tiles.segment_pairs(), where the holder keeps them for several plans of one tile set
     kinds: tuple | None = None  # pair_kinds(tiles, pairs), likewise
+    final: Reshuffle | None = None  # its IR (whose tiles are `tiles`), where held: its tiles are read from it
 
 
 def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
-    """(header, tables, stacked ranks, profile, tiles): the plan's ranks stacked, and its tiles costed on `profile`
-    (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile). A CompiledPlan
-    is read from its IR, as the encoder lays it out, not decoded from its bytes (a 4096-rank plan is 100 MB)."""
+    """(header, tables, stacked ranks, profile, tiles, IR or None): the plan's ranks stacked, and its tiles costed on
+    `profile` (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile, and its
+    tiles then read from its IR where it is held). A CompiledPlan is read from its IR, as the encoder lays it out,
+    not decoded from its bytes (a 4096-rank plan is 100 MB), and its tile rows are not stacked where its IR gives
+    them (millions at small blocks: the user layout's reshuffle overlap reads them)."""
+    final = None
     if isinstance(source, HeldPlan):
-        stacked, compiled_tiles = source.stacked, source.tiles
+        stacked, compiled_tiles, final = source.stacked, source.tiles, source.final
     elif hasattr(source, "ir") and hasattr(source, "to_bytes"):  # a CompiledPlan: its IR and tile costs, not its bytes
-        stacked, compiled_tiles = stack_plan(source.ir, source.header), source.ir.tiles
+        final, header = source.ir, source.header
+        tile_rows = header.layout is Layout.USER or (profile or header.profile) != final.tiles.profile
+        stacked, compiled_tiles = stack_plan(final, header, rank_columns(final, tile_rows=tile_rows)), final.tiles
     else:
         compiled_tiles = None
         reader = source if isinstance(source, PlanReader) else PlanReader(source)
@@ -610,34 +474,11 @@ def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     header, tables = stacked.header, stacked.tables
     profile = profile or header.profile
     if compiled_tiles is not None and compiled_tiles.profile == profile:
-        return header, tables, stacked, profile, compiled_tiles
+        return header, tables, stacked, profile, compiled_tiles, final
     sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, windows=tables.seq_window),
                         block_size=header.block_size, zigzag=header.zigzag, seg_block=tables.seg_block,
                         seg_seq=tables.seg_seq, seg_start=tables.seg_start, seg_end=tables.seg_end)
-    return header, tables, stacked, profile, _tile_costs(header, sharding, stacked, profile)
-
-
-def _stack_tiles(stacked: StackedRanks, tiles, record: bool) -> tuple:
-    """Every rank's tiles stacked: (index in `tiles`, rank, forward stage, backward stage, whether it runs during
-    the input reshuffle, and trace names when recording)."""
-    a = stacked.arrays
-    num_blocks = tiles.sharding.num_blocks
-    keys = tiles.tile_q_block * num_blocks + tiles.tile_kv_block  # sorted
-    tile_q, tile_kv, tile_rank = a["tile_q_block"], a["tile_kv_block"], stacked.rank_of("tile_q_block")
-    wanted = tile_q * num_blocks + tile_kv
-    tile_idx = None
-    if wanted.size == keys.size and (wanted.size == 0 or (wanted.min() >= 0 and wanted.max() < num_blocks ** 2)):
-        # A plan runs every tile once: its keys sorted by radix are the TileSet's (millions of tiles at small
-        # blocks, where a search per tile took seconds); any other plan is searched tile by tile.
-        order = stable_order(wanted, num_blocks ** 2)
-        if np.array_equal(wanted[order], keys):
-            tile_idx = np.empty(wanted.size, dtype=np.int64)
-            tile_idx[order] = np.arange(wanted.size)
-    if tile_idx is None:
-        tile_idx = search_sorted(keys, wanted)
-    early = stacked_tiles_during_reshuffle(stacked)
-    names = [f"q{q} kv{kv}" for q, kv in zip(tile_q.tolist(), tile_kv.tolist())] if record else None
-    return tile_idx, tile_rank, a["tile_stage"], a["tile_bwd_stage"], early, names
+    return header, tables, stacked, profile, _tile_costs(header, sharding, stacked, profile), None
 
 
 def _tile_costs(header, sharding: Sharding, stacked: StackedRanks, profile: HardwareProfile):
@@ -656,42 +497,6 @@ def _single_gpu_efficiency(lengths: np.ndarray, windows: np.ndarray, profile: Ha
     each sequence's visible pairs under its own mask."""
     pairs = visible_pairs(0, lengths, 0, lengths, windows).astype(np.float64)
     return float(pairs.sum() / (pairs / tile_efficiency(profile, lengths.astype(np.float64))).sum())
-
-
-def busy_lower_bound(assignment, layout: Layout, model: ModelPreset | None, pairs: tuple | None = None) -> float:
-    """A lower bound on the simulated layer makespan, forward plus backward, of every plan scheduled from this
-    placement (any stages, rounds, fan-out or relays; ranks renumbered): the busiest rank's compute alone.
-
-    Each rank computes its linear layers and its tiles. :func:`coalesced_seconds` charges a tile its FLOPs at the
-    efficiency of its kernel call, one per (rank, stage, query segment) over all of that segment's keys in the stage;
-    the efficiency curve rises with a call's size (checked here), so one call over all of a query segment's keys on
-    the rank, whatever the stages, is the cheapest the simulator can charge. Launches, waits and the SMs lent to
-    communication only add time. In the user layout the linear layers see the even chunks, whichever rank the tiles
-    land on after renumbering, so the smallest chunk is counted. O(pairs).
-
-    Args:
-        assignment: the placement (tiles and where each runs, blocks and where each lives).
-        layout: the plan's layout.
-        model: the layer around attention (None: attention alone).
-        pairs: the tiles' segment_pairs(), when the caller holds them.
-    Returns:
-        seconds.
-    """
-    tiles, num_ranks = assignment.tiles, assignment.num_ranks
-    curve = np.array([point.efficiency for point in tiles.profile.efficiency_curve])
-    assert (np.diff(curve) >= 0).all(), "the bound needs an efficiency curve that rises with the call's size"
-    seconds = coalesced_seconds(tiles, np.arange(tiles.num_tiles), assignment.tile_rank,
-                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile, pairs)
-    attention = np.bincount(assignment.tile_rank, weights=seconds, minlength=num_ranks)
-    if layout is Layout.USER:
-        total = tiles.sharding.batch.total_tokens
-        tokens = np.full(num_ranks, float(total // num_ranks))
-    else:
-        tokens = np.bincount(assignment.block_rank, weights=tiles.sharding.block_tokens, minlength=num_ranks)
-    linear = LayerCosts.of(model, tiles.profile).phases(tokens)  # zero without a model
-    forward = attention + linear["fwd_before"] + linear["fwd_after"]
-    backward = BACKWARD_WORK * attention + linear["bwd_before"] + linear["bwd_after"]
-    return float(forward.max()) + float(backward.max())
 
 
 def _layer_tokens(header, tables, stacked: StackedRanks) -> np.ndarray:

@@ -90,7 +90,7 @@ def _add_pushes(out: _RankSlicer, transfers, forward, backward, row_of_edge: dic
                 push_round[by_receiver], row_of_edge["send"][push_edge[by_receiver]])
 
 
-def rank_columns(plan: Reshuffle) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def rank_columns(plan: Reshuffle, tile_rows: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every per-rank array of the plan file, all ranks end to end: per RANK_ARRAYS name, its int32 values and each
     rank's bounds in them (num_ranks + 1 entries). Rows of each rank are in execution order: pulls by forward round,
     tiles in forward pipeline order, pushes by round; a pull that carries its whole block has seg_count 0 and no
@@ -98,14 +98,16 @@ def rank_columns(plan: Reshuffle) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
     Args:
         plan: the last IR object (it holds all the earlier ones).
+        tile_rows: False: the tile arrays have no rows, as if no rank ran a tile (for a reader that takes the tiles
+            from the IR: millions of rows at small blocks).
     Returns:
         the columns (what :func:`encode` cuts into rank sections).
     """
     return {name: (np.frombuffer(data, dtype=np.int32), bounds // 4)
-            for name, (data, bounds) in _slicer(plan).columns.items()}
+            for name, (data, bounds) in _slicer(plan, tile_rows).columns.items()}
 
 
-def _slicer(plan: Reshuffle) -> _RankSlicer:
+def _slicer(plan: Reshuffle, tile_rows: bool = True) -> _RankSlicer:
     schedule, transfers, assignment, tiles, sharding = plan.schedule, plan.transfers, plan.assignment, plan.tiles, \
         plan.sharding
     forward, backward, num_ranks = schedule.forward, schedule.backward, plan.num_ranks
@@ -123,10 +125,14 @@ def _slicer(plan: Reshuffle) -> _RankSlicer:
     # Millions of tiles at small blocks: each column narrowed to int32 before it is gathered into pipeline order
     # (stages and blocks count from 0 up to the header's int32 counts, so no column needs scanning for its range).
     assert max(sharding.num_blocks, forward.num_stages, backward.num_stages) < 2**31
-    out.add_counted(("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"),
-                    np.bincount(assignment.tile_rank, minlength=num_ranks),  # tile_order is by rank first
-                    *(column.astype(np.int32)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
-                                                                         tiles.tile_q_block, tiles.tile_kv_block)))
+    tile_names = ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block")
+    if tile_rows:
+        out.add_counted(tile_names, np.bincount(assignment.tile_rank, minlength=num_ranks),  # tile_order: by rank first
+                        *(column.astype(np.int32)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
+                                                                             tiles.tile_q_block, tiles.tile_kv_block)))
+    else:
+        out.add_counted(tile_names, np.zeros(num_ranks, dtype=np.int64),
+                        *(np.zeros(0, dtype=np.int32) for _ in tile_names))
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
     return out
