@@ -192,6 +192,38 @@ def test_a_short_step_or_a_mistral_window_trains_on_4_ranks_as_in_one_process(se
     _assert_trains_alike(setup, FP64)
 
 
+def test_an_evaluation_of_short_batches_on_4_ranks_equals_one_process():
+    """Evaluation (model.eval(), no autograd) takes the same collate: the last short batches of an epoch, 3
+    documents of 2,000 tokens at block 4,096 and 3 of 100, give the losses of HF's own attention in one process."""
+    setup = Setup(num_layers=2)
+    steps = [[{"input_ids": torch.arange(n) * (i + 1) % 96} for i, n in enumerate(lengths)]
+             for lengths in ((2000, 2000, 2000), (100, 100, 100))]
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model, block_size=4096)
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for docs in steps:
+                loss = step_loss(setup, model, collate(docs), None)
+                dist.all_reduce(loss)
+                losses.append(float(loss))
+        return losses
+
+    model, _ = setup.model("sdpa")
+    model.eval()
+    reference = []
+    with torch.no_grad():  # each document alone: the sum of its next-token cross-entropies, over the step's count
+        for docs in steps:
+            ids = [doc["input_ids"] for doc in docs]
+            total = sum(torch.nn.functional.cross_entropy(model(input_ids=x[None]).logits[0, :-1], x[1:],
+                                                          reduction="sum") for x in ids)
+            reference.append(float(total) / sum(len(x) - 1 for x in ids))
+    for losses in run_ranks(4, task):
+        assert _worst_loss(losses, reference) <= FP64["reference_loss"], (losses, reference)
+
+
 def test_layer_masks_are_read_from_every_config_as_its_model_family_means_them():
     import transformers
 
