@@ -189,7 +189,8 @@ def dispatch_round_trip(plan_bytes: bytes, total: int):
     return task
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it): for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -212,7 +213,7 @@ def run_ranks(world: int, task, timeout: float = 120.0) -> list:
     """Run task(rank, world) on `world` forked gloo ranks; return each rank's result, raise on any failure."""
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_worker, args=(r, world, port, task, queue)) for r in range(world)]
     for proc in procs:
         proc.start()

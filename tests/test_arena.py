@@ -14,7 +14,7 @@ from fcp_compiler.format.call_plan import rank_calls, step_requests
 from fcp_compiler.format.liveness import stacked_messages
 from fcp_compiler.format.plan_format import PlanReader, TransferKind
 from fcp_compiler.format.stacked import stack_programs
-from test_call_plan import _needed, _store_tokens, masked_plan
+from plan_helpers import masked_plan, needed_pairs, store_tokens
 
 
 def _check_placement(rows, first, last, offset, extent):
@@ -95,13 +95,13 @@ def test_range_calls_compute_every_visible_token_pair_exactly_once_from_the_aren
         calls = rank_range_calls(program, requests, arenas)
         stacked = stack_programs([program])
         messages = {name: stacked_messages(stacked, name) for name in ("fwd", "bwd")}
-        stores = _store_tokens(program)
+        stores = store_tokens(program)
         total = int(program.tables.seq_lengths.sum())
         for index, request in enumerate(requests):
             held = _arena_tokens(program, arenas, messages, stores, request.pass_name, request.stage)
             computed = _range_pairs(calls, index, stores[-1], held, total)
             assert not (computed[1:] == computed[:-1]).any(), (rank, request, "a pair computed twice")
-            assert np.array_equal(computed, np.sort(_needed(program, request.tiles))), (rank, request)
+            assert np.array_equal(computed, np.sort(needed_pairs(program, request.tiles))), (rank, request)
             assert (np.bincount(calls.call_request, minlength=len(requests)) <= 4).all()  # per (query, key) tensor
         merged += calls.q_start.size
         pieces += rank_calls(program, requests).key_rows.size

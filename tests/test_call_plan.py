@@ -14,6 +14,7 @@ from fcp_compiler.format.call_plan import Request, rank_calls, step_requests
 from fcp_compiler.format.inputs import BatchSpec
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import PlanReader
+from plan_helpers import masked_plan, needed_pairs, store_tokens
 
 
 def _reference(pairs, local_len):
@@ -134,48 +135,6 @@ def test_no_pairs_make_no_calls():
     assert arrays.num_calls == 0 and arrays.call_entry_ptr.tolist() == [0] and arrays.entry_key_ptr.tolist() == [0]
 
 
-def _store_tokens(program):
-    """Global token of each row of each store: LOCAL (the plan layout) and every received pull."""
-    tables, a = program.tables, program.arrays
-    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths)))
-    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
-
-    def tokens(segs):
-        segs = np.asarray(segs, dtype=np.int64)
-        if segs.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([seq_offset[tables.seg_seq[s]] + np.arange(tables.seg_start[s], tables.seg_end[s])
-                               for s in segs])
-    stores = {LOCAL: tokens([s for b in a["blocks"].tolist() for s in range(ptr[b], ptr[b + 1])])}
-    offsets = program.seg_offsets("recv")
-    for row in range(a["pull_recv_block"].size):
-        stores[row] = tokens(a["pull_recv_segs"][offsets[row]:offsets[row + 1]])
-    return stores
-
-
-def _needed(program, tiles):
-    """Every (query token, key token) pair the tiles compute (same sequence, visible under the sequence's mask), as
-    codes query * total tokens + key."""
-    tables, a = program.tables, program.arrays
-    seq_offset = np.concatenate(([0], np.cumsum(tables.seq_lengths)))
-    total = int(seq_offset[-1])
-    ptr = np.searchsorted(tables.seg_block, np.arange(program.header.num_blocks + 1))
-    needed = [np.zeros(0, dtype=np.int64)]
-    for tile in tiles:
-        for qs in range(ptr[a["tile_q_block"][tile]], ptr[a["tile_q_block"][tile] + 1]):
-            for ks in range(ptr[a["tile_kv_block"][tile]], ptr[a["tile_kv_block"][tile] + 1]):
-                seq = tables.seg_seq[qs]
-                if tables.seg_seq[ks] != seq:
-                    continue
-                q = np.arange(tables.seg_start[qs], tables.seg_end[qs])[:, None]
-                k = np.arange(tables.seg_start[ks], tables.seg_end[ks])[None, :]
-                w = tables.seq_window[seq]
-                visible = np.ones((q.size, k.size), bool) if w == 0 else (k <= q) & (q - k < w)
-                qq, kk = np.nonzero(visible)
-                needed.append((seq_offset[seq] + q[qq, 0]) * total + seq_offset[seq] + k[0, kk])
-    return np.concatenate(needed)
-
-
 def _computed(arrays, stores, call_ids, total):
     """Every (query token, key token) pair the calls compute under flash-attn's bottom-right mask, as codes; and
     whether a query row appears at most once per call."""
@@ -205,20 +164,6 @@ def _computed(arrays, stores, call_ids, total):
     return np.concatenate(computed), once
 
 
-MASKS = {"causal": "causal", "full": "full", "window": {"kind": "sliding_window", "window": 300},
-         "mixed": [{"kind": "sliding_window", "window": 300}, "full", "causal",
-                   {"kind": "sliding_window", "window": 1000}, {"kind": "sliding_window", "window": 40}, "full"]}
-
-
-def masked_plan(mask: str, layout: str):
-    """Six sequences, long and short, on 4 ranks in blocks of 128, under one of MASKS."""
-    lengths = [1500, 700, 90, 900, 260, 600]
-    masks = MASKS[mask]
-    batch = BatchSpec.model_validate({"sequences": lengths, "masks": masks if isinstance(masks, list)
-                                      else [masks] * len(lengths)})
-    return compile_valid(batch, 4, block_size=128, coalesce=2, layout=layout)
-
-
 @pytest.mark.parametrize("mask,layout", [("causal", "plan"), ("causal", "user"), ("full", "plan"),
                                          ("window", "plan"), ("mixed", "user"), ("offloaded", "plan"),
                                          ("small calls", "plan"), ("small calls", "user")])
@@ -239,11 +184,11 @@ def test_every_visible_token_pair_of_every_tile_is_computed_exactly_once(mask, l
         program = reader.rank(rank)
         requests = step_requests(program)
         arrays = rank_calls(program, requests)
-        stores = _store_tokens(program)
+        stores = store_tokens(program)
         total = int(program.tables.seq_lengths.sum())
         for index, request in enumerate(requests):
             computed, once = _computed(arrays, stores, np.flatnonzero(arrays.call_request == index), total)
-            needed = np.sort(_needed(program, request.tiles))
+            needed = np.sort(needed_pairs(program, request.tiles))
             assert once, (rank, request)
             computed.sort()
             assert not (computed[1:] == computed[:-1]).any(), (rank, request, "a pair computed twice")

@@ -93,7 +93,8 @@ def test_the_training_script_runs_as_written_from_any_directory_and_trains_like_
     on the same documents, within the precision the README states for the recipe as written, in float32 and with
     the model in float64 (`torch.set_default_dtype` before the model is built)."""
     pytest.importorskip("transformers")
-    import socket
+    from hf_harness import readme_reference_losses
+    from runtime_harness import free_port
 
     assert _RECIPE_PRECISION, "the README states no precision for its training recipe"
     bound = float(_RECIPE_PRECISION.group(1))
@@ -102,10 +103,7 @@ def test_the_training_script_runs_as_written_from_any_directory_and_trains_like_
     if dtype == "float64":
         block = block.replace("torch.manual_seed(0)", "torch.set_default_dtype(torch.float64); torch.manual_seed(0)", 1)
     script.write_text(block)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env={**env, "RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
@@ -117,44 +115,9 @@ def test_the_training_script_runs_as_written_from_any_directory_and_trains_like_
             assert int(tokens) > 0, f"rank {rank} got no tokens"
             shares[int(step)] = shares.get(int(step), 0.0) + float(share)
     assert sorted(shares) == [0, 1, 2]
-    reference = _reference_losses(dtype)
+    reference = readme_reference_losses(dtype)
     for step, loss in enumerate(reference):
         assert abs(shares[step] - loss) <= bound * loss, (step, shares[step], loss)
-
-
-def _reference_losses(dtype: str) -> list[float]:
-    """The block's model and documents trained in this process with HF's own attention, document by document, with
-    `dtype` as torch's default (the model's dtype)."""
-    import torch
-
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        return _train_reference()
-    finally:
-        torch.set_default_dtype(torch.float32)
-
-
-def _train_reference() -> list[float]:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model, steps = LlamaForCausalLM(config), [[torch.randint(256, (n,)) for n in (1500, 300, 120, 64, 40)]] * 3
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for docs in steps:
-        count = torch.tensor(sum(len(doc) - 1 for doc in docs))
-        total = 0.0
-        for doc in docs:
-            loss = model(input_ids=doc[None], labels=doc[None], num_items_in_batch=count).loss
-            loss.backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return losses
 
 
 def test_the_repo_stands_alone_no_file_or_help_points_outside_it():

@@ -11,7 +11,7 @@ from fcp_compiler.algorithms.relays import (RelayEdges, RelayLinks, busiest_send
                                           stage_gain_bounds)
 from fcp_compiler.format.inputs import PRESET_PROFILES
 from fcp_compiler.core.ir import TransferKind
-from test_validate import edited, expect
+from plan_helpers import edited, expect
 
 # Traffic 1000x slower than H100's: stages are bound by their sends, so relays are worth choosing.
 SLOW_NETWORK = PRESET_PROFILES["h100"].model_copy(update={"network_gbps": 0.05, "nvlink_gbps": 0.05,

@@ -13,6 +13,7 @@ import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
 from fcp_runtime.stage_calls import plan_requests, prepare_calls, prepare_host, stage_calls  # noqa: E402
+from meta_harness import MetaRangeKernels  # noqa: E402
 
 
 class _HostToDevice(TorchDispatchMode):
@@ -38,18 +39,6 @@ class _MetaKernels:
 
     def backward(self, d_out, q, k, v, *args, **kwargs):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-class MetaRangeKernels:
-    """The range contract on the meta device: it writes into the accumulators it is given, and creates nothing."""
-
-    ranges = True
-
-    def forward(self, *args, **kwargs):
-        return None
-
-    def backward(self, *args, **kwargs):
-        return None
 
 
 class _NoMessages:

@@ -20,7 +20,7 @@ import fcp_runtime.checks as checks  # noqa: E402
 import fcp_runtime.executor as executor  # noqa: E402
 from conftest import compile_valid  # noqa: E402
 from fcp_runtime.kernels import FlashAttnKernels, FlexFlashAttnKernels, TorchFlashKernels  # noqa: E402
-from test_memory import _HeldMessages, meta_replay  # noqa: E402
+from meta_harness import HeldMessages, meta_replay  # noqa: E402
 
 _HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}
 
@@ -98,7 +98,7 @@ def plans():
 def test_the_stage_loops_read_nothing_back_from_the_device(monkeypatch, plans, backend, mask):
     if backend == "ffa" and mask == "windows":
         pytest.skip("FFA has no sliding window: the executor refuses such a plan (tested below)")
-    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(executor, "dist", HeldMessages(executor.dist))  # where the stage loop posts
     monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     kernels = BACKENDS[backend]()
     for rank in range(4):
@@ -114,7 +114,7 @@ def test_the_audit_catches_a_host_read(monkeypatch, plans):
             _ = bool(cu_q.sum())
             return super().forward(q, k, v, cu_q, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(executor, "dist", HeldMessages(executor.dist))  # where the stage loop posts
     monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
         meta_replay(plans["causal"], 0, Reading(), _HostReads)

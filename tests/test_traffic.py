@@ -20,8 +20,7 @@ from fcp_compiler.format.memory import Sizes, rank_range_peak_bytes  # noqa: E40
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_compiler.format.traffic import stacked_range_traffic  # noqa: E402
-from test_memory import _HeldMessages, meta_replay  # noqa: E402
-from test_runtime_stage_calls import MetaRangeKernels  # noqa: E402
+from meta_harness import HeldMessages, MetaRangeKernels, meta_replay  # noqa: E402
 
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}
 
@@ -58,7 +57,7 @@ class _Count(TorchDispatchMode):
 
 @pytest.mark.parametrize("fan_out", [False, True])
 def test_the_range_accounts_are_what_a_replay_of_the_runtime_counts(monkeypatch, fan_out):
-    monkeypatch.setattr(executor, "dist", _HeldMessages(executor.dist))  # where the stage loop posts
+    monkeypatch.setattr(executor, "dist", HeldMessages(executor.dist))  # where the stage loop posts
     monkeypatch.setattr(checks, "check_plan", lambda plan, group=None: None)  # where check_call looks
     # Long and short sequences over 8 ranks in nodes of 4: K,V and Q pulls, pushes both ways, relays with fan-out.
     plan = compile_valid([9000, 3000, 2100, 400, 1500, 700, 5200], 8, block_size=256, coalesce=2, gpus_per_node=4,

@@ -11,6 +11,7 @@ from conftest import compile_own
 from fcp_compiler.errors import PlanFormatError
 from fcp_compiler.format.plan_format import PlanReader, rebuild_plan
 from fcp_compiler.format.validate import PlanInvalidError, validate_plan
+from plan_helpers import edited, expect
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +28,6 @@ PER_NODE = 2
 @pytest.fixture(scope="module")
 def offload_bytes():
     return compile_own([32768], 16, block_size=4096, mask="full", coalesce=2).to_bytes()
-
-
-def edited(data, edit, **header_changes):
-    reader = PlanReader(data)
-    arrays = [{name: values.copy() for name, values in program.arrays.items()} for program in reader.ranks()]
-    edit(arrays)
-    return rebuild_plan(reader, arrays, **header_changes)
-
-
-def expect(data, invariant, match=None):
-    with pytest.raises(PlanInvalidError, match=match) as caught:
-        validate_plan(data)
-    assert caught.value.invariant == invariant, str(caught.value)
 
 
 def rank_with(arrays, name):
