@@ -22,7 +22,8 @@ What it changes in the Trainer, and why:
   (:class:`~fcp_runtime.hf.HFPlanningCollate`), and returns this rank's rows with labels already shifted inside each
   document (``shift_labels``).
 - **Loss.** Nothing new: the Trainer's own rule is fcp's. It counts ``shift_labels`` over this rank's rows of every
-  accumulation step and sums the count over every rank (``average_tokens_across_devices``), so each rank's loss is
+  accumulation step and sums the count over every rank (``average_tokens_across_devices``; the trainer counts them
+  itself, :meth:`FcpTrainerMixin._get_num_items_in_batch`), so each rank's loss is
   the sum of its tokens' losses over the whole step's label count; it multiplies the loss by the world size, and DDP
   averages the gradients over the world: their sum. The logged loss (each rank's losses averaged over the ranks) is
   the step's loss, as one process computes it (to fp32: the Trainer's running total is fp32).
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from fcp_runtime.hf import ATTENTION_NAME, CP_DIM, HFPlanningCollate
+from fcp_runtime.hf import ATTENTION_NAME, CP_DIM, IGNORE_INDEX, HFPlanningCollate
 
 DP_DIM = "dp"
 # Example fields that say where its documents start: TRL's packed examples carry each document's length.
@@ -310,6 +311,19 @@ class FcpTrainerMixin:
     def get_total_train_batch_size(self, args) -> int:
         """Examples per optimizer step: per replica and micro-step, times the accumulation steps and the replicas."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.fcp_dp_size
+
+    # --- the loss rule's denominator ----------------------------------------------------------------------------
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The step's label count: ``shift_labels`` over this rank's rows of every accumulation step, summed over
+        every rank (each label lies on exactly one rank of one replica). The Trainer's own count agrees where it
+        reads ``shift_labels`` (transformers 5.x recent); this one does not depend on it."""
+        if not batch_samples:
+            return None
+        count = sum(batch["shift_labels"].ne(IGNORE_INDEX).sum() for batch in batch_samples).to(device)
+        if self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
 
     # --- the model call ------------------------------------------------------------------------------------------
 
