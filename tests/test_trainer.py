@@ -279,8 +279,13 @@ def test_a_finished_steps_plan_is_forgotten_by_the_runtimes_check_on_every_rank(
     """The runtime's record of checked plans is keyed by id(plan): the trainer drops each step's plan from it, so a
     later plan of the same documents at a freed plan's address is checked again on every rank, not skipped on some
     (which deadlocked an evaluation of the same set at steps 2 and 4)."""
+    from fcp_runtime import checks
+
+    if not isinstance(getattr(checks, "_CHECKED", None), set):
+        pytest.skip("the runtime keeps no id-keyed record of checked plans: forget_plan_check is a no-op to remove")
+
     def task(rank, world):
-        from fcp_runtime import check_plan, checks
+        from fcp_runtime import check_plan
         from fcp_runtime.hf import HFPlanningCollate, attention_shape
         from fcp_runtime.trainer import forget_plan_check
 
