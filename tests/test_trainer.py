@@ -171,7 +171,7 @@ def test_an_example_fcp_cannot_cut_into_whole_documents_is_refused_in_one_line(e
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 
-def _refusals(rank, world):
+def _refusals(rank, world, output: str):
     """Each option that cannot hold, on 2 ranks: (the option, the error's first line) for each."""
     from transformers import DataCollatorWithFlattening
 
@@ -179,7 +179,6 @@ def _refusals(rank, world):
 
     as_torchrun_rank(rank, world)
     train, evaluation = long_tail_documents(8, seed=1), long_tail_documents(8, seed=2)
-    output = f"/tmp/fcp-refusals-{os.getpid()}"
 
     def attempt(name, model=None, args=None, **kwargs):
         model = model if model is not None else tiny_model("fcp")
@@ -216,8 +215,8 @@ def _refusals(rank, world):
 
 
 @needs_accelerate
-def test_options_under_which_the_loss_rule_or_the_plan_cannot_hold_are_refused_in_one_line():
-    results = run_ranks(2, _refusals, timeout=300)
+def test_options_under_which_the_loss_rule_or_the_plan_cannot_hold_are_refused_in_one_line(tmp_path):
+    results = run_ranks(2, lambda rank, world: _refusals(rank, world, str(tmp_path)), timeout=300)
     assert results[0] == results[1]
     errors = dict(results[0])
     assert errors.pop("accepted") is None  # 8 evaluation documents are 2 steps of 4
@@ -241,12 +240,12 @@ def test_options_under_which_the_loss_rule_or_the_plan_cannot_hold_are_refused_i
 
 
 @needs_accelerate
-def test_fcp_trainer_outside_torch_distributed_is_refused():
+def test_fcp_trainer_outside_torch_distributed_is_refused(tmp_path):
     def task():
         from fcp_runtime.trainer import FcpTrainer
 
         try:
-            FcpTrainer(model=tiny_model("fcp"), args=training_args("/tmp/fcp-alone", ddp_backend=None),
+            FcpTrainer(model=tiny_model("fcp"), args=training_args(str(tmp_path), ddp_backend=None),
                        train_dataset=long_tail_documents(4, seed=1))
         except ValueError as error:
             return str(error)

@@ -106,7 +106,7 @@ def test_positions_off_by_one_across_ranks_are_refused_on_every_rank_under_trl(t
 # --- context parallelism with packing: TRL alone, and what fcp refuses ---------------------------------------------
 
 
-def _sft_attempt(rank, world, *, fcp: bool, skip_device_check: bool = False, **config):
+def _sft_attempt(rank, world, output: str, *, fcp: bool, skip_device_check: bool = False, **config):
     """Build an SFTTrainer (or FcpSFTTrainer) on this rank; the first line of what it raised, or None."""
     import trl
     from accelerate.parallelism_config import ParallelismConfig
@@ -122,7 +122,7 @@ def _sft_attempt(rank, world, *, fcp: bool, skip_device_check: bool = False, **c
     run = SFTRun(cp=world, documents=24)
     train, _ = run.datasets()
     model = tiny_model("fcp" if fcp else "sdpa", vocab_size=len(tokenizer), hf_loss=True)
-    args = run.config(f"/tmp/fcp-sft-{rank}", alone=False, **{"eval_strategy": "no", **config})
+    args = run.config(output, alone=False, **{"eval_strategy": "no", **config})
     try:
         if fcp:
             FcpSFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
@@ -135,13 +135,13 @@ def _sft_attempt(rank, world, *, fcp: bool, skip_device_check: bool = False, **c
     return None
 
 
-def test_trl_alone_refuses_context_parallelism_with_packing():
+def test_trl_alone_refuses_context_parallelism_with_packing(tmp_path):
     """What TRL does without fcp when asked for CP with packing. On CPU ranks accelerate refuses the context-parallel
     config before TRL is reached; with accelerate's device check skipped (on GPUs under FSDP2 it passes), TRL's own
     check refuses packing with context parallelism, since accelerate's CP drops the packed documents' mask."""
     def task(rank, world):
-        return (_sft_attempt(rank, world, fcp=False, cp_size=2),
-                _sft_attempt(rank, world, fcp=False, cp_size=2, skip_device_check=True))
+        return (_sft_attempt(rank, world, str(tmp_path), fcp=False, cp_size=2),
+                _sft_attempt(rank, world, str(tmp_path), fcp=False, cp_size=2, skip_device_check=True))
 
     accelerate_says, trl_says = run_ranks(2, task, timeout=300)[0]
     assert accelerate_says.startswith("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or "
@@ -152,10 +152,11 @@ def test_trl_alone_refuses_context_parallelism_with_packing():
                                "parallelism drops that mask")
 
 
-def test_fcp_sft_refuses_what_cannot_hold_in_one_line():
+def test_fcp_sft_refuses_what_cannot_hold_in_one_line(tmp_path):
     """Each attempt on 2 fresh ranks (accelerate keeps process-wide state from one trainer to the next)."""
     def attempt(**config):
-        return run_ranks(2, lambda rank, world: _sft_attempt(rank, world, fcp=True, **config), timeout=300)[0]
+        return run_ranks(2, lambda rank, world: _sft_attempt(rank, world, str(tmp_path), fcp=True, **config),
+                         timeout=300)[0]
 
     wrapped = attempt(packing_strategy="wrapped")
     assert wrapped.startswith("packing_strategy='wrapped' cuts documents and glues them")
