@@ -30,9 +30,13 @@ def unbudgeted():
 
 def test_the_header_states_each_ranks_account_and_the_validator_holds_it(unbudgeted):
     reader = PlanReader(unbudgeted.to_bytes())
-    peaks = stacked_peak_bytes(stack_programs(reader.ranks()))
+    stacked = stack_programs(reader.ranks())
+    peaks = stacked_peak_bytes(stacked)
     assert reader.header.max_buffer_bytes_fwd == peaks[:, 0].tolist()
     assert reader.header.max_buffer_bytes_bwd == peaks[:, 1].tolist()
+    # Either kernel path's peak, the larger (tests/test_memory_bound.py holds each to a replay of the runtime).
+    packing, ranges = (stacked_peak_bytes(stacked, path=path) for path in ("packing", "ranges"))
+    assert np.array_equal(peaks, np.maximum(packing, ranges)) and (ranges > packing).any()
     assert reader.header.memory_budget_bytes is None
     report = validate_plan(reader)
     assert (report.max_buffer_bytes_fwd, report.max_buffer_bytes_bwd) == tuple(peaks.max(axis=0).tolist())

@@ -35,7 +35,8 @@ def stack_plan(final: Reshuffle, header: PlanHeader | dict,
 def plan_peak_bytes(final: Reshuffle, header_fields: dict,
                     columns: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                     stop_above: int | None = None, first: np.ndarray | None = None) -> np.ndarray:
-    """Each rank's peak bytes in the forward and the backward, in the plan's dtype and layout.
+    """Each rank's peak bytes in the forward and the backward, in the plan's dtype and layout, on either kernel path
+    (the larger: :func:`fcp_compiler.format.memory.stacked_peak_bytes`).
 
     Args:
         final: the plan's last IR object.

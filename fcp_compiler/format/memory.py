@@ -1,45 +1,64 @@
-"""A rank's device memory per pass, in bytes, from its plan and its call plan: every tensor the runtime creates.
+"""A rank's device memory per pass, in bytes, from its plan and its call plan: every tensor the runtime creates, on
+either kernel path; the plan states the larger (an upper bound on both).
 
-The runtime (fcp_runtime.attention) creates, per pass:
+The runtime (fcp_runtime) creates, per pass, on the packing path (a varlen kernel, flash-attn's contract):
 
 - the rank's accumulators: forward O (acc) and LSE; backward dQ and dK, dV (acc), and at the end the outputs in
-  the input dtype (forward O; backward dQ, dK, dV) beside them;
+  the input dtype (forward O; backward dQ, dK, dV) beside them (none where `acc` is the input dtype: the
+  conversion is the accumulator itself);
 - a buffer per received message, from the stage that posts it: a pull until the end of the stage of its last use
   (its last tile, the push back along it, or a relay's send), a push until the end of its stage; a pulled block
   whose results go back gets its accumulators when it arrives (forward Q: O and LSE; backward K,V: dK, dV;
   backward Q: dQ);
-- a packed copy of a sent message whose rows are not one run of its store (backward Q pulls always copy their LSE,
-  which is heads-first), held until the stage's wait;
+- a packed copy of a sent message whose rows are not one run of its store (backward Q pulls copy their LSE, which
+  is heads-first, where there is more than one head), held until the stage's wait;
 - per kernel call, one at a time: the kernel's outputs, with first the packed inputs that are not one run
-  (backward LSE always, but where it is a whole store), freed when the kernel returns, then the merges' or index
-  adds' temporaries;
+  (backward LSE, but where it is a whole store or one head's run), freed when the kernel returns, then the merges'
+  or index adds' temporaries (a merge in place: four [heads, rows] LSE terms of its run; a merge by index: the
+  gathered accumulator rows, partial rows and both LSEs, and those four);
+- after the stage's wait (the sent copies freed), each forward push that lands merges in place: four [heads, rows]
+  LSE terms of its largest run in the rows it lands in;
 - the call plan's index tensors (one int32 buffer, for the whole step): cu_q and cu_k, and positions and rows where a
   call's queries (merges) or, in the backward, its keys (dK, dV adds) of one source are not one run.
 
+On the range path (a range kernel that reads keys in place, :func:`rank_range_peak_bytes`) the received pulls live
+in one arena per kind instead, the kernels make nothing, and the index tensors are the ranges.
+
+In the user layout attention reshuffles (both paths alike): the forward packs Q, K, V [user rows] into one tensor,
+sends an index-gathered copy of it and receives the plan layout's rows, and keeps the send, the receive and the
+plan-layout Q, K, V to the end of the pass (the all-to-all's work holds them); it sends its output back (a gathered
+copy, the received rows and the user-layout output); the backward reshuffles dO in the same way (its plan-layout
+copy kept all pass) and at its end packs dQ, dK, dV and sends them back. Their index tensors (int64) are made in the
+first forward. In the plan layout none of this runs: Q, K, V, dO and what the forward saves are the caller's.
+
 `acc` is fp32 for bf16 and fp16 inputs, else the input dtype. Kernel workspaces are not counted (flash-attn's are
-small; the exact kernels are a test backend), nor, in the user layout, the reshuffle's buffers (the packed Q, K, V
-and what the all-to-all sends and receives); the account is exact in the plan layout.
-benchmarks/runtime_traffic.py compares this with the peak a meta-device replay of the runtime records.
+small; the exact kernels are a test backend). tests/test_memory_bound.py and benchmarks/runtime_traffic.py compare
+this with the peak a meta-device replay of the runtime records: the header is at or above it on every path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.arena import _release, _take, _take_end
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
-from fcp_compiler.algorithms.ranges import offsets_within
-from fcp_compiler.format.arena import rank_arenas, rank_range_calls
-from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_requests, step_table
+from fcp_compiler.algorithms.ranges import offsets, offsets_within
+from fcp_compiler.format.arena import Arenas, range_calls
+from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_table
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages, tile_pull_rows
 from fcp_compiler.format.plan_format import PlanHeader, RankProgram, TransferKind
 from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+PASSES = ("fwd", "bwd")
+PATHS = ("packing", "ranges")  # the kernel paths the runtime runs (fcp_runtime.kernels): varlen, range
 CHUNK_TILES = 20_000  # tiles of the ranks accounted together (stacked_peak_bytes)
 # An account that may stop above a limit goes in groups this many times smaller: it stops sooner where it is over
 # (the first group holds the ranks it visits first), and at hundreds of ranks groups of 5,000 tiles are no slower
@@ -93,26 +112,48 @@ class Sizes:
 
 
 def rank_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None,
-                    requests: list[Request] | None = None, calls: CallArrays | None = None) -> dict[str, int]:
-    """The peak bytes of the tensors the runtime creates in each pass on this rank (the module docstring).
+                    requests: list[Request] | None = None, calls: CallArrays | None = None,
+                    path: str | None = None) -> dict[str, int]:
+    """The peak bytes of the tensors the runtime creates in each pass on this rank (the module docstring): on both
+    kernel paths, the larger (what the plan's header states), or on one.
 
     Args:
         program: the rank's slice of the plan.
         layout: "plan" or "user" (default: the plan's).
         dtype: the attention inputs' dtype (default: the plan's).
         requests, calls: the step's call plan, when the caller has it (:func:`fcp_compiler.format.call_plan`).
+        path: "packing" or "ranges" (:data:`PATHS`): that kernel path's peak alone; default both, the larger.
     Returns:
         {"fwd": bytes, "bwd": bytes}.
     """
     stacked = stack_programs([program])
     table = step_table(stacked, layout) if requests is None else RequestTable.of(stacked, [requests])
     parts = calls_in_parts(stacked, table) if calls is None else [(0, calls)]
-    peaks = _peaks(stacked, table, parts, Sizes.of(program.header, dtype))
+    peaks = _peaks(stacked, table, parts, Sizes.of(program.header, dtype), _is_user(stacked, layout), path)
     return {"fwd": int(peaks[0, 0]), "bwd": int(peaks[0, 1])}
 
 
+def rank_range_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None) -> dict[str, int]:
+    """The peak bytes of the tensors the runtime creates in each pass on this rank when its kernel reads ranges in
+    place (a range kernel: :mod:`fcp_compiler.format.arena`): as the packing path's, but the received pulls live in
+    one arena per kind, from the stage that posts the kind's first pull to the end of the pass (their accumulators
+    in it), the kernels make nothing, a backward Q pull's LSE arrives in a buffer of its own that goes when it is
+    copied in place, and a forward Q pull's LSE is copied to be pushed back (its arena rows are not one run); the
+    index tensors are the ranges. :func:`rank_peak_bytes` with path "ranges".
+
+    Args:
+        program: the rank's slice of the plan.
+        layout: "plan" or "user" (default: the plan's).
+        dtype: the attention inputs' dtype (default: the plan's).
+    Returns:
+        {"fwd": bytes, "bwd": bytes}.
+    """
+    return rank_peak_bytes(program, layout, dtype, path="ranges")
+
+
 def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: str | None = None,
-                       stop_above: int | None = None, first: np.ndarray | None = None) -> np.ndarray:
+                       stop_above: int | None = None, first: np.ndarray | None = None,
+                       path: str | None = None) -> np.ndarray:
     """:func:`rank_peak_bytes` of every stacked rank, vectorized over ranks and their calls (the call plan of a group
     of ranks, a few requests at a time: :func:`fcp_compiler.format.call_plan.calls_in_parts`).
 
@@ -122,12 +163,14 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
         first: a priority per stacked rank (a peak it is expected to have): groups are accounted highest first, so
             an account that stops above `stop_above` stops early where the priorities are near the peaks. Changes
             no figure.
+        path: as :func:`rank_peak_bytes` (default both kernel paths, the larger).
     Returns:
         int64 [ranks accounted, 2]: per rank, the forward's and the backward's peak bytes; every stacked rank in
         order, unless the account stopped above `stop_above`: then the ranks of the groups accounted (in the order
         accounted: in rank order without `first`), the last group's peak above it.
     """
     sizes = Sizes.of(stacked.header, dtype)
+    user = _is_user(stacked, layout)
     groups = _rank_groups(stacked, CHUNK_TILES // STOPPING_GROUPS if stop_above is not None else CHUNK_TILES)
     if first is not None:
         assert first.shape == (stacked.num_ranks,)
@@ -141,7 +184,7 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
         # (the segment pairs are bounded by the call plan's parts) and change no figure.
         chunk = stacked.ranks_between(int(groups[group]), int(groups[group + 1]))
         table = step_table(chunk, layout)
-        peaks.append(_peaks(chunk, table, calls_in_parts(chunk, table), sizes))
+        peaks.append(_peaks(chunk, table, calls_in_parts(chunk, table), sizes, user, path))
         if stop_above is not None and peaks[-1].max() > stop_above:
             return np.concatenate(peaks)
     if not peaks:
@@ -149,6 +192,11 @@ def stacked_peak_bytes(stacked: StackedRanks, layout: str | None = None, dtype: 
     if first is not None:
         peaks = [peaks[position] for position in np.argsort(order).tolist()]  # back in rank order
     return np.concatenate(peaks)
+
+
+def _is_user(stacked: StackedRanks, layout: str | None) -> bool:
+    """Whether the account is of the user layout (the given one, else the plan's)."""
+    return (stacked.header.layout.value if layout is None else layout) == "user"
 
 
 def _rank_groups(stacked: StackedRanks, group_tiles: int) -> np.ndarray:
@@ -162,19 +210,41 @@ def _rank_groups(stacked: StackedRanks, group_tiles: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-def _peaks(stacked: StackedRanks, table: RequestTable, parts: Iterable[tuple[int, CallArrays]],
-           sizes: Sizes) -> np.ndarray:
-    stores = _Stores.of(stacked)
-    figures = _CallFigures.join([_CallFigures.of(stacked, stores, table, first, calls, sizes)
-                                 for first, calls in parts])
-    index_bytes = 4 * np.bincount(figures.rank, weights=figures.index_ints, minlength=stacked.num_ranks)
-    out = np.zeros((stacked.num_ranks, 2), dtype=np.int64)
+def _peaks(stacked: StackedRanks, table: RequestTable, parts: Iterable[tuple[int, CallArrays]], sizes: Sizes,
+           user: bool, path: str | None = None) -> np.ndarray:
+    """Each stacked rank's (forward, backward) peak: on `path`, or on both paths, the larger (int64 [ranks, 2])."""
+    paths = PATHS if path is None else (path,)
+    assert set(paths) <= set(PATHS), path
+    num_ranks = stacked.num_ranks
+    stores = _Stores.of(stacked, user)
     tile_pulls = tile_pull_rows(stacked)
-    for column, name in enumerate(("fwd", "bwd")):
-        stage_of_call = np.where(figures.backward == (name == "bwd"), figures.stage, -1)
-        messages = stacked_messages(stacked, name, tile_pulls=tile_pulls)
-        out[:, column] = _pass_peak(stacked.num_ranks, messages, stage_of_call, stores, figures, sizes, name)
-    out[:, 0] += index_bytes.astype(np.int64)
+    messages = {name: stacked_messages(stacked, name, tile_pulls=tile_pulls) for name in PASSES}
+    arenas = _stacked_arenas(stacked, messages) if "ranges" in paths else None
+    figures, ranges = [], np.zeros(num_ranks, dtype=np.int64)
+    for first, calls in parts:
+        if "packing" in paths:
+            figures.append(_CallFigures.of(stacked, stores, table, first, calls, sizes))
+        if arenas is not None:
+            ranges += _ranges_per_rank(stacked, table, first, calls, arenas)
+    # Index tensors, made before the forward's first stage and kept for the step: the packing path's call plan
+    # (int32), the range path's ranges (q_ranges, k_ranges and masks: int32 [ranges, 2] each).
+    index = {"ranges": 4 * 6 * ranges}
+    if figures:
+        joined = _CallFigures.join(figures)
+        index["packing"] = 4 * np.bincount(joined.rank, weights=joined.index_ints, minlength=num_ranks).astype(np.int64)
+    own = _OwnBytes.of(stacked, stores, sizes, user)
+    out = np.zeros((num_ranks, 2), dtype=np.int64)
+    for column, name in enumerate(PASSES):
+        forward = name == "fwd"
+        totals = []
+        for kernels in paths:
+            if kernels == "packing":
+                stage_of_call = np.where(joined.backward == (not forward), joined.stage, -2)
+                above = _pass_peak(num_ranks, messages[name], stage_of_call, stores, joined, sizes, name)
+            else:
+                above = _range_pass_peak(num_ranks, messages[name], stores, arenas[name], sizes, name)
+            totals.append(own.total(name, above) + (index[kernels] if forward else 0))
+        out[:, column] = np.max(totals, axis=0)
     return out
 
 
@@ -188,13 +258,98 @@ class _Stores:
     pull_send_kind: np.ndarray
     pull_send_rows: np.ndarray
     pull_send_copies: np.ndarray  # whether a sent pull's rows are not one run of the store they are sent from
+    pull_send_largest_run: np.ndarray  # the rows of its largest run there (where what comes back lands)
+    pull_send_whole: np.ndarray  # its rows are the whole store (one run)
+    pull_send_relayed_row: np.ndarray  # the stacked pull_recv row it is relayed from (-1: the rank's own rows)
+    # Sent from the rank's Q, K, V, views of the user layout's packed rows: not contiguous (but for a single row).
+    pull_send_strided: np.ndarray
 
     @classmethod
-    def of(cls, stacked: StackedRanks) -> "_Stores":
+    def of(cls, stacked: StackedRanks, user: bool = False) -> "_Stores":
         a = stacked.arrays
-        return cls(plan_tokens=stacked.plan_tokens(), pull_recv_kind=a["pull_recv_kind"],
-                   pull_recv_rows=stacked.pull_tokens("recv"), pull_send_kind=a["pull_send_kind"],
-                   pull_send_rows=stacked.pull_tokens("send"), pull_send_copies=_send_copies(stacked))
+        runs, largest = _send_runs(stacked)
+        plan_tokens, recv_rows = stacked.plan_tokens(), stacked.pull_tokens("recv")
+        send_rows = stacked.pull_tokens("send")
+        source, rank = a["pull_send_source"], stacked.rank_of("pull_send_round")
+        relayed = np.minimum(stacked.base("pull_recv_round")[rank] + source, max(recv_rows.size - 1, 0))
+        store_rows = np.where(source < 0, plan_tokens[rank], recv_rows[relayed] if recv_rows.size else 0)
+        return cls(plan_tokens=plan_tokens, pull_recv_kind=a["pull_recv_kind"], pull_recv_rows=recv_rows,
+                   pull_send_kind=a["pull_send_kind"], pull_send_rows=send_rows, pull_send_copies=runs > 1,
+                   pull_send_largest_run=largest, pull_send_whole=(runs == 1) & (send_rows == store_rows),
+                   pull_send_relayed_row=np.where(source < 0, -1, relayed),
+                   pull_send_strided=(source < 0) & (send_rows > 1) & user)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _OwnBytes:
+    """Per pass and stacked rank, what the rank holds whatever its kernel path and stages (int64 [ranks] each):
+    its accumulators all pass long (`base`); its outputs in the input dtype at the end; in the user layout the
+    reshuffles' tensors: what is kept all pass (`held`: forward the all-to-all's sent and received rows and the
+    plan-layout Q, K, V; backward the plan-layout dO), what the end adds beside the outputs (`end`: the output's
+    reshuffle back), what the pass holds before its accumulators are made (`before`) and the reshuffle's index
+    tensors (`index`, forward)."""
+
+    base: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    held: dict[str, np.ndarray]
+    end: dict[str, np.ndarray]
+    before: dict[str, np.ndarray]
+    index: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, stacked: StackedRanks, stores: _Stores, sizes: Sizes, user: bool) -> "_OwnBytes":
+        tokens = stores.plan_tokens
+        fields = {name: {} for name in ("base", "outputs", "held", "end", "before", "index")}
+        for name in PASSES:
+            fields["base"][name], fields["outputs"][name] = _own_bytes(tokens, sizes, name == "fwd")
+            for field in ("held", "end", "before", "index"):
+                fields[field][name] = np.zeros_like(tokens)
+        if user:
+            plan, mine = tokens, _user_tokens(stacked)
+            own = _self_tokens(stacked)
+            qkv = sizes.q + 2 * sizes.kv  # a row of Q, K, V packed side by side
+            # A blocking reshuffle makes its receive buffer, then the index-gathered copy it sends (freed when the
+            # all-to-all returns), then the rows in the other layout that it places the received rows in.
+            to_plan, to_user = plan + np.maximum(mine, plan), mine + np.maximum(plan, mine)
+            # Forward: Q, K, V packed [user rows]; the all-to-all's receive and send (an index-gathered copy), and
+            # the plan-layout rows they fill, the rows that stay copied in by index; then all but the packed input
+            # kept all pass (the work holds what it moves, the finishing closure the work and the receive); at the
+            # end the output goes back.
+            fields["before"]["fwd"] = (2 * mine + 2 * plan + own) * qkv
+            fields["held"]["fwd"] = (mine + 2 * plan) * qkv
+            if stacked.header.num_ranks == 1:  # the exchange is a copy, done when made: its send is not held
+                fields["before"]["fwd"] = (mine + plan + np.maximum(mine, plan + own)) * qkv
+                fields["held"]["fwd"] = 2 * plan * qkv
+            fields["end"]["fwd"] = to_user * sizes.q
+            fields["index"]["fwd"] = 8 * (mine + plan + 2 * own)  # int64 gather, scatter and the rows that stay
+            # Backward: dO comes in (its plan-layout rows kept all pass); at the end dQ, dK, dV packed side by side
+            # [plan rows] go back.
+            fields["before"]["bwd"] = to_plan * sizes.q
+            fields["held"]["bwd"] = plan * sizes.q
+            fields["end"]["bwd"] = (plan + to_user) * qkv
+        return cls(**fields)
+
+    def total(self, name: str, above: np.ndarray) -> np.ndarray:
+        """A pass's peak, given the most its stages hold above its accumulators (`above`, per rank)."""
+        ends = self.outputs[name] + self.end[name]
+        during = self.base[name] + self.held[name] + np.maximum(np.asarray(above, dtype=np.int64), ends)
+        return self.index[name] + np.maximum(self.before[name], during)
+
+
+def _user_tokens(stacked: StackedRanks) -> np.ndarray:
+    """Tokens each stacked rank holds in the user layout: rows [floor(r T / N), floor((r + 1) T / N))."""
+    header = stacked.header
+    ranks = stacked.ranks.astype(np.int64)
+    return (ranks + 1) * header.total_tokens // header.num_ranks - ranks * header.total_tokens // header.num_ranks
+
+
+def _self_tokens(stacked: StackedRanks) -> np.ndarray:
+    """Tokens each stacked rank's reshuffle sends to itself (rows that stay on it)."""
+    a = stacked.arrays
+    position = stacked.rank_of("reshuffle_send_peer")
+    mine = a["reshuffle_send_peer"] == stacked.ranks[position]
+    return np.bincount(position[mine], weights=a["reshuffle_send_length"][mine],
+                       minlength=stacked.num_ranks).astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,7 +359,7 @@ class _CallFigures:
 
     rank: np.ndarray
     backward: np.ndarray  # bool
-    stage: np.ndarray  # the stage of its request, at least 0
+    stage: np.ndarray  # the stage of its request (-1: the forward's tiles that run during the user layout's reshuffle)
     transient: np.ndarray
     index_ints: np.ndarray
 
@@ -216,7 +371,7 @@ class _CallFigures:
         backward = table.request_backward[request]
         facts = _Facts.of(stacked, stores, table.request_rank[request].astype(np.int64), calls, backward)
         transient = np.where(backward, _call_transients(facts, sizes, False), _call_transients(facts, sizes, True))
-        return cls(rank=facts.call_rank, backward=backward, stage=np.maximum(table.request_stage[request], 0),
+        return cls(rank=facts.call_rank, backward=backward, stage=table.request_stage[request],
                    transient=transient, index_ints=_index_ints(calls, facts, backward))
 
     @classmethod
@@ -235,8 +390,10 @@ class _Facts:
     q_rows: np.ndarray
     kv_rows: np.ndarray
     q_whole_store: np.ndarray  # its queries are one run that is a whole store
-    q_indexed: tuple[np.ndarray, np.ndarray]  # per call: rows of sources read and written by index, all and the
-    kv_indexed: tuple[np.ndarray, np.ndarray]  # largest source's (keys: the backward's calls only, 0 for others)
+    # Per call: rows of sources read and written by index, all and the largest source's, and the largest source's
+    # rows of those that are one run (in place); keys: the backward's calls only, 0 for others.
+    q_indexed: tuple[np.ndarray, np.ndarray, np.ndarray]
+    kv_indexed: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     @classmethod
     def of(cls, stacked: StackedRanks, stores: _Stores, call_rank: np.ndarray, calls: CallArrays,
@@ -278,11 +435,12 @@ def _runs_per_call(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.n
     return runs.astype(np.int64), first
 
 
-def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray]:
+def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per call, the rows of sources whose pieces are not one run in both the packed tensor and the store (those
-    the runtime reads and writes by index, a source at a time): their total, and the largest source's."""
+    the runtime reads and writes by index, a source at a time): their total, and the largest source's; and the
+    largest source's rows among the others (one run: read and written in place)."""
     if call.size == 0:
-        return np.zeros(num_calls, dtype=np.int64), np.zeros(num_calls, dtype=np.int64)
+        return tuple(np.zeros(num_calls, dtype=np.int64) for _ in range(3))
     before = np.cumsum(rows) - rows  # packed position, counted over all calls
     starts = np.concatenate(([True], call[1:] != call[:-1]))
     position = before - before[np.maximum.accumulate(np.where(starts, np.arange(call.size), 0))]
@@ -294,13 +452,16 @@ def _indexed_rows(call, source, row, rows, num_calls) -> tuple[np.ndarray, np.nd
     broken = np.zeros(c.size, dtype=bool)
     broken[1:] = same[1:] & ((r[1:] != r[:-1] + n[:-1]) | (p[1:] != p[:-1] + n[:-1]))
     group = np.cumsum(~same) - 1
-    group_rows = np.bincount(group, weights=n)
-    group_rows = np.where(np.bincount(group, weights=broken) > 0, group_rows, 0).astype(np.int64)
+    all_rows = np.bincount(group, weights=n).astype(np.int64)
+    indexed = np.bincount(group, weights=broken) > 0
+    group_rows = np.where(indexed, all_rows, 0)
     group_call = c[~same]
     total = np.bincount(group_call, weights=group_rows, minlength=num_calls).astype(np.int64)
     largest = np.zeros(num_calls, dtype=np.int64)
     np.maximum.at(largest, group_call, group_rows)
-    return total, largest
+    span = np.zeros(num_calls, dtype=np.int64)
+    np.maximum.at(span, group_call, np.where(indexed, 0, all_rows))
+    return total, largest, span
 
 
 def _send_copies(stacked: StackedRanks) -> np.ndarray:
@@ -313,6 +474,11 @@ def send_runs(stacked: StackedRanks) -> np.ndarray:
     """How many runs of consecutive rows each sent pull's segments (stacked rows) make in the store it is sent from
     (its rank's plan layout, or a received pull's buffer for a relay), which is also where what comes back along it
     lands (int64 per stacked pull_send row, at least 1)."""
+    return _send_runs(stacked)[0]
+
+
+def _send_runs(stacked: StackedRanks) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`send_runs`, and the rows of each sent pull's largest run (int64 per stacked pull_send row)."""
     a, tables = stacked.arrays, stacked.tables
     seg_len = (tables.seg_end - tables.seg_start).astype(np.int64)
     send_segs, send_count, source = a["pull_send_segs"], a["pull_send_seg_count"], a["pull_send_source"]
@@ -350,7 +516,17 @@ def send_runs(stacked: StackedRanks) -> np.ndarray:
     broken = np.zeros(send_segs.size, dtype=bool)
     if send_segs.size > 1:
         broken[1:] = (send_of[1:] == send_of[:-1]) & (starts[1:] != starts[:-1] + seg_len[send_segs[:-1]])
-    return 1 + np.bincount(send_of[broken], minlength=send_count.size).astype(np.int64)
+    runs = 1 + np.bincount(send_of[broken], minlength=send_count.size).astype(np.int64)
+    new_run = broken.copy()
+    new_run[:1] = True
+    if send_segs.size > 1:
+        new_run[1:] |= send_of[1:] != send_of[:-1]
+    run = np.cumsum(new_run) - 1
+    run_rows = np.bincount(run, weights=seg_len[send_segs]).astype(np.int64) if send_segs.size else run
+    largest = np.zeros(send_count.size, dtype=np.int64)
+    if send_segs.size:
+        np.maximum.at(largest, send_of[new_run], run_rows)
+    return runs, largest
 
 
 def _index_ints(calls: CallArrays, facts: _Facts, backward: np.ndarray) -> np.ndarray:
@@ -362,9 +538,11 @@ def _index_ints(calls: CallArrays, facts: _Facts, backward: np.ndarray) -> np.nd
 
 def _own_bytes(tokens: np.ndarray, sizes: Sizes, forward: bool) -> tuple[np.ndarray, np.ndarray]:
     """What a rank's own tokens hold in a pass whatever its schedule: the accumulators, all pass long, and the
-    outputs in the input dtype beside them at the end."""
+    outputs in the input dtype beside them at the end (none where the accumulators are in the input dtype: the
+    conversion is then the accumulator itself)."""
     base = tokens * ((sizes.q_acc + sizes.lse) if forward else (sizes.q_acc + 2 * sizes.kv_acc))
-    return base, tokens * (sizes.q if forward else sizes.q + 2 * sizes.kv)
+    converted = sizes.acc_bytes != sizes.dtype_bytes
+    return base, tokens * ((sizes.q if forward else sizes.q + 2 * sizes.kv) if converted else 0)
 
 
 def least_peak_bytes(header: PlanHeader, rank_tokens: np.ndarray, dtype: str | None = None) -> np.ndarray:
@@ -385,12 +563,12 @@ def least_peak_bytes(header: PlanHeader, rank_tokens: np.ndarray, dtype: str | N
 
 def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray, stores: _Stores,
                calls: _CallFigures, sizes: Sizes, name: str) -> np.ndarray:
-    """Each rank's peak in one pass: per stage, what lives while its calls run (its posts, the largest call's
-    temporaries) and what lives after its wait (arrivals' accumulators and landed pushes); the outputs at the
-    end. Returns int64 [ranks]."""
+    """The packing path: each rank's most bytes above its accumulators in one pass's stages: per stage, what lives
+    while its calls run (its posts, the largest call's temporaries) and what lives after its wait (the sent copies
+    freed; arrivals' accumulators, landed pushes and their merges); before them, the temporaries of the calls that
+    run during the user layout's reshuffle. `stage_of_call`: per call its stage in this pass (-1: before the
+    stages; -2: the other pass's). Returns int64 [ranks]."""
     forward = name == "fwd"
-    tokens = stores.plan_tokens
-    base, outputs = _own_bytes(tokens, sizes, forward)
     num_stages = max(messages.num_stages, 1)
     is_kv = stores.pull_recv_kind == TransferKind.KV
     rows = stores.pull_recv_rows
@@ -403,17 +581,33 @@ def _pass_peak(num_ranks: int, messages: PassMessages, stage_of_call: np.ndarray
     during = _interval_sums(rank, first, last, buffer, num_ranks, num_stages) + \
         _interval_sums(rank, first + 1, last, accumulator, num_ranks, num_stages)
     after = during + _interval_sums(rank, first, first, accumulator, num_ranks, num_stages)
-    push_bytes = _push_buffer_bytes(stores.pull_send_kind, stores.pull_send_rows, messages, sizes, forward)
-    pushes = _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, num_ranks, num_stages)
-    copy = _send_copy_bytes(stores.pull_send_kind, stores.pull_send_copies, stores.pull_send_rows, sizes, forward)
-    sends = _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, num_ranks, num_stages)
+    pushes, sends, landing = _message_bytes(num_ranks, num_stages, messages, stores, sizes, forward)
     mine = stage_of_call >= 0
     largest = np.zeros(num_ranks * num_stages)
     np.maximum.at(largest, calls.rank[mine] * num_stages + stage_of_call[mine], calls.transient[mine])
-    posted = during + pushes + sends
-    peak = np.maximum((posted + largest.reshape(num_ranks, num_stages)).max(axis=1),
-                      (after + pushes + sends).max(axis=1))
-    return (base + np.maximum(peak, outputs)).astype(np.int64)
+    early = np.zeros(num_ranks)
+    np.maximum.at(early, calls.rank[stage_of_call == -1], calls.transient[stage_of_call == -1])
+    peak = np.maximum((during + pushes + sends + largest.reshape(num_ranks, num_stages)).max(axis=1),
+                      (after + pushes + landing).max(axis=1))
+    return np.maximum(peak, early).astype(np.int64)
+
+
+def _message_bytes(num_ranks: int, num_stages: int, messages: PassMessages, stores: _Stores, sizes: Sizes,
+                   forward: bool, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (rank, stage), float [num_ranks, num_stages] each: the buffers of the pushes it receives (posted with the
+    stage, kept to its end), the copies it sends (until the stage's wait), and the largest merge of a forward push
+    landing after the wait (four [heads, rows] LSE terms of its largest run where it lands). `whole`: per sent pull,
+    whether its LSE is a whole tensor's (default: whether it is its whole store)."""
+    push_bytes = _push_buffer_bytes(stores.pull_send_kind, stores.pull_send_rows, messages, sizes, forward)
+    pushes = _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, num_ranks, num_stages)
+    copy = _send_copy_bytes(stores, sizes, forward, stores.pull_send_whole if whole is None else whole)
+    sends = _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, num_ranks, num_stages)
+    landing = np.zeros(num_ranks * num_stages)
+    if forward:
+        merge = 4 * sizes.lse * stores.pull_send_largest_run[messages.push_recv_pull]
+        merge = np.where(stores.pull_send_kind[messages.push_recv_pull] == TransferKind.Q, merge, 0)
+        np.maximum.at(landing, messages.push_recv_rank * num_stages + messages.push_recv_stage, merge)
+    return pushes, sends, landing.reshape(num_ranks, num_stages)
 
 
 def _received_row_bytes(sizes: Sizes, forward: bool) -> tuple[dict[int, int], dict[int, int]]:
@@ -435,14 +629,19 @@ def _push_buffer_bytes(send_kind: np.ndarray, send_rows: np.ndarray, messages: P
                    np.where(kv, 2 * sizes.kv_acc, sizes.q_acc))
 
 
-def _send_copy_bytes(send_kind: np.ndarray, copies: np.ndarray, send_rows: np.ndarray, sizes: Sizes,
-                     forward: bool) -> np.ndarray:
-    """Per sent pull, the bytes of the packed copy the runtime sends (where its rows are not one run; a backward Q
-    pull's LSE, always)."""
-    kv = send_kind == TransferKind.KV
+def _send_copy_bytes(stores: _Stores, sizes: Sizes, forward: bool, whole: np.ndarray) -> np.ndarray:
+    """Per sent pull, the bytes of the packed copy the runtime sends: its tensors where its rows are not one run,
+    and Q, K, V where they are views of the user layout's packed rows (strided, but for a single row); a backward Q
+    pull's LSE (heads-first) where there is more than one head, unless it is a whole tensor's (`whole`)."""
+    kv = stores.pull_send_kind == TransferKind.KV
+    copies = stores.pull_send_copies
+    qkv = copies | stores.pull_send_strided
+    rows = stores.pull_send_rows
     if forward:
-        return np.where(copies, np.where(kv, 2 * sizes.kv, sizes.q), 0) * send_rows
-    return np.where(kv, np.where(copies, 2 * sizes.kv, 0), np.where(copies, 3 * sizes.q, 0) + sizes.lse) * send_rows
+        return np.where(qkv, np.where(kv, 2 * sizes.kv, sizes.q), 0) * rows
+    lse = np.where(copies | ((sizes.q_heads > 1) & ~whole), sizes.lse, 0)
+    return np.where(kv, np.where(qkv, 2 * sizes.kv, 0),
+                    np.where(qkv, sizes.q, 0) + np.where(copies, 2 * sizes.q, 0) + lse) * rows
 
 
 def _per_slot(rank: np.ndarray, stage: np.ndarray, values: np.ndarray, num_ranks: int, num_stages: int) -> np.ndarray:
@@ -465,76 +664,150 @@ def _interval_sums(rank: np.ndarray, first: np.ndarray, last: np.ndarray, values
 
 def _call_transients(facts: _Facts, sizes: Sizes, forward: bool) -> np.ndarray:
     """Per call, the most bytes it holds at once: the kernel's outputs beside either its packed inputs that are not
-    one run (freed when the kernel returns) or the largest merge's temporaries (index gathers, or four
-    [heads, rows] LSE terms in place)."""
+    one run (freed when the kernel returns) or the largest merge's temporaries (in place: four [heads, rows] LSE
+    terms of its source's rows; by index: the gathered accumulator and partial rows, both LSEs, and those four)."""
     q_rows, kv_rows = facts.q_rows, facts.kv_rows
     q_packed, kv_packed = facts.q_runs > 1, facts.kv_runs > 1
     if forward:
         inputs = np.where(q_packed, sizes.q * q_rows, 0) + np.where(kv_packed, 2 * sizes.kv * kv_rows, 0)
         outputs = q_rows * (sizes.q + sizes.lse)
-        merge = np.maximum(4 * sizes.lse * q_rows, facts.q_indexed[1] * (sizes.q_acc + sizes.q + 2 * sizes.lse))
+        merge = np.maximum(4 * sizes.lse * facts.q_indexed[2],
+                           facts.q_indexed[1] * (sizes.q_acc + sizes.q + 6 * sizes.lse))
         return outputs + np.maximum(inputs, merge)
-    lse_copy = np.where(facts.q_whole_store, 0, sizes.lse * q_rows)
+    # The LSE is gathered heads-first: a copy unless it is a whole store, or one run of a single head's rows.
+    lse_copy = np.where(facts.q_whole_store | ((facts.q_runs == 1) & (sizes.q_heads == 1)), 0, sizes.lse * q_rows)
     inputs = np.where(q_packed, 3 * sizes.q * q_rows, 0) + lse_copy + np.where(kv_packed, 2 * sizes.kv * kv_rows, 0)
     outputs = q_rows * sizes.q + 2 * kv_rows * sizes.kv
-    adds = np.maximum(facts.q_indexed[1] * (sizes.q + sizes.q_acc), facts.kv_indexed[1] * 2 * (sizes.kv + sizes.kv_acc))
+    # An add by index gathers the results' rows, converted to the accumulators' dtype (a copy where it differs).
+    converted = sizes.acc_bytes != sizes.dtype_bytes
+    adds = np.maximum(facts.q_indexed[1] * (sizes.q + converted * sizes.q_acc),
+                      facts.kv_indexed[1] * 2 * (sizes.kv + converted * sizes.kv_acc))
     return outputs + np.maximum(inputs, adds)
 
 
-def rank_range_peak_bytes(program: RankProgram, layout: str | None = None, dtype: str | None = None) -> dict[str, int]:
-    """The peak bytes of the tensors the runtime creates in each pass on this rank when its kernel reads ranges in
-    place (a range kernel: :mod:`fcp_compiler.format.arena`): as :func:`rank_peak_bytes`, but the received pulls
-    live in one arena per kind, from the stage that posts the kind's first pull to the end of the pass (their
-    accumulators in it), the kernels make nothing, a backward Q pull's LSE arrives in a buffer of its own that goes
-    when it is copied in place, and a forward Q pull's LSE is copied to be pushed back (its arena rows are not one
-    run); the index tensors are the ranges.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StackedArenas:
+    """One pass's arenas of every stacked rank (:func:`fcp_compiler.format.arena.rank_arenas`, rank by rank): each
+    received pull's first row in its kind's arena (int64 per stacked pull_recv row) and each rank's arena rows per
+    kind (int64 [ranks])."""
 
-    Args:
-        program: the rank's slice of the plan.
-        layout: "plan" or "user" (default: the plan's).
-        dtype: the attention inputs' dtype (default: the plan's).
-    Returns:
-        {"fwd": bytes, "bwd": bytes}.
-    """
-    stacked = stack_programs([program])
-    sizes = Sizes.of(program.header, dtype)
-    a = stacked.arrays
-    arenas = rank_arenas(program)
-    recv_rows, send_rows = stacked.pull_tokens("recv"), stacked.pull_tokens("send")
-    tokens = int(stacked.plan_tokens()[0])
-    ranges = rank_range_calls(program, step_requests(program, layout), arenas).q_start.size
+    pull_offset: np.ndarray
+    rows: dict[int, np.ndarray]
+
+
+def _stacked_arenas(stacked: StackedRanks, messages: dict[str, PassMessages]) -> dict[str, _StackedArenas]:
+    """Every stacked rank's arenas per pass, placed as :func:`fcp_compiler.format.arena.rank_arenas` places them
+    (the same placement: :func:`_place_arenas`)."""
+    tables, a = stacked.tables, stacked.arrays
+    segs, counts = a["pull_recv_segs"], a["pull_recv_seg_count"]
+    ptr = offsets(counts)
+    rows = stacked.pull_tokens("recv")
+    first_seg = segs[np.minimum(ptr[:-1], max(segs.size - 1, 0))] if segs.size else np.zeros(0, dtype=np.int64)
+    # Within a stage, pulls in sequence order (ranks apart: only the order within a rank counts).
+    order = np.empty(counts.size, dtype=np.int64)
+    order[np.lexsort((tables.seg_start[first_seg], tables.seg_seq[first_seg]))] = np.arange(counts.size)
+    arena = stacked.rank_of("pull_recv_kind") * 2 + a["pull_recv_kind"]  # one arena per (rank, kind)
     out = {}
-    for name in ("fwd", "bwd"):
-        messages = stacked_messages(stacked, name)
-        out[name] = _range_pass_peak(a, messages, arenas[name], recv_rows, send_rows, _send_copies(stacked), tokens,
-                                     sizes, name)
-    out["fwd"] += 4 * 6 * ranges  # q_ranges, k_ranges and masks: int32 [ranges, 2] each, for the whole step
+    for name in PASSES:
+        offset, extent = _place_arenas(arena, rows, messages[name].pull_recv_stage, messages[name].pull_recv_last,
+                                       order, 2 * stacked.num_ranks)
+        extent = extent.reshape(stacked.num_ranks, 2)
+        out[name] = _StackedArenas(pull_offset=offset, rows={kind: extent[:, kind] for kind in TransferKind})
     return out
 
 
-def _range_pass_peak(a: dict, messages: PassMessages, arenas, recv_rows: np.ndarray, send_rows: np.ndarray,
-                     send_copies: np.ndarray, tokens: int, sizes: Sizes, name: str) -> int:
-    """One pass's peak on the range path (:func:`rank_range_peak_bytes`)."""
+def _place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray,
+                  num_arenas: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fcp_compiler.algorithms.arena.place_buffers` of each arena's buffers (`arena`: int per buffer), all in
+    one loop over plain lists: the same offsets (int64 per buffer) and arena rows (int64 [num_arenas]), without the
+    per-arena call's array overhead (hundreds of thousands of pulls at hundreds of ranks)."""
+    by_start = np.lexsort((np.arange(arena.size), order, first, arena)).tolist()
+    arena_of, size_of, first_of, last_of = arena.tolist(), rows.tolist(), first.tolist(), last.tolist()
+    offset = [0] * arena.size
+    extent = [0] * num_arenas
+    count, low = len(by_start), 0
+    while low < count:
+        which = arena_of[by_start[low]]
+        gaps: list[list[int]] = []
+        live: list[tuple[int, int]] = []
+        end = 0
+        while low < count and arena_of[by_start[low]] == which:
+            stage = first_of[by_start[low]]
+            high = low
+            while high < count and arena_of[by_start[high]] == which and first_of[by_start[high]] == stage:
+                high += 1
+            while live and live[0][0] < stage:
+                _, done = heapq.heappop(live)
+                _release(gaps, offset[done], offset[done] + size_of[done])
+            group = by_start[low:high]
+            start = _take(gaps, sum(size_of[buffer] for buffer in group))
+            for buffer in group:
+                size = size_of[buffer]
+                if start is None:
+                    at = _take(gaps, size)
+                    if at is None:
+                        at, end = _take_end(gaps, size, end)
+                else:
+                    at, start = start, start + size
+                offset[buffer] = at
+                heapq.heappush(live, (last_of[buffer], buffer))
+            low = high
+        extent[which] = end
+    return np.asarray(offset, dtype=np.int64), np.asarray(extent, dtype=np.int64)
+
+
+def _ranges_per_rank(stacked: StackedRanks, table: RequestTable, first: int, calls: CallArrays,
+                     arenas: dict[str, _StackedArenas]) -> np.ndarray:
+    """The range path's ranges per stacked rank of one part's calls (call_request counted from request `first`):
+    the calls as :func:`fcp_compiler.format.arena.range_calls` makes them over each rank's arenas. int64 [ranks]."""
+    call_rank = table.request_rank[calls.call_request + first]
+    recv_base = stacked.base("pull_recv_round")
+    entry_rank = call_rank[calls.entry_call]
+    key_rank = entry_rank[calls.key_entry]
+    # Received pulls as stacked rows, so that one placement (the stacked offsets) serves every rank's calls.
+    q_source, key_source = calls.entry_q_source, calls.key_source
+    stacked_calls = dataclasses.replace(
+        calls, entry_q_source=np.where(q_source == LOCAL, LOCAL, q_source + recv_base[entry_rank]),
+        key_source=np.where(key_source == LOCAL, LOCAL, key_source + recv_base[key_rank]))
+    placed = {name: Arenas(pull_offset=arena.pull_offset, q_rows=0, kv_rows=0) for name, arena in arenas.items()}
+    ranged = range_calls(stacked_calls, table.request_backward[first:], placed)
+    return np.bincount(table.request_rank[ranged.call_request + first], weights=np.diff(ranged.call_range_ptr),
+                       minlength=stacked.num_ranks).astype(np.int64)
+
+
+def _range_pass_peak(num_ranks: int, messages: PassMessages, stores: _Stores, arenas: _StackedArenas, sizes: Sizes,
+                     name: str) -> np.ndarray:
+    """The range path: each rank's most bytes above its accumulators in one pass's stages (:func:`_pass_peak`'s
+    figure): the arenas, each from the stage that posts its kind's first pull to the end of the pass (their
+    accumulators in it), a backward Q pull's LSE in a buffer of its own until it is copied in place after the
+    stage's wait, the pushes and sent copies as on the packing path, and a forward Q pull's LSE copied to be pushed
+    back (its arena rows are not one run where there is more than one head, unless they are the whole arena).
+    Returns int64 [ranks]."""
     forward = name == "fwd"
-    base, outputs = (int(x[0]) for x in _own_bytes(np.asarray([tokens]), sizes, forward))
     num_stages = max(messages.num_stages, 1)
-    live = np.zeros(num_stages)
-    kinds = a["pull_recv_kind"]
+    kinds = stores.pull_recv_kind
+    recv_rows = stores.pull_recv_rows
     buffer_row, accumulator_row = _received_row_bytes(sizes, forward)
-    extent = {TransferKind.KV: arenas.kv_rows, TransferKind.Q: arenas.q_rows}
+    held = np.zeros((num_ranks, num_stages))
+    everyone = np.arange(num_ranks)
     for kind in (TransferKind.KV, TransferKind.Q):
-        posted = messages.pull_recv_stage[kinds == kind]
-        if posted.size:  # made when the kind's first pull is posted, kept to the pass's end
-            live[int(posted.min()):] += (buffer_row[kind] + accumulator_row[kind]) * extent[kind]
-    if not forward:  # a Q pull's LSE, received whole, until it is copied into the arena after the stage's wait
+        mine = kinds == kind
+        posted = np.full(num_ranks, num_stages, dtype=np.int64)  # made when the kind's first pull is posted
+        np.minimum.at(posted, messages.pull_recv_rank[mine], messages.pull_recv_stage[mine])
+        held += _interval_sums(everyone, posted, np.full(num_ranks, num_stages - 1),
+                               (buffer_row[kind] + accumulator_row[kind]) * arenas.rows[kind], num_ranks, num_stages)
+    # A relay sends from its arena rows: a whole tensor only where they are the whole arena.
+    source = stores.pull_send_relayed_row
+    relays = source >= 0
+    whole = stores.pull_send_whole.copy()
+    whole[relays] &= recv_rows[source[relays]] == arenas.rows[TransferKind.Q][messages.pull_send_rank[relays]]
+    pushes, sends, landing = _message_bytes(num_ranks, num_stages, messages, stores, sizes, forward, whole)
+    during = held + pushes + sends
+    if not forward:  # a Q pull's LSE, received whole
         lse = np.where(kinds == TransferKind.Q, sizes.lse * recv_rows, 0)
-        live += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, lse, 1, num_stages)[0]
-    push_bytes = _push_buffer_bytes(a["pull_send_kind"], send_rows, messages, sizes, forward)
-    live += _per_slot(messages.push_recv_rank, messages.push_recv_stage, push_bytes, 1, num_stages)[0]
-    copy = _send_copy_bytes(a["pull_send_kind"], send_copies, send_rows, sizes, forward)
-    live += _per_slot(messages.pull_send_rank, messages.pull_send_stage, copy, 1, num_stages)[0]
-    if forward and sizes.q_heads > 1:  # a Q pull's results go back from its arena rows: the LSE ([heads, rows]) is
-        # copied to be sent (one head's rows are contiguous)
-        live += _per_slot(messages.push_send_rank, messages.push_send_stage,
-                          sizes.lse * recv_rows[messages.push_send_pull], 1, num_stages)[0]
-    return base + int(max(live.max(), outputs))
+        during += _per_slot(messages.pull_recv_rank, messages.pull_recv_stage, lse, num_ranks, num_stages)
+    elif sizes.q_heads > 1:  # a contiguous copy of the LSE's arena rows, unless they are the whole arena
+        rows = recv_rows[messages.push_send_pull]
+        copied = np.where(rows < arenas.rows[TransferKind.Q][messages.push_send_rank], sizes.lse * rows, 0)
+        during += _per_slot(messages.push_send_rank, messages.push_send_stage, copied, num_ranks, num_stages)
+    return np.maximum(during.max(axis=1), (held + pushes + landing).max(axis=1)).astype(np.int64)
