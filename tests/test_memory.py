@@ -18,10 +18,6 @@ from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
 from meta_harness import HeldMessages, MetaKernels, Peak, Work, meta_replay  # noqa: E402
 
-# Transitional: tests/test_memory_bound.py (in progress, not yet committed) still imports these from here under their
-# old private names. Remove this line once it imports HeldMessages, MetaKernels, Peak, Work from meta_harness.
-_HeldMessages, _MetaKernels, _Peak, _Work = HeldMessages, MetaKernels, Peak, Work
-
 
 def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
     return {name: mode.peak for name, mode in meta_replay(plan_bytes, rank, MetaKernels(), Peak).items()}

@@ -3,7 +3,7 @@ on either kernel path (packing: flash-attn's varlen contract; ranges: a range ke
 either layout, dtype and mask, at small and large blocks, with as many K,V heads as query heads or fewer.
 
 Each rank's forward and backward are replayed on the meta device (the kernels and messages stubbed, every tensor an
-op creates counted from its creation until Python frees it: tests/test_memory.py's _Peak) and the replay's peak is
+op creates counted from its creation until Python frees it: tests/meta_harness.py's Peak) and the replay's peak is
 held against the header; each path's own account (rank_peak_bytes(path=...)) is held to the replay exactly."""
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from fcp_compiler.format.memory import PATHS, rank_peak_bytes, stacked_peak_byte
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
-from test_memory import _HeldMessages, _MetaKernels, _Peak, _Work  # noqa: E402
-from test_runtime_stage_calls import MetaRangeKernels  # noqa: E402
+from meta_harness import HeldMessages, MetaKernels, MetaRangeKernels, Peak, Work  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LENGTHS = [9000, 3000, 2100, 400, 1500, 700, 5200]
@@ -71,13 +70,13 @@ SWEEP = [Case(f"b{block}-{'mha' if heads == MHA else 'gqa'}-{dtype}-{layout}-{ma
          for mask in (None, "sliding_window:1000")]
 
 
-class _Collectives(_HeldMessages):
+class _Collectives(HeldMessages):
     """torch.distributed as tests/test_memory.py stubs it, with an all-to-all that moves nothing and whose work (an
     async one's) holds what it moves until it is dropped."""
 
     @staticmethod
     def all_to_all_single(out, rows, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        return _Work([out, rows]) if async_op else None
+        return Work([out, rows]) if async_op else None
 
 
 @pytest.fixture
@@ -107,7 +106,7 @@ def _mask(name: str):
 
 
 def _replay(data: bytes, rank: int, kernels, dtype: torch.dtype, layout: str) -> dict[str, int]:
-    """One rank's forward and backward on meta tensors in `layout`, each pass under a fresh _Peak: their peaks."""
+    """One rank's forward and backward on meta tensors in `layout`, each pass under a fresh Peak: their peaks."""
     plan = load_rank_plan(data, rank)
     rows = plan.plan_tokens if layout == "plan" else plan.user_tokens
     meta = torch.device("meta")
@@ -115,9 +114,9 @@ def _replay(data: bytes, rank: int, kernels, dtype: torch.dtype, layout: str) ->
     k = torch.empty((rows, plan.kv_heads, plan.head_dim), dtype=dtype, device=meta, requires_grad=True)
     v = torch.empty_like(k, requires_grad=True)
     grad = torch.empty_like(q)
-    with _Peak() as forward:
+    with Peak() as forward:
         out = attention.fcp_attn_func(q, k, v, plan, layout=layout, kernels=kernels)
-    with _Peak() as backward:
+    with Peak() as backward:
         out.backward(grad)
     return {"fwd": forward.peak, "bwd": backward.peak}
 
@@ -133,7 +132,7 @@ def _check(case: Case) -> None:
     accounts = {path: stacked_peak_bytes(stacked, path=path) for path in PATHS}
     assert np.array_equal(np.maximum(*accounts.values()), stated)
     for rank in range(case.gpus):
-        for path, kernels in (("packing", _MetaKernels()), ("ranges", MetaRangeKernels())):
+        for path, kernels in (("packing", MetaKernels()), ("ranges", MetaRangeKernels())):
             replayed = _replay(data, rank, kernels, DTYPES[case.dtype], case.layout)
             for column, name in enumerate(("fwd", "bwd")):
                 where = (case.name, rank, path, name)
