@@ -16,7 +16,7 @@ from fcp_compiler.format.memory import rank_peak_bytes  # noqa: E402
 from fcp_compiler.format.stacked import stack_programs  # noqa: E402
 from fcp_compiler.format.plan_format import PlanReader  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
-from meta_harness import HeldMessages, MetaKernels, Peak, Work, meta_replay  # noqa: E402
+from meta_harness import HeldMessages, MetaKernels, Peak, meta_replay  # noqa: E402
 
 
 def _replay_peaks(plan_bytes: bytes, rank: int) -> dict[str, int]:
