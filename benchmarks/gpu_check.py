@@ -1,5 +1,7 @@
 """The GPU check: the CUDA kernel backends against the exact kernel on a real plan's call shapes, a world-1 training
 step of a Hugging Face model under fcp, and measured kernel time per call shape beside the profile's efficiency curve.
+Where torchtitan is installed (the torchtitan extra), also torchtitan's own Trainer with fcp (FcpTrainer) for a step
+against torchtitan's model one document at a time (torchtitan_step; on the CPU its model, collate and hook alone).
 
     python benchmarks/gpu_check.py              # on one CUDA GPU: under 8 minutes on an H100
     python benchmarks/gpu_check.py --dry-run    # the same code on the CPU, at a small shape (run by the test suite)
@@ -243,6 +245,203 @@ def train_step(run: Setting) -> str:
            f"relative {relative:.1e} (bound {bound:.0e}) {verdict}"
 
 
+def _titan_trainer_config(folder: str, dump_folder: str, steps: int):
+    """A torchtitan Trainer.Config for a tiny random GQA Llama 3 (torchtitan's own Llama3Model, 2 layers, 4 query and
+    2 KV heads of 32) on a local long-tail set of documents (torchtitan's c4_test format) with a byte tokenizer: no
+    download. Returns (config, tokenizer class)."""
+    import dataclasses
+    import json
+
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers, parallelize_llama
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.trainer import Trainer
+
+    class ByteTokenizer(BaseTokenizer):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config=None, *, tokenizer_path=None):
+            super().__init__()
+            self.bos_id, self.eos_id = 1, 2
+
+        def encode(self, text, add_bos=False, add_eos=False):
+            return [1] * add_bos + [3 + byte % 253 for byte in text.encode()] + [2] * add_eos
+
+        def decode(self, ids):
+            return ""
+
+        def get_vocab_size(self):
+            return 256
+
+    rng = np.random.default_rng(0)
+    lengths = [int(np.clip(rng.lognormal(np.log(60), 1.0), 2, 600)) for _ in range(200)]
+    lengths[1] = 1500  # one document longer than a row of 1,024 tokens: it crosses rows, as torchtitan packs them
+    with open(Path(folder) / "train.jsonl", "w") as out:
+        for length in lengths:
+            out.write(json.dumps({"text": "".join(chr(97 + int(c)) for c in rng.integers(0, 26, length))}) + "\n")
+    dim, heads = 128, 4
+    model = Llama3Model.Config(
+        dim=dim, vocab_size=256,
+        tok_embeddings=Embedding.Config(num_embeddings=256, embedding_dim=dim,
+                                        param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": torch.nn.init.ones_}),
+        lm_head=Linear.Config(in_features=dim, out_features=256,
+                              param_init={"weight": lambda w: torch.nn.init.normal_(w, std=dim ** -0.5)}),
+        layers=_build_llama3_layers(n_layers=2, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=256,
+                                    rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=4096, theta=500000,
+                                                            scaling="llama"), attn_backend="flex"))
+    spec = ModelSpec(name="llama3", flavor="gpu_check", model=model, parallelize_fn=parallelize_llama,
+                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+    config = Trainer.Config(model_spec=spec, loss=CrossEntropyLoss.Config(), optimizer=default_adamw(lr=1e-3),
+                            tokenizer=ByteTokenizer.Config(), dump_folder=dump_folder,
+                            metrics=MetricsProcessor.Config(log_freq=1), debug=DebugConfig(seed=0),
+                            parallelism=ParallelismConfig(),
+                            training=TrainingConfig(local_batch_size=2, seq_len=1024, steps=steps),
+                            dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=folder))
+    return config, ByteTokenizer
+
+
+def _titan_reference_loss(model_config, weights: dict, batch, device, dtype) -> float:
+    """The batch's loss in one process without CP: torchtitan's model with its ScaledDotProductAttention inner
+    attention (causal) and the given weights, each document alone at positions 0.. (torchtitan's block-causal mask
+    reads documents where positions restart at 0), the summed cross-entropy (fp32 logits, as torchtitan's loss)
+    over the batch's label count."""
+    import copy
+
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    from fcp_runtime.torchtitan import row_documents
+
+    model_config = copy.deepcopy(model_config)  # the trainer's own stays as it is
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = model_config.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, p in model.named_parameters():
+            p.copy_(weights[name.replace("_checkpoint_wrapped_module.", "")])
+    model.to(dtype)
+    input_dict, labels = batch
+    count = int((labels != IGNORE_INDEX).sum())
+    total = 0.0
+    with torch.no_grad():
+        for row in range(labels.shape[0]):
+            pieces = row_documents(input_dict["positions"][row].cpu(), row)
+            for ids, doc_labels in zip(input_dict["input"][row].split(pieces), labels[row].split(pieces)):
+                logits = model(ids[None].to(device), positions=torch.arange(ids.numel(), device=device)[None])
+                total += float(torch.nn.functional.cross_entropy(logits[0].float(), doc_labels.to(device),
+                                                                 reduction="sum", ignore_index=IGNORE_INDEX))
+    return total / count
+
+
+def torchtitan_step(run: Setting) -> str:
+    """torchtitan with fcp as its context parallelism (fcp_runtime/torchtitan.py, the torchtitan extra), world 1.
+
+    On CUDA: torchtitan's own Trainer with fcp (FcpTrainer: its mesh, FSDP's bf16 mixed precision, selective
+    activation checkpointing, fcp's CUDA kernels) takes the first batch's forward and backward
+    (Trainer.forward_backward_step), beside torchtitan's model with its SDPA one document at a time on the trainer's
+    initial weights, then two more training steps (Trainer.train_step; torchtitan's train() loop calls
+    torch.distributed.set_timeout, which torch 2.13 does not have). On the CPU (--dry-run) torchtitan's Trainer
+    cannot be built: it picks its device as `_get_available_device_type() or "cuda"` (torchtitan/tools/utils.py) and
+    Trainer.__init__ calls `device_module.set_device(self.device)`; so the same model, dataloader, collate and hook
+    run without the Trainer: torchtitan's Llama 3 through FcpAttention and prepare_fcp_input (world 1, gloo), fp32.
+    """
+    try:
+        import fcp_runtime.torchtitan as fcp_titan
+    except ImportError:
+        return "torchtitan step: torchtitan not installed, skipped"
+    import dataclasses
+    import os
+    import socket
+    import tempfile
+
+    import torch.distributed as dist
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            import datasets.config
+
+            datasets.config.HF_DATASETS_CACHE = str(Path(folder) / "cache")  # load_dataset's cache, read at each call
+            config, tokenizer = _titan_trainer_config(folder, str(Path(folder) / "outputs"), steps=3)
+            config = fcp_titan.FcpTrainer.Config.of(config, block_size=256)
+            if run.device.type == "cuda":
+                trainer = config.build()
+                model = trainer.model_parts[0]
+                weights = {name.replace("_checkpoint_wrapped_module.", ""):
+                           (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                           for name, p in model.named_parameters()}
+                batches = trainer.batch_generator(trainer.dataloader)
+                input_dict, labels = next(batches)
+                batch = ({k: v.to(trainer.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in input_dict.items()}, labels.to(trainer.device))
+                count = (batch[1] != IGNORE_INDEX).sum()
+                loss = float(trainer.forward_backward_step(input_dict=dict(batch[0]), labels=batch[1],
+                                                           global_valid_tokens=count).detach())
+                dtype = torch.bfloat16  # FSDP's mixed_precision_param
+                reference = _titan_reference_loss(trainer.model_config, weights, batch, trainer.device, dtype)
+                for _ in range(2):
+                    trainer.step += 1
+                    trainer.train_step(batches)
+                trainer.close()
+                extra = ", then 2 train_steps"
+            else:
+                torch.manual_seed(0)
+                model_config = fcp_titan.use_fcp_attention(config.model_spec.model)
+                model_config.update_from_config(config=config)
+                with torch.device("meta"):
+                    model = model_config.build()
+                model.to_empty(device="cpu")
+                with torch.no_grad():
+                    model.init_weights(buffer_device=None)
+                weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+                loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer(),
+                                                 seq_len=config.training.seq_len,
+                                                 local_batch_size=config.training.local_batch_size)
+                loader.collate_fn = fcp_titan.TitanPlanningCollate.for_model(model_config, 0, 1, dtype=run.dtype,
+                                                                             block_size=config.fcp.block_size)
+                input_dict, labels = next(iter(loader))
+                extra_kwargs = {k: v for k, v in input_dict.items() if k != "input"}
+                inputs, rows_labels, extra_kwargs = fcp_titan.prepare_fcp_input(input_dict["input"], labels,
+                                                                                extra_kwargs, None)
+                logits = model(inputs, **extra_kwargs)
+                count = (labels != IGNORE_INDEX).sum()
+                step_loss = torch.nn.functional.cross_entropy(logits[0].float(), rows_labels[0], reduction="sum",
+                                                              ignore_index=IGNORE_INDEX) / count
+                step_loss.backward()
+                loss, dtype = float(step_loss.detach()), run.dtype
+                batch = ({k: input_dict[k] for k in ("input", "positions")}, labels)
+                reference = _titan_reference_loss(model_config, weights, batch, run.device, dtype)
+                extra = ""
+    finally:
+        dist.destroy_process_group()
+    relative = abs(loss - reference) / abs(reference)
+    bound = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    verdict = "ok" if relative <= bound and math.isfinite(loss) else "DIFFERS"
+    return f"torchtitan step on {run.device.type}: loss fcp {loss:.6f}, torchtitan SDPA by document " \
+           f"{reference:.6f}, relative {relative:.1e} (bound {bound:.0e}){extra} {verdict}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU at a small shape")
@@ -263,11 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows))
     print("measured: the call's useful FLOPs over (time x the profile's peak); profile: the compiler's efficiency "
           "curve (calibrate.py's fit) at the call's mean entry tile")
+    titan = torchtitan_step(run)
+    print(titan)
     step = train_step(run)
     print(step)
-    print(f"gpu_check: {'PASS' if kernels_ok and step.endswith('ok') else 'FAIL'} in "
-          f"{time.perf_counter() - started:.1f} s")
-    return 0 if kernels_ok and step.endswith("ok") else 1
+    passed = kernels_ok and step.endswith("ok") and titan.endswith(("ok", "skipped"))
+    print(f"gpu_check: {'PASS' if passed else 'FAIL'} in {time.perf_counter() - started:.1f} s")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,515 @@
+"""fcp as torchtitan's context-parallel path (torchtitan 0.3.x, its Llama 3 and other GQAttention decoders).
+
+Only this module imports torchtitan: ``import fcp_runtime`` never does. Three pieces, each where torchtitan keeps
+its own context parallelism:
+
+- **The attention module.** :class:`FcpAttention` is an inner attention config beside torchtitan's
+  ``FlexAttention`` and ``VarlenAttention`` (``torchtitan/models/common/attention.py``); :func:`use_fcp_attention`
+  puts it in every layer of a model config. Its forward takes q, k, v ``[1, T, heads, head_dim]`` (this rank's rows
+  in the plan's layout, RoPE already applied at their own positions) and runs :func:`fcp_runtime.fcp_attn_func`
+  over the step's plan, which reaches it where torchtitan passes a flex ``BlockMask`` or varlen metadata: as the
+  layers' ``attention_masks`` (:class:`FcpMasks`). Its K and V are never all-gathered: the config drops the
+  sharding torchtitan's Llama 3 declares for its inner attention (K, V replicated over "cp").
+- **The post-dataloading hook.** :func:`prepare_fcp_input` replaces torchtitan's
+  ``prepare_context_parallel_input`` (``torchtitan/distributed/context_parallel/api.py``): it returns this rank's
+  rows of the step's packed documents in the plan's layout, ``[1, T_rank]`` (input ids, labels and positions) and
+  ``attention_masks=FcpMasks(...)``. The plan itself is compiled in the DataLoader worker by
+  :class:`TitanPlanningCollate`, the dataloader's ``collate_fn``, from torchtitan's own rows: documents start where
+  ``positions`` restart at 0, as torchtitan's block-causal masks read them.
+- **The mesh and the trainer.** :class:`FcpTrainer` is torchtitan's ``Trainer`` with fcp: its ``ParallelDims``
+  mesh as torchtitan builds it (the "cp" dimension is fcp's group), the collate installed on torchtitan's
+  dataloader, and ``post_dataloading_process`` calling :func:`prepare_fcp_input` instead of torchtitan's CP
+  sharding. ``FcpTrainer.Config.of(config, block_size=...)`` turns an existing ``Trainer.Config`` into one. On the
+  "partial_dtensor" SPMD backend (what ``of`` sets) the model's parallelize_fn runs with ``cp_enabled`` hidden, so
+  that it does not wrap the inner attention in torchtitan's own CP; FSDP still shards over dp_shard x cp.
+
+The loss rule is torchtitan's own, unchanged: ``train_step`` counts the labels of the data-parallel replica's whole
+batch (the collate keeps the full labels for it) and sums the count over the "batch" mesh; each rank's loss is the
+sum of its rows' cross-entropies over that count; FSDP, sharding over dp_shard x cp with gradient division off,
+sums the gradients over every rank. Each rank's rows are [1, T_rank]: one packed row of all its documents, the
+local batch's rows flattened into one list of documents.
+
+Tested (tests/test_torchtitan.py, CPU, gloo): torchtitan's Llama 3 model, its dataloader and its trainer step on 4
+ranks against its model in one process, fp64 to 1e-15 (losses) and 1e-17 (gradients), with DP x CP, activation
+checkpointing and per-block torch.compile; FcpTrainer itself (config.build(), FSDP, AdamW, train_step) on 4 gloo
+ranks in fp32 with torchtitan's device selection pointed at the CPU. torchtitan's Trainer needs CUDA otherwise
+(``benchmarks/gpu_check.py`` runs it on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.common.attention import GQAttention, VarlenAttention
+from torchtitan.protocols.module import Module
+from torchtitan.trainer import Trainer
+
+import tyro  # torchtitan's command-line parser (a dependency of torchtitan): FcpOptions' fields on its command line
+
+from fcp_compiler.format.inputs import AttentionShape
+from fcp_runtime.attention import fcp_attn_func
+from fcp_runtime.loader import PlanningCollate
+
+__all__ = ["FcpAttention", "FcpMasks", "FcpOptions", "FcpTrainer", "TitanPlanningCollate", "attention_shape",
+           "check_config", "prepare_fcp_input", "row_documents", "use_fcp_attention"]
+
+CP_DIM = "cp"
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+# The planned step's fields in torchtitan's input_dict, from the collate to the hook (the trainer moves the tensors
+# to the device with the rest of the batch; the plan stays a host object).
+FCP_INPUT, FCP_LABELS, FCP_POSITIONS, FCP_PLAN = "fcp_input", "fcp_labels", "fcp_positions", "fcp_plan"
+_FCP_FIELDS = (FCP_INPUT, FCP_LABELS, FCP_POSITIONS, FCP_PLAN)
+
+
+@dataclass(frozen=True, eq=False)
+class FcpMasks:
+    """What torchtitan's layers pass their inner attention as ``attention_masks`` under fcp: this rank's plan of the
+    step, the context-parallel process group (None: a one-rank plan in a world of one), and the rows' positions
+    ``[1, T]`` (the tensor RoPE gets, checked against the plan's rows on every rank before the first message)."""
+
+    plan: Any
+    group: Any
+    positions: torch.Tensor
+
+
+class FcpAttention(Module):
+    """torchtitan inner attention over fcp's plan: causal attention inside each document of the step, whichever
+    ranks hold its blocks.
+
+    Called by torchtitan's ``GQAttention`` as its other inner attentions are: ``(q, k, v [1, T, heads, head_dim],
+    attention_masks=FcpMasks, scale=..., enable_gqa=...)``; returns ``[1, T, q_heads, head_dim]``. Grouped-query
+    K, V go in with their own heads (the plan knows the group size); ``scale`` None is head_dim ** -0.5, as
+    torchtitan's backends take it.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        def build(self, **kwargs):
+            instance = Module.Config.build(self, **kwargs)
+            # torchtitan's Llama 3 sharding (set_gqa_inner_attention_local_map) declares K and V replicated over
+            # "cp" at the inner attention, which all-gathers them there; fcp moves the blocks a rank needs itself,
+            # so its inner attention keeps every tensor on its rank.
+            instance._sharding_config = None
+            return instance
+
+    def __init__(self, config: Config):
+        super().__init__()
+
+    def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
+                attention_masks=None, scale: float | None = None, enable_gqa: bool = False, score_mod=None,
+                out_transform=None, **kwargs) -> torch.Tensor:
+        """Raises:
+            ValueError: no FcpMasks (the batch did not go through :func:`prepare_fcp_input`), a score_mod or an
+                out_transform, a batch dimension other than 1, a plan compiled for another dtype; on every rank,
+                positions that are not the plan's rows' (a plan from another step).
+        """
+        if not isinstance(attention_masks, FcpMasks):
+            raise ValueError(f"FcpAttention needs the step's plan as attention_masks (FcpMasks, from "
+                             f"prepare_fcp_input / FcpTrainer.post_dataloading_process); got "
+                             f"{type(attention_masks).__name__}")
+        if score_mod is not None or out_transform is not None:
+            raise ValueError("FcpAttention has no score_mod and no out_transform (softmax over each document's "
+                             "causal keys only)")
+        if q_BLNH.shape[0] != 1:
+            raise ValueError(f"FcpAttention takes one packed row of this rank's tokens, batch size 1; got "
+                             f"{q_BLNH.shape[0]} rows (inputs [1, T] from prepare_fcp_input)")
+        plan = attention_masks.plan
+        if _DTYPES.get(q_BLNH.dtype) != plan.dtype:
+            raise ValueError(f"the plan was compiled for {plan.dtype} attention but the query is {q_BLNH.dtype}: "
+                             f"compile it for the dtype attention computes in (TitanPlanningCollate.for_model(..., "
+                             f"dtype=); under FSDP, training.mixed_precision_param)")
+        out = fcp_attn_func(q_BLNH[0], k_BLNH[0], v_BLNH[0], plan, group=attention_masks.group,
+                            softmax_scale=scale, mask=(True, None), position_ids=attention_masks.positions)
+        return out.unsqueeze(0)
+
+
+def _attention_layers(model_config) -> list:
+    """The attention configs fcp replaces the inner attention of, one per attention layer, checked.
+
+    Raises:
+        ValueError: no layers, a layer whose attention is not torchtitan's GQAttention, or a varlen attention with
+            a sliding window.
+    """
+    layers = getattr(model_config, "layers", None)
+    if not layers:
+        raise ValueError(f"model config {type(model_config).__name__} has no layers; fcp replaces the inner "
+                         f"attention of a torchtitan decoder's GQAttention layers")
+    found = []
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "attention", None)
+        if attention is None:
+            continue
+        if not isinstance(attention, GQAttention.Config):
+            raise ValueError(f"layer {index}'s attention is {type(attention).__name__}; fcp replaces the inner "
+                             f"attention of torchtitan's GQAttention")
+        inner = attention.inner_attention
+        if isinstance(inner, VarlenAttention.Config) and tuple(inner.window_size) != (-1, 0):
+            raise ValueError(f"layer {index}: varlen window_size={inner.window_size}; FcpAttention is causal "
+                             f"inside each document (window_size (-1, 0))")
+        found.append(attention)
+    if not found:
+        raise ValueError(f"model config {type(model_config).__name__} has no attention layer for fcp")
+    return found
+
+
+def use_fcp_attention(model_config):
+    """Put :class:`FcpAttention` in every attention layer of a torchtitan decoder config (in place; returns it).
+
+    Raises:
+        ValueError: a layer whose attention is not torchtitan's GQAttention (its inner attention is what fcp
+            replaces), or a varlen attention with a sliding window (fcp replays it causal).
+    """
+    for attention in _attention_layers(model_config):
+        attention.inner_attention = FcpAttention.Config()
+    return model_config
+
+
+def attention_shape(model_config, dtype: torch.dtype | str) -> AttentionShape:
+    """The attention shape a plan is compiled for, from a torchtitan decoder config: its first attention layer's
+    query and KV heads and head size, and the dtype attention computes in (a torch dtype or torchtitan's name).
+
+    Raises:
+        ValueError: a config without attention, or a dtype the plan format has no name for.
+    """
+    attention = getattr(model_config, "first_attention", None)
+    if attention is None:
+        raise ValueError(f"model config {type(model_config).__name__} has no attention layer to plan for")
+    dtype = TORCH_DTYPE_MAP.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype} has no plan dtype; valid: {', '.join(map(str, _DTYPES))}")
+    q_heads = int(attention.n_heads)
+    kv_heads = int(attention.n_kv_heads or q_heads)
+    head_dim = int(attention.head_dim or attention.dim // q_heads)
+    return AttentionShape(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_DTYPES[dtype])
+
+
+def row_documents(positions: torch.Tensor, row: int = 0) -> list[int]:
+    """The lengths of the documents of one torchtitan row, read from its positions as torchtitan's block-causal
+    masks read them: a document starts where the position is 0, and inside it positions count up by one.
+
+    Raises:
+        ValueError: a row that does not start at position 0, or positions that do not count 0, 1, 2, ... inside
+            each document (RoPE would then see other positions than the plan's rows hold).
+    """
+    positions = torch.as_tensor(positions).flatten()
+    if positions.numel() == 0:
+        raise ValueError(f"row {row} is empty")
+    starts = torch.nonzero(positions == 0).flatten()
+    inside = positions[1:] != 0
+    if starts.numel() == 0 or int(starts[0]) != 0 or not bool((positions[1:] == positions[:-1] + 1)[inside].all()):
+        raise ValueError(f"row {row}: positions must restart at 0 at each document and count up by one inside it "
+                         f"(torchtitan's per-document positions); got {positions[:8].tolist()}...")
+    bounds = starts.tolist() + [positions.numel()]
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+class TitanPlanningCollate:
+    """The ``collate_fn`` of torchtitan's dataloader under fcp: it collates torchtitan's samples as torch's default
+    collate does, then compiles the step's plan (here, in the loader's worker) for this context-parallel rank.
+
+    A sample is torchtitan's ``({"input": ids [L], "positions": [L]}, labels [L])``; a batch of them is B rows.
+    The documents are every row's pieces between positions restarting at 0 (a row without positions is one
+    document), all B rows' in one plan. Returns ``(input_dict, labels)``: torchtitan's batch unchanged (the full
+    labels, which torchtitan's train_step counts for the loss) plus this rank's rows in the plan's layout,
+    ``fcp_input``, ``fcp_labels``, ``fcp_positions`` ([T_rank] each) and ``fcp_plan``.
+
+    Args:
+        rank, world_size: this rank in the context-parallel group, and the group's size.
+        compile_options: forwarded to the compiler (block_size, shape, model, profile, ...); :meth:`for_model`
+            fills the attention shape from a model config.
+    """
+
+    def __init__(self, rank: int, world_size: int, **compile_options):
+        self.planning = PlanningCollate(rank, world_size, layout="plan", **compile_options)
+
+    @classmethod
+    def for_model(cls, model_config, rank: int, world_size: int, dtype: torch.dtype | str = torch.float32,
+                  **compile_options) -> TitanPlanningCollate:
+        """A collate for a torchtitan decoder: its heads and head size, the dtype attention computes in, no K,V
+        prefetch (torchtitan's GQAttention projects Q, K and V in one matmul and rotates them before the inner
+        attention, so no K,V pull could leave before Q exists), attention-only balance unless `model` is given."""
+        options = {"kv_prefetch": False, "model": "none", "shape": attention_shape(model_config, dtype)}
+        return cls(rank, world_size, **{**options, **compile_options})
+
+    def __call__(self, samples) -> tuple[dict, torch.Tensor]:
+        input_dict, labels = default_collate(samples)
+        return self.plan(input_dict, labels)
+
+    def plan(self, input_dict: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """Plan one collated batch (input_dict["input"] and labels [B, L], optional "positions" [B, L]).
+
+        Raises:
+            ValueError: inputs that are not [B, L] rows with labels of their shape, positions that do not cut the
+                rows into whole documents (:func:`row_documents`), or a step the compiler cannot give every rank a
+                token of.
+        """
+        inputs = torch.as_tensor(input_dict["input"])
+        labels = torch.as_tensor(labels)
+        positions = input_dict.get("positions")
+        if inputs.dim() != 2 or labels.shape != inputs.shape:
+            raise ValueError(f"a torchtitan batch is input [B, L] and labels of its shape; got "
+                             f"{tuple(inputs.shape)} and {tuple(labels.shape)}")
+        if positions is None:  # torchtitan without positions: causal over each row
+            positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+        positions = torch.as_tensor(positions)
+        if positions.shape != inputs.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must be the shape of input {tuple(inputs.shape)}")
+        documents = []
+        for row in range(inputs.shape[0]):
+            pieces = [piece.split(row_documents(positions[row], row))
+                      for piece in (inputs[row], labels[row], positions[row])]
+            documents += [{"input": ids, "labels": doc_labels, "positions": doc_positions}
+                          for ids, doc_labels, doc_positions in zip(*pieces)]
+        batch = self.planning(documents)
+        # The plan's positions are each row's place in its own document, which row_documents checked torchtitan's
+        # own positions to be: RoPE rotates each row where one process would.
+        planned = {FCP_INPUT: batch["input"], FCP_LABELS: batch["labels"],
+                   FCP_POSITIONS: batch["position_ids"].to(positions.dtype), FCP_PLAN: batch["plan"]}
+        return {**input_dict, "positions": positions, **planned}, labels
+
+
+def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict, cp_group,
+                      planner: TitanPlanningCollate | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """torchtitan's ``prepare_context_parallel_input`` under fcp: this rank's rows of the step in the plan's layout.
+
+    Args:
+        inputs, labels: the data-parallel replica's batch [B, L], as torchtitan's dataloader gives it.
+        extra_kwargs: the batch's other fields (``positions``, and the planned step's ``fcp_*`` fields from
+            :class:`TitanPlanningCollate`); updated in place and returned.
+        cp_group: the context-parallel process group (torchtitan's ``parallel_dims.get_mesh("cp").get_group()``),
+            or a DeviceMesh with a "cp" dimension, or None for a one-rank plan in a world of one.
+        planner: plans the batch here (on the training thread) when the dataloader's collate did not.
+    Returns:
+        (inputs [1, T_rank], labels [1, T_rank], extra_kwargs with ``positions`` [1, T_rank] and
+        ``attention_masks`` an :class:`FcpMasks`), what torchtitan's model and loss take.
+    Raises:
+        ValueError: no planned step and no planner, or a planned step whose token count is not the batch's.
+    """
+    if FCP_PLAN not in extra_kwargs:
+        if planner is None:
+            raise ValueError("the batch has no fcp plan: set the dataloader's collate_fn to TitanPlanningCollate "
+                             "(FcpTrainer installs it), or pass prepare_fcp_input(..., planner=)")
+        fields = {"input": inputs.cpu(), **({"positions": extra_kwargs["positions"].cpu()}
+                                            if extra_kwargs.get("positions") is not None else {})}
+        planned, _ = planner.plan(fields, labels.cpu())
+        extra_kwargs.update({name: planned[name] for name in _FCP_FIELDS})
+    step = {name: extra_kwargs.pop(name) for name in _FCP_FIELDS}
+    plan = step[FCP_PLAN]
+    total = int(plan.seq_lengths.sum())
+    if inputs.numel() != total:
+        raise ValueError(f"the batch has {inputs.numel()} tokens but its fcp plan was compiled for {total}: the "
+                         f"plan must come from this batch (TitanPlanningCollate on the same samples)")
+    positions = step[FCP_POSITIONS].reshape(1, -1)
+    extra_kwargs["positions"] = positions
+    extra_kwargs["attention_masks"] = FcpMasks(plan=plan, group=_cp_group(cp_group), positions=positions)
+    return step[FCP_INPUT].reshape(1, -1), step[FCP_LABELS].reshape(1, -1), extra_kwargs
+
+
+def _cp_group(group_or_mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(group_or_mesh, DeviceMesh):
+        return group_or_mesh
+    names = group_or_mesh.mesh_dim_names or ()
+    if CP_DIM not in names:
+        raise ValueError(f"the device mesh has dimensions {tuple(names)}; fcp needs one named {CP_DIM!r} "
+                         f"(torchtitan's parallel_dims.get_mesh('cp'))")
+    return group_or_mesh.get_group(CP_DIM)
+
+
+@dataclass(kw_only=True, slots=True)
+class FcpOptions:
+    """fcp's options in an :class:`FcpTrainer` config (``--fcp.block_size`` on torchtitan's command line)."""
+
+    block_size: int = 4096
+    """Tokens in an fcp block (the compiler halves it, down to 64, for a step too short to give every rank one)."""
+
+    compile_options: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+    """Other fcp compiler options (coalesce, model, profile, ...), set in Python."""
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_config(config, world_size: int | None = None) -> None:
+    """Refuse, in one line naming the option, a torchtitan trainer config fcp cannot train as torchtitan would.
+
+    Raises:
+        ValueError: a context-parallel degree that does not divide the world (or 1 in a world of more than one);
+            torchtitan's own CP load balancer (``parallelism.context_parallel_load_balancer``, "headtail" by
+            default: set it to None) or its PTRR mask key; the "full_dtensor" SPMD backend (it wraps the rows as
+            DTensors sharded evenly, which the plan's rows are not); tensor or
+            pipeline parallelism; CUDA graphs (fcp's shapes and plans change every step); a chunked loss whose
+            chunks need every rank's rows to divide evenly; validation (its loop shards with torchtitan's CP); a
+            model whose attention fcp does not replace.
+    """
+    world = _world_size() if world_size is None else world_size
+    parallelism = config.parallelism
+    cp = parallelism.context_parallel_degree
+    if cp < 1 or world % cp:
+        raise ValueError(f"parallelism.context_parallel_degree={cp} does not divide the world of {world} ranks")
+    if cp == 1 and world > 1:
+        raise ValueError(f"parallelism.context_parallel_degree=1 in a world of {world} ranks: fcp is the "
+                         f"context-parallel path; set it to the ranks each plan spans")
+    if parallelism.context_parallel_load_balancer is not None:
+        raise ValueError(f"parallelism.context_parallel_load_balancer={parallelism.context_parallel_load_balancer!r}:"
+                         f" fcp balances each step itself (its plan); set it to None")
+    if parallelism.context_parallel_ptrr_mask_key is not None:
+        raise ValueError(f"parallelism.context_parallel_ptrr_mask_key={parallelism.context_parallel_ptrr_mask_key!r}"
+                         f" is torchtitan's FlexAttention CP balancer; fcp plans the step itself: set it to None")
+    if parallelism.spmd_backend == "full_dtensor":
+        raise ValueError("parallelism.spmd_backend='full_dtensor' wraps each rank's rows as a DTensor sharded evenly "
+                         "over 'cp', which the plan's rows are not; use 'partial_dtensor' or 'spmd_types'")
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(parallelism, name) != 1:
+            raise ValueError(f"parallelism.{name}={getattr(parallelism, name)}: fcp's trainer runs data and "
+                             f"context parallelism only")
+    if not config.training.disable_cuda_graphs:
+        raise ValueError("training.disable_cuda_graphs=False: a CUDA graph replays fixed shapes, and fcp's rows and "
+                         "plan change every step; set training.disable_cuda_graphs=True")
+    loss = config.loss
+    if isinstance(loss, ChunkedLossWrapper.Config) and loss.num_chunks != 1:
+        raise ValueError(f"loss.num_chunks={loss.num_chunks}: torchtitan's chunked loss needs each rank's rows to "
+                         f"divide into equal chunks, and fcp's plan gives ranks uneven rows; set loss.num_chunks=1 "
+                         f"or use CrossEntropyLoss")
+    if config.validator.enable:
+        raise ValueError("validator.enable=True: torchtitan's validation loop shards its batches with torchtitan's "
+                         "own CP, which fcp's attention does not take; set validator.enable=False")
+    model = getattr(config.model_spec, "model", None)
+    if model is None:
+        raise ValueError("model_spec: fcp's trainer needs the model's config to plan for")
+    _attention_layers(model)
+
+
+class _DimsWithoutTorchtitanCP:
+    """torchtitan's ParallelDims as its "partial_dtensor" parallelize_fn sees them under fcp: ``cp_enabled`` False,
+    so that it does not wrap the inner attention in torchtitan's own CP (``apply_cp_to_forward``, which fcp replaces
+    and which refuses FcpAttention); everything else, every mesh included (FSDP's "fsdp" over dp_shard x cp), is the
+    real ParallelDims'."""
+
+    cp_enabled = False
+
+    def __init__(self, parallel_dims):
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name):
+        return getattr(self._parallel_dims, name)
+
+
+def _without_torchtitan_cp(parallelize_fn):
+    """A model's parallelize_fn (torchtitan's ``parallelize_llama``) under fcp, on the "partial_dtensor" path: called
+    with :class:`_DimsWithoutTorchtitanCP`. (Under "spmd_types" torchtitan declares its CP in the sharding configs,
+    which :class:`FcpAttention` drops, and FSDP reads ``cp_enabled`` to shard over "cp": no wrapper there.)"""
+    if getattr(parallelize_fn, "_fcp_wrapped", False):
+        return parallelize_fn
+
+    def parallelize(model, *, parallel_dims, **kwargs):
+        return parallelize_fn(model, parallel_dims=_DimsWithoutTorchtitanCP(parallel_dims), **kwargs)
+
+    parallelize._fcp_wrapped = True
+    return parallelize
+
+
+def _forget_plan_check(plan) -> None:
+    """Drop a finished step's plan from the runtime's record of checked plans (fcp_runtime.checks.check_plan keys
+    it by id(plan), so a later plan of the same documents at a freed plan's address on some ranks only would skip
+    the check's collective there: a deadlock). The same guard as fcp_runtime/trainer.py's, until the runtime
+    forgets a plan when it is freed."""
+    try:
+        from fcp_runtime import checks
+    except ImportError:  # pragma: no cover
+        return
+    record = getattr(checks, "_CHECKED", None)
+    if plan is None or not isinstance(record, set):
+        return
+    ids = {id(plan)} | {id(kind) for kind in getattr(plan, "kinds", {}).values()}
+    record.difference_update([key for key in record if isinstance(key, tuple) and key and key[0] in ids])
+
+
+class FcpTrainer(Trainer):
+    """torchtitan's ``Trainer`` with fcp as its context parallelism.
+
+    What changes, and nothing else: every attention layer's inner attention is :class:`FcpAttention`; the
+    dataloader's ``collate_fn`` is :class:`TitanPlanningCollate` for this rank of the "cp" mesh dimension
+    torchtitan builds (``ParallelDims``), compiling in the loader's workers; ``post_dataloading_process`` calls
+    :func:`prepare_fcp_input` where torchtitan calls ``prepare_context_parallel_input``. The loss, the label count,
+    FSDP over dp_shard x cp, activation checkpointing, the optimizer and checkpoints are torchtitan's.
+    :func:`check_config` refuses, before any device or process group is touched, what cannot hold.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        fcp: FcpOptions = field(default_factory=FcpOptions)
+
+        @classmethod
+        def of(cls, config: Trainer.Config, spmd_backend: str = "partial_dtensor", **fcp_options) -> FcpTrainer.Config:
+            """An existing ``Trainer.Config`` (a torchtitan config_registry function's) as an FcpTrainer config:
+            every field kept, the CP load balancer off and CUDA graphs off (what fcp needs), the SPMD backend
+            "partial_dtensor" (the path tested end to end; under torch 2.13 torchtitan 0.3's default "spmd_types"
+            fails in torch's fully_shard on a mesh of more than one rank, with or without fcp), fcp's options given
+            (block_size, compile_options)."""
+            values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+            values["parallelism"] = dataclasses.replace(config.parallelism, context_parallel_load_balancer=None,
+                                                        spmd_backend=spmd_backend)
+            values["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
+            return cls(**values, fcp=FcpOptions(**fcp_options))
+
+    def __init__(self, config: Config):
+        check_config(config)
+        use_fcp_attention(config.model_spec.model)
+        if config.parallelism.spmd_backend == "partial_dtensor":
+            config.model_spec = dataclasses.replace(
+                config.model_spec, parallelize_fn=_without_torchtitan_cp(config.model_spec.parallelize_fn))
+        super().__init__(config)
+        self.dataloader.collate_fn = self.planning_collate()
+
+    def planning_collate(self) -> TitanPlanningCollate:
+        """The dataloader's collate_fn: this rank of the mesh's "cp" dimension, the model's attention shape, the
+        dtype attention computes in (``compile_options["dtype"]``, else training.mixed_precision_param: torchtitan's
+        FSDP, applied to every layer whatever the degree, casts the parameters to it) and fcp's options."""
+        mesh = self.parallel_dims.get_mesh(CP_DIM) if self.parallel_dims.cp_enabled else None
+        cp_rank, cp_size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+        options = {"block_size": self.config.fcp.block_size, **self.config.fcp.compile_options}
+        dtype = options.pop("dtype", self.config.training.mixed_precision_param)
+        return TitanPlanningCollate.for_model(self.model_config, cp_rank, cp_size, dtype=dtype, **options)
+
+    @property
+    def fcp_group(self):
+        """The context-parallel process group fcp runs over: the "cp" dimension of torchtitan's mesh (None in a
+        world of one)."""
+        if not self.parallel_dims.cp_enabled:
+            return None
+        return self.parallel_dims.get_mesh(CP_DIM).get_group()
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """torchtitan's hook, with fcp's rows in place of torchtitan's CP sharding: (inputs [1, T_rank],
+        labels [1, T_rank], extra_kwargs with positions and attention_masks)."""
+        inputs = input_dict["input"]
+        extra_kwargs: dict[str, Any] = {name: value for name, value in input_dict.items() if name != "input"}
+        inputs, labels, extra_kwargs = prepare_fcp_input(inputs, labels, extra_kwargs, self.fcp_group)
+        self.ntokens_seen += labels.numel()
+        if self.config.parallelism.spmd_backend == "spmd_types":
+            from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+            inputs, labels, extra_kwargs = annotate_input_spmd_types(self.parallel_dims, inputs, labels,
+                                                                     extra_kwargs)
+        return inputs, labels, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        plan = input_dict.get(FCP_PLAN) if isinstance(input_dict, dict) else None
+        try:
+            return super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                 global_valid_tokens=global_valid_tokens)
+        finally:
+            _forget_plan_check(plan)
