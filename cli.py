@@ -247,7 +247,7 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
 @app.command("validate")
 def validate_command(plan: Path = typer.Argument(..., help="plan file")) -> None:
     """Check every invariant of docs/DESIGN.md section 4; exit 1 naming the first one broken."""
-    from fcp_compiler.format.layered import PlanKinds
+    from fcp_compiler.format.kinds import PlanKinds
     from fcp_compiler.format.validate import PlanInvalidError
     from fcp_compiler.format.validate_kinds import validate_kinds
     from fcp_compiler.tools.kinds import validation_lines
@@ -273,17 +273,17 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     memory: bool = typer.Option(False, "--memory", help="add each rank's device memory peak per pass, in GiB, as "
                                                         "the header states it (fcp validate recomputes it)"),
-    kind: Optional[str] = typer.Option(None, "--kind", help="a layered plan's layer kind, inspected as a plan of its "
+    kind: Optional[str] = typer.Option(None, "--kind", help="one of the plan's layer kinds, inspected as a plan of its "
                                                             "own [the kinds' table]"),
 ) -> None:
-    """Show a plan's parameters and per-rank figures, or one rank's program (a layered plan: its layer kinds)."""
+    """Show a plan's parameters and per-rank figures, or one rank's program (a plan of layer kinds: its kinds)."""
     from fcp_compiler.tools.kinds import inspect_kinds
     from fcp_compiler.tools.report import add_memory_columns, inspect_summary, rank_program_text, rank_rows
 
     kinds = _plan_kinds(plan, kind)
-    if kinds.layered and kind is None:
+    if kinds.kinds_file and kind is None:
         if rank is not None or as_json or memory:
-            raise InvalidInputError(f"{plan} is a layered plan of kinds {', '.join(kinds.names)}: give --kind NAME "
+            raise InvalidInputError(f"{plan} is a plan of layer kinds {', '.join(kinds.names)}: give --kind NAME "
                                     f"with --rank, --json or --memory")
         typer.echo(inspect_kinds(plan, kinds))
         return
@@ -310,12 +310,12 @@ def inspect_command(
 
 
 def _plan_kinds(plan: Path, kind: str | None):
-    """A plan file's layer kinds (a plan of one kind is one, unnamed); --kind must name one of a layered plan's."""
-    from fcp_compiler.format.layered import PlanKinds
+    """A plan file's layer kinds (a plan of one kind is one, unnamed); --kind must name one of the plan's kinds."""
+    from fcp_compiler.format.kinds import PlanKinds
 
     kinds = PlanKinds(str(plan))
-    if kind is not None and (not kinds.layered or kind not in kinds.names):
-        have = f"its kinds: {', '.join(kinds.names)}" if kinds.layered else "it is a plan of one kind"
+    if kind is not None and (not kinds.kinds_file or kind not in kinds.names):
+        have = f"its kinds: {', '.join(kinds.names)}" if kinds.kinds_file else "it is a plan of one kind"
         raise InvalidInputError(f"--kind {shown(kind)} is not a layer kind of {plan} ({have})")
     return kinds
 
@@ -343,12 +343,12 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
     (placed for `model`, default llama3-70b)."""
     from fcp_compiler.core.pipeline import compile_plan
     from fcp_compiler.format.inputs import load_batch
-    from fcp_compiler.format.layered import PlanKinds
-    from fcp_compiler.format.plan_format import LAYERED_MAGIC, MAGIC, PlanReader
+    from fcp_compiler.format.kinds import PlanKinds
+    from fcp_compiler.format.plan_format import KINDS_MAGIC, MAGIC, PlanReader
 
     head = _file_head(source, 64)
-    if head.startswith(MAGIC[:7]) or head.startswith(LAYERED_MAGIC):  # this format's magic, the legacy, layered
-        reader = PlanKinds(str(source)) if head.startswith(LAYERED_MAGIC) else PlanReader(str(source))
+    if head.startswith(MAGIC[:7]) or head.startswith(KINDS_MAGIC):  # this format's magic, the legacy, a kinds file
+        reader = PlanKinds(str(source)) if head.startswith(KINDS_MAGIC) else PlanReader(str(source))
         if gpus is not None:  # a plan is simulated at the ranks it was compiled for: --gpus would be ignored
             ranks = reader.kinds[0].reader.header.num_ranks if isinstance(reader, PlanKinds) else \
                 reader.header.num_ranks
@@ -362,7 +362,7 @@ def _plan_or_batch(source: Path, gpus: Optional[int], profile: Optional[str], mo
                                 f"give a plan file, or a batch JSON with --gpus")
     data = compile_plan(load_batch(source), gpus, profile=profile or "h100",
                         **({"model": model} if model is not None else {})).to_bytes()
-    return PlanKinds(data) if data.startswith(LAYERED_MAGIC) else data
+    return PlanKinds(data) if data.startswith(KINDS_MAGIC) else data
 
 
 @app.command("simulate")
@@ -380,14 +380,14 @@ def simulate_command(
     kv_prefetch: Optional[str] = typer.Option(None, "--kv-prefetch", help="on or off: the runtime posts each pass's "
                                               "first-stage K,V pulls early (forward: while Q is projected; "
                                               "fcp_runtime.prefetch_kv; plan layout) [as the plan was compiled]"),
-    kind: Optional[str] = typer.Option(None, "--kind", help="a layered plan's layer kind, simulated as a plan of its "
+    kind: Optional[str] = typer.Option(None, "--kind", help="one of the plan's layer kinds, simulated as a plan of its "
                                                             "own (its tables, --json and --trace) [every kind and the "
                                                             "layer mix]"),
 ) -> None:
-    """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication (a layered plan:
-    each layer kind and the model's mix)."""
+    """Simulate a plan on a hardware profile: makespans, attention MFU, exposed communication (a plan of layer
+    kinds: each kind and the model's mix)."""
     from fcp_compiler.format.inputs import load_profile
-    from fcp_compiler.format.layered import PlanKinds
+    from fcp_compiler.format.kinds import PlanKinds
     from fcp_compiler.format.validate import validate_plan
     from fcp_compiler.format.models import load_model
     from fcp_compiler.tools.report import simulation_summary
@@ -424,7 +424,7 @@ def simulate_command(
 
 def _simulate_kinds(kinds, profile: Optional[str], model: Optional[str], prefetch: Optional[bool],
                     json_out: Optional[Path], trace: Optional[Path]) -> None:
-    """`fcp simulate` of a layered plan: every kind validated and simulated, and the layer mix."""
+    """`fcp simulate` of a plan of layer kinds: every kind validated and simulated, and the layer mix."""
     from fcp_compiler.format.inputs import load_profile
     from fcp_compiler.format.validate_kinds import validate_kinds
     from fcp_compiler.tools.kinds import simulate_kinds, simulation_lines
@@ -575,7 +575,7 @@ def diff_command(
 
     A regression is a pass's simulated layer time grown by more than --tolerance, device memory that crossed the
     budget, or a plan B that no longer validates; every other figure is reported as a change."""
-    from fcp_compiler.format.layered import PlanKinds
+    from fcp_compiler.format.kinds import PlanKinds
     from fcp_compiler.format.validate import PlanInvalidError, validate_plan
     from fcp_compiler.tools.diff import diff_plans, invalid_after
     from fcp_compiler.tools.kinds import diff_kinds, diff_lines
@@ -587,7 +587,7 @@ def diff_command(
         raise InvalidInputError(f"--tolerance {tolerance} must be a finite number >= 0")
     check_outputs([("--json", json_out)], [("A", plan_a), ("B", plan_b)])
     kinds = [PlanKinds(str(plan_a)), PlanKinds(str(plan_b))]
-    if kinds[0].layered or kinds[1].layered:  # layer kinds matched by name, each diffed as two plans
+    if kinds[0].kinds_file or kinds[1].kinds_file:  # layer kinds matched by name, each diffed as two plans
         result = diff_kinds(*kinds, tolerance)
         if json_out:
             _write_json(json_out, result)

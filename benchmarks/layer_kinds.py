@@ -1,5 +1,5 @@
-"""Layer kinds: a model that alternates a sliding window with causal layers, compiled as one layered plan, against
-the two ways to do without kinds.
+"""Layer kinds: a model that alternates a sliding window with causal layers, compiled as one plan of layer kinds,
+against the two ways to do without kinds.
 
 Usage: python benchmarks/layer_kinds.py [--case paper|gpt-oss|both] [--turns 3]
 
@@ -7,7 +7,7 @@ Cases: the shipped paper-like trace at 128 GPUs, llama3-70b, a 1:1 mix of window
 shipped 64-GPU trace with gpt-oss-120b (its attention shape, its preset's mix: 18 layers of window 128, 18 causal).
 For each case it compiles and validates:
 
-- the layered plan (one placement chosen by the mix, one schedule a kind);
+- the plan of layer kinds (one placement chosen by the mix, one schedule a kind);
 - one causal plan used for both kinds: the window layers run the causal schedule (every pull and stage of the causal
   plan), each tile computing only its window's pairs; simulated by the causal plan with each sequence's window
   narrowed in its batch table, which only the simulator reads (the plan is no longer a valid window plan: its pulls
@@ -19,7 +19,7 @@ For each case it compiles and validates:
   and receives overlapped, plus one latency), which favours the two plans. The second dispatch is not counted.
 
 It prints each method's time for the mix (forward + backward, every layer), the sliding kind's forward traffic against
-a sliding-only plan's, and the compile time of the layered plan against a causal-only plan's (median of --turns,
+a sliding-only plan's, and the compile time of the plan of layer kinds against a causal-only plan's (median of --turns,
 taking turns in this process).
 """
 
@@ -100,26 +100,26 @@ def run_case(name: str, turns: int) -> list:
     gpus, window, (causal_layers, window_layers) = case["gpus"], case["window"], case["mix"]
     layers = {"full_attention": "causal", "sliding_attention": {"kind": "sliding_window", "window": window}}
     mix = {"full_attention": causal_layers, "sliding_attention": window_layers}
-    layered_spec = BatchSpec(sequences=lengths, layers=layers, layer_mix=mix)
+    kinds_spec = BatchSpec(sequences=lengths, layers=layers, layer_mix=mix)
     causal_spec = BatchSpec(sequences=lengths)
     sliding_spec = BatchSpec(sequences=lengths, mask=layers["sliding_attention"])
     options = case["options"]
-    seconds = {"layered": [], "causal": []}
+    seconds = {"kinds": [], "causal": []}
     for _ in range(turns):  # taking turns, so that the machine's speed moves both alike
-        for label, spec in (("layered", layered_spec), ("causal", causal_spec)):
+        for label, spec in (("kinds", kinds_spec), ("causal", causal_spec)):
             started = time.perf_counter()
             plan = compile_plan(spec, gpus, **options)
             seconds[label].append(time.perf_counter() - started)
-            if label == "layered":
-                layered = plan
+            if label == "kinds":
+                kinds_plan = plan
             else:
                 causal = plan
     sliding = compile_plan(sliding_spec, gpus, **options)
-    validate_kinds(layered.data)
+    validate_kinds(kinds_plan.data)
     for plan in (causal, sliding):
         validate_plan(plan.data)
-    kinds = {row["name"]: row for row in layered.stats["layer_kinds"]}
-    mixed_s = layered.stats["layer_mix_s"]
+    kinds = {row["name"]: row for row in kinds_plan.stats["layer_kinds"]}
+    mixed_s = kinds_plan.stats["layer_mix_s"]
     causal_s, sliding_s = layer_seconds(causal), layer_seconds(sliding)
     one_causal_s = causal_layers * causal_s + window_layers * layer_seconds(
         window_on_causal_schedule(causal.data, window))
@@ -128,21 +128,22 @@ def run_case(name: str, turns: int) -> list:
     switch_s = relayout_seconds(causal, sliding, hidden_bytes)
     two_plans_s = causal_layers * causal_s + window_layers * sliding_s + 2 * (num_layers - 1) * switch_s
     traffic = kinds["sliding_attention"]["total_comm_bytes"], sliding.stats["total_comm_bytes"]
-    compile_layered, compile_causal = statistics.median(seconds["layered"]), statistics.median(seconds["causal"])
+    compile_kinds, compile_causal = statistics.median(seconds["kinds"]), statistics.median(seconds["causal"])
     print(f"{name}: {case['trace']} at {gpus} GPUs, {options.get('model', 'llama3-70b')}, {causal_layers} causal + "
-          f"{window_layers} window-{window} layers (placed for {layered.stats['primary_kind']}, kept "
-          f"{layered.stats['floor']['winner']}); relayout {switch_s * 1e3:.2f} ms each, {2 * (num_layers - 1)} a step")
-    print(table(["method", "mix ms (fwd + bwd, every layer)", "vs layered"], [
-        ["layered plan (one placement, a schedule a kind)", f"{mixed_s * 1e3:.1f}", "1.000"],
+          f"{window_layers} window-{window} layers (placed for {kinds_plan.stats['primary_kind']}, kept "
+          f"{kinds_plan.stats['floor']['winner']}); relayout {switch_s * 1e3:.2f} ms each, "
+          f"{2 * (num_layers - 1)} a step")
+    print(table(["method", "mix ms (fwd + bwd, every layer)", "vs kinds plan"], [
+        ["plan of layer kinds (one placement, a schedule a kind)", f"{mixed_s * 1e3:.1f}", "1.000"],
         ["one causal plan for both kinds", f"{one_causal_s * 1e3:.1f}", f"{one_causal_s / mixed_s:.3f}"],
         ["two plans + relayouts", f"{two_plans_s * 1e3:.1f}", f"{two_plans_s / mixed_s:.3f}"]]))
     print(f"  window kind's forward traffic {human_bytes(traffic[0])} vs a window-only plan's {human_bytes(traffic[1])}"
           f": {traffic[0] / traffic[1]:.3f}x; causal kind {kinds['full_attention']['layer_seconds'] * 1e3:.2f} ms vs "
           f"the causal plan's {causal_s * 1e3:.2f}; window kind {kinds['sliding_attention']['layer_seconds'] * 1e3:.2f}"
           f" ms vs the window plan's {sliding_s * 1e3:.2f}")
-    print(f"  compile (median of {turns}): layered {compile_layered:.2f} s, causal only {compile_causal:.2f} s: "
-          f"{compile_layered / compile_causal:.2f}x")
-    return [name, mixed_s, one_causal_s, two_plans_s, traffic[0] / traffic[1], compile_layered / compile_causal]
+    print(f"  compile (median of {turns}): kinds plan {compile_kinds:.2f} s, causal only {compile_causal:.2f} s: "
+          f"{compile_kinds / compile_causal:.2f}x")
+    return [name, mixed_s, one_causal_s, two_plans_s, traffic[0] / traffic[1], compile_kinds / compile_causal]
 
 
 def main() -> None:

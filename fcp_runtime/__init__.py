@@ -2,7 +2,7 @@
 
 from fcp_runtime.attention import (KVPrefetch, PlanMismatchError, check_plan, dispatch, fcp_attn_func, prefetch_kv,
                                    recording, undispatch)
-from fcp_runtime.plan import LayeredRankPlan, RankPlan, load_rank_plan
+from fcp_runtime.plan import KindsRankPlan, RankPlan, load_rank_plan
 
-__all__ = ["KVPrefetch", "LayeredRankPlan", "PlanMismatchError", "RankPlan", "check_plan", "dispatch", "fcp_attn_func",
+__all__ = ["KVPrefetch", "KindsRankPlan", "PlanMismatchError", "RankPlan", "check_plan", "dispatch", "fcp_attn_func",
            "load_rank_plan", "prefetch_kv", "recording", "undispatch"]

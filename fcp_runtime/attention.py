@@ -26,7 +26,7 @@ from fcp_runtime.binding import check_positions
 from fcp_runtime.checks import PlanMismatchError, check_call, check_layer_mask, check_plan, check_prefetched
 from fcp_runtime.compiled import compiled_attention
 from fcp_runtime.events import recording
-from fcp_runtime.layered_plan import LayeredRankPlan, resolve_kind
+from fcp_runtime.kinds_plan import KindsRankPlan, resolve_kind
 from fcp_runtime.prefetch import KVPrefetch, prefetch_kv
 from fcp_runtime.rank_plan import RankPlan
 from fcp_runtime.replay import attention_backward, attention_forward
@@ -54,7 +54,7 @@ class _FcpAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None,
+def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan | KindsRankPlan, group=None,
                   softmax_scale: float | None = None, layout: str | None = None, kernels=None,
                   prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None,
                   kind: str | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +70,7 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
             `plan.token_index` (see :func:`fcp_runtime.dispatch`): no all-to-all runs, only the plan's blocks
             move. In the user layout they are rows [floor(r*T/N), floor((r+1)*T/N)) of the concatenated batch on
             rank r, and attention reshuffles them in and the output back.
-        plan: this rank's plan (:func:`fcp_runtime.load_rank_plan`); for a layered plan (one schedule for each layer
+        plan: this rank's plan (:func:`fcp_runtime.load_rank_plan`); for a plan of layer kinds (one schedule for each
             kind), the kind named by `kind`, else the one whose mask is `mask`.
         group: the process group (default: the world); its size must be the plan's.
         softmax_scale: default head_dim ** -0.5.
@@ -80,8 +80,8 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         prefetched: what :func:`prefetch_kv` posted for this call, with these k and v (plan layout).
         mask: the calling layer's own mask, (causal, sliding window or None), checked against every document's
             mask in the plan (None: not checked). A model layer passes it so that a plan compiled for other masks
-            is refused, not silently used; a layered plan's kind is picked by it unless `kind` names one.
-        kind: a layered plan's layer kind by name (as compiled: --layer-masks NAME=MASK,...).
+            is refused, not silently used; a plan of layer kinds picks its kind by it unless `kind` names one.
+        kind: the layer kind by name, for a plan of layer kinds (as compiled: --layer-masks NAME=MASK,...).
         position_ids: the rows' positions inside their documents, as the model has them ([T] or [1, T]): checked
             against the plan's rows on every rank, so that a plan from another step is refused
             (:func:`fcp_runtime.binding.check_positions`: once per plan and tensor, no host read on a GPU).

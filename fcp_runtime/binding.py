@@ -58,7 +58,7 @@ def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: s
 
     Args:
         position_ids: the model's position ids for this rank's rows, [rows] or [1, rows].
-        plan: this rank's plan (one kind's, for a layered plan: they share the layout).
+        plan: this rank's plan (one kind's, for a plan of layer kinds: they share the layout).
         group: the context-parallel group (None: the world; no group at all: a one-rank plan).
         layout: the rows' layout, "plan" or "user".
     Raises:

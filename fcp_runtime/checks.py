@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.layered_plan import LayeredRankPlan, layout_plan
+from fcp_runtime.kinds_plan import KindsRankPlan, layout_plan
 from fcp_runtime.rank_plan import LAYOUTS, RankPlan
 
 
@@ -19,12 +19,12 @@ class PlanMismatchError(RuntimeError):
 _CHECKED: set[tuple[int, int, str]] = set()
 
 
-def check_plan(plan: RankPlan | LayeredRankPlan, group=None) -> None:
+def check_plan(plan: RankPlan | KindsRankPlan, group=None) -> None:
     """Fail on every rank, before any transfer, unless all ranks hold the same plan and the group is its world.
 
     One all_gather_object of (digest, world size, rank) whatever the plan says, so a mismatch is an error
-    everywhere, never a hang. Checked once per plan and group (a layered plan: its primary kind's digest, which
-    names every kind).
+    everywhere, never a hang. Checked once per plan and group (a plan of layer kinds: its primary kind's digest,
+    which names every kind).
 
     Raises:
         PlanMismatchError: naming the ranks and what differs.

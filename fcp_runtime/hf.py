@@ -275,7 +275,7 @@ class HFPlanningCollate:
         """A collate for a model (or its config): its attention shape and dtype (`dtype` where attention computes in
         another, as under autocast; else the model's own, or the config's), no K,V prefetch (HF projects Q with K
         and V), attention-only balance unless `model` is given, and its layers' masks (:func:`layer_masks`: one
-        sliding window on every layer as Mistral's, or a layered plan where layers differ, each layer's attention
+        sliding window on every layer as Mistral's, or a plan of layer kinds where layers differ, each layer's attention
         picking its kind by its mask); the rank and size from a DeviceMesh's "cp" dimension, a process group, or
         given (rank 0 of 1 in a process without torch.distributed).
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fcp_runtime.kernels import default_takes_ranges
-from fcp_runtime.plan import LAYOUTS, LayeredRankPlan, load_rank_plan
+from fcp_runtime.plan import LAYOUTS, KindsRankPlan, load_rank_plan
 from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
@@ -112,7 +112,7 @@ class PlanningCollate:
         options = dict(self.compile_options)
         while True:
             plan = compile_plan(batch, self.world_size, layout=self.layout, **options)
-            # Each rank's plan-layout tokens, from the plan's placement (the same on every kind of a layered plan).
+            # Each rank's plan-layout tokens, from the plan's placement (the same on every layer kind).
             rank_tokens = plan.ir.transfers.assignment.rank_tokens
             block_size = plan.header.block_size
             if self.layout == "user" or int(rank_tokens.min()) > 0:
@@ -137,12 +137,12 @@ class PlanningCollate:
                              f"{self.world_size} ranks a token; drop it (DataLoader(drop_last=True)) or add documents")
         batch = BatchSpec(sequences=lengths, masks=[mask or "causal" for mask in masks]) if masks else lengths
         plan = self._compile(batch, total)
-        rank_plan = load_rank_plan(plan.to_bytes(), self.rank)  # a LayeredRankPlan where kinds were given
+        rank_plan = load_rank_plan(plan.to_bytes(), self.rank)  # a KindsRankPlan where kinds were given
         ranges = self.ranges
         if ranges is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             ranges = default_takes_ranges(device, rank_plan.has_windows)
-        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, LayeredRankPlan) else (rank_plan,)):
+        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, KindsRankPlan) else (rank_plan,)):
             prepare_host(kind_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             rows, position_ids = rank_plan.token_index, rank_plan.position_ids

@@ -1,7 +1,7 @@
 """One rank's plan, decoded and indexed for execution: :func:`load_rank_plan`.
 
 Reads the plan file with the format reader only (no compiler passes are imported). The plan's types are in
-:mod:`fcp_runtime.rank_plan` and :mod:`fcp_runtime.layered_plan`; the ones callers import from here are named again
+:mod:`fcp_runtime.rank_plan` and :mod:`fcp_runtime.kinds_plan`; the ones callers import from here are named again
 below.
 """
 
@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from fcp_compiler.format.call_plan import tiles_during_reshuffle
-from fcp_compiler.format.layered import PlanKinds, is_layered
+from fcp_compiler.format.kinds import PlanKinds, is_kinds_file
 from fcp_compiler.format.plan_format import PlanReader, RankProgram, TransferKind, expand_ranges
-from fcp_runtime.layered_plan import LayeredRankPlan, resolve_kind
+from fcp_runtime.kinds_plan import KindsRankPlan, resolve_kind
 from fcp_runtime.rank_plan import LAYOUTS, Message, PassProgram, Pull, RankPlan
 
 # Named here for the callers that import them from this module: the loader, binding, stage_calls and tests.
-__all__ = ["LAYOUTS", "LayeredRankPlan", "RankPlan", "from_program", "load_rank_plan", "resolve_kind"]
+__all__ = ["LAYOUTS", "KindsRankPlan", "RankPlan", "from_program", "load_rank_plan", "resolve_kind"]
 
 
 def _splits(peers: np.ndarray, lengths: np.ndarray, num_ranks: int) -> list[int]:
@@ -144,16 +144,16 @@ def from_program(program: RankProgram) -> RankPlan:
         program=program)
 
 
-def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan | LayeredRankPlan:
-    """Read one rank's slice of a plan file (or plan bytes) and index it for execution; a layered plan (one plan
-    for each layer kind) gives a LayeredRankPlan of every kind's.
+def load_rank_plan(source: str | Path | bytes, rank: int) -> RankPlan | KindsRankPlan:
+    """Read one rank's slice of a plan file (or plan bytes) and index it for execution; a plan of layer kinds (one
+    plan for each kind) gives a KindsRankPlan of every kind's.
 
     Raises:
         fcp_compiler.PlanFormatError: unreadable plan, rank out of range, or layer kinds of different layouts.
     """
-    if not is_layered(source):
+    if not is_kinds_file(source):
         return from_program(PlanReader(source).rank(rank))
     kinds = PlanKinds(source)
     plans = {kind.name: from_program(kind.reader.rank(rank)) for kind in kinds.kinds}
     masks = {kind.name: (kind.mask.kind.value != "full", kind.mask.window) for kind in kinds.kinds}
-    return LayeredRankPlan(plans, {kind.name: kind.num_layers for kind in kinds.kinds}, masks, kinds.primary.name)
+    return KindsRankPlan(plans, {kind.name: kind.num_layers for kind in kinds.kinds}, masks, kinds.primary.name)

@@ -11,7 +11,7 @@ import torch
 from fcp_runtime.checks import PlanMismatchError, check_plan
 from fcp_runtime.events import log_event
 from fcp_runtime.executor import Executor, Posted, wait_all
-from fcp_runtime.layered_plan import LayeredRankPlan, resolve_kind
+from fcp_runtime.kinds_plan import KindsRankPlan, resolve_kind
 from fcp_runtime.passes import BackwardPass, ForwardPass
 from fcp_runtime.rank_plan import ORPHANED_PREFETCHES, PassProgram, RankPlan
 from fcp_runtime.stage_calls import LOCAL
@@ -90,7 +90,7 @@ def _post_first(executor: Executor, phase, program: PassProgram, k: torch.Tensor
     return Posted(num_messages=len(messages), requests=requests, arrived=arrived, arenas=phase.arenas)
 
 
-def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None, kernels=None,
+def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | KindsRankPlan, group=None, kernels=None,
                 kind: str | None = None, mask: tuple[bool, int | None] | None = None) -> KVPrefetch:
     """Post this rank's part of the forward's first-stage K,V pulls (its own blocks' K,V sent, the blocks its
     first stage reads received) as soon as K and V are projected, so that they cross while Q is projected; pass
@@ -108,8 +108,8 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | LayeredRankPl
         plan: this rank's plan; group: its process group (default: the world).
         kernels: the kernels the fcp_attn_func call will use (default: the same default): a range kernel receives
             the pulls into the pass's arena.
-        kind, mask: a layered plan's layer kind, by name or by the layer's mask, as fcp_attn_func takes them (the
-            call must name the same kind).
+        kind, mask: the layer kind of a plan of layer kinds, by name or by the layer's mask, as fcp_attn_func
+            takes them (the call must name the same kind).
     Returns:
         the in-flight pulls, for one fcp_attn_func call.
     Raises:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fcp_runtime.checks import check_plan, check_rows
-from fcp_runtime.layered_plan import LayeredRankPlan, layout_plan
+from fcp_runtime.kinds_plan import KindsRankPlan, layout_plan
 from fcp_runtime.rank_plan import RankPlan
 
 
@@ -84,17 +84,17 @@ class _Dispatch(torch.autograd.Function):
         return reshuffle(ctx.plan, grad.contiguous(), not ctx.to_plan, ctx.group), None, None, None
 
 
-def dispatch(x: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None) -> torch.Tensor:
+def dispatch(x: torch.Tensor, plan: RankPlan | KindsRankPlan, group=None) -> torch.Tensor:
     """Move a per-token tensor [user_tokens, ...] from the user layout to this rank's plan layout
-    [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way). A layered
-    plan's kinds share one layout: one dispatch serves every kind."""
+    [plan_tokens, ...] with one all_to_all_single (differentiable: its gradient goes back the same way). A plan's
+    layer kinds share one layout: one dispatch serves every kind."""
     plan = layout_plan(plan)
     check_plan(plan, group)
     check_rows(x, plan.user_tokens, plan, "dispatch", "user")
     return _Dispatch.apply(x, plan, group, True)
 
 
-def undispatch(x: torch.Tensor, plan: RankPlan | LayeredRankPlan, group=None) -> torch.Tensor:
+def undispatch(x: torch.Tensor, plan: RankPlan | KindsRankPlan, group=None) -> torch.Tensor:
     """The inverse of :func:`dispatch`: plan layout [plan_tokens, ...] back to the user layout [user_tokens, ...]."""
     plan = layout_plan(plan)
     check_plan(plan, group)

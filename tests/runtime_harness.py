@@ -130,8 +130,8 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
 
 def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict, layout: str, q_heads: int = 4,
                                  kv_heads: int = 2, head_dim: int = 8, dtype=torch.float64):
-    """A rank task for a layered plan: the rank's rows are taken once (one layout for every kind), and each kind's
-    fcp_attn_func (kind=NAME) forward and backward on them must equal dense fp64 attention under that kind's
+    """A rank task for a plan of layer kinds: the rank's rows are taken once (one layout for every kind), and each
+    kind's fcp_attn_func (kind=NAME) forward and backward on them must equal dense fp64 attention under that kind's
     windows (`kind_windows`: name -> each sequence's window, 0: full) at those rows. Returns the kinds run."""
     total = sum(lengths)
     generator = torch.Generator().manual_seed(1)
@@ -145,10 +145,10 @@ def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict,
         expected[name] = (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad)
 
     def task(rank, world):
-        from fcp_runtime import LayeredRankPlan, fcp_attn_func, load_rank_plan
+        from fcp_runtime import KindsRankPlan, fcp_attn_func, load_rank_plan
 
         plan = load_rank_plan(plan_bytes, rank)
-        assert isinstance(plan, LayeredRankPlan) and set(plan.kinds) == set(kind_windows)
+        assert isinstance(plan, KindsRankPlan) and set(plan.kinds) == set(kind_windows)
         rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
                                                                       (rank + 1) * total // world)
         for name, want in expected.items():

@@ -84,8 +84,8 @@ def test_the_check_reads_nothing_back_from_the_device():
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding"])
 def test_a_hf_model_given_another_steps_plan_is_refused_on_every_rank_before_attention_sends(arch):
     """The probe's repro: a plan for documents [96, 96] with the rows of one 192-token document (as many rows on
-    every rank) trained 6.5e-4 (Llama) and 1.1e-3 (a layered Qwen2) off in the loss. Now every rank refuses in one
-    line; with the step's own plan the same call runs."""
+    every rank) trained 6.5e-4 (Llama) and 1.1e-3 (a Qwen2 of two layer kinds) off in the loss. Now every rank
+    refuses in one line; with the step's own plan the same call runs."""
     pytest.importorskip("transformers")
     import fcp_runtime.hf as fcp_hf
     from hf_harness import Setup

@@ -201,22 +201,22 @@ LONG = "y" * 10_000  # a user string a message must not echo whole
 
 
 @pytest.fixture(scope="module")
-def plain_and_layered(tmp_path_factory):
+def plain_and_kinds(tmp_path_factory):
     from fcp_compiler import compile_plan
     from fcp_compiler.format.inputs import BatchSpec
 
     folder = tmp_path_factory.mktemp("plans")
-    plain, layered = folder / "plain.fcp", folder / "layered.fcp"
+    plain, kinds = folder / "plain.fcp", folder / "kinds.fcp"
     lengths = [1900, 700, 333, 1200, 64, 90, 517, 250]
     compile_plan(lengths, 8, block_size=128).write(plain)
     compile_plan(BatchSpec(sequences=lengths, layers={"global": "causal",
                                                       "local": {"kind": "sliding_window", "window": 96}},
-                           layer_mix={"global": 1, "local": 3}), 8, block_size=128).write(layered)
-    return plain, layered
+                           layer_mix={"global": 1, "local": 3}), 8, block_size=128).write(kinds)
+    return plain, kinds
 
 
 @pytest.mark.parametrize("args", [
-    ["inspect", "LAYERED", "--kind", LONG], ["simulate", "LAYERED", "--kind", LONG],
+    ["inspect", "KINDS", "--kind", LONG], ["simulate", "KINDS", "--kind", LONG],
     ["simulate", "PLAIN", "--kind", LONG], ["simulate", "PLAIN", "--model", LONG],
     ["compile", SMALL, "--gpus", LONG, "-o", "OUT"], ["compile", SMALL, f"--gpus={LONG}", "-o", "OUT"],
     ["compile", SMALL, "--gpus", 8, "--memory-budget", LONG, "-o", "OUT"],
@@ -238,11 +238,11 @@ def plain_and_layered(tmp_path_factory):
     ["compile", SMALL, "--gpus", 8, "--layout", LONG, "-o", "OUT"],
     ["simulate", "PLAIN", "--profile", LONG],
 ], ids=lambda args: "-".join(arg.name if isinstance(arg, Path) else str(arg)[:12] for arg in args))
-def test_an_echoed_user_value_is_cut_to_a_sane_length(tmp_path, capsys, plain_and_layered, args):
+def test_an_echoed_user_value_is_cut_to_a_sane_length(tmp_path, capsys, plain_and_kinds, args):
     """A 10,000-character --kind (or any option's value, or a stray argument) is echoed by its first 60 characters,
     an ellipsis and its length, in one line (issue 65, N7)."""
-    plain, layered = plain_and_layered
-    given = [{"PLAIN": plain, "LAYERED": layered, "OUT": tmp_path / "p.fcp"}.get(arg, arg) for arg in args]
+    plain, kinds = plain_and_kinds
+    given = [{"PLAIN": plain, "KINDS": kinds, "OUT": tmp_path / "p.fcp"}.get(arg, arg) for arg in args]
     code, out, err = run(capsys, *given)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert re.search(r"y{50,60}'?\.\.\. \(10,00[02] characters\)", err), err
@@ -272,11 +272,11 @@ def test_a_bad_mask_of_a_layer_kind_reads_name_equals_value(tmp_path, capsys, ar
 
 @pytest.mark.parametrize("name", ["p" * 300, "p" * 300 + ".json", f"{'d' * 300}/profile.json"])
 @pytest.mark.parametrize("command", ["compile", "simulate"])
-def test_a_profile_name_too_long_for_a_path_is_bad_input_not_a_write(tmp_path, capsys, plain_and_layered, command,
+def test_a_profile_name_too_long_for_a_path_is_bad_input_not_a_write(tmp_path, capsys, plain_and_kinds, command,
                                                                      name):
     """A 300-character --profile is no preset and no file it can read: one line naming the cut value and what is
     valid (a preset or a readable JSON file), not "cannot write" with the name whole (issue 65, N7)."""
-    plain, _ = plain_and_layered
+    plain, _ = plain_and_kinds
     args = [SMALL, "--gpus", 8, "-o", tmp_path / "p.fcp"] if command == "compile" else [plain]
     code, _, err = run(capsys, command, *args, "--profile", name)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err

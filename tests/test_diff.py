@@ -125,25 +125,26 @@ def test_the_diff_ends_with_one_verdict_line(plans, capsys):
                         last), last
 
 
-def test_a_plain_plan_against_a_layered_one_is_refused_naming_which_is_which(tmp_path, capsys):
-    """A plan of one kind has no kind to match a layered plan's by name: the diff compared nothing, printed kind
-    "None" and exited 0 under --fail-on regression (issue 65, N6). Now: one line, exit 2, no --json written."""
+def test_a_plain_plan_against_a_plan_of_layer_kinds_is_refused_naming_which_is_which(tmp_path, capsys):
+    """A plan of one kind has no kind to match by name with a plan of layer kinds: the diff compared nothing,
+    printed kind "None" and exited 0 under --fail-on regression (issue 65, N6). Now: one line, exit 2, no --json
+    written."""
     from fcp_compiler.format.inputs import BatchSpec
 
     lengths = [1900, 700, 333, 1200, 64, 90, 517, 250]
-    plain, layered = tmp_path / "plain.fcp", tmp_path / "layered.fcp"
+    plain, kinds = tmp_path / "plain.fcp", tmp_path / "kinds.fcp"
     compile_plan(lengths, 8, block_size=128).write(plain)
     layers = {"global": "causal", "local": {"kind": "sliding_window", "window": 96}}
     compile_plan(BatchSpec(sequences=lengths, layers=layers, layer_mix={"global": 1, "local": 3}), 8,
-                 block_size=128).write(layered)
+                 block_size=128).write(kinds)
     out = tmp_path / "d.json"
-    for a, b, which in ((plain, layered, ("B", "A")), (layered, plain, ("A", "B"))):
+    for a, b, which in ((plain, kinds, ("B", "A")), (kinds, plain, ("A", "B"))):
         code = main(["diff", str(a), str(b), "--fail-on", "regression", "--json", str(out)])
         captured = capsys.readouterr()
         assert code == 2 and captured.out == "" and captured.err.count("\n") == 1, captured
-        assert f"plan file {str(layered)!r} ({which[0]}) is a layered plan of kinds global, local and plan file " \
+        assert f"plan file {str(kinds)!r} ({which[0]}) is a plan of layer kinds global, local and plan file " \
                f"{str(plain)!r} ({which[1]}) a plan of one kind" in captured.err, captured.err
         assert "None" not in captured.err and not out.exists()
-    # Two layered plans, and two plain ones, still diff.
-    assert main(["diff", str(layered), str(layered), "--fail-on", "change"]) == 0
+    # Two plans of layer kinds, and two plain ones, still diff.
+    assert main(["diff", str(kinds), str(kinds), "--fail-on", "change"]) == 0
     assert main(["diff", str(plain), str(plain), "--fail-on", "change"]) == 0

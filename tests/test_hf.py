@@ -150,7 +150,7 @@ def test_the_plan_is_compiled_for_the_models_attention_shape():
 
 def test_alternating_sliding_and_full_layers_train_on_4_ranks_as_in_one_process():
     """A Qwen2 whose layers alternate a 24-token window with full causal attention (layer_types, as gpt-oss): one
-    layered plan a step, each layer's attention picking its kind by its mask; 5 steps on 4 gloo ranks equal one
+    plan of layer kinds a step, each layer's attention picking its kind by its mask; 5 steps on 4 gloo ranks equal one
     process with HF's own attention (its per-layer sliding masks) document by document."""
     setup = Setup(arch="qwen2", sliding_window=24)
     _assert_trains_alike(setup, FP64)
@@ -163,7 +163,7 @@ def test_alternating_sliding_and_full_layers_train_on_4_ranks_as_in_one_process(
 def test_the_collate_maps_layer_types_to_layer_kinds():
     import transformers
 
-    from fcp_runtime import LayeredRankPlan
+    from fcp_runtime import KindsRankPlan
 
     config = Setup(arch="qwen2", sliding_window=24, num_layers=6).config("fcp")
     assert fcp_hf.layer_kinds(config) == ({"sliding_attention": "sliding_window:24", "full_attention": "causal"},
@@ -171,7 +171,7 @@ def test_the_collate_maps_layer_types_to_layer_kinds():
     assert fcp_hf.layer_kinds(Setup(arch="qwen2").config("fcp")) is None
     collate = fcp_hf.HFPlanningCollate.for_model(config, None, rank=1, world_size=2, block_size=64)
     plan = collate([torch.arange(150), torch.arange(90)])["fcp_plan"]
-    assert isinstance(plan, LayeredRankPlan) and plan.num_layers == {"sliding_attention": 3, "full_attention": 3}
+    assert isinstance(plan, KindsRankPlan) and plan.num_layers == {"sliding_attention": 3, "full_attention": 3}
     chunked = transformers.Qwen2Config(layer_types=["full_attention", "chunked_attention"], num_hidden_layers=2)
     with pytest.raises(ValueError, match="layer_types has 'chunked_attention'"):
         fcp_hf.layer_kinds(chunked)
@@ -400,7 +400,7 @@ def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
                          ids=["llama", "qwen2-sliding-and-full"])
 def test_a_compiled_model_equals_eager_with_no_graph_break_and_no_recompile_over_new_plans(setup):
     """Under torch.compile a model's attention is fcp's custom op: one graph, no break, no recompile as plans change
-    each step; a model of two layer kinds (a layered plan, each layer picking its kind by its mask) too."""
+    each step; a model of two layer kinds (a plan of layer kinds, each layer picking its kind by its mask) too."""
     import torch._dynamo as dynamo
 
     def task(rank, world):

@@ -1,7 +1,7 @@
-"""Layer kinds (core/kinds.py, format/layered.py): a batch names kinds with their masks; one placement serves every
+"""Layer kinds (core/kinds.py, format/kinds.py): a batch names kinds with their masks; one placement serves every
 kind (one layout, one dispatch) and each kind has its own schedule, pulling only the blocks its mask reads. The
-layered plan validates, replays exactly at world 8 and 16 in both layouts, and the bad forms are refused in one
-line."""
+plan of layer kinds validates, replays exactly at world 8 and 16 in both layouts, and the bad forms are refused in
+one line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fcp_compiler.core.pipeline import compile_plan
 from fcp_compiler.core.ir import TransferKind
 from fcp_compiler.errors import InvalidInputError, PlanFormatError
 from fcp_compiler.format.inputs import BatchSpec, parse_batch, parse_layer_masks, parse_layer_mix
-from fcp_compiler.format.layered import PlanKinds
+from fcp_compiler.format.kinds import PlanKinds
 from fcp_compiler.format.plan_format import PlanReader
 from fcp_compiler.format.validate import PlanInvalidError
 from fcp_compiler.format.validate_kinds import validate_kinds
@@ -65,7 +65,7 @@ def test_one_placement_one_schedule_per_kind_and_the_plan_validates(layout):
     assert plan.stats["primary_kind"] == "full_attention"
 
 
-def test_layered_compile_is_deterministic_and_its_digest_names_the_kinds():
+def test_a_kinds_compile_is_deterministic_and_its_digest_names_the_kinds():
     first, again = compile_plan(_spec(), 8, block_size=128), compile_plan(_spec(), 8, block_size=128)
     assert first.data == again.data
     other_mix = compile_plan(_spec(mix={"full_attention": 1, "sliding_attention": 5}), 8, block_size=128)
@@ -89,8 +89,8 @@ def test_the_floor_scores_every_candidate_by_the_layer_mix():
 def test_a_shared_layout_pairs_chunks_only_where_every_kind_pays_for_it():
     long = [8192, 300, 200]
     causal_alone = compile_plan(long, 4, block_size=512, floor=False)
-    layered = compile_plan(_spec(long), 4, block_size=512, floor=False)
-    assert causal_alone.stats["zigzag"] and not layered.stats["zigzag"]
+    kinds = compile_plan(_spec(long), 4, block_size=512, floor=False)
+    assert causal_alone.stats["zigzag"] and not kinds.stats["zigzag"]
     wide = _spec(long, layers={"full_attention": "causal",
                                "sliding_attention": {"kind": "sliding_window", "window": 4096}})
     assert compile_plan(wide, 4, block_size=512, floor=False).stats["zigzag"]
@@ -109,13 +109,13 @@ def test_every_kind_replays_exactly_in_fp64(world, layout):
     assert all(result == sorted(layers) for result in results)
 
 
-def test_a_layered_plan_picks_the_kind_by_name_or_mask_and_refuses_the_rest():
-    from fcp_runtime import LayeredRankPlan, load_rank_plan
+def test_a_plan_of_layer_kinds_picks_the_kind_by_name_or_mask_and_refuses_the_rest():
+    from fcp_runtime import KindsRankPlan, load_rank_plan
     from fcp_runtime.plan import resolve_kind
 
     plan = compile_plan(_spec(), 8, block_size=128)
     rank_plan = load_rank_plan(plan.data, 2)
-    assert isinstance(rank_plan, LayeredRankPlan)
+    assert isinstance(rank_plan, KindsRankPlan)
     assert resolve_kind(rank_plan, "sliding_attention") is rank_plan.kinds["sliding_attention"]
     assert resolve_kind(rank_plan, mask=(True, 96)) is rank_plan.kinds["sliding_attention"]
     assert resolve_kind(rank_plan, mask=(True, None)) is rank_plan.kinds["full_attention"]
@@ -131,32 +131,32 @@ def test_a_layered_plan_picks_the_kind_by_name_or_mask_and_refuses_the_rest():
         resolve_kind(single, "full_attention")
 
 
-def test_a_plain_plan_reader_names_the_layered_file_and_kinds_with_other_layouts_are_invalid():
+def test_a_plain_plan_reader_names_the_kinds_file_and_kinds_with_other_layouts_are_invalid():
     plan = compile_plan(_spec(), 8, block_size=128)
     with pytest.raises(PlanFormatError, match="holds a plan for each of several layer kinds"):
         PlanReader(plan.data)
     # Two kinds' plans from two different placements, put in one file, are refused: one layout serves all.
-    from fcp_compiler.format.layered import encode_layered
+    from fcp_compiler.format.kinds import encode_kinds
 
     other = compile_plan(BatchSpec(sequences=LENGTHS, mask={"kind": "sliding_window", "window": 96}), 8,
                          block_size=128, floor=False, node_fan_out=False)
     full = plan.kind("full_attention").plan
-    mixed = encode_layered([("full_attention", {"kind": "causal"}, 2, full.data),
-                            ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, other.data)],
-                           "full_attention")
+    mixed = encode_kinds([("full_attention", {"kind": "causal"}, 2, full.data),
+                          ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, other.data)],
+                         "full_attention")
     assert not np.array_equal(PlanReader(other.data).rank(0).arrays["blocks"],
                               PlanReader(full.data).rank(0).arrays["blocks"])
     with pytest.raises(PlanInvalidError, match="invariant 7"):
         validate_kinds(mixed)
     # A kind whose plan has another mask than the header says is refused too.
-    swapped = encode_layered([("full_attention", {"kind": "causal"}, 2, plan.kind("sliding_attention").plan.data),
-                              ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, full.data)],
-                             "full_attention")
+    swapped = encode_kinds([("full_attention", {"kind": "causal"}, 2, plan.kind("sliding_attention").plan.data),
+                            ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, full.data)],
+                           "full_attention")
     with pytest.raises(PlanInvalidError, match="invariant 7.*kind 'full_attention' has mask"):
         validate_kinds(swapped)
 
 
-def test_a_corrupt_layered_header_is_refused_in_one_line():
+def test_a_corrupt_kinds_header_is_refused_in_one_line():
     data = bytearray(compile_plan(_spec(), 8, block_size=128).data)
     data[60] ^= 1
     with pytest.raises(PlanFormatError, match="sha256"):
@@ -208,7 +208,7 @@ def test_a_model_preset_gives_the_mix_of_its_kinds():
         {"sliding_attention": 18, "full_attention": 18}
 
 
-def test_the_cli_compiles_validates_inspects_simulates_and_diffs_a_layered_plan(tmp_path, capsys):
+def test_the_cli_compiles_validates_inspects_simulates_and_diffs_a_plan_of_layer_kinds(tmp_path, capsys):
     from conftest import run_cli
 
     batch = tmp_path / "batch.json"
@@ -235,7 +235,7 @@ def test_the_cli_compiles_validates_inspects_simulates_and_diffs_a_layered_plan(
     assert not (tmp_path / "bad.fcp").exists()
 
 
-def test_a_layered_plan_compiles_from_a_batch_file_and_in_bulk(tmp_path, capsys):
+def test_a_plan_of_layer_kinds_compiles_from_a_batch_file_and_in_bulk(tmp_path, capsys):
     from conftest import run_cli
 
     batch = tmp_path / "batch.json"
@@ -262,7 +262,7 @@ def test_compile_options_take_a_shape_as_its_json_and_refuse_a_bad_one():
         CompileOptions.of(8, shape={"q_heads": 6, "kv_heads": 4})
 
 
-def test_prefetch_kv_takes_the_kind_and_a_layered_plan_replays_with_it():
+def test_prefetch_kv_takes_the_kind_and_a_plan_of_layer_kinds_replays_with_it():
     from runtime_harness import run_ranks
 
     lengths = [700, 300, 120, 900]
@@ -287,7 +287,7 @@ def test_prefetch_kv_takes_the_kind_and_a_layered_plan_replays_with_it():
     assert max(run_ranks(4, task)) > 1e-3  # the kinds compute different attention
 
 
-def test_a_layered_rank_plan_answers_for_its_layout_and_names_a_kind_for_the_rest():
+def test_a_kinds_rank_plan_answers_for_its_layout_and_names_a_kind_for_the_rest():
     from fcp_runtime import load_rank_plan
 
     rank_plan = load_rank_plan(compile_plan(_spec(), 8, block_size=128).data, 5)
@@ -315,23 +315,23 @@ def _forged(header: bytes, body: bytes = b"") -> bytes:
 
 
 @pytest.mark.parametrize("header,message", [
-    (b"[" * 30000 + b"]" * 30000, "bad layered header"),  # nested past the JSON parser's depth
-    (b"\xff\xfe", "bad layered header"),
-    (b'{"format": 1, "primary": "a", "kinds": []}', "bad layered header"),
+    (b"[" * 30000 + b"]" * 30000, "bad kinds header"),  # nested past the JSON parser's depth
+    (b"\xff\xfe", "bad kinds header"),
+    (b'{"format": 1, "primary": "a", "kinds": []}', "bad kinds header"),
     (b'{"format": 2, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
-     b'"offset": 0, "length": 10}]}', "layered format 2"),
+     b'"offset": 0, "length": 10}]}', "kinds format 2"),
     (b'{"format": 1, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
      b'"offset": 0, "length": 4294967296}]}', "lies outside"),
     # json.loads keeps a repeated key's last value silently: which primary, which offset, is the file's to say once.
     (b'{"format": 1, "primary": "b", "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, '
-     b'"num_layers": 1, "offset": 0, "length": 16}]}', "bad layered header: key 'primary' appears more than once"),
+     b'"num_layers": 1, "offset": 0, "length": 16}]}', "bad kinds header: key 'primary' appears more than once"),
     (b'{"format": 1, "primary": "a", "kinds": [{"name": "a", "mask": {"kind": "causal"}, "num_layers": 1, '
-     b'"offset": 0, "offset": 0, "length": 16}]}', "bad layered header: key 'offset' appears more than once"),
+     b'"offset": 0, "offset": 0, "length": 16}]}', "bad kinds header: key 'offset' appears more than once"),
     (b'{"format": 1, "primary": "a", "kinds": [{"name": "9a", "mask": {"kind": "causal"}, "num_layers": 1, '
-     b'"offset": 0, "length": 16}]}', "bad layered header field 'kinds.0.name': String should match pattern .*"
+     b'"offset": 0, "length": 16}]}', "bad kinds header field 'kinds.0.name': String should match pattern .*"
                                       "\\(got '9a'\\)"),
 ])
-def test_a_forged_layered_header_is_refused_in_one_line(header, message):
+def test_a_forged_kinds_header_is_refused_in_one_line(header, message):
     with pytest.raises(PlanFormatError, match=message) as caught:
         PlanKinds(_forged(header, b"\0" * 16))
     assert "\n" not in str(caught.value) and "Value error" not in str(caught.value)
@@ -343,21 +343,21 @@ def test_a_forged_layered_header_is_refused_in_one_line(header, message):
                                                                         "'llama3-70b'"),
                                                  ("zigzag", True, "True, kind 'full_attention' False")])
 def test_kinds_of_other_attention_shapes_are_refused_on_load_and_by_validate(tmp_path, capsys, field, value, shown):
-    """The runtime reads a layered plan's attention shape from one kind for all: kinds whose shapes differ are
-    refused wherever the file is read (PlanKinds: fcp validate, the runtime's loader), naming the field and both
-    values (issue 65, N9)."""
+    """The runtime reads the attention shape of a plan of layer kinds from one kind for all: kinds whose shapes
+    differ are refused wherever the file is read (PlanKinds: fcp validate, the runtime's loader), naming the field
+    and both values (issue 65, N9)."""
     from conftest import run_cli
-    from fcp_compiler.format.layered import encode_layered
+    from fcp_compiler.format.kinds import encode_kinds
     from fcp_compiler.format.plan_format import rebuild_plan
 
     plan = compile_plan(_spec(), 8, block_size=128)
     sliding = PlanReader(plan.kind("sliding_attention").plan.data)
     name, _, part = field.partition(".")
     changed = {**getattr(sliding.header, name).model_dump(mode="json"), part: value} if part else value
-    forged = encode_layered([("full_attention", {"kind": "causal"}, 2, plan.kind("full_attention").plan.data),
-                             ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2,
-                              rebuild_plan(sliding, **{name: changed}))], "full_attention")
-    message = f"layer kind 'sliding_attention' has {field} {shown}: the kinds of a layered plan share one"
+    forged = encode_kinds([("full_attention", {"kind": "causal"}, 2, plan.kind("full_attention").plan.data),
+                           ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2,
+                            rebuild_plan(sliding, **{name: changed}))], "full_attention")
+    message = f"layer kind 'sliding_attention' has {field} {shown}: a plan's layer kinds share one"
     with pytest.raises(PlanFormatError, match=message):
         PlanKinds(forged)
     with pytest.raises(PlanFormatError, match=message):

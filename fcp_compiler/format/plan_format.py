@@ -46,7 +46,7 @@ class TransferKind(enum.IntEnum):
 
 MAGIC = b"FCPPLAN5"  # format 5 on: the header and every section carry a sha256
 _LEGACY_MAGIC = b"FCPPLAN\0"  # formats up to 4
-LAYERED_MAGIC = b"FCPKINDS"  # a plan for each layer kind over one layout (fcp_compiler.format.layered)
+KINDS_MAGIC = b"FCPKINDS"  # a plan for each layer kind over one layout (fcp_compiler.format.kinds)
 FORMAT_VERSION = 10  # 6: per-sequence masks (seq_window); 7: the model whose layer time the placement balances;
 # 8: two link classes (a round is a matching per class: NVLink inside a node, the NIC across; nodes are runs of
 # profile.gpus_per_node ranks), node fan-out (pulls re-sent inside a node by the one that crossed the NIC);
@@ -355,7 +355,7 @@ def assemble_sections(header_fields: dict, global_bytes: bytes, rank_bytes: list
 
 class _Source:
     """Bytes of a plan, from memory or from a regular file read by offset (never the whole file at once); with
-    `window` (offset, length), the plan that range of the source holds (a layer kind's in a layered plan)."""
+    `window` (offset, length), the plan that range of the source holds (a layer kind's in a plan of layer kinds)."""
 
     def __init__(self, source: str | Path | bytes | bytearray | memoryview, window: tuple[int, int] | None = None):
         self._file, self._base = None, 0
@@ -409,9 +409,9 @@ class PlanReader:
         if prefix[:8] == _LEGACY_MAGIC:
             raise PlanFormatError(f"{self.origin} was written by an older fcp (format 4 or earlier); this fcp reads "
                                   f"version {FORMAT_VERSION}: compile it again")
-        if prefix[:8] == LAYERED_MAGIC:
+        if prefix[:8] == KINDS_MAGIC:
             raise PlanFormatError(f"{self.origin} holds a plan for each of several layer kinds; read it with "
-                                  f"fcp_compiler.format.layered.PlanKinds (fcp inspect lists its kinds)")
+                                  f"fcp_compiler.format.kinds.PlanKinds (fcp inspect lists its kinds)")
         if prefix[:8] != MAGIC or len(prefix) < _PREFIX:
             raise PlanFormatError(f"{self.origin} is not an fcp plan (bad magic {prefix[:8]!r})")
         (header_len,) = struct.unpack("<I", prefix[8:12])

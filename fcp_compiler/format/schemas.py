@@ -1,5 +1,6 @@
 """JSON Schema documents for every boundary model: the batch, the hardware profile, the attention shape, the plan
-header and the layered plan's header (written to and checked against `schemas/` by `fcp schemas`)."""
+header and the kinds header (one plan for each layer kind): written to and checked against `schemas/` by
+`fcp schemas`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pydantic import BaseModel
 
 from fcp_compiler.format.inputs import SCHEMA_VERSION, AttentionShape, BatchSpec, HardwareProfile
-from fcp_compiler.format.layered import LAYERED_FORMAT, LayeredHeader
+from fcp_compiler.format.kinds import KINDS_FORMAT, KindsHeader
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader
 
 SCHEMA_MODELS: dict[str, type[BaseModel]] = {
@@ -23,7 +24,7 @@ def schema_documents() -> dict[str, str]:
     # The plan header's schema follows the plan format's version; the input models have their own.
     models = {name: (model, SCHEMA_VERSION) for name, model in SCHEMA_MODELS.items()}
     models["plan_header"] = (PlanHeader, FORMAT_VERSION)
-    models["layered_header"] = (LayeredHeader, LAYERED_FORMAT)  # a plan for each layer kind (format/layered.py)
+    models["kinds_header"] = (KindsHeader, KINDS_FORMAT)  # a plan for each layer kind (format/kinds.py)
     documents = {}
     for name, (model, version) in models.items():
         schema = model.model_json_schema()

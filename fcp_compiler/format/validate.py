@@ -37,7 +37,7 @@ INVARIANTS = {
     3: "congestion freedom",
     4: "memory",
     5: "reshuffle bijection",
-    7: "one layout for every layer kind",  # a layered plan's (format/validate_kinds.py)
+    7: "one layout for every layer kind",  # of a plan of layer kinds (format/validate_kinds.py)
 }
 
 

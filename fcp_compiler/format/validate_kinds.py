@@ -1,4 +1,4 @@
-"""The validator of a layered plan (one plan for each layer kind, fcp_compiler.format.layered).
+"""The validator of a plan of layer kinds (one plan for each kind, fcp_compiler.format.kinds).
 
 Each kind's plan is checked as any plan is (:func:`fcp_compiler.format.validate.validate_plan`: invariants 0-5),
 and the kinds together keep invariant 7 of docs/DESIGN.md section 4: one layout for every kind (the same batch, the
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fcp_compiler.format.layered import PlanKinds
+from fcp_compiler.format.kinds import PlanKinds
 from fcp_compiler.format.validate import PlanInvalidError, ValidationReport, validate_plan
 
 LAYOUT_INVARIANT = 7
 # Every kind's header agrees on the batch, its blocks, where tokens live and the attention shape: PlanKinds refuses
-# a file whose kinds' headers differ there (fcp_compiler.format.layered.SHARED_HEADER), as the runtime reads it.
+# a file whose kinds' headers differ there (fcp_compiler.format.kinds.SHARED_HEADER), as the runtime reads it.
 _SHARED_TABLES = ("seq_lengths", "seg_block", "seg_seq", "seg_start", "seg_end")
 _SHARED_RANK = ("blocks", "reshuffle_send_peer", "reshuffle_send_offset", "reshuffle_send_length",
                 "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length")
@@ -29,13 +29,13 @@ def validate_kinds(source: str | Path | bytes | PlanKinds,
     (invariant 7); a plan of one kind is checked alone.
 
     Args:
-        source: a plan file's path or its bytes (layered or not), or its PlanKinds.
+        source: a plan file's path or its bytes (a kinds file or not), or its PlanKinds.
         background: as validate_plan's.
     Returns:
         each kind's ValidationReport by name (None: a plan of one kind).
     Raises:
         PlanFormatError: a file that cannot be read, or kinds whose headers differ in a field they share
-            (fcp_compiler.format.layered.SHARED_HEADER: the batch, the layout, the attention shape), named with
+            (fcp_compiler.format.kinds.SHARED_HEADER: the batch, the layout, the attention shape), named with
             both values.
         PlanInvalidError: an invariant broken (naming the kind).
     """
@@ -48,7 +48,7 @@ def validate_kinds(source: str | Path | bytes | PlanKinds,
             if kind.name is None:
                 raise
             raise PlanInvalidError(error.invariant, f"layer kind {kind.name!r}: {error.message}") from None
-    if kinds.layered:
+    if kinds.kinds_file:
         _check_one_layout(kinds)
     return reports
 

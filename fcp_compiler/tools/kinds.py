@@ -1,17 +1,17 @@
-"""The tools over a layered plan (one plan for each layer kind, fcp_compiler.format.layered): what `fcp inspect`,
+"""The tools over a plan of layer kinds (one plan for each kind, fcp_compiler.format.kinds): what `fcp inspect`,
 `fcp simulate`, `fcp validate` and `fcp diff` show of its kinds, and the table `fcp compile` prints of them."""
 
 from __future__ import annotations
 
 from fcp_compiler.errors import InvalidInputError
-from fcp_compiler.format.layered import PlanKinds
+from fcp_compiler.format.kinds import PlanKinds
 from fcp_compiler.format.validate import PlanInvalidError, ValidationReport
 from fcp_compiler.tools.diff import diff_plans, invalid_after
 from fcp_compiler.tools.report import mask_text, table
 
 
 def validation_lines(path, kinds: PlanKinds, reports: dict[str, ValidationReport]) -> str:
-    """What `fcp validate` prints for a valid layered plan."""
+    """What `fcp validate` prints for a valid plan of layer kinds."""
     lines = [f"{path}: valid. {len(reports)} layer kinds over one layout (one dispatch), each kind's plan keeping "
              f"invariants 0-5 and its mask's windows:"]
     lines.append(table(["kind", "mask", "layers", "tiles", "pulls", "rounds", "live tokens", "GiB fwd/bwd"], [
@@ -23,7 +23,7 @@ def validation_lines(path, kinds: PlanKinds, reports: dict[str, ValidationReport
 
 
 def inspect_kinds(path, kinds: PlanKinds) -> str:
-    """What `fcp inspect` prints for a layered plan: its kinds, each one's schedule in a line (--kind NAME
+    """What `fcp inspect` prints for a plan of layer kinds: its kinds, each one's schedule in a line (--kind NAME
     inspects one kind's plan as a plan of its own)."""
     rows = []
     for kind in kinds.kinds:
@@ -36,7 +36,7 @@ def inspect_kinds(path, kinds: PlanKinds) -> str:
                      header.inputs_digest[:16]])
     first = kinds.kinds[0].reader.header
     return "\n".join([
-        f"{path}: layered plan of {len(rows)} layer kinds over one layout: {first.num_ranks} ranks, "
+        f"{path}: plan of {len(rows)} layer kinds over one layout: {first.num_ranks} ranks, "
         f"{first.total_tokens} tokens in {first.num_sequences} sequences, {first.num_blocks} blocks of "
         f"{first.block_size}, {first.layout.value} layout (fcp inspect --kind NAME for one kind's ranks)",
         table(["kind", "mask", "layers", "pull rounds", "stages fwd/bwd", "coalesce", "live tokens",
@@ -59,7 +59,7 @@ def simulate_kinds(kinds: PlanKinds, profile=None, model: str | None = None,
 
 
 def simulation_lines(result: dict) -> str:
-    """What `fcp simulate` prints for a layered plan: each kind's passes, then the layer mix."""
+    """What `fcp simulate` prints for a plan of layer kinds: each kind's passes, then the layer mix."""
     rows = [[row["name"], mask_text(row["mask"]), row["num_layers"],
              f"{row['figures']['makespan_fwd_s'] * 1e3:.2f}", f"{row['figures']['makespan_bwd_s'] * 1e3:.2f}",
              f"{row['figures']['layer_makespan_fwd_s'] * 1e3:.2f}",
@@ -78,17 +78,17 @@ def diff_kinds(a: PlanKinds, b: PlanKinds, tolerance: float) -> dict:
     {"changed", "regressed", "kinds": {name: diff}, "only_a", "only_b"}.
 
     Raises:
-        InvalidInputError: one plan layered and the other not (a plan of one kind has no kind to match by name),
-            naming which is which.
+        InvalidInputError: one plan of layer kinds and the other not (a plan of one kind has no kind to match by
+            name), naming which is which.
     """
     from fcp_compiler.format.validate import validate_plan
 
-    if a.layered != b.layered:
-        layered, plain = (a, b) if a.layered else (b, a)
-        raise InvalidInputError(f"{layered.origin} ({'A' if layered is a else 'B'}) is a layered plan of kinds "
-                                f"{', '.join(layered.names)} and {plain.origin} ({'A' if plain is a else 'B'}) a "
-                                f"plan of one kind: fcp diff compares two plans of one kind, or two layered plans "
-                                f"kind by kind")
+    if a.kinds_file != b.kinds_file:
+        kinds, plain = (a, b) if a.kinds_file else (b, a)
+        raise InvalidInputError(f"{kinds.origin} ({'A' if kinds is a else 'B'}) is a plan of layer kinds "
+                                f"{', '.join(kinds.names)} and {plain.origin} ({'A' if plain is a else 'B'}) a "
+                                f"plan of one kind: fcp diff compares two plans of one kind, or two plans of layer "
+                                f"kinds, kind by kind")
 
     readers_a = {kind.name: kind.reader for kind in a.kinds}
     readers_b = {kind.name: kind.reader for kind in b.kinds}
@@ -109,7 +109,7 @@ def diff_kinds(a: PlanKinds, b: PlanKinds, tolerance: float) -> dict:
 
 
 def diff_lines(result: dict, path_a, path_b) -> str:
-    """What `fcp diff` prints for layered plans: each shared kind's diff, then the kinds only one plan has."""
+    """What `fcp diff` prints for plans of layer kinds: each shared kind's diff, then the kinds only one plan has."""
     from fcp_compiler.tools.report import diff_summary
 
     lines = []

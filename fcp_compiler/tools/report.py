@@ -502,7 +502,7 @@ def mask_text(mask: dict) -> str:
 
 
 def kinds_lines(stats: dict) -> list[str]:
-    """`fcp compile`'s lines for a layered plan: each kind's schedule and simulated layer time, and the mix's."""
+    """`fcp compile`'s lines for a plan of layer kinds: each kind's schedule and simulated layer time, and the mix's."""
     rows = stats.get("layer_kinds")
     if not rows:
         return []

@@ -1,4 +1,4 @@
-"""A layered plan on one rank: a RankPlan for each layer kind, all of one layout, and how a call picks its kind."""
+"""A plan of layer kinds on one rank: a RankPlan for each kind, all of one layout, and how a call picks its kind."""
 
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ import torch
 from fcp_runtime.rank_plan import RankPlan
 
 
-# What every layer kind of a layered plan must share on a rank: its rows in both layouts and how they move
+# What every layer kind of a plan must share on a rank: its rows in both layouts and how they move
 # between them (one dispatch for every kind).
 _SHARED_LAYOUT = ("rank", "num_ranks", "layout", "user_tokens", "plan_tokens", "token_index", "user_gather",
                   "send_splits", "plan_scatter", "recv_splits")
 
 
-# What a LayeredRankPlan answers for every kind: the layout, the batch, the attention shape and the inputs' digest.
+# What a KindsRankPlan answers for every kind: the layout, the batch, the attention shape and the inputs' digest.
 _LAYOUT_ATTRIBUTES = frozenset({*_SHARED_LAYOUT, "position_ids", "sequence_ids", "seq_lengths", "self_user_rows",
                                 "self_plan_rows", "digest", "q_heads", "kv_heads", "head_dim", "dtype"})
 
 
-class LayeredRankPlan:
-    """One rank's plans for every layer kind of a layered plan (fcp_compiler.format.layered): one layout, so the
+class KindsRankPlan:
+    """One rank's plans for every layer kind of a plan of layer kinds (fcp_compiler.format.kinds): one layout, so the
     batch is dispatched once, and a program a kind. The layout's attributes (`token_index`, `position_ids`,
     `plan_tokens`, ...) are every kind's; :meth:`kind` and :meth:`for_mask` give a kind's RankPlan, which
     ``fcp_attn_func(..., kind=NAME)`` (or its `mask`) picks.
@@ -40,7 +40,7 @@ class LayeredRankPlan:
                 same = torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs
                 if not same:
                     raise PlanFormatError(f"layer kind {name!r} has another {attribute} than kind {primary!r} on rank "
-                                          f"{first.rank}: the kinds of a layered plan share one layout")
+                                          f"{first.rank}: a plan's layer kinds share one layout")
         self._by_mask = {mask: name for name, mask in self.masks.items()}
 
     def __getattr__(self, name: str):
@@ -86,16 +86,16 @@ def _mask_name(causal: bool, window: int | None) -> str:
     return "full" if not causal else ("causal" if window is None else f"sliding window {window}")
 
 
-def resolve_kind(plan: RankPlan | LayeredRankPlan, kind: str | None = None,
+def resolve_kind(plan: RankPlan | KindsRankPlan, kind: str | None = None,
                  mask: tuple[bool, int | None] | None = None) -> RankPlan:
     """The RankPlan a call runs: `plan` itself for a plan of one kind, else the kind named, or the one whose mask is
     the layer's `mask` (causal, window).
 
     Raises:
-        ValueError: a kind named for a plan of one kind, an unknown kind, or a layered plan and neither a kind nor a
-            mask to choose one by.
+        ValueError: a kind named for a plan of one kind, an unknown kind, or a plan of layer kinds and neither a kind
+            nor a mask to choose one by.
     """
-    if isinstance(plan, LayeredRankPlan):
+    if isinstance(plan, KindsRankPlan):
         if kind is not None:
             return plan.kind(kind)
         if mask is not None:
@@ -108,8 +108,8 @@ def resolve_kind(plan: RankPlan | LayeredRankPlan, kind: str | None = None,
     return plan
 
 
-def layout_plan(plan: RankPlan | LayeredRankPlan) -> RankPlan:
-    """The RankPlan whose layout a dispatch reads: the plan, or a layered plan's primary kind (every kind's
+def layout_plan(plan: RankPlan | KindsRankPlan) -> RankPlan:
+    """The RankPlan whose layout a dispatch reads: the plan, or the primary kind of a plan of layer kinds (every kind's
     layout is one)."""
-    return plan.kinds[plan.primary] if isinstance(plan, LayeredRankPlan) else plan
+    return plan.kinds[plan.primary] if isinstance(plan, KindsRankPlan) else plan
 
