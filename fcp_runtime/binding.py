@@ -23,16 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.plan import RankPlan
+from fcp_runtime.rank_plan import CHECKED_POSITIONS, RankPlan
 
 
 class BatchMismatchError(ValueError):
     """The model's rows are not the ones the plan was compiled for (a plan from another step)."""
-
-
-# Per live plan (by id, dropped when the plan dies), the position tensors already checked against it, by weak
-# reference: nothing here keeps a step's plan or tensors alive.
-_CHECKED: dict[int, weakref.WeakValueDictionary] = {}
 
 
 def expected_positions(plan: RankPlan, layout: str) -> torch.Tensor:
@@ -65,10 +60,9 @@ def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: s
         BatchMismatchError: on every rank, on the CPU, when any rank's positions differ (on a GPU the
             device-side assertion carries the same message).
     """
-    checked = _CHECKED.get(id(plan))
-    if checked is None:
-        checked = _CHECKED[id(plan)] = weakref.WeakValueDictionary()  # id(tensor) -> tensor: identity, not ==
-        weakref.finalize(plan, _CHECKED.pop, id(plan), None)
+    # The record lives on the plan (it dies with it) and holds the tensors weakly: id(tensor) -> tensor, compared
+    # by identity, so a new tensor at a freed one's address is checked again.
+    checked = plan._device_cache.setdefault(CHECKED_POSITIONS, weakref.WeakValueDictionary())
     if checked.get(id(position_ids)) is position_ids:
         return
     rows = position_ids.reshape(-1)

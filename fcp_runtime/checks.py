@@ -9,36 +9,34 @@ import torch
 import torch.distributed as dist
 
 from fcp_runtime.kinds_plan import KindsRankPlan, layout_plan
-from fcp_runtime.rank_plan import LAYOUTS, RankPlan
+from fcp_runtime.rank_plan import CHECKED_GROUPS, LAYOUTS, RankPlan
 
 
 class PlanMismatchError(RuntimeError):
     """The ranks of a group do not hold the same plan, or the group is not the plan's world."""
 
 
-_CHECKED: set[tuple[int, int, str]] = set()
-
-
 def check_plan(plan: RankPlan | KindsRankPlan, group=None) -> None:
     """Fail on every rank, before any transfer, unless all ranks hold the same plan and the group is its world.
 
     One all_gather_object of (digest, world size, rank) whatever the plan says, so a mismatch is an error
-    everywhere, never a hang. Checked once per plan and group (a plan of layer kinds: its primary kind's digest,
-    which names every kind).
+    everywhere, never a hang. Checked once per plan object and group (a plan of layer kinds: its primary kind's
+    digest, which names every kind). The record lives on the plan, so it dies with it: a record kept by the plan's
+    id would let a new plan at a freed plan's address skip the collective on some ranks only, and hang the group.
 
     Raises:
         PlanMismatchError: naming the ranks and what differs.
     """
     plan = layout_plan(plan)
-    key = (id(plan), id(group), plan.digest)
-    if key in _CHECKED:
+    checked = plan._device_cache.setdefault(CHECKED_GROUPS, set())
+    if id(group) in checked:
         return
     if group is None and not dist.is_initialized():  # one process: a one-rank plan needs no process group
         if plan.num_ranks != 1:
             raise PlanMismatchError(f"the plan is for {plan.num_ranks} ranks but torch.distributed is not "
                                     f"initialized: call dist.init_process_group on each rank (only a plan for one "
                                     f"rank runs without it)")
-        _CHECKED.add(key)
+        checked.add(id(group))
         return
     size = dist.get_world_size(group)
     mine = (plan.digest, plan.num_ranks, plan.rank)
@@ -58,7 +56,7 @@ def check_plan(plan: RankPlan | KindsRankPlan, group=None) -> None:
     if wrong_rank:
         raise PlanMismatchError(f"ranks {wrong_rank} hold another rank's slice of the plan "
                                 f"(slice {gathered[wrong_rank[0]][2]} on rank {wrong_rank[0]})")
-    _CHECKED.add(key)
+    checked.add(id(group))
 
 
 def check_call(q, k, v, plan: RankPlan, group, layout: str, mask) -> None:

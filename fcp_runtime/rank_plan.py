@@ -64,6 +64,12 @@ class PassProgram:
 
 # A plan's cache entry holding the posted messages of prefetches dropped unused (fcp_runtime.prefetch drains them).
 ORPHANED_PREFETCHES = "orphaned_prefetches"
+# A plan's cache entry holding the ids of the process groups its ranks were checked against (fcp_runtime.checks):
+# this process's, so not pickled.
+CHECKED_GROUPS = "checked_groups"
+# ... and the position tensors its rows were checked against (fcp_runtime.binding), by weak reference.
+CHECKED_POSITIONS = "checked_positions"
+_PROCESS_LOCAL = (ORPHANED_PREFETCHES, CHECKED_GROUPS, CHECKED_POSITIONS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,10 +122,11 @@ class RankPlan:
         object.__setattr__(self, "handle", _register(self))
 
     def __getstate__(self) -> dict:
-        """Pickled with its host caches, but not the posted messages of a dropped prefetch (this process's)."""
+        """Pickled with its host caches, but not what belongs to this process: the posted messages of a dropped
+        prefetch, the groups it was checked against."""
         state = dict(self.__dict__)
         state["_device_cache"] = {key: value for key, value in self._device_cache.items()
-                                  if key != ORPHANED_PREFETCHES}
+                                  if key not in _PROCESS_LOCAL}
         return state
 
     def __setstate__(self, state: dict) -> None:

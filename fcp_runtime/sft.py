@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
-from fcp_runtime.trainer import FcpTrainerMixin, forget_plan_check
+from fcp_runtime.trainer import FcpTrainerMixin
 
 
 class FcpSFTTrainer(FcpTrainerMixin, SFTTrainer):
@@ -48,13 +48,10 @@ class FcpSFTTrainer(FcpTrainerMixin, SFTTrainer):
         rank's loss by its own count, which under fcp is its rows' share, not the batch's)."""
         num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         inputs = self._prepare_inputs(inputs)
-        try:
-            with torch.no_grad(), self.compute_loss_context_manager():
-                if prediction_loss_only:
-                    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-                    return loss.detach(), None, None
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
-                                                  num_items_in_batch=num_items_in_batch)
-            return loss.detach(), outputs.logits, inputs.get("labels")
-        finally:
-            forget_plan_check(inputs.get("fcp_plan"))
+        with torch.no_grad(), self.compute_loss_context_manager():
+            if prediction_loss_only:
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                return loss.detach(), None, None
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                              num_items_in_batch=num_items_in_batch)
+        return loss.detach(), outputs.logits, inputs.get("labels")

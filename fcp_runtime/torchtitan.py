@@ -57,11 +57,12 @@ import tyro  # torchtitan's command-line parser (a dependency of torchtitan): Fc
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_runtime.attention import fcp_attn_func
 from fcp_runtime.loader import PlanningCollate
+from fcp_runtime.mesh import CP_DIM
+from fcp_runtime.mesh import cp_group as mesh_cp_group
 
 __all__ = ["FcpAttention", "FcpMasks", "FcpOptions", "FcpTrainer", "TitanPlanningCollate", "attention_shape",
            "check_config", "prepare_fcp_input", "row_documents", "use_fcp_attention"]
 
-CP_DIM = "cp"
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 # The planned step's fields in torchtitan's input_dict, from the collate to the hook (the trainer moves the tensors
 # to the device with the rest of the batch; the plan stays a host object).
@@ -309,20 +310,9 @@ def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: 
                          f"plan must come from this batch (TitanPlanningCollate on the same samples)")
     positions = step[FCP_POSITIONS].reshape(1, -1)
     extra_kwargs["positions"] = positions
-    extra_kwargs["attention_masks"] = FcpMasks(plan=plan, group=_cp_group(cp_group), positions=positions)
+    group = mesh_cp_group(cp_group, "torchtitan's parallel_dims.get_mesh('cp')")
+    extra_kwargs["attention_masks"] = FcpMasks(plan=plan, group=group, positions=positions)
     return step[FCP_INPUT].reshape(1, -1), step[FCP_LABELS].reshape(1, -1), extra_kwargs
-
-
-def _cp_group(group_or_mesh):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(group_or_mesh, DeviceMesh):
-        return group_or_mesh
-    names = group_or_mesh.mesh_dim_names or ()
-    if CP_DIM not in names:
-        raise ValueError(f"the device mesh has dimensions {tuple(names)}; fcp needs one named {CP_DIM!r} "
-                         f"(torchtitan's parallel_dims.get_mesh('cp'))")
-    return group_or_mesh.get_group(CP_DIM)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -421,22 +411,6 @@ def _without_torchtitan_cp(parallelize_fn):
     return parallelize
 
 
-def _forget_plan_check(plan) -> None:
-    """Drop a finished step's plan from the runtime's record of checked plans (fcp_runtime.checks.check_plan keys
-    it by id(plan), so a later plan of the same documents at a freed plan's address on some ranks only would skip
-    the check's collective there: a deadlock). The same guard as fcp_runtime/trainer.py's, until the runtime
-    forgets a plan when it is freed."""
-    try:
-        from fcp_runtime import checks
-    except ImportError:  # pragma: no cover
-        return
-    record = getattr(checks, "_CHECKED", None)
-    if plan is None or not isinstance(record, set):
-        return
-    ids = {id(plan)} | {id(kind) for kind in getattr(plan, "kinds", {}).values()}
-    record.difference_update([key for key in record if isinstance(key, tuple) and key and key[0] in ids])
-
-
 class FcpTrainer(Trainer):
     """torchtitan's ``Trainer`` with fcp as its context parallelism.
 
@@ -506,10 +480,3 @@ class FcpTrainer(Trainer):
                                                                      extra_kwargs)
         return inputs, labels, extra_kwargs
 
-    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        plan = input_dict.get(FCP_PLAN) if isinstance(input_dict, dict) else None
-        try:
-            return super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                                 global_valid_tokens=global_valid_tokens)
-        finally:
-            _forget_plan_check(plan)

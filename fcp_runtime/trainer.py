@@ -157,27 +157,6 @@ def build_mesh(world_size: int, device_type: str, cp_size: int | None = None, me
     return mesh, mesh.get_local_rank(DP_DIM), world_size // cp
 
 
-def forget_plan_check(plan) -> None:
-    """Drop a finished step's plan from the runtime's record of checked plans (fcp_runtime.checks.check_plan).
-
-    That record is keyed by (id(plan), id(group), digest) and never shrinks, so when a later plan of the same
-    documents (an evaluation set seen again, a repeated batch) is allocated at a freed plan's address on some ranks
-    and not others, those ranks skip the check's all_gather and the group deadlocks (seen here: three ranks in
-    check_plan's all_gather, the fourth in the stages, evaluating the same set at steps 2 and 4). The runtime's fix is
-    to forget a plan when it is freed (``weakref.finalize(plan, _CHECKED.discard, key)``, as binding.py does), or to
-    keep the mark on the plan (``plan._device_cache``, as check_layer_mask does); until then the trainer forgets each
-    step's plan once the step is done, on every rank alike."""
-    try:
-        from fcp_runtime import checks
-    except ImportError:  # pragma: no cover - a runtime without the record
-        return
-    record = getattr(checks, "_CHECKED", None)
-    if plan is None or not isinstance(record, set):
-        return
-    ids = {id(plan)} | {id(kind) for kind in getattr(plan, "kinds", {}).values()}
-    record.difference_update([key for key in record if isinstance(key, tuple) and key and key[0] in ids])
-
-
 class FcpTrainerMixin:
     """What fcp changes in a ``transformers.Trainer`` (and in subclasses such as TRL's SFTTrainer): put it before
     the trainer class in the bases. Keyword arguments beside the trainer's own:
@@ -326,18 +305,6 @@ class FcpTrainerMixin:
         return count
 
     # --- the model call ------------------------------------------------------------------------------------------
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            forget_plan_check(inputs.get("fcp_plan"))
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        finally:
-            forget_plan_check(inputs.get("fcp_plan"))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The trainer's own loss, with the step's context-parallel group in the model call (`fcp_plan` comes in

@@ -108,3 +108,28 @@ def _drop_prefetch(plan_bytes):
 def test_a_dropped_prefetch_is_drained_and_never_hangs():
     plan = compile_plan(LENGTHS, 2, block_size=128, coalesce=2)
     assert run_ranks(2, _drop_prefetch(plan.to_bytes()), timeout=60) == [True, True]
+
+
+def test_the_record_of_a_checked_plan_lives_on_the_plan_so_every_new_plan_object_is_checked_on_every_rank():
+    """check_plan's collective runs once per plan object and group. The record is the plan's own (not kept by the
+    plan's id, which a new plan at a freed plan's address would reuse on some ranks only, skipping the collective
+    there and hanging the group), and a pickled copy, as a DataLoader worker sends one, carries none of it."""
+    import pickle
+
+    import fcp_runtime.checks as checks
+    from fcp_runtime.loader import PlanningCollate
+
+    def task(rank, world):
+        calls = []
+        real = checks.dist.all_gather_object
+        checks.dist.all_gather_object = lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))[1]
+        collate = PlanningCollate(rank, world, block_size=64, model="none")
+        plan = collate([torch.arange(300), torch.arange(40)])["plan"]
+        checks.check_plan(plan)
+        checks.check_plan(plan)
+        copy = pickle.loads(pickle.dumps(plan))
+        checks.check_plan(copy)
+        checks.check_plan(collate([torch.arange(300), torch.arange(40)])["plan"])  # the same documents, a new plan
+        return len(calls), not hasattr(checks, "_CHECKED")
+
+    assert run_ranks(2, task) == [(3, True), (3, True)]

@@ -272,28 +272,3 @@ def test_importing_fcp_runtime_and_its_hf_backend_imports_no_trainer():
             f"or m.startswith('trl.')); print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_a_finished_steps_plan_is_forgotten_by_the_runtimes_check_on_every_rank():
-    """The runtime's record of checked plans is keyed by id(plan): the trainer drops each step's plan from it, so a
-    later plan of the same documents at a freed plan's address is checked again on every rank, not skipped on some
-    (which deadlocked an evaluation of the same set at steps 2 and 4)."""
-    from fcp_runtime import checks
-
-    if not isinstance(getattr(checks, "_CHECKED", None), set):
-        pytest.skip("the runtime keeps no id-keyed record of checked plans: forget_plan_check is a no-op to remove")
-
-    def task(rank, world):
-        from fcp_runtime import check_plan
-        from fcp_runtime.hf import HFPlanningCollate, attention_shape
-        from fcp_runtime.trainer import forget_plan_check
-
-        collate = HFPlanningCollate(rank, world, block_size=64, shape=attention_shape(tiny_model("fcp").config),
-                                    model="none")
-        plan = collate([torch.arange(300), torch.arange(40)])["fcp_plan"]
-        check_plan(plan)
-        before = any(key[0] == id(plan) for key in checks._CHECKED)
-        forget_plan_check(plan)
-        return before, any(key[0] == id(plan) for key in checks._CHECKED)
-
-    assert run_ranks(2, task) == [(True, False)] * 2
