@@ -35,10 +35,10 @@ import torch.distributed as dist
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_runtime.attention import fcp_attn_func
 from fcp_runtime.loader import PlanningCollate
+from fcp_runtime.mesh import CP_DIM, cp_group  # noqa: F401  (cp_group: this module's API too)
 
 ATTENTION_NAME = "fcp"
 IGNORE_INDEX = -100  # HF's cross-entropy ignore_index
-CP_DIM = "cp"
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
@@ -72,23 +72,6 @@ def fcp_attention_mask(*, attention_mask=None, **kwargs):
     return None
 
 
-def cp_group(group_or_mesh):
-    """The context-parallel process group of a DeviceMesh (its "cp" dimension), or the group itself.
-
-    Raises:
-        ValueError: a mesh without a "cp" dimension.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(group_or_mesh, DeviceMesh):
-        return group_or_mesh
-    names = group_or_mesh.mesh_dim_names or ()
-    if CP_DIM not in names:
-        raise ValueError(f"the device mesh has dimensions {tuple(names)}; fcp needs one named {CP_DIM!r} (e.g. "
-                         f"init_device_mesh(device, (dp, cp), mesh_dim_names=('dp', 'cp')))")
-    return group_or_mesh.get_group(CP_DIM)
-
-
 def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """transformers' attention-function contract, over the step's plan.
@@ -117,6 +100,9 @@ def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise ValueError(f"fcp attention takes one packed row of this rank's tokens, batch size 1; got batch size "
                          f"{query.shape[0]} (input_ids [1, T] from HFPlanningCollate)")
+    if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast: Q, K, V in the autocast dtype
+        dtype = torch.get_autocast_dtype(query.device.type)  # (RoPE's float32 cos and sin promote Q and K alone)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     if _DTYPES.get(query.dtype) != plan.dtype:
         raise ValueError(f"the plan was compiled for {plan.dtype} attention but the model's query is {query.dtype}: "
                          f"build the collate with HFPlanningCollate.for_model(model) after casting the model, or "

@@ -143,3 +143,24 @@ def test_a_compiled_hf_model_given_another_steps_plan_is_refused_on_every_rank()
 
     errors = run_ranks(2, task, timeout=600)
     assert len(errors) == 2 and all("not those of the batch plan" in error for error in errors)
+
+
+def test_under_autocast_attention_runs_in_the_autocast_dtype_on_a_plan_compiled_for_it():
+    """fp32 weights under bfloat16 autocast: RoPE's float32 cos and sin leave Q and K in float32 and V in bfloat16;
+    the backend casts all three to the autocast dtype, as sdpa does, and needs a plan compiled for it."""
+    pytest.importorskip("transformers")
+    import fcp_runtime.hf as fcp_hf
+    from hf_harness import Setup
+
+    def task(rank, world):
+        model, _ = Setup(num_layers=2, dtype=torch.float32).model(fcp_hf.ATTENTION_NAME)
+        docs = [torch.arange(150) % 96, torch.arange(70) % 96]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(ValueError, match="compiled for fp32 attention but the model's query is torch.bfloat16"):
+                model(**fcp_hf.HFPlanningCollate.for_model(model, block_size=64)(docs))
+            batch = fcp_hf.HFPlanningCollate.for_model(model, block_size=64, dtype=torch.bfloat16)(docs)
+            loss = model(**batch).loss
+        loss.backward()
+        return bool(torch.isfinite(loss))
+
+    assert run_ranks(2, task) == [True, True]

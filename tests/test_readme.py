@@ -120,6 +120,34 @@ def test_the_training_script_runs_as_written_from_any_directory_and_trains_like_
         assert abs(shares[step] - loss) <= bound * loss, (step, shares[step], loss)
 
 
+def _trainer_block() -> str:
+    section = README[README.index("## Train with the Hugging Face Trainer"):]
+    return re.search(r"^```python\n(.*?)^```", section, re.S | re.M).group(1)
+
+
+def test_the_trainer_block_is_at_most_20_lines_and_runs_as_written_on_4_ranks(tmp_path):
+    """The Trainer block saved as a script in an empty folder and run by four processes with torchrun's environment
+    (DP 2 x CP 2 on gloo): it trains its steps and logs each step's loss (rank 0 prints the Trainer's log lines).
+    Its parity with the Trainer in one process is tests/test_trainer.py's."""
+    pytest.importorskip("accelerate")
+    from runtime_harness import free_port
+
+    block = _trainer_block()
+    assert len(block.splitlines()) <= 20
+    script = tmp_path / "train_trainer.py"
+    script.write_text(block)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "4",
+           "LOCAL_WORLD_SIZE": "4", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(4)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0, 0], [err[-2000:] for _, err in outputs]
+    losses = [float(loss) for loss in re.findall(r"'loss': '?([0-9.]+)", outputs[0][0])]
+    steps = int(re.search(r"max_steps=(\d+)", block).group(1))
+    assert len(losses) == steps and all(0 < loss < 10 for loss in losses), outputs[0][0][-2000:]
+
+
 def test_the_repo_stands_alone_no_file_or_help_points_outside_it():
     """Users have the repository only: no doc, source file or help text names a path above it."""
     import os
