@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fcp_compiler.algorithms.leveling import level_stages, stage_loads
+from fcp_compiler.algorithms.leveling import _below, level_stages, stage_loads
 
 
 def _sum_of_stage_maxima(stage, rank, seconds, num_ranks):
@@ -189,3 +189,14 @@ def _scan_equals_the_plain_greedy(num_ranks, num_tiles, seed, with_budget):
         assert np.array_equal(level_stages(earliest, rank, seconds, num_ranks, movable=movable, limit=other,
                                            prepared=shared),
                               _reference_level_stages(earliest, rank, seconds, num_ranks, movable, other))
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e3, allow_nan=False), min_size=1, max_size=50))
+def test_the_scans_float32_bound_is_the_nearest_at_or_below(values):
+    """_Scan keeps the least work before each position as a float32 bound (half the memory): never above the
+    float64 value (a rank then stops only where nothing fits), the nearest float32 that is not."""
+    exact = np.array(values)
+    bound = _below(exact)
+    assert bound.dtype == np.float32 and (bound.astype(np.float64) <= exact).all()
+    up = np.nextafter(bound, np.float32(np.inf))
+    assert (up.astype(np.float64) > exact).all()

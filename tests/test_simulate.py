@@ -475,8 +475,12 @@ def test_launches_read_in_parts_are_those_of_every_pair_at_once(monkeypatch, mas
     for most, held in ((1 << 20, pairs), (1 << 20, None), (37, None), (1, pairs)):
         monkeypatch.setattr(launches, "PAIR_PART", most)
         parts = list(tiles.pair_parts(most, held))
-        for column, cut in zip(pairs, zip(*(part for _, part in parts))):
+        for column, cut in zip(pairs, zip(*(part for _, part, _ in parts))):
             assert np.array_equal(column, np.concatenate(cut))
+        for rows, part, itself in parts:  # the dense parts' kinds in closed form are the classified ones
+            if itself is not None:
+                assert all(np.array_equal(a, b) for a, b in zip(launches._dense_kinds(itself),
+                                                                launches.pair_kinds(tiles, part)))
         found.append([launches.coalesced_seconds(tiles, order, rank, launch, tiles.profile, held)] +
                      [launches.kernel_calls(tiles, order, rank, stage, 4, 4, held, split) for split in (False, True)])
     for other in found[1:]:

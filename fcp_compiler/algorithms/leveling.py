@@ -10,6 +10,14 @@ from fcp_compiler.algorithms.keys import stable_order
 from fcp_compiler.algorithms.liveness import live_tokens
 
 
+def _below(values: np.ndarray) -> np.ndarray:
+    """float32 values at or below float64 `values`, each the nearest such."""
+    near = values.astype(np.float32)
+    over = near > values
+    near[over] = np.nextafter(near[over], np.float32(-np.inf))
+    return near
+
+
 def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_stages: int,
                 num_ranks: int) -> np.ndarray:
     """Work per (stage, rank), float64 [num_stages, num_ranks]."""
@@ -17,6 +25,8 @@ def stage_loads(stage: np.ndarray, rank: np.ndarray, seconds: np.ndarray, num_st
                        minlength=num_stages * num_ranks).reshape(num_stages, num_ranks)
 
 
+# Tiles read at a time where a pass over every tile needs int64 temporaries (a few MB each, reused).
+PART_TILES = 1 << 20
 MAX_SKIPS = 8  # per rank and target stage, candidates passed over (too long for the gap, or over the budget)
 # Ranks still scanning a target stage at or under which they finish it one at a time in Python (a numpy step over
 # all of them costs about as much as a dozen candidates one by one: at small blocks a stage has thousands of steps).
@@ -61,18 +71,20 @@ def prepare_levelling(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarra
     when levelling under one): one stable sort of one key (rank, earliest stage), by radix, and two passes over the
     tiles. O(T)."""
     num_stages = int(earliest.max(initial=0)) + 1
-    key = rank[movable] * (num_stages + 1)
+    key = np.multiply(rank[movable], num_stages + 1, dtype=np.int64)
     key += earliest[movable]
     order = stable_order(key, num_ranks * (num_stages + 1))
-    order = np.flatnonzero(movable)[order].astype(np.int32)  # tile rows are int32
     before = np.concatenate(([0], np.cumsum(np.bincount(key, minlength=num_ranks * (num_stages + 1)))))
     del key
+    # Tile rows are int32 (millions at small blocks: no int64 column of them is kept, nor gathered).
+    order = np.take(np.flatnonzero(movable).astype(np.int32), order)
     last = None
     if tile_buffer is not None:
-        reads = tile_buffer >= 0
-        values = earliest[reads].astype(np.int64)  # ufunc.at is many times slower on mixed types
         last = buffer_first.astype(np.int64)  # a copy
-        np.maximum.at(last, tile_buffer[reads], values)
+        for low in range(0, tile_buffer.size, PART_TILES):  # a part at a time: int64 columns of a few MB
+            buffer, stage = tile_buffer[low:low + PART_TILES], earliest[low:low + PART_TILES]
+            reads = buffer >= 0
+            np.maximum.at(last, buffer[reads], stage[reads].astype(np.int64))  # ufunc.at is slow on mixed types
     return Prepared(order=order, before=before, load=stage_loads(earliest, rank, seconds, num_stages, num_ranks),
                     buffer_first=buffer_first, buffer_last=last)
 
@@ -128,8 +140,8 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     if order.size == 0:  # nothing may move
         return stage
     buffers = None if limit is None else _LiveBuffers(limit, prepared.buffer_last, order, num_ranks, num_stages)
-    scan = _Scan(order=order, work=seconds[order], first=stage[order], before=prepared.before,
-                 num_stages=num_stages, num_ranks=num_ranks)
+    earliest = np.asarray(earliest)  # (unchanged: each candidate's load is taken from its earliest stage's)
+    scan = _Scan(order=order, seconds=seconds, before=prepared.before, num_stages=num_stages, num_ranks=num_ranks)
     load = prepared.load.copy()
     for target in range(num_stages - 1, 0, -1):
         row = load[target]  # a view: filling a rank raises its row in place
@@ -140,15 +152,15 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
         while ranks.size:
             if ranks.size <= PYTHON_RANKS:  # a numpy step would cost more than these few ranks' candidates
                 for rank, at, room, skipped in zip(ranks.tolist(), position.tolist(), gap.tolist(), skips.tolist()):
-                    _fill_rank(scan, buffers, load, stage, order, target, rank, at, room, skipped)
+                    _fill_rank(scan, buffers, load, stage, earliest, order, target, rank, at, room, skipped)
                 break
-            work = scan.work[position]
+            work = seconds[order[position]]
             fits = work <= gap
             if buffers is not None and fits.any():
                 fits[fits] = buffers.extend(position[fits], ranks[fits], target)
             moved, moved_ranks, moved_work = position[fits], ranks[fits], work[fits]
             gap -= work * fits  # (minus zero where it does not fit: the same gap)
-            load[scan.first[moved], moved_ranks] -= moved_work
+            load[earliest[order[moved]], moved_ranks] -= moved_work
             row[moved_ranks] += moved_work
             stage[order[moved]] = target
             scan.move(moved)
@@ -157,27 +169,28 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
     return stage
 
 
-def _fill_rank(scan: _Scan, buffers: _LiveBuffers | None, load: np.ndarray, stage: np.ndarray, order: np.ndarray,
-               target: int, rank: int, position: int, gap: float, skips: int) -> None:
+def _fill_rank(scan: _Scan, buffers: _LiveBuffers | None, load: np.ndarray, stage: np.ndarray, earliest: np.ndarray,
+               order: np.ndarray, target: int, rank: int, position: int, gap: float, skips: int) -> None:
     """One rank's fill of `target` from scan position `position` on, as the numpy steps of :func:`level_stages` make
     it (a rank's fill reads and writes only its own tiles, loads and buffers), one candidate at a time."""
-    work, first, low = scan.work, scan.first, int(scan.low[rank])
+    seconds, low = scan.seconds, int(scan.low[rank])
     row = load[target]
     while True:
-        tile_work = float(work[position])
+        tile = int(order[position])
+        tile_work = float(seconds[tile])
         fits = tile_work <= gap
         if fits and buffers is not None:
             fits = buffers.extend_one(position, rank, target)
         if fits:
             gap -= tile_work
-            load[first[position], rank] -= tile_work
+            load[earliest[tile], rank] -= tile_work
             row[rank] += tile_work
-            stage[order[position]] = target
+            stage[tile] = target
             scan.move_one(position)
         else:
             skips += 1
         position = scan.unmoved_one(position - 1)
-        if position < low or skips >= MAX_SKIPS or scan.least[position] > gap:
+        if position < low or skips >= MAX_SKIPS or float(scan.least[position]) > gap:  # (compared as float64)
             return
 
 
@@ -190,18 +203,23 @@ class _Scan:
     pointers shortened as they are followed). A lookup follows a few pointers, not the whole scan order: recomputing
     the last unmoved position of every position once a stage was O(T x S), most of a compile at small blocks."""
 
-    def __init__(self, order: np.ndarray, work: np.ndarray, first: np.ndarray, before: np.ndarray, num_stages: int,
-                 num_ranks: int):
-        self.work, self.first, self.before, self.width = work, first, before, num_stages + 1
+    def __init__(self, order: np.ndarray, seconds: np.ndarray, before: np.ndarray, num_stages: int, num_ranks: int):
+        """`seconds`: each tile's work (a candidate's is seconds[order[position]], looked up a step at a time: a
+        column a scan position is millions at small blocks)."""
+        self.seconds, self.before, self.width = seconds, before, num_stages + 1
         self.low = before[np.arange(num_ranks) * self.width]  # each rank's first position
-        self.skip = np.arange(order.size)
-        # The least work at or before each position within its rank's tiles: a rank whose gap is below it at its
-        # next candidate can fit nothing more in the target (it would only pass over candidates), so it stops.
-        self.least = work.copy()
+        self.skip = np.arange(order.size, dtype=np.int32)  # positions, as tile rows, are int32
+        # At most the least work at or before each position within its rank's tiles: a rank whose gap is below it at
+        # its next candidate can fit nothing more in the target (it would only pass over candidates), so it stops.
+        # A float32 bound (half the memory) rounded down: a rank it keeps scanning only passes over what does not fit.
+        self.least = np.empty(order.size, dtype=np.float32)
         bounds = np.append(self.low, order.size).tolist()
         for low, high in zip(bounds[:-1], bounds[1:]):
-            if high - low > 1:
-                np.minimum.accumulate(work[low:high], out=self.least[low:high])
+            for part in range(low, high, PART_TILES):
+                least = np.minimum.accumulate(seconds[order[part:min(part + PART_TILES, high)]])
+                if part > low:
+                    np.minimum(least, self.least[part - 1], out=least)  # (still a bound: the one before is)
+                self.least[part:part + least.size] = _below(least)
 
     def start(self, ranks: np.ndarray, target: int, gap: np.ndarray) -> tuple[np.ndarray, ...]:
         """The ranks with candidates for `target` (tiles whose earliest stage is before it): ranks, each one's last
@@ -280,22 +298,22 @@ class _LiveBuffers:
         # A copy, with one more entry that no target reaches: the last stage of "buffer -1" (a tile reading none).
         self.last = np.append(last.astype(np.int64), np.iinfo(np.int64).max)
         self.budget = limit.budget
-        self.buffer = limit.tile_buffer[order]  # per scan position
-        read = np.maximum(self.buffer, 0)
-        # A window's bounds are (end + hold + 1, target + hold + 1): hold + 1 a position, and the furthest any
-        # window reaches past its target.
-        self.after = limit.buffer_hold[read].astype(np.int64) + 1
-        self.reach = int(self.after.max(initial=1))
-        self.tokens = limit.buffer_tokens[read].astype(np.int64)  # token counts, whatever array they came in
+        self.tile_buffer, self.order = limit.tile_buffer, order  # a scan position's buffer: looked up, not kept
+        # A window's bounds are (end + hold + 1, target + hold + 1): hold + 1 a buffer (looked up a step at a time,
+        # not kept per scan position: millions at small blocks), and at most `reach` past its target (a bound: the
+        # columns past a window's own are read and written unchanged).
+        self.after_of = limit.buffer_hold.astype(np.int64) + 1
+        self.reach = int(self.after_of.max(initial=1))
+        self.tokens_of = limit.buffer_tokens.astype(np.int64)  # token counts, whatever array they came in
 
     def extend_one(self, position: int, rank: int, target: int) -> bool:
         """:meth:`extend` of one scan position."""
-        buffer = int(self.buffer[position])
+        buffer = int(self.tile_buffer[self.order[position]])
         if buffer < 0 or self.last[buffer] >= target:
             return True
-        after = int(self.after[position])
+        after = int(self.after_of[buffer])
         window = self.live[rank, max(int(self.last[buffer]) + after, 0):target + after]
-        tokens = int(self.tokens[position])
+        tokens = int(self.tokens_of[buffer])
         if max(window.tolist(), default=0) + tokens > self.budget:  # (a few stages: a list's max is cheaper)
             return False
         window += tokens
@@ -306,7 +324,7 @@ class _LiveBuffers:
         """Keep the buffer of the tile at each scan position, on its rank (distinct ranks), live until `target`
         where the budget allows; bool per position, True where the tile may run there (its buffer extended, or
         none needed)."""
-        buffer = self.buffer[positions]
+        buffer = self.tile_buffer[self.order[positions]]
         end = self.last[buffer]
         need = end < target  # a tile without a buffer reads the entry no target reaches
         if need.all():  # (most steps: every tile's buffer would outlive its last use so far)
@@ -317,7 +335,7 @@ class _LiveBuffers:
             ok = ~need
             need = np.flatnonzero(need)
             positions, buffer, rank, end = positions[need], buffer[need], ranks[need], end[need]
-        after, tokens = self.after[positions], self.tokens[positions]
+        after, tokens = self.after_of[buffer], self.tokens_of[buffer]
         # The stages the buffer would newly be live in: after its current end, up to the target's (plus its hold);
         # only the columns some window spans are read and written (a few of the pass's stages).
         low = end + after

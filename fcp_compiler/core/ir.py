@@ -192,25 +192,26 @@ class TileSet:
             column[:head] = values
         return pair_tile, q_seg, kv_seg, flops
 
-    def pair_parts(self, most: int, pairs: tuple | None = None) -> Iterator[tuple[slice, tuple]]:
+    def pair_parts(self, most: int, pairs: tuple | None = None) -> Iterator[tuple[slice, tuple, np.ndarray | None]]:
         """:meth:`segment_pairs` a part at a time: (its rows among them, its (pair_tile, pair_q_seg, pair_kv_seg,
-        pair_flops)). The listed pairs are one part; the dense ones follow about `most` pairs a part, a few rows of a
-        sequence (at least one) or a few whole sequences, each tile's pairs together and tiles in order. A query
-        block's pairs, and so a tile's and a query segment's, are all in one part. `pairs`: segment_pairs(), where
-        the caller holds them (the parts are views of them); else each part is built alone (tens of millions of
-        pairs at small blocks are never all held)."""
+        pair_flops), and for a part of dense pairs built here whether each is a chunk against itself, else None).
+        The listed pairs are one part; the dense ones follow about `most` pairs a part, a few rows of a sequence (at
+        least one) or a few whole sequences, each tile's pairs together and tiles in order. A query block's pairs,
+        and so a tile's and a query segment's, are all in one part. `pairs`: segment_pairs(), where the caller holds
+        them (the parts are views of them); else each part is built alone (tens of millions of pairs at small blocks
+        are never all held)."""
         head, dense = self.listed_pair_tile.size, self.dense
         if head:
             yield slice(0, head), (tuple(column[:head] for column in pairs) if pairs is not None else (
-                self.listed_pair_tile, self.listed_pair_q_seg, self.listed_pair_kv_seg, self.listed_pair_flops))
+                self.listed_pair_tile, self.listed_pair_q_seg, self.listed_pair_kv_seg, self.listed_pair_flops)), None
         start = head
         for spans in dense_row_spans(dense.first_seg, dense.num_blocks, dense.tile_offset, most):
             part = slice(start, start + sum((high - low) * (2 * num + 1) for _, num, _, low, high in spans))
             if pairs is not None:
-                yield part, tuple(column[part] for column in pairs)
+                yield part, tuple(column[part] for column in pairs), None
             else:
                 pair_tile, q_seg, kv_seg, itself = dense_zigzag_rows(spans)
-                yield part, (pair_tile, q_seg, kv_seg, np.where(itself, dense.self_flops, dense.whole_flops))
+                yield part, (pair_tile, q_seg, kv_seg, np.where(itself, dense.self_flops, dense.whole_flops)), itself
             start = part.stop
 
     @property

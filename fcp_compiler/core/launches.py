@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fcp_compiler.algorithms.call_plan import call_parts
-from fcp_compiler.algorithms.kernel_entries import CAUSAL, classify_pairs
+from fcp_compiler.algorithms.kernel_entries import CAUSAL, UNMASKED, classify_pairs
 from fcp_compiler.algorithms.keys import unique_keys
 from fcp_compiler.core.ir import TileSet
 from fcp_compiler.core.layer_model import BACKWARD_WORK, LayerCosts
@@ -25,8 +25,9 @@ from fcp_compiler.core.passes.cost import tile_efficiency
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import ModelPreset
 
-# Segment pairs read at a time: their columns and groups stay tens of MB, reused from part to part.
-PAIR_PART = 1 << 20
+# Segment pairs read at a time: their columns and groups stay a few MB, reused from part to part (a part of 2^20
+# held 100 MB more at the peak, and was no faster).
+PAIR_PART = 1 << 18
 # Segment pairs classified at a time (pair_kinds): each part's temporaries stay a few MB, reused, where one pass over
 # the tens of millions of pairs of 64-token blocks spent most of its time faulting in fresh pages.
 KIND_PART_PAIRS = 1 << 20
@@ -154,6 +155,13 @@ class PassLaunches:
         return calls.reshape(self.num_launches, self.num_ranks)
 
 
+def _dense_kinds(itself: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pair_kinds` of pairs of dense zig-zag sequences (`itself`: a chunk against itself), in closed form: a
+    causal sequence's earlier chunk is seen whole (UNMASKED), a chunk against itself holds its diagonal (CAUSAL),
+    and no window cuts either (left -1)."""
+    return np.where(itself, CAUSAL, UNMASKED).astype(np.int8), np.full(itself.size, -1, dtype=np.int64)
+
+
 def _tile_runs(pair_tile: np.ndarray, num_tiles: int) -> tuple[np.ndarray, np.ndarray]:
     """A part's tiles (each once) and each pair's index among them: runs where its pairs come tile by tile in order
     (the dense parts), else by sorting."""
@@ -185,10 +193,12 @@ def sweep(tiles: TileSet, passes: Sequence[PassLaunches], profile: HardwareProfi
         return
     counting = any(launches.count_calls for launches in passes)
     seg_tokens = tiles.sharding.seg_tokens
-    for rows, part in tiles.pair_parts(PAIR_PART, pairs):
+    for rows, part, itself in tiles.pair_parts(PAIR_PART, pairs):
         part_kinds = None
-        if counting:
-            part_kinds = (kinds[0][rows], kinds[1][rows]) if kinds is not None else pair_kinds(tiles, part)
+        if counting and kinds is not None:
+            part_kinds = (kinds[0][rows], kinds[1][rows])
+        elif counting:
+            part_kinds = pair_kinds(tiles, part) if itself is None else _dense_kinds(itself)
         tile_runs = _tile_runs(part[0], tiles.num_tiles)
         for launches in passes:
             launches.add(part, part_kinds, tile_runs, seg_tokens, profile)

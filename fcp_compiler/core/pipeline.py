@@ -22,7 +22,8 @@ from fcp_compiler.core.ir import Assignment, Batch, Reshuffle, Rounds, Schedule,
 from fcp_compiler.core.kinds import LayerKind, LayerKinds, layer_kinds
 from fcp_compiler.core.layer_model import LINEAR_WEIGHT, LayerCosts
 from fcp_compiler.core.options import CompileOptions
-from fcp_compiler.core.plan_memory import plan_peak_bytes, stack_plan
+from fcp_compiler.core.account import plan_peak_bytes
+from fcp_compiler.core.plan_memory import stack_plan
 from fcp_compiler.core.passes.assign import assign, default_token_cap
 from fcp_compiler.core.passes.coalesce import (LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward,
                                                complete_backward, forward_peak, max_buffer_tokens, pass_peaks,
@@ -429,14 +430,15 @@ def _within_budget(timer: _PassTimer, kept: _Kept, options: CompileOptions, dige
     """
     plan, held = kept.plan, kept.held
     budget = options.resolved_memory_budget_bytes
-    # The encoder's columns of the plan, read by the account and, where the plan is kept as it is, written out.
+    # The encoder's columns of the plan where the floor made them (read by the account and, where the plan is kept
+    # as it is, written out); else the account reads the IR a few ranks at a time, and the encoder makes them.
     if held is not None:
         stacked, columns = held
         peaks = timer.run("memory", stacked_peak_bytes, stacked)
         del stacked, held
     else:
-        columns = timer.run("memory", rank_columns, plan[0])
-        peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1], columns)
+        columns = None
+        peaks = timer.run("memory", plan_peak_bytes, plan[0], plan[1])
     record = {"budget_bytes": budget, "unbudgeted_peak_bytes": int(peaks.max()), "refits": 0, "refitted": False,
               "met": True, "kept": None}
     if budget is not None and peaks.max() > budget:
@@ -463,7 +465,11 @@ def _within_budget(timer: _PassTimer, kept: _Kept, options: CompileOptions, dige
               "memory_budget_bytes": budget}
     record.update(peak_bytes_fwd=int(peaks[:, 0].max()), peak_bytes_bwd=int(peaks[:, 1].max()))
     fields = {**plan[1], **memory}
-    return (plan[0], fields, timer.run("encode", encode, plan[0], fields, columns)), record
+    # The columns go to the encoder alone (not held here, nor in the timer's arguments), which drops them before it
+    # joins the file's bytes: a copy of the plan's rows less at its peak.
+    held = [columns]
+    del columns
+    return (plan[0], fields, timer.run("encode", lambda: encode(plan[0], fields, held.pop()))), record
 
 
 def _refit_to_budget(timer: _PassTimer, plan: tuple, options: CompileOptions, digest: str, budget: int,
@@ -882,7 +888,8 @@ class _FloorRun:
         if (bound is not None and bound >= fastest) or same:
             self.pruned[placement] = (bound, same[0] if same else None, None)
             return False
-        self.placed_by[placement] = assignment
+        if not self.alone:  # compared with the placements after it: none where the floor schedules one candidate
+            self.placed_by[placement] = assignment  # (a column a tile: millions at small blocks)
         self.routed[placement] = _route(timer, assignment, options, as_its_system=placement is Placement.MAGI)
         return True
 
@@ -962,6 +969,7 @@ def _fit_memory(timer: _PassTimer, rounds: Rounds, options: CompileOptions,
             # Completed before not, then the fewest tokens; the first of equals (the Q pulls first) stays.
             if least is None or (step[0] is None, step[1]) < (least[0] is None, least[1]):
                 least = step
+            del step  # the chain makes its next step without this one held, unless it is the least
     return (*least, least[0] is not None and least[0] is first[0])
 
 
@@ -974,22 +982,26 @@ def _refits(timer: _PassTimer, rounds: Rounds, options: CompileOptions, budget: 
     rounds of messages at a time, so the peak falls about in proportion). Smaller still costs more time than it saves
     memory (launches, smaller kernels) and, at hundreds of ranks, seconds of scheduling. A forward half over the
     budget by more than half is not completed at all (schedule None)."""
-    schedule, forward, peak, q_first = first
-    yield schedule, peak
-    if schedule is None or not options.pipelined or peak <= budget:
+    base, forward, peak, q_first = first
+    yield base, peak
+    if base is None or not options.pipelined or peak <= budget:
         return
     rounds_per_stage, tight = options.coalesce, TIGHT_LEVELLING_STAGES
     if forward <= budget:
         for backward_rounds in (2 * rounds_per_stage, smaller_backward_rounds(rounds_per_stage)):
             if backward_rounds is None:
                 break
-            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
+            # Each from `first`, whose forward, pulls and tile order the steps keep: the step before is not held
+            # while this one is made (a column a tile: millions at small blocks).
+            schedule = None
+            schedule = timer.run("coalesce", with_backward_rounds, base, backward_rounds, tight)
             peak = max(forward, timer.run("score", pass_peaks, schedule)[1])
             yield schedule, peak
     if budget < peak <= budget * 3 // 2 and rounds_per_stage > 1:
         # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
         fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget * FIT_MARGIN
                                                                          // peak)))
+        schedule = None
         schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight,
                              q_first=q_first)
         backward_rounds = smaller_backward_rounds(fewer)

@@ -21,7 +21,7 @@ from fcp_compiler.format.inputs import Layout
 from fcp_compiler.format.stacked import StackedRanks
 
 # Plan rows summed at a time (PlanTiles.rank_parts): a few MB a column.
-TILE_PART = 1 << 20
+TILE_PART = 1 << 18
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,21 +51,21 @@ class PlanTiles:
             yield low, high, self.row_tile[bounds[low]:bounds[high]].astype(np.int64)
             low = high
 
-    def work(self, fwd_seconds: np.ndarray, bwd_seconds: np.ndarray, bwd_scale: float, num_stages: tuple[int, int],
-             tile_seconds: np.ndarray) -> tuple[TileWork, TileWork, np.ndarray]:
-        """Each pass's TileWork (the forward's tiles at fwd_seconds, the backward's at bwd_seconds x bwd_scale, per
-        tile; `num_stages`: each pass's) and each rank's tiles at `tile_seconds` (the plan's planned compute), each
-        sum over its tiles in plan order."""
+    def work(self, stage: np.ndarray, seconds: np.ndarray, num_stages: int, scale: float = 1.0, early: bool = False,
+             tile_seconds: np.ndarray | None = None) -> tuple[TileWork, np.ndarray | None]:
+        """One pass's TileWork, its tiles at each one's stage (`stage`, per tile) and `seconds` x `scale` (per tile;
+        `early`: those run during the input reshuffle counted apart, the forward), and each rank's tiles at
+        `tile_seconds` where given (the plan's planned compute, else None): each sum over its tiles in plan order."""
         num_ranks = self.rank_rows.size - 1
-        forward, backward = (TileWork.zeros(stages, num_ranks) for stages in num_stages)
-        planned = np.zeros(num_ranks)
+        work, planned = TileWork.zeros(num_stages, num_ranks), None if tile_seconds is None else np.zeros(num_ranks)
         for low, high, tile in self.rank_parts():
             rank = self.rank[tile]
-            forward.add(low, high, rank, self.fwd_stage[tile], fwd_seconds[tile],
-                        self.early[tile] if self.early is not None else None)
-            backward.add(low, high, rank, self.bwd_stage[tile], bwd_seconds[tile] * bwd_scale, None)
-            planned[low:high] = np.bincount(rank - low, weights=tile_seconds[tile], minlength=high - low)
-        return forward, backward, planned
+            part_seconds = seconds[tile] * scale if scale != 1.0 else seconds[tile]
+            work.add(low, high, rank, stage[tile], part_seconds,
+                     self.early[tile] if early and self.early is not None else None)
+            if planned is not None:
+                planned[low:high] = np.bincount(rank - low, weights=tile_seconds[tile], minlength=high - low)
+        return work, planned
 
     def in_plan_order(self) -> tuple[np.ndarray, ...]:
         """(tile, rank, forward stage, backward stage, run during the input reshuffle) of every plan row: a column

@@ -278,35 +278,36 @@ class _PlanArrays:
 def _tile_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool, pairs: tuple | None,
                  kinds: tuple | None, final) -> tuple[dict, dict, np.ndarray]:
     """Both passes' tiles as PassInput takes them (:func:`_pass_inputs`), and each rank's planned compute (its tiles
-    at the tile set's seconds). Each tile is charged at its kernel call's efficiency, and each stage's calls are
-    counted, in one pass over the segment pairs a part at a time (:func:`launches.sweep`); the tiles are summed a
-    few ranks at a time (TileWork), and only a recorded pass has a column per tile (millions at small blocks)."""
+    at the tile set's seconds). A pass charges each tile at its kernel call's efficiency, and counts each stage's
+    calls, in one pass over the segment pairs a part at a time (:func:`launches.sweep`); its tiles are then summed a
+    few ranks at a time (TileWork), one pass after the other (a column of seconds a tile: millions at small blocks),
+    and only a recorded pass keeps a column per tile."""
     found = plan_tiles(stacked, tiles, final)
-    num_stages = (header.num_fwd_stages, header.num_bwd_stages)
-    passes = [PassLaunches(rank=found.rank, launch=launch, num_launches=stages + 1, num_ranks=header.num_ranks,
-                           split=split)
-              for launch, stages, split in ((found.fwd_launch(num_stages[0]), num_stages[0], False),
-                                            (found.bwd_stage, num_stages[1], True))]
-    sweep(tiles, passes, profile, pairs, kinds)
-    # Tiles that run during the input reshuffle are not a stage's calls.
-    calls = [launches.stage_calls()[:stages] for launches, stages in zip(passes, num_stages)]
-    seconds = [launches.seconds for launches in passes]
-    del passes
-    work = found.work(seconds[0], seconds[1], BACKWARD_WORK, num_stages, tiles.tile_seconds)
-    empty = np.zeros(0, dtype=np.int64)
-    fields = [{"tile_rank": empty, "tile_stage": empty, "tile_seconds": np.zeros(0),
-               "tile_early": np.zeros(0, dtype=bool), "tile_name": None} for _ in range(2)]
     if record:
         tile, rank, fwd_stage, bwd_stage, early = found.in_plan_order()
         names = [f"q{q} kv{kv}" for q, kv in zip(tiles.tile_q_block[tile].tolist(), tiles.tile_kv_block[tile].tolist())]
-        for pass_fields, stage, tile_seconds, tile_early in (
-                (fields[0], fwd_stage, seconds[0][tile], early),
-                (fields[1], bwd_stage, seconds[1][tile] * BACKWARD_WORK, np.zeros(early.size, dtype=bool))):
-            pass_fields.update(tile_rank=rank, tile_stage=stage, tile_seconds=tile_seconds, tile_early=tile_early,
-                               tile_name=names)
-    for pass_fields, pass_work, pass_calls in zip(fields, work, calls):
-        pass_fields.update(tile_work=pass_work, stage_calls=pass_calls)
-    return fields[0], fields[1], work[2]
+    fields, planned = [], None
+    for launch, stage, num_stages, backward in ((found.fwd_launch(header.num_fwd_stages), found.fwd_stage,
+                                                 header.num_fwd_stages, False),
+                                                (found.bwd_stage, found.bwd_stage, header.num_bwd_stages, True)):
+        launches = PassLaunches(rank=found.rank, launch=launch, num_launches=num_stages + 1,
+                                num_ranks=header.num_ranks, split=backward)
+        sweep(tiles, [launches], profile, pairs, kinds)
+        scale = BACKWARD_WORK if backward else 1.0
+        work, planned_compute = found.work(stage, launches.seconds, num_stages, scale, early=not backward,
+                                           tile_seconds=None if backward else tiles.tile_seconds)
+        planned = planned if backward else planned_compute
+        # Tiles that run during the input reshuffle are not a stage's calls.
+        pass_fields = {"tile_work": work, "stage_calls": launches.stage_calls()[:num_stages],
+                       "tile_rank": np.zeros(0, dtype=np.int64), "tile_stage": np.zeros(0, dtype=np.int64),
+                       "tile_seconds": np.zeros(0), "tile_early": np.zeros(0, dtype=bool), "tile_name": None}
+        if record:
+            pass_fields.update(tile_rank=rank, tile_stage=bwd_stage if backward else fwd_stage,
+                               tile_seconds=launches.seconds[tile] * scale if backward else launches.seconds[tile],
+                               tile_early=np.zeros(early.size, dtype=bool) if backward else early, tile_name=names)
+        fields.append(pass_fields)
+        del launches
+    return fields[0], fields[1], planned
 
 
 def _pass_inputs(header, stacked: StackedRanks, tiles, profile: HardwareProfile, record: bool,

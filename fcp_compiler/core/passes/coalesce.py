@@ -108,14 +108,21 @@ def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge
     return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
 
 
-def _backward_arrival_round(arrival_round: np.ndarray) -> np.ndarray:
-    """A tile's arrival round in the backward, whose pulls take round 2r for the forward's round r (-1: local)."""
-    return np.where(arrival_round >= 0, 2 * arrival_round, -1)
-
-
 def _earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
     """Each tile's first stage: the one after its later pull's, 0 for a tile whose data is all local."""
     return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+
+
+def _backward_earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
+    """Each tile's first stage in the backward (stages of `coalesce` rounds), whose pulls take round 2r for the
+    forward's round r (`arrival_round`: the forward's, -1 for a tile whose data is all local): written over
+    `arrival_round` (a column a tile, millions at small blocks: one held, not three)."""
+    local = arrival_round < 0
+    arrival_round *= 2
+    arrival_round //= coalesce
+    arrival_round += 1
+    arrival_round[local] = 0
+    return arrival_round
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +139,12 @@ class _Earliest:
     @classmethod
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
            assignment) -> _Earliest:
-        stage = _earliest_stage(arrival_round, coalesce)
+        return cls.of_stage(_earliest_stage(arrival_round, coalesce), pull_round, coalesce, tile_kv_edge, assignment)
+
+    @classmethod
+    def of_stage(cls, stage: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
+                 assignment) -> _Earliest:
+        """:meth:`of`, each tile's first stage given."""
         # Local tiles stay in stage 0 (they hide the first transfers); a delayed tile keeps its K,V pull live. Tiles
         # run for another rank move too: a helper's tiles for a heavy block all become runnable once its Q and the
         # first K,V land, and pinned there they made one stage as long as several (Wikipedia + tail at 256 GPUs:
@@ -408,9 +420,9 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int,
     transfers, coalesce_degree = rounds.transfers, schedule.coalesce
     assert backward_rounds % 2 == 0 and 2 <= backward_rounds and 2 * coalesce_degree % backward_rounds == 0
     forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
-    arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
-    earliest = _Earliest.of(_backward_arrival_round(arrival_round), 2 * forward_round, backward_rounds,
-                            kv_edge, transfers.assignment)
+    stage = _backward_earliest_stage(_arrival_round(forward_round, kv_edge, q_edge), backward_rounds)
+    earliest = _Earliest.of_stage(stage, 2 * forward_round, backward_rounds, kv_edge, transfers.assignment)
+    del stage
     block_size = transfers.assignment.tiles.sharding.block_size
     backward = _backward(transfers, forward_round, backward_rounds, earliest, kv_edge, q_edge,
                          levelling_stages * coalesce_degree * block_size, rounds.nvlink_lanes)
@@ -432,8 +444,8 @@ def remote_tiles_out_of_last_stage(schedule: Schedule) -> Schedule | None:
     """
     backward = schedule.backward
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
-    arrival = _arrival_round(schedule.forward.edge_round, kv_edge, q_edge)
-    earliest = _earliest_stage(_backward_arrival_round(arrival), backward.coalesce)
+    earliest = _backward_earliest_stage(_arrival_round(schedule.forward.edge_round, kv_edge, q_edge),
+                                        backward.coalesce)
     last = int(backward.tile_stage.max(initial=0))
     back = (kv_edge >= 0) & (q_edge < 0) & (backward.tile_stage == last) & (earliest < last)
     if not back.any():

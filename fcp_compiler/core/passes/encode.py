@@ -128,14 +128,29 @@ def _slicer(plan: Reshuffle, tile_rows: bool = True) -> _RankSlicer:
     tile_names = ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block")
     if tile_rows:
         out.add_counted(tile_names, np.bincount(assignment.tile_rank, minlength=num_ranks),  # tile_order: by rank first
-                        *(column.astype(np.int32)[tile_order] for column in (forward.tile_stage, backward.tile_stage,
-                                                                             tiles.tile_q_block, tiles.tile_kv_block)))
+                        *_in_order((forward.tile_stage, backward.tile_stage, tiles.tile_q_block, tiles.tile_kv_block),
+                                   tile_order))
     else:
         out.add_counted(tile_names, np.zeros(num_ranks, dtype=np.int64),
                         *(np.zeros(0, dtype=np.int32) for _ in tile_names))
     _add_pushes(out, transfers, forward, backward, row_of_edge)
     assert set(out.columns) == set(RANK_ARRAYS)
     return out
+
+
+# Tiles gathered at a time into the int32 tile columns (_in_order): the int64 rows of a part are a few MB.
+PART_TILES = 1 << 20
+
+
+def _in_order(columns: tuple[np.ndarray, ...], order: np.ndarray) -> np.ndarray:
+    """Each column gathered in `order`, as int32 rows of one array: no int64 or unordered copy of a column is made
+    (millions of tiles at small blocks), and the rows' memory, one allocation, goes back whole once they are
+    dropped (columns of tens of MB apart stay in the allocator's heap)."""
+    rows = np.empty((len(columns), order.size), dtype=np.int32)
+    for row, column in zip(rows, columns):
+        for low in range(0, order.size, PART_TILES):
+            row[low:low + PART_TILES] = column[order[low:low + PART_TILES]]
+    return rows
 
 
 def global_columns(plan: Reshuffle) -> dict[str, np.ndarray]:
