@@ -43,7 +43,7 @@ from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InfeasibleError, InvalidInputError
 from fcp_compiler.format.inputs import (MAX_SEQUENCES, BatchSpec, Layout, Mask, MaskKind, parse_batch,
                                         too_many_sequences)
-from fcp_compiler.format.layered import encode_layered
+from fcp_compiler.format.kinds import encode_kinds
 from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.plan_format import FORMAT_VERSION, PlanHeader, PlanReader, RankProgram
 from fcp_compiler.format.safe_io import write_atomic
@@ -57,8 +57,8 @@ BALANCE_TOLERANCE = 0.02
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompiledPlan:
-    """A compiled plan: its bytes, header, statistics and the final IR. With layer kinds, `data` is the layered
-    file (fcp_compiler.format.layered) holding every kind's plan, `kinds` each kind's, and `ir`, `header`, `rank`
+    """A compiled plan: its bytes, header, statistics and the final IR. With layer kinds, `data` is the kinds
+    file (fcp_compiler.format.kinds) holding every kind's plan, `kinds` each kind's, and `ir`, `header`, `rank`
     and `stats` are the primary kind's (the one the placement was scheduled for; stats["layer_kinds"] lists all)."""
 
     data: bytes
@@ -244,7 +244,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
     timing each (stats["pass_seconds"]). Layer kinds (:mod:`fcp_compiler.core.kinds`) give one placement, chosen by
-    the mix's time, and a schedule a kind: `data` is then the layered file, `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
+    the mix's time, and a schedule a kind: `data` is then the kinds file, `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
     candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
     least simulated layer time whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which,
     and what each scored).
@@ -323,7 +323,7 @@ class _Kept:
 def _with_kinds(timer: _PassTimer, primary: CompiledPlan, kinds: LayerKinds, prepared: _Prepared, fan_out: bool,
                 started: float) -> CompiledPlan:
     """The other layer kinds scheduled on the primary kind's placement (each within the memory budget, as the
-    primary), and the layered plan of them all: stats["layer_kinds"] gives each kind's figures and
+    primary), and the plan of layer kinds of them all: stats["layer_kinds"] gives each kind's figures and
     stats["layer_mix_s"] the model's attention layers' simulated time, forward plus backward."""
     options = prepared.options
     plans = {kinds.primary.name: primary}
@@ -340,7 +340,7 @@ def _with_kinds(timer: _PassTimer, primary: CompiledPlan, kinds: LayerKinds, pre
     ordered = tuple(KindPlan(name=kind.name, mask=kind.mask, num_layers=kind.num_layers, plan=plans[kind.name])
                     for kind in kinds.kinds)
     summary = [_kind_summary(timer, kind) for kind in ordered]
-    data = timer.run("encode", encode_layered, [(kind.name, kind.mask.model_dump(mode="json"), kind.num_layers,
+    data = timer.run("encode", encode_kinds, [(kind.name, kind.mask.model_dump(mode="json"), kind.num_layers,
                                                  kind.plan.data) for kind in ordered], kinds.primary.name)
     stats = {**primary.stats, "layer_kinds": summary, "primary_kind": kinds.primary.name,
              "layer_mix_s": sum(row["num_layers"] * row["layer_seconds"] for row in summary),
