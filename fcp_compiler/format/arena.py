@@ -28,7 +28,7 @@ from fcp_compiler.algorithms.ranges import offsets
 from fcp_compiler.format.call_plan import Request, rank_calls
 from fcp_compiler.format.liveness import stacked_messages
 from fcp_compiler.format.plan_format import RankProgram, TransferKind
-from fcp_compiler.format.stacked import stack_programs
+from fcp_compiler.format.stacked import StackedRanks, stack_programs
 
 PASSES = ("fwd", "bwd")
 
@@ -43,6 +43,23 @@ class Arenas:
     kv_rows: int
 
 
+def received_pull_order(stacked: StackedRanks) -> tuple[np.ndarray, np.ndarray]:
+    """Each received pull's rows and its place in the arenas' order: within a stage, pulls in sequence order (a
+    sequence's blocks that arrive together become one run; ranks apart, only the order within a rank counts).
+
+    Returns:
+        (rows, order), both int64 [received pulls].
+    """
+    tables, a = stacked.tables, stacked.arrays
+    segs, counts = a["pull_recv_segs"], a["pull_recv_seg_count"]
+    ptr = offsets(counts)
+    rows = stacked.pull_tokens("recv")
+    first_seg = segs[np.minimum(ptr[:-1], max(segs.size - 1, 0))] if segs.size else np.zeros(0, dtype=np.int64)
+    order = np.empty(counts.size, dtype=np.int64)
+    order[np.lexsort((tables.seg_start[first_seg], tables.seg_seq[first_seg]))] = np.arange(counts.size)
+    return rows, order
+
+
 def rank_arenas(program: RankProgram) -> dict[str, Arenas]:
     """Where each received pull sits in its arena, per pass ("fwd", "bwd").
 
@@ -52,15 +69,8 @@ def rank_arenas(program: RankProgram) -> dict[str, Arenas]:
         pass name -> its arenas.
     """
     stacked = stack_programs([program])
-    tables, a = stacked.tables, stacked.arrays
-    segs, counts = a["pull_recv_segs"], a["pull_recv_seg_count"]
-    ptr = offsets(counts)
-    rows = stacked.pull_tokens("recv")
-    first_seg = segs[np.minimum(ptr[:-1], max(segs.size - 1, 0))] if segs.size else np.zeros(0, dtype=np.int64)
-    # Within a stage, pulls in sequence order: a sequence's blocks that arrive together become one run.
-    order = np.empty(counts.size, dtype=np.int64)
-    order[np.lexsort((tables.seg_start[first_seg], tables.seg_seq[first_seg]))] = np.arange(counts.size)
-    kinds = a["pull_recv_kind"]
+    rows, order = received_pull_order(stacked)
+    counts, kinds = stacked.arrays["pull_recv_seg_count"], stacked.arrays["pull_recv_kind"]
     out = {}
     for pass_name in PASSES:
         messages = stacked_messages(stacked, pass_name)

@@ -49,7 +49,7 @@ from fcp_compiler.algorithms.arena import _release, _take, _take_end
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets, offsets_within
-from fcp_compiler.format.arena import Arenas, range_calls
+from fcp_compiler.format.arena import Arenas, range_calls, received_pull_order
 from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_table
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages, tile_pull_rows
@@ -698,15 +698,8 @@ class _StackedArenas:
 def _stacked_arenas(stacked: StackedRanks, messages: dict[str, PassMessages]) -> dict[str, _StackedArenas]:
     """Every stacked rank's arenas per pass, placed as :func:`fcp_compiler.format.arena.rank_arenas` places them
     (the same placement: :func:`_place_arenas`)."""
-    tables, a = stacked.tables, stacked.arrays
-    segs, counts = a["pull_recv_segs"], a["pull_recv_seg_count"]
-    ptr = offsets(counts)
-    rows = stacked.pull_tokens("recv")
-    first_seg = segs[np.minimum(ptr[:-1], max(segs.size - 1, 0))] if segs.size else np.zeros(0, dtype=np.int64)
-    # Within a stage, pulls in sequence order (ranks apart: only the order within a rank counts).
-    order = np.empty(counts.size, dtype=np.int64)
-    order[np.lexsort((tables.seg_start[first_seg], tables.seg_seq[first_seg]))] = np.arange(counts.size)
-    arena = stacked.rank_of("pull_recv_kind") * 2 + a["pull_recv_kind"]  # one arena per (rank, kind)
+    rows, order = received_pull_order(stacked)
+    arena = stacked.rank_of("pull_recv_kind") * 2 + stacked.arrays["pull_recv_kind"]  # one arena per (rank, kind)
     out = {}
     for name in PASSES:
         offset, extent = _place_arenas(arena, rows, messages[name].pull_recv_stage, messages[name].pull_recv_last,
