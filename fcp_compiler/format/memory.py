@@ -48,7 +48,7 @@ import numpy as np
 from fcp_compiler.algorithms.arena import _release, _take, _take_end
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
-from fcp_compiler.algorithms.ranges import offsets, offsets_within
+from fcp_compiler.algorithms.ranges import offsets_within
 from fcp_compiler.format.arena import Arenas, range_calls, received_pull_order
 from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_table
 from fcp_compiler.format.inputs import AttentionShape
