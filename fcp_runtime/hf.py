@@ -243,7 +243,8 @@ class HFPlanningCollate:
         layout: "plan" (default: dispatch once, the model runs on this rank's plan-layout rows and attention
             moves only blocks) or "user" (the model runs on the rank's contiguous chunk of the concatenated batch,
             and attention reshuffles Q, K, V in and the output back; eager only, not under torch.compile).
-        compile_options: forwarded to the compiler (block_size, coalesce, shape, model, profile, ...); :meth:`for_model` fills the attention shape from the model's config.
+        compile_options: forwarded to the compiler (block_size, coalesce, shape, model, profile, ...);
+            :meth:`for_model` fills the attention shape, dtype and masks from the model.
 
     Each document is a 1-D tensor of token ids, or a dict with `input_ids`, optional `labels` (aligned with the ids,
     as HF takes them; default the ids) and an optional `mask`. A call returns `input_ids`, `position_ids`, `labels`

@@ -77,8 +77,9 @@ class KindsRankPlan:
         if name is None:
             have = ", ".join(f"{kind} {_mask_name(*mask)}" for kind, mask in self.masks.items())
             raise ValueError(f"no layer kind of the plan has the layer's mask {_mask_name(causal, window)} (the "
-                             f"plan's kinds: {have}); compile the plan with this layer's kind (HFPlanningCollate.for_model(model) reads every "
-                             f"layer's; layer_masks=... in Python, --layer-masks on the command line)")
+                             f"plan's kinds: {have}); compile the plan with this layer's kind "
+                             f"(HFPlanningCollate.for_model(model) reads every layer's; layer_masks=... in Python, "
+                             f"--layer-masks on the command line)")
         return self.kinds[name]
 
 

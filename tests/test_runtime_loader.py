@@ -147,4 +147,5 @@ def test_a_step_too_short_for_every_rank_to_hold_a_token_is_refused_in_one_line(
         PlanningCollate(0, 4, block_size=4096)([torch.arange(n) for n in lengths])
     assert "\n" not in str(caught.value)
     if sum(lengths) >= 4:  # the user layout gives each rank a contiguous share, however short the step
-        assert PlanningCollate(3, 4, layout="user", block_size=4096)([torch.arange(n) for n in lengths])["tokens"].numel()
+        user = PlanningCollate(3, 4, layout="user", block_size=4096)([torch.arange(n) for n in lengths])
+        assert user["tokens"].numel() > 0
