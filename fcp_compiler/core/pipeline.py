@@ -244,8 +244,8 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
     Runs shard, cost, assign, plan_transfers, localize, fan_out, schedule_rounds, coalesce, relay, reshuffle and encode,
     timing each (stats["pass_seconds"]). Layer kinds (:mod:`fcp_compiler.core.kinds`) give one placement, chosen by
-    the mix's time, and a schedule a kind: `data` is then the kinds file, `kinds` each kind's plan. For FCP the floor (:mod:`fcp_compiler.core.floor`) runs them for several
-    candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
+    the mix's time, and a schedule a kind: `data` is then the kinds file, `kinds` each kind's plan. For FCP the
+    floor (:mod:`fcp_compiler.core.floor`) runs them for several candidate placements, direct and (:func:`floor.fan_out_follower`) with node fan-out, and keeps the plan with the
     least simulated layer time whose live buffers fit 4 x coalesce x block size tokens (stats["floor"] says which,
     and what each scored).
 
