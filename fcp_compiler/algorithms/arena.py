@@ -36,23 +36,36 @@ def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
     extent = 0
     by_start = np.lexsort((np.arange(rows.size), order, first))
     bounds = np.flatnonzero(np.diff(first[by_start])) + 1
+    size_of, last_of = rows.tolist(), last.tolist()
     for group in np.split(by_start, bounds) if rows.size else []:
-        stage = int(first[group[0]])
-        while live and live[0][0] < stage:
-            _, done = heapq.heappop(live)
-            _release(gaps, int(offset[done]), int(offset[done] + rows[done]))
-        sizes = rows[group].tolist()
-        start = _take(gaps, sum(sizes))
-        for buffer, size in zip(group.tolist(), sizes):
-            if start is None:
-                at = _take(gaps, size)
-                if at is None:
-                    at, extent = _take_end(gaps, size, extent)
-            else:
-                at, start = start, start + size
-            offset[buffer] = at
-            heapq.heappush(live, (int(last[buffer]), buffer))
+        extent = place_stage(gaps, live, extent, int(first[group[0]]), group.tolist(), size_of, last_of, offset)
     return offset, extent
+
+
+def place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: list[int],
+                size_of, last_of, offset) -> int:
+    """One stage of :func:`place_buffers`: free the buffers last live before `stage`, then place `group` (the
+    buffers first live in it, in order) in one gap that holds them all, else each first fit, growing the arena at
+    its end. Writes their offsets into `offset` and pushes them on `live` (a heap of (last stage, buffer)).
+
+    Returns:
+        the arena's rows after the stage.
+    """
+    while live and live[0][0] < stage:
+        _, done = heapq.heappop(live)
+        _release(gaps, int(offset[done]), int(offset[done]) + size_of[done])
+    start = _take(gaps, sum(size_of[buffer] for buffer in group))
+    for buffer in group:
+        size = size_of[buffer]
+        if start is None:
+            at = _take(gaps, size)
+            if at is None:
+                at, extent = _take_end(gaps, size, extent)
+        else:
+            at, start = start, start + size
+        offset[buffer] = at
+        heapq.heappush(live, (last_of[buffer], buffer))
+    return extent
 
 
 def _take(gaps: list[list[int]], size: int) -> int | None:

@@ -39,13 +39,12 @@ this with the peak a meta-device replay of the runtime records: the header is at
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.arena import _release, _take, _take_end
+from fcp_compiler.algorithms.arena import place_stage
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets_within
@@ -729,21 +728,7 @@ def _place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: 
             high = low
             while high < count and arena_of[by_start[high]] == which and first_of[by_start[high]] == stage:
                 high += 1
-            while live and live[0][0] < stage:
-                _, done = heapq.heappop(live)
-                _release(gaps, offset[done], offset[done] + size_of[done])
-            group = by_start[low:high]
-            start = _take(gaps, sum(size_of[buffer] for buffer in group))
-            for buffer in group:
-                size = size_of[buffer]
-                if start is None:
-                    at = _take(gaps, size)
-                    if at is None:
-                        at, end = _take_end(gaps, size, end)
-                else:
-                    at, start = start, start + size
-                offset[buffer] = at
-                heapq.heappush(live, (last_of[buffer], buffer))
+            end = place_stage(gaps, live, end, stage, by_start[low:high], size_of, last_of, offset)
             low = high
         extent[which] = end
     return np.asarray(offset, dtype=np.int64), np.asarray(extent, dtype=np.int64)
