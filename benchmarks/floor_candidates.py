@@ -35,20 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_matrix import SLOWER  # noqa: E402
 from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments  # noqa: E402
 
-import fcp_compiler.core.pipeline as pipeline  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
+from fcp_compiler.core.floor import FloorRun  # noqa: E402
 from fcp_compiler.core.layer_model import BACKWARD_WORK, LayerCosts  # noqa: E402
+from fcp_compiler.core.schedule_search import fanned_out  # noqa: E402
 from fcp_compiler.core.simulate import coalesced_seconds  # noqa: E402
 
 
 def _rank_figures(run, candidate) -> dict:
     """A scheduled candidate's per-rank forward and backward compute (linear layers and tiles, seconds) and its
-    pulls' bytes received over the NIC, as the floor routed them (`run`: the floor's _FloorRun)."""
-    transfers = pipeline._fanned_out(run.timer, run.routed[candidate.placement], run.options, candidate.fan_out)
+    pulls' bytes received over the NIC, as the floor routed them (`run`: the floor's FloorRun)."""
+    transfers = fanned_out(run.timer, run.routed[candidate.placement], run.options, candidate.fan_out)
     assignment = transfers.assignment
     tiles, num_ranks = assignment.tiles, assignment.num_ranks
     seconds = coalesced_seconds(tiles, np.arange(tiles.num_tiles), assignment.tile_rank,
-                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile, run.pairs_of(tiles))
+                                np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile, run.segments.pairs_of(tiles))
     attention = np.bincount(assignment.tile_rank, weights=seconds, minlength=num_ranks)
     tokens = np.bincount(assignment.block_rank, weights=tiles.sharding.block_tokens, minlength=num_ranks)
     linear = LayerCosts.of(run.options.model, tiles.profile).phases(tokens)
@@ -65,7 +66,7 @@ def record_batches(batches: dict) -> dict:
     """Compile every batch; per batch its winner, budget and each scheduled candidate's figures."""
     captured: dict = {}
     recording_seconds = [0.0]  # the figures' own time, left out of the compile's
-    schedule = pipeline._FloorRun.schedule
+    schedule = FloorRun.schedule
 
     def recording(run, candidate):
         before = len(run.scores)
@@ -76,7 +77,7 @@ def record_batches(batches: dict) -> dict:
             recording_seconds[0] += time.perf_counter() - started
         return going_on
 
-    pipeline._FloorRun.schedule = recording
+    FloorRun.schedule = recording
     rows = {}
     try:
         for name, (lengths, gpus) in batches.items():
@@ -90,7 +91,7 @@ def record_batches(batches: dict) -> dict:
                           "candidates": [{**record, **captured[record["name"]]} for record in floor["candidates"]]}
             print(f"{name}: {floor['winner']}", file=sys.stderr, flush=True)
     finally:
-        pipeline._FloorRun.schedule = schedule
+        FloorRun.schedule = schedule
     return rows
 
 

@@ -64,7 +64,7 @@ def test_compare_and_sweep_commands(tmp_path, capsys):
 
 
 def test_segment_pairs_are_counted_as_the_validator_counts_them_and_guard_memory(monkeypatch):
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import placement
     from fcp_compiler.core.passes import cost as cost_pass
     from fcp_compiler.errors import InfeasibleError
     from fcp_compiler.format.plan_format import PlanReader
@@ -81,7 +81,7 @@ def test_segment_pairs_are_counted_as_the_validator_counts_them_and_guard_memory
         compile_own([5000, 300, 20000], 4, planner="ring", validatable=False)
     # Compiled for use (validatable, the default), the same limit is refused right after sharding, and for FCP
     # from the lengths alone.
-    monkeypatch.setattr(pipeline, "MAX_SEGMENT_PAIRS", 20)
+    monkeypatch.setattr(placement, "MAX_SEGMENT_PAIRS", 20)
     with pytest.raises(InfeasibleError, match="segment pairs, more than the 20 fcp validate checks"):
         compile_own([5000, 300, 20000], 4, planner="ring")
     with pytest.raises(InfeasibleError, match="at least 30 segment pairs"):
@@ -111,11 +111,11 @@ def test_compare_refuses_a_baseline_past_the_validated_pairs_in_bounded_memory(t
     at 700M), not compiled and scored unvalidated; fcp's row says which placement it kept."""
     import json
 
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import placement
 
     batch = tmp_path / "b.json"
     batch.write_text(json.dumps([20000, 9000, 3000, 3000]))
-    monkeypatch.setattr(pipeline, "MAX_SEGMENT_PAIRS", 300)  # ring: 4 x 16^2 pairs at 8 GPUs; fcp far below
+    monkeypatch.setattr(placement, "MAX_SEGMENT_PAIRS", 300)  # ring: 4 x 16^2 pairs at 8 GPUs; fcp far below
     out = tmp_path / "cmp.json"
     assert main(["compare", str(batch), "--gpus", "8", "--methods", "fcp,ring,magi", "--json", str(out),
                  "--jobs", "1"]) == 0

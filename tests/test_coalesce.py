@@ -291,18 +291,21 @@ def test_rounds_first_fills_the_first_stage_with_them_and_moves_nothing_else_but
 def _earliest_rounds_case():
     """A 16-rank batch whose helper ranks (tiles run away from their query block's owner) get their Q pulls late in
     the plain round order, and the pulls that order schedules: (options, assignment, rounds)."""
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import pipeline, schedule_search
     from fcp_compiler.core.floor import Placement
     from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.passes.assign import default_token_cap
+    from fcp_compiler.core.placement import place
 
     rng = np.random.default_rng(4)
     lengths = [int(x) for x in rng.integers(200, 3000, size=40)] + [int(rng.integers(16 * 2048, 16 * 6000))]
     options = CompileOptions.of(16, model="llama3-70b", block_size=1024, node_fan_out=False)
     batch = pipeline._to_batch(lengths, None)
-    timer = pipeline._PassTimer()
-    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 16, 1024),
-                                 Placement.LAYER)
-    return options, assignment, pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
+    timer = PassTimer()
+    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, 16, 1024), Placement.LAYER)
+    return options, assignment, schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options),
+                                                            options, False)
 
 
 def test_q_pulls_go_first_where_that_levels_the_stages_and_the_plan_stays_valid():
@@ -332,26 +335,29 @@ def test_fit_memory_keeps_the_first_order_to_fit_a_step_at_a_time_the_q_pulls_fi
     """Where moving the Q pulls first leaves a plan over the budget, the plain order is refitted beside it, step by
     step; the first schedule to fit is kept (the Q pulls first on the same step), else the completed one with the
     least memory."""
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import schedule_search
+    from fcp_compiler.core.pass_timer import PassTimer
     from fcp_compiler.core.passes.coalesce import pass_peaks
 
     options, _, rounds = _earliest_rounds_case()
-    timer = pipeline._PassTimer()
-    fitted, peak, plain = pipeline._fit_memory(timer, rounds, options, budget)
-    first = pipeline._schedule_at(timer, rounds, options, budget, q_first=True)
-    chains = [list(pipeline._refits(timer, rounds, options, budget, first))]
-    if first[3] and first[2] > budget:
-        chains.append(list(pipeline._refits(timer, rounds, options, budget,
-                                            pipeline._schedule_at(timer, rounds, options, budget, False))))
+    timer = PassTimer()
+    kept = schedule_search.fit_memory(timer, rounds, options, budget)
+    fitted, peak = kept.schedule, kept.peak_tokens
+    first = schedule_search.schedule_at(timer, rounds, options, budget, q_first=True)
+    chains = [list(schedule_search.refits(timer, rounds, options, budget, first))]
+    if first.q_pulls_first and first.peak_tokens > budget:
+        chains.append(list(schedule_search.refits(timer, rounds, options, budget,
+                                                  schedule_search.schedule_at(timer, rounds, options, budget, False))))
     steps = [chain[step] for step in range(max(map(len, chains))) for chain in chains if step < len(chain)]
-    fitting = [step for step in steps if step[0] is not None and step[1] <= budget]
-    expected = fitting[0] if fitting else min(steps, key=lambda step: (step[0] is None, step[1]))
-    assert peak == expected[1] and (fitted is None) == (expected[0] is None)
-    assert plain == (expected[0] is not None and expected is steps[0])  # coalesce's own schedule, Q pulls first
+    fitting = [step for step in steps if step.schedule is not None and step.peak_tokens <= budget]
+    expected = fitting[0] if fitting else min(steps, key=lambda step: (step.schedule is None, step.peak_tokens))
+    assert peak == expected.peak_tokens and (fitted is None) == (expected.schedule is None)
+    # coalesce's own schedule, Q pulls first
+    assert kept.plain == (expected.schedule is not None and expected is steps[0])
     if fitted is not None:
         assert peak == max(pass_peaks(fitted))
-        assert np.array_equal(fitted.forward.edge_round, expected[0].forward.edge_round)
-        assert np.array_equal(fitted.backward.tile_stage, expected[0].backward.tile_stage)
+        assert np.array_equal(fitted.forward.edge_round, expected.schedule.forward.edge_round)
+        assert np.array_equal(fitted.backward.tile_stage, expected.schedule.backward.tile_stage)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,4 +1,4 @@
-"""The floor (core/floor.py, core/pipeline._compile_with_floor): FCP keeps the fastest of its candidates that fits the
+"""The floor (core/floor.py: its policy and compile_with_floor): FCP keeps the fastest of its candidates that fits the
 memory budget, scored by the same simulation `fcp simulate` runs, and no faster-fitting candidate is passed over."""
 
 import math
@@ -202,24 +202,29 @@ def test_a_baseline_held_to_the_floors_memory_budget_fits_it_with_smaller_backwa
 
 def test_a_plan_that_deeper_levelling_lifts_over_the_budget_keeps_its_stages_with_the_backward_levelled_less():
     """Levelling holds a delayed tile's pulled block live: where the default depth (3 stages' worth) lifts the
-    backward over the memory budget, _fit_memory levels the backward again within 2 before it shrinks any stage,
-    and keeps the forward as it was."""
-    from fcp_compiler.core import pipeline
+    backward over the memory budget, schedule_search.fit_memory levels the backward again within 2 before it shrinks
+    any stage, and keeps the forward as it was."""
+    from fcp_compiler.core import pipeline, schedule_search
+    from fcp_compiler.core.memory_budget import memory_budget_tokens
     from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.passes.assign import default_token_cap
     from fcp_compiler.core.passes.coalesce import LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, pass_peaks
+    from fcp_compiler.core.placement import place
 
     options = CompileOptions.of(64, model="llama3-70b")
     batch = pipeline._to_batch(lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0), None)
-    timer = pipeline._PassTimer()
-    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 64, 4096),
-                                 Placement.LAYER)
-    rounds = pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
-    budget = pipeline.memory_budget_tokens(options)
+    timer = PassTimer()
+    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, 64, 4096), Placement.LAYER)
+    rounds = schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options, False)
+    budget_tokens = memory_budget_tokens(options)
     deep, shallow = (coalesce(rounds, 16, levelling_stages=depth) for depth in (LEVELLING_STAGES,
                                                                                   TIGHT_LEVELLING_STAGES))
-    assert pass_peaks(deep)[1] > budget >= pass_peaks(deep)[0]  # the backward is the one over
-    fitted, peak, plain = pipeline._fit_memory(timer, rounds, options, budget)
-    assert peak == max(pass_peaks(fitted)) <= budget and not plain  # a refit, not coalesce's own schedule
+    assert pass_peaks(deep)[1] > budget_tokens >= pass_peaks(deep)[0]  # the backward is the one over
+    kept = schedule_search.fit_memory(timer, rounds, options, budget_tokens)
+    fitted = kept.schedule
+    # a refit, not coalesce's own schedule
+    assert kept.peak_tokens == max(pass_peaks(fitted)) <= budget_tokens and not kept.plain
     assert fitted.backward.coalesce == 2 * fitted.coalesce == 32  # no stage shrunk
     assert np.array_equal(fitted.forward.tile_stage, deep.forward.tile_stage)
     assert np.array_equal(fitted.backward.tile_stage, shallow.backward.tile_stage)
@@ -231,17 +236,17 @@ def test_a_schedule_whose_relays_would_break_the_budget_is_finished_without_them
     floor keeps the schedule's own senders (and says so) rather than dropping the candidate."""
     import dataclasses
 
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import schedule_search
 
     relayed = []
-    real_relay, real_peak = pipeline.relay, pipeline.max_buffer_tokens
+    real_relay, real_peak = schedule_search.relay, schedule_search.max_buffer_tokens
 
     def relay_over_budget(schedule):
         relayed.append(dataclasses.replace(real_relay(schedule)))  # a new object: its peak is reported over
         return relayed[-1]
 
-    monkeypatch.setattr(pipeline, "relay", relay_over_budget)
-    monkeypatch.setattr(pipeline, "max_buffer_tokens",
+    monkeypatch.setattr(schedule_search, "relay", relay_over_budget)
+    monkeypatch.setattr(schedule_search, "max_buffer_tokens",
                         lambda schedule: 10**9 if any(schedule is r for r in relayed) else real_peak(schedule))
     lengths = lognormal_batch(8 * 8192, 1024, 1.8, 64, 32768, seed=2)
     plan = compile_valid(lengths, 8, block_size=1024, coalesce=2, gpus_per_node=4)
@@ -253,13 +258,12 @@ def test_a_schedule_whose_relays_would_break_the_budget_is_finished_without_them
 
 
 def test_an_equal_chunk_placement_past_a_limit_is_skipped_with_its_reason_not_the_compile(monkeypatch):
-    from fcp_compiler.core import pipeline
-    from fcp_compiler.core.baselines import Planner
+    from fcp_compiler.core.baselines import BASELINES, Planner
     from fcp_compiler.errors import InfeasibleError
 
     def refused(*args):
         raise InfeasibleError("the plan would cut its sequences into 70,000,000 segment pairs")
-    monkeypatch.setitem(pipeline.BASELINES, Planner.MAGI, refused)
+    monkeypatch.setitem(BASELINES, Planner.MAGI, refused)
     plan = compile_valid(lognormal_batch(8 * 8192, 1024, 1.8, 64, 32768, seed=2), 8, block_size=1024, coalesce=2)
     skipped = {row["placement"]: row for row in plan.stats["floor"]["pruned"]}
     assert {"greedy", "magi"} <= set(skipped) and "segment pairs" in skipped["magi"]["refused"]

@@ -1,5 +1,5 @@
 """Memory in bytes in the plan: the header states each rank's peak per pass by the memory account, the validator
-holds it to that, and --memory-budget bounds the schedule (fcp_compiler/core/plan_memory.py, pipeline._within_budget).
+holds it to that, and --memory-budget bounds the schedule (fcp_compiler/core/plan_memory.py, memory_budget.py).
 """
 
 from __future__ import annotations
@@ -125,54 +125,69 @@ def test_the_simulator_reports_the_memory_the_plan_states(unbudgeted):
 
 
 def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winner(monkeypatch):
-    import fcp_compiler.core.pipeline as pipeline
+    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core.memory_budget import Alternative, BudgetFit
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.schedule_search import ScheduledPlan
 
     # Plans stand in as (name, peak bytes); the account reads them, and the floor gives each one's seconds.
-    monkeypatch.setattr(pipeline, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, final[1]]]))
-    timer = pipeline._PassTimer()
+    monkeypatch.setattr(memory_budget, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, final[1]]]))
+    timer = PassTimer()
+
+    def plan(name, peak):
+        return ScheduledPlan(final=(name, peak), header_fields={})
 
     def others(candidates):
         def listed(limit):
-            return ((name, ((name, peak), {}, None), seconds, None, None) for name, peak, seconds in candidates
-                    if seconds < limit)
+            return (Alternative(name=name, plan=plan(name, peak), layer_seconds=seconds, arrays=None)
+                    for name, peak, seconds in candidates if seconds < limit)
         return listed
 
-    refit = ((("refit", 90), {}, None), np.array([[1, 90]]), None, 1.10)
-    record = {}
-    kept = pipeline._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05)]), 100,
-                                          record)
-    assert kept[0][0][0] == "fits" and record["kept"] == "fits"
-    record = {}
-    kept = pipeline._faster_within_budget(timer, refit, others([("slower", 80, 1.2)]), 100, record)
-    assert kept[0][0][0] == "refit" and "kept" not in record
-    kept = pipeline._faster_within_budget(timer, None, others([("over", 120, 1.0), ("fits", 80, 1.3)]), 100, {})
-    assert kept[0][0][0] == "fits"
-    assert pipeline._faster_within_budget(timer, None, others([("over", 120, 1.0)]), 100, {}) is None
+    def search():
+        return memory_budget._Search(unbudgeted_peak_bytes=120, least_peak_bytes=120)
+
+    refit = BudgetFit(plan=plan("refit", 90), peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.10)
+    found = search()
+    kept = memory_budget._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05)]), 100,
+                                               found)
+    assert kept.plan.final[0] == "fits" and found.kept == "fits"
+    found = search()
+    kept = memory_budget._faster_within_budget(timer, refit, others([("slower", 80, 1.2)]), 100, found)
+    assert kept.plan.final[0] == "refit" and found.kept is None
+    kept = memory_budget._faster_within_budget(timer, None, others([("over", 120, 1.0), ("fits", 80, 1.3)]), 100,
+                                               search())
+    assert kept.plan.final[0] == "fits"
+    assert memory_budget._faster_within_budget(timer, None, others([("over", 120, 1.0)]), 100, search()) is None
 
 
 def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_fits(monkeypatch):
-    import fcp_compiler.core.pipeline as pipeline
+    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core.memory_budget import BudgetFit
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.schedule_search import RankArrays, ScheduledPlan
 
     # Steps stand in as (name, simulated seconds, peak bytes); the account is asked only of a faster step.
     accounted = []
 
     def figures(plan, pairs=None, stacked=None):
-        return {"layer_makespan_fwd_s": plan[0][1], "layer_makespan_bwd_s": 0.0}
+        return {"layer_makespan_fwd_s": plan.final[1], "layer_makespan_bwd_s": 0.0}
 
     def peaks(timer, plan, stacked=None, first=None, stop_above=None):
-        accounted.append(plan[0][0])
-        return np.array([[1, plan[0][2]]])
+        accounted.append(plan.final[0])
+        return np.array([[1, plan.final[2]]])
 
-    monkeypatch.setattr(pipeline, "_layer_figures", figures)
-    monkeypatch.setattr(pipeline, "_peak_bytes", peaks)
-    timer = pipeline._PassTimer()
-    fitting = (1.0, (("first", 1.0, 90), {}, None), np.array([[1, 90]]), None)
+    monkeypatch.setattr(memory_budget, "layer_figures", figures)
+    monkeypatch.setattr(memory_budget, "_peak_bytes", peaks)
+    timer = PassTimer()
+    fitting = BudgetFit(plan=ScheduledPlan(final=("first", 1.0, 90), header_fields={}), peaks=np.array([[1, 90]]),
+                        columns=None, layer_seconds=1.0)
 
     def next_step(name, seconds, peak):
-        record = {"least_peak_bytes": 90}
-        plan, _, _, chosen_seconds = pipeline._faster_next_step(timer, fitting, (((name, seconds, peak), {}, None),
-                                                                                 None, None), 100, record)
-        return plan[0][0], chosen_seconds, record["least_peak_bytes"]
+        search = memory_budget._Search(unbudgeted_peak_bytes=120, least_peak_bytes=90)
+        chosen = memory_budget._faster_next_step(timer, fitting, ScheduledPlan(final=(name, seconds, peak),
+                                                                               header_fields={}),
+                                                 RankArrays(stacked=None, columns=None), 100, search)
+        return chosen.plan.final[0], chosen.layer_seconds, search.least_peak_bytes
 
     assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80)
     assert next_step("faster, over", 0.9, 120) == ("first", 1.0, 90)
@@ -198,24 +213,27 @@ def test_the_budget_ladder_from_the_plans_own_schedule_is_the_ladder_from_its_ro
     rounds are scheduled only when a step needs them."""
     import dataclasses
 
-    from fcp_compiler.core import pipeline
+    from fcp_compiler.core import pipeline, schedule_search
+    from fcp_compiler.core.memory_budget import budget_ladder
     from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.passes.assign import default_token_cap
     from fcp_compiler.core.passes.coalesce import coalesce
+    from fcp_compiler.core.placement import Placement, place
 
     options = CompileOptions.of(8, coalesce=8)
     batch = pipeline._to_batch(LENGTHS, None)
-    timer = pipeline._PassTimer()
-    assignment = pipeline._place(timer, batch, options, pipeline.default_token_cap(batch.total_tokens, 8, 4096),
-                                 pipeline.Placement.LAYER)
-    rounds = pipeline._rounds(timer, pipeline._route(timer, assignment, options), options, False)
+    timer = PassTimer()
+    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, 8, 4096), Placement.LAYER)
+    rounds = schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options, False)
     asked = []
 
     def rounds_of():
         asked.append(len(asked))
         return rounds
 
-    from_rounds = list(pipeline._budget_ladder(timer, lambda: rounds, options))
-    ladder = pipeline._budget_ladder(timer, rounds_of, options, coalesce(rounds, 8))
+    from_rounds = list(budget_ladder(timer, lambda: rounds, options))
+    ladder = budget_ladder(timer, rounds_of, options, coalesce(rounds, 8))
     for step, want in enumerate(from_rounds):
         got = next(ladder)
         assert asked == ([] if step < 2 else [0])  # c = 8 and its halved backward need no rounds
@@ -265,25 +283,25 @@ def test_an_account_visits_its_ranks_in_the_order_given_and_returns_them_in_rank
 def test_the_least_peak_found_under_an_unmet_default_budget_is_every_refits(monkeypatch):
     """Under the default budget a refit's account stops at the first group of ranks above it; where no refit fits,
     the steps over are accounted again, so the least peak the report names is the one full accounts give."""
+    from fcp_compiler.core import memory_budget
     from fcp_compiler.core import options as options_module
-    from fcp_compiler.core import pipeline
     from fcp_compiler.format import memory
 
     monkeypatch.setattr(memory, "CHUNK_TILES", 1)
     floor_bytes = 1509949440  # LENGTHS at 8 ranks: the busiest rank's own accumulators and outputs
     monkeypatch.setattr(options_module, "DEFAULT_MEMORY_BUDGET_GIB", floor_bytes * 1.005 / 2**30)
-    accounted, stopped = pipeline.stacked_peak_bytes, []
+    accounted, stopped = memory_budget.stacked_peak_bytes, []
 
     def account(stacked, **kwargs):
         peaks = accounted(stacked, **kwargs)
         stopped.append(len(peaks) < stacked.num_ranks)
         return peaks
 
-    monkeypatch.setattr(pipeline, "stacked_peak_bytes", account)
+    monkeypatch.setattr(memory_budget, "stacked_peak_bytes", account)
     memory_record = compile_valid(LENGTHS, 8).stats["memory"]
     assert memory_record["unmet"] == "no schedule" and not memory_record["met"] and memory_record["refits"] > 2
     assert memory_record["floor_bytes"] == floor_bytes and any(stopped)
-    monkeypatch.setattr(pipeline, "stacked_peak_bytes", lambda stacked, **_: accounted(stacked))
+    monkeypatch.setattr(memory_budget, "stacked_peak_bytes", lambda stacked, **_: accounted(stacked))
     assert compile_valid(LENGTHS, 8).stats["memory"] == memory_record
     # The same budget given by the user is refused naming the least peak, found with every step accounted in full
     # until a rank is above the least so far.

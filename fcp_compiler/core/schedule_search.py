@@ -1,0 +1,425 @@
+"""Schedule search: one placement scheduled into a finished plan, and the stage size searched within a token budget.
+
+The passes after placement, in order: plan_transfers and localize (:func:`route`), fan_out and schedule_rounds
+(:func:`make_rounds`), coalesce (:func:`fit_memory`, :func:`coalesce_within`), relay and reshuffle (:func:`finish`).
+A finished plan is a :class:`ScheduledPlan`, not encoded: the floor's candidates and the memory budget's refits are
+simulated (:func:`layer_figures`) and accounted from their IR, and only the plan compile_plan returns is encoded.
+
+The stage size is searched here: :func:`fit_memory` coalesces at the requested rounds a stage and, while the live
+buffers exceed the caller's `budget_tokens` (:func:`fcp_compiler.core.memory_budget.memory_budget_tokens`, where the
+budget is decided), tries schedules that hold less (:func:`refits`). The floor (:mod:`fcp_compiler.core.floor`)
+schedules each of its candidates so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fcp_compiler.core.baselines import Planner
+from fcp_compiler.core.ir import Assignment, Reshuffle, Rounds, Schedule, TileSet, Transfers
+from fcp_compiler.core.kinds import LayerKind, LayerKinds
+from fcp_compiler.core.options import CompileOptions
+from fcp_compiler.core.pass_timer import PassTimer
+from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward, complete_backward,
+                                               forward_peak, max_buffer_tokens, pass_peaks,
+                                               remote_tiles_out_of_last_stage, smaller_backward_rounds,
+                                               with_backward_rounds)
+from fcp_compiler.core.passes.cost import cost
+from fcp_compiler.core.passes.encode import rank_columns
+from fcp_compiler.core.passes.fan_out import fan_out
+from fcp_compiler.core.passes.localize import group_nodes, localize
+from fcp_compiler.core.passes.relay import relay
+from fcp_compiler.core.passes.reshuffle import reshuffle
+from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
+from fcp_compiler.core.passes.transfers import plan_transfers
+from fcp_compiler.core.plan_memory import stack_plan
+from fcp_compiler.core.simulate import HeldPlan, pair_kinds, simulate_plan
+from fcp_compiler.format.inputs import Layout
+from fcp_compiler.format.stacked import StackedRanks
+
+# fit_memory aims this share of the token budget when it shrinks the stages of a plan over it.
+FIT_MARGIN = 0.8
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledPlan:
+    """A finished plan, not encoded: its final IR and its header's fields (whose memory figures in bytes the memory
+    budget's account fills in for the plan compile_plan returns, :func:`memory_budget.within_budget`)."""
+
+    final: Reshuffle
+    header_fields: dict
+
+    @property
+    def max_buffer_tokens(self) -> int:
+        """The most live buffer tokens any rank holds (the header's max_buffer_tokens)."""
+        return self.header_fields["max_buffer_tokens"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankArrays:
+    """A finished plan's ranks stacked (what the simulation and the memory account read) and the encoder's columns
+    they are stacked from (what the plan file is cut from, should the plan be the one compile_plan returns)."""
+
+    stacked: StackedRanks
+    columns: dict
+
+
+# TileSet.segment_pairs(): (pair_tile, pair_q_seg, pair_kv_seg, pair_flops), the IR's columns the simulation reads.
+SegmentPairs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segments:
+    """A tile set's segment pairs and their kernel entry kinds (simulate.pair_kinds: each pair's kind and window
+    left), where the caller holds them for every plan of the tile set it simulates."""
+
+    pairs: SegmentPairs
+    kinds: tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(slots=True, kw_only=True)
+class _HeldPairs:
+    """A tile set's segment pairs, and their kinds once a simulation needs them."""
+
+    tiles: TileSet
+    pairs: SegmentPairs
+    kinds: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class SegmentCache:
+    """The segment pairs of the tile sets several plans share (the floor's candidates: FCP's placements one, the
+    equal-chunk ones another), each built once: every simulation and busy bound of those plans reads them."""
+
+    timer: PassTimer
+    held: dict[int, _HeldPairs] = field(default_factory=dict)  # id(tile set) -> its pairs
+
+    def pairs_of(self, tiles: TileSet) -> SegmentPairs | None:
+        """The segment pairs of a tile set, built once. None for closed-form tiles."""
+        if not tiles.has_pairs:
+            return None
+        held = self.held.get(id(tiles))
+        if held is None or held.tiles is not tiles:
+            held = self.held[id(tiles)] = _HeldPairs(tiles=tiles, pairs=self.timer.run("score", tiles.segment_pairs))
+        return held.pairs
+
+    def segments_of(self, tiles: TileSet) -> Segments | None:
+        """The segment pairs of a tile set (:meth:`pairs_of`) and their kernel entry kinds (simulate.pair_kinds),
+        each built once: every simulation of a plan of these tiles reads both (a placement the bound prunes needs
+        the pairs only). None for closed-form tiles."""
+        pairs = self.pairs_of(tiles)
+        if pairs is None:
+            return None
+        held = self.held[id(tiles)]
+        if held.kinds is None:
+            held.kinds = self.timer.run("score", pair_kinds, tiles, pairs)
+        return Segments(pairs=pairs, kinds=held.kinds)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstSchedule:
+    """coalesce at the requested rounds a stage (:func:`schedule_at`), the schedule :func:`refits` starts from."""
+
+    schedule: Schedule | None  # None: its forward half alone was over the budget by more than half (not completed)
+    forward_peak_tokens: int  # the forward's peak live buffer tokens
+    peak_tokens: int  # the schedule's (both passes), before relays
+    q_pulls_first: bool  # whether coalesce moved the rounds carrying Q pulls into the first stage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleStep:
+    """One schedule :func:`fit_memory` tries: the schedule (None: not completed) and its peak live buffer tokens
+    before relays."""
+
+    schedule: Schedule | None
+    peak_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FittedSchedule:
+    """What :func:`fit_memory` (or :func:`coalesce_within`) kept."""
+
+    schedule: Schedule | None  # None: every forward half tried was over the budget by more than half
+    peak_tokens: int | None  # its peak live buffer tokens before relays (None: not measured)
+    plain: bool  # whether it is coalesce's own schedule at the requested rounds a stage (the first tried)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KindSchedule:
+    """One layer kind scheduled on another kind's placement (:func:`schedule_kind`)."""
+
+    plan: ScheduledPlan
+    rounds: Rounds  # its rounds before relays (the relay pass re-sources pulls in them), which refits coalesce again
+    plain: Schedule | None  # its schedule where it is coalesce's at the requested rounds a stage, else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LastStage:
+    """The floor's winner with its backward's last stage kept to itself or not (:func:`backward_last_stage`)."""
+
+    plan: ScheduledPlan
+    figures: dict  # its simulated layer figures
+    record: dict | None  # the comparison for the floor's stats (None: no tile would move)
+    held: RankArrays | None  # its stacked ranks and encoder columns, where made
+
+
+def route(timer: PassTimer, assignment: Assignment, options: CompileOptions, as_its_system: bool = False) -> Transfers:
+    """plan_transfers and localize: FCP in the plan layout groups heavy-talking ranks into nodes after listing the
+    pulls (renumbering them is cheaper than listing them again); otherwise (and for a baseline's placement routed as
+    its system routes it) a block's owner goes where its tokens live, before the pulls are listed."""
+    if options.planner is Planner.FCP and options.layout is Layout.PLAN and not as_its_system:
+        transfers = timer.run("plan_transfers", plan_transfers, assignment)
+        return timer.run("localize", group_nodes, transfers)
+    assignment = timer.run("localize", localize, assignment)
+    return timer.run("plan_transfers", plan_transfers, assignment)
+
+
+def fanned_out(timer: PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool) -> Transfers:
+    """fan_out where asked (and rounds are matchings), else the same transfers."""
+    return timer.run("fan_out", fan_out, transfers) if options.matching_rounds and with_fan_out else transfers
+
+
+def most_received_tokens(transfers: Transfers) -> int:
+    """The tokens the busiest receiver takes in over a pass: its pulls on both link classes."""
+    received = np.bincount(transfers.edge_dst, weights=transfers.edge_tokens, minlength=transfers.assignment.num_ranks)
+    return int(received.max(initial=0))
+
+
+def make_rounds(timer: PassTimer, transfers: Transfers, options: CompileOptions, with_fan_out: bool) -> Rounds:
+    """fan_out (when asked) and schedule_rounds (arbitrary rounds for the ablation without matchings)."""
+    transfers = fanned_out(timer, transfers, options, with_fan_out)
+    return timer.run("schedule_rounds", schedule_rounds if options.matching_rounds else arbitrary_rounds, transfers)
+
+
+def coalesce_within(timer: PassTimer, rounds: Rounds, options: CompileOptions,
+                    budget_tokens: int | None) -> FittedSchedule:
+    """coalesce: within `budget_tokens` live buffer tokens where given (:func:`fit_memory`), else (or where every
+    schedule tried was hopelessly over it) at the requested rounds a stage, its peak not measured."""
+    fitted = fit_memory(timer, rounds, options, budget_tokens) if budget_tokens is not None else None
+    if fitted is None or fitted.schedule is None:
+        fitted = FittedSchedule(schedule=timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined),
+                                peak_tokens=None, plain=True)
+    return fitted
+
+
+def fit_memory(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tokens: int) -> FittedSchedule:
+    """coalesce with the requested rounds a stage and, while the live buffers exceed `budget_tokens`, again with less
+    held (:func:`refits`). Where coalesce moved the Q pulls into the first stage (such a pull holds its block from
+    then on) and that leaves the plan over the budget, the rounds in their plain order are refitted beside it, a step
+    at a time, and the first to fit is kept, the Q pulls first on a tie (ProLong + tail at 64 GPUs, seed 1: only the
+    plain order fits with the backward levelled less, and with the Q pulls first the backward's stages would halve;
+    at 256 GPUs, seed 2, both need smaller stages, and the Q pulls first stay 2.7% faster).
+
+    Returns:
+        the first schedule tried that fits, else the completed one with the fewest live buffer tokens, or None when
+        every forward half tried was over by more than half; with its peak live buffer tokens before relays and
+        whether it is the first one tried, coalesce's at the requested rounds a stage.
+    """
+    first = schedule_at(timer, rounds, options, budget_tokens, q_first=True)
+    chains = [refits(timer, rounds, options, budget_tokens, first)]
+    if first.q_pulls_first and first.peak_tokens > budget_tokens and options.pipelined:
+        chains.append(refits(timer, rounds, options, budget_tokens,
+                             schedule_at(timer, rounds, options, budget_tokens, False)))
+    least = None  # only the best step over the budget is held: each is a whole schedule (GBs at thousands of ranks)
+    while chains:
+        for chain in list(chains):
+            step = next(chain, None)
+            if step is None:
+                chains.remove(chain)
+                continue
+            if step.schedule is not None and (step.peak_tokens <= budget_tokens or not options.pipelined):
+                return FittedSchedule(schedule=step.schedule, peak_tokens=step.peak_tokens,
+                                      plain=step.schedule is first.schedule)
+            # Completed before not, then the fewest tokens; the first of equals (the Q pulls first) stays.
+            if least is None or (step.schedule is None, step.peak_tokens) < (least.schedule is None, least.peak_tokens):
+                least = step
+            del step  # the chain makes its next step without this one held, unless it is the least
+    return FittedSchedule(schedule=least.schedule, peak_tokens=least.peak_tokens,
+                          plain=least.schedule is not None and least.schedule is first.schedule)
+
+
+def refits(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tokens: int,
+           first: FirstSchedule) -> Iterator[ScheduleStep]:
+    """The schedules :func:`fit_memory` tries from `first`, until one fits: `first`; when the backward's peak is the
+    one over, its levelling shallower (TIGHT_LEVELLING_STAGES: a tile levelling delays keeps its pulled block live,
+    and its gradient lands on the block's owner later too), then its stages smaller (its pulls stay live until their
+    gradients leave two stages later); then, when that leaves it over by at most half, both passes' stages (a rank
+    receives at most a stage's rounds of messages at a time, so the peak falls about in proportion). Smaller still
+    costs more time than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of
+    scheduling. A forward half over the budget by more than half is not completed at all (schedule None)."""
+    base, forward, peak = first.schedule, first.forward_peak_tokens, first.peak_tokens
+    yield ScheduleStep(schedule=base, peak_tokens=peak)
+    if base is None or not options.pipelined or peak <= budget_tokens:
+        return
+    rounds_per_stage, tight = options.coalesce, TIGHT_LEVELLING_STAGES
+    if forward <= budget_tokens:
+        for backward_rounds in (2 * rounds_per_stage, smaller_backward_rounds(rounds_per_stage)):
+            if backward_rounds is None:
+                break
+            # Each from `first`, whose forward, pulls and tile order the steps keep: the step before is not held
+            # while this one is made (a column a tile: millions at small blocks).
+            schedule = None
+            schedule = timer.run("coalesce", with_backward_rounds, base, backward_rounds, tight)
+            peak = max(forward, timer.run("score", pass_peaks, schedule)[1])
+            yield ScheduleStep(schedule=schedule, peak_tokens=peak)
+    if budget_tokens < peak <= budget_tokens * 3 // 2 and rounds_per_stage > 1:
+        # Aim below the budget: fan-out entries hold a block across stages, so the peak falls a little slower.
+        fewer = max(rounds_per_stage // 2, min(rounds_per_stage - 1, int(rounds_per_stage * budget_tokens
+                                                                         * FIT_MARGIN // peak)))
+        schedule = None
+        schedule = timer.run("coalesce", coalesce, rounds, fewer, options.pipelined, levelling_stages=tight,
+                             q_first=first.q_pulls_first)
+        backward_rounds = smaller_backward_rounds(fewer)
+        if max(timer.run("score", pass_peaks, schedule)) > budget_tokens and backward_rounds:
+            schedule = timer.run("coalesce", with_backward_rounds, schedule, backward_rounds, tight)
+        yield ScheduleStep(schedule=schedule, peak_tokens=max(timer.run("score", pass_peaks, schedule)))
+
+
+def schedule_at(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tokens: int,
+                q_first: bool) -> FirstSchedule:
+    """coalesce at the requested rounds a stage, its forward half first: the backward is not completed where the
+    forward alone is over `budget_tokens` by more than half (no refit could bring it under)."""
+    part = timer.run("coalesce", coalesce_forward, rounds, options.coalesce, options.pipelined, q_first=q_first)
+    forward, moved = timer.run("score", forward_peak, part), part.q_pulls_first
+    if forward > budget_tokens * 3 // 2 and options.pipelined:
+        return FirstSchedule(schedule=None, forward_peak_tokens=forward, peak_tokens=forward, q_pulls_first=moved)
+    schedule = timer.run("coalesce", complete_backward, part)
+    del part
+    return FirstSchedule(schedule=schedule, forward_peak_tokens=forward,
+                         peak_tokens=max(forward, timer.run("score", pass_peaks, schedule)[1]), q_pulls_first=moved)
+
+
+def finish(timer: PassTimer, schedule: Schedule, options: CompileOptions, digest: str, relays: bool = True,
+           peak_tokens: int | None = None) -> ScheduledPlan:
+    """relay (FCP, unless `relays` is off) and reshuffle, and the plan's header fields.
+
+    Args:
+        timer: times each pass.
+        schedule: the coalesced schedule.
+        options: the compile options.
+        digest: the inputs digest the header records.
+        relays: False keeps the schedule's own senders (a relay holds its block until it has re-sent it).
+        peak_tokens: the schedule's max_buffer_tokens where the caller has it (a pass over every buffer of both
+            passes), kept where no relay changes the schedule.
+    Returns:
+        the ScheduledPlan (not encoded).
+    """
+    if relays and options.planner is Planner.FCP and options.matching_rounds:  # baselines keep their star senders
+        relayed = timer.run("relay", relay, schedule)
+        schedule, peak_tokens = relayed, peak_tokens if relayed is schedule else None
+    final = timer.run("reshuffle", reshuffle, schedule)
+    return ScheduledPlan(final=final, header_fields=_header_fields(
+        final, options, schedule.rounds.transfers.assignment.token_cap, digest, peak_tokens))
+
+
+def _header_fields(final: Reshuffle, options: CompileOptions, token_cap: int, digest: str,
+                   peak_tokens: int | None = None) -> dict:
+    """The plan header's fields of a finished plan; its memory figures in bytes are zero until the memory budget's
+    account fills them in (a floor candidate is only simulated)."""
+    schedule, rounds, transfers, sharding = final.schedule, final.rounds, final.transfers, final.sharding
+    recv_buffer = 0
+    if transfers.num_edges:
+        edge_stage = schedule.forward.edge_stage
+        num_stages = int(edge_stage.max()) + 1
+        per_stage = np.bincount(transfers.edge_dst * num_stages + edge_stage, weights=transfers.edge_tokens)
+        recv_buffer = int(per_stage.max())
+    return dict(planner=options.planner.value, inputs_digest=digest, num_ranks=options.num_ranks,
+                block_size=sharding.block_size,
+                coalesce=schedule.coalesce, bwd_coalesce=schedule.backward.coalesce, token_cap=token_cap,
+                zigzag=sharding.zigzag, mask=sharding.batch.mask,
+                num_sequences=sharding.batch.num_sequences, total_tokens=sharding.batch.total_tokens,
+                num_blocks=sharding.num_blocks, shape=options.shape, profile=options.profile, model=options.model_name,
+                layout=options.layout, num_rounds=int(schedule.forward.edge_round.max(initial=-1)) + 1,
+                **dict(zip(("nvlink_degree", "nic_degree"), transfers.class_degrees)),
+                nvlink_lanes=rounds.nvlink_lanes,
+                num_fwd_rounds=schedule.forward.num_rounds,
+                num_bwd_rounds=schedule.backward.num_rounds, num_fwd_stages=schedule.forward.num_stages,
+                num_bwd_stages=schedule.backward.num_stages, recv_buffer_tokens=recv_buffer,
+                max_buffer_tokens=max_buffer_tokens(schedule) if peak_tokens is None else peak_tokens,
+                pipelined=options.pipelined,
+                rounds_kind="matching" if options.matching_rounds else "arbitrary",
+                reshuffle_overlap=options.reshuffle_overlap, kv_prefetch=options.resolved_kv_prefetch,
+                max_buffer_bytes_fwd=[0] * options.num_ranks, max_buffer_bytes_bwd=[0] * options.num_ranks,
+                memory_budget_bytes=None)
+
+
+def stacked_with_columns(timer: PassTimer, plan: ScheduledPlan, pass_name: str = "score") -> RankArrays:
+    """A finished plan's stacked ranks and the encoder's columns they are stacked from, timed as `pass_name`."""
+    columns = timer.run(pass_name, rank_columns, plan.final)
+    return RankArrays(stacked=timer.run(pass_name, stack_plan, plan.final, plan.header_fields, columns),
+                      columns=columns)
+
+
+def layer_figures(plan: ScheduledPlan, segments: Segments | None = None, stacked: StackedRanks | None = None) -> dict:
+    """The simulated layer figures of a finished plan, from its arrays as the encoder lays them out (nothing
+    encoded); `segments`: its tiles' segment pairs and their kinds, and `stacked`: stack_plan of it, where the caller
+    holds them."""
+    final, fields = plan.final, plan.header_fields
+    if stacked is None:  # its tiles are read from the IR, but where the user layout's reshuffle overlap reads them
+        stacked = stack_plan(final, fields, rank_columns(final, tile_rows=fields["layout"] is Layout.USER))
+    pairs, kinds = (segments.pairs, segments.kinds) if segments is not None else (None, None)
+    return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs, kinds=kinds, final=final),
+                         attention_alone=False).layer_figures()
+
+
+def backward_last_stage(timer: PassTimer, plan: ScheduledPlan, figures: dict, options: CompileOptions, digest: str,
+                        budget_tokens: int, segments: Segments | None = None,
+                        held: RankArrays | None = None) -> LastStage:
+    """The floor's winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last
+    stage back in their earliest (remote_tiles_out_of_last_stage) where that simulates faster and fits
+    `budget_tokens`. `held`: the winner's stacked ranks and encoder columns."""
+    moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan.final.schedule)
+    if moved is None:
+        return LastStage(plan=plan, figures=figures, record=None, held=held)
+    other = finish(timer, moved, options, digest, relays=False)  # the winner's relays are in its schedule already
+    other_held, other_figures = None, None
+    if other.max_buffer_tokens <= budget_tokens:
+        other_held = stacked_with_columns(timer, other)
+        other_figures = timer.run("score", layer_figures, other, segments, other_held.stacked)
+    levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
+        if other_figures is not None else None
+    kept = out_of_last is not None and out_of_last < levelled
+    record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
+              "out_of_last_stage_s": out_of_last, "max_buffer_tokens": other.max_buffer_tokens}
+    if kept:
+        return LastStage(plan=other, figures=other_figures, record=record, held=other_held)
+    return LastStage(plan=plan, figures=figures, record=record, held=held)
+
+
+def schedule_kind(timer: PassTimer, placed: Assignment, kind: LayerKind, options: CompileOptions, digest: str,
+                  fan_out: bool, budget_tokens: int) -> KindSchedule:
+    """plan_transfers, fan_out (as the placement's own plan), schedule_rounds, coalesce within `budget_tokens`, relay
+    and reshuffle for one layer kind on `placed`: it pulls only the blocks its mask reads."""
+    transfers = timer.run("plan_transfers", plan_transfers, _kind_assignment(timer, placed, kind, options))
+    rounds = make_rounds(timer, transfers, options, fan_out)
+    fitted = coalesce_within(timer, rounds, options, budget_tokens)
+    plan = finish(timer, fitted.schedule, options, digest, peak_tokens=fitted.peak_tokens)
+    return KindSchedule(plan=plan, rounds=rounds, plain=fitted.schedule if fitted.plain else None)
+
+
+def kinds_seconds(timer: PassTimer, plan: ScheduledPlan, kinds: LayerKinds | None, options: CompileOptions,
+                  fan_out: bool, budget_tokens: int) -> float:
+    """The layer kinds other than the primary, scheduled on the placement of `plan` (the primary's) and simulated:
+    their forward plus backward makespans weighted by layers per primary layer (0 with no kinds), what the floor adds
+    to a candidate's score."""
+    seconds = 0.0
+    for kind in kinds.others if kinds is not None else ():
+        kind_plan = schedule_kind(timer, plan.final.transfers.assignment, kind, options, "", fan_out,
+                                  budget_tokens).plan
+        figures = timer.run("score", layer_figures, kind_plan)
+        seconds += kinds.weight(kind) * (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+    return seconds
+
+
+def _kind_assignment(timer: PassTimer, placed: Assignment, kind: LayerKind, options: CompileOptions) -> Assignment:
+    """A layer kind's tiles on a placement made for another kind: the same blocks on the same ranks (one layout,
+    so one dispatch), its own mask's tiles (costed here), each run by its query block's owner."""
+    sharding = dataclasses.replace(placed.tiles.sharding, batch=kind.batch)
+    tiles = timer.run("cost", cost, sharding, options.shape, options.profile)
+    return Assignment(tiles=tiles, num_ranks=placed.num_ranks, token_cap=placed.token_cap,
+                      block_rank=placed.block_rank, tile_rank=placed.block_rank[tiles.tile_q_block])
