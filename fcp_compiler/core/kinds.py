@@ -4,7 +4,7 @@ The tokens' layout is shared by every kind, so there is one dispatch; each kind 
 pulls only the blocks its mask reads. The kinds come from the batch (`layers`) or the options (`--layer-masks`);
 how many layers each has from the options (`--layer-mix`), the batch (`layer_mix`) or the model preset, in that
 order. The placement is scheduled for the kind with the most attention work in the model (the primary) and chosen
-by the time of the whole mix (:mod:`fcp_compiler.core.pipeline`'s floor scores each candidate so).
+by the time of the whole mix (:mod:`fcp_compiler.core.floor` scores each candidate so).
 """
 
 from __future__ import annotations

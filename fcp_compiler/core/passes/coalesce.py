@@ -24,7 +24,7 @@ from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, T
 # three by at most 0.05%). Levelling bounds the pulled blocks its delays keep live, not the gradients pushed back to their owners,
 # which land later with the delayed tiles (nor pushes that then find a free round later still: 41 of 6,662 on the
 # paper batch at 64 GPUs, against 3 at 2 stages); where 3 stages lift a plan over the budget, its backward is
-# levelled again with TIGHT_LEVELLING_STAGES before its stages shrink (pipeline._fit_memory).
+# levelled again with TIGHT_LEVELLING_STAGES before its stages shrink (schedule_search.fit_memory).
 LEVELLING_STAGES = 3
 TIGHT_LEVELLING_STAGES = 2
 # The rounds carrying Q pulls go to the first stage when that lowers the sum over stages of the busiest rank's work
