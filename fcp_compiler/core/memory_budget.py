@@ -80,6 +80,7 @@ class Alternative:
 
 
 def _no_others(limit: float) -> Iterator[Alternative]:
+    """No other candidates (a plan the floor did not choose among others)."""
     return iter(())
 
 
@@ -258,8 +259,17 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
     GPUs both passes at 12 rounds beat the backward's halved by 1%). None when no step fits, when a rank's own
     tokens' accumulators and outputs alone are over the budget, or when the default budget's work bound allows no
     step (no step is tried then). Records the steps tried, the least peak found, that floor and why a budget is
-    unmet in `search`. `first`: the order the accounts visit ranks in (:func:`stacked_peak_bytes`), the kept plan's
-    peaks; `segments`: its tiles' segment pairs and their kinds, where the floor holds them."""
+    unmet in `search`.
+
+    Args:
+        rounds_of: gives the plan's rounds before relays (called only where a step needs them).
+        tile_budget: the floor's tile budget, which bounds a default budget's refits (:func:`most_refits`).
+        plain: the plan's own schedule where it is coalesce's at the requested rounds a stage (:func:`budget_ladder`).
+        first: the order the accounts visit ranks in (:func:`stacked_peak_bytes`), the kept plan's peaks.
+        segments: its tiles' segment pairs and their kinds, where the floor holds them.
+    Returns:
+        the BudgetFit of the step kept, or None.
+    """
     most = _refits_allowed(plan, options, budget_bytes, search, tile_budget)
     if most == 0:
         return None
@@ -385,7 +395,11 @@ def budget_ladder(timer: PassTimer, rounds_of: Callable[[], Rounds], options: Co
     (a tile levelling delays keeps its pulled block live) and then, at the same c, with its stages halved too (a
     pulled block lives until its gradient leaves two stages later). A rank receives at most a stage's rounds of
     messages at a time, so its peak falls about with the stage. `plain`: coalesce's schedule of those rounds at c,
-    where the caller holds it; the first step then levels its backward again (the forward is the same call)."""
+    where the caller holds it; the first step then levels its backward again (the forward is the same call).
+
+    Yields:
+        each step's Schedule, holding less than the one before.
+    """
     per_stage, tight, rounds = options.coalesce, TIGHT_LEVELLING_STAGES, None
     while per_stage >= 1:
         if plain is not None and per_stage == options.coalesce:

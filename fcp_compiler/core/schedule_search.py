@@ -170,7 +170,11 @@ class LastStage:
 def route(timer: PassTimer, assignment: Assignment, options: CompileOptions, as_its_system: bool = False) -> Transfers:
     """plan_transfers and localize: FCP in the plan layout groups heavy-talking ranks into nodes after listing the
     pulls (renumbering them is cheaper than listing them again); otherwise (and for a baseline's placement routed as
-    its system routes it) a block's owner goes where its tokens live, before the pulls are listed."""
+    its system routes it, `as_its_system`) a block's owner goes where its tokens live, before the pulls are listed.
+
+    Returns:
+        the Transfers: every pull, on the ranks as renumbered.
+    """
     if options.planner is Planner.FCP and options.layout is Layout.PLAN and not as_its_system:
         transfers = timer.run("plan_transfers", plan_transfers, assignment)
         return timer.run("localize", group_nodes, transfers)
@@ -198,7 +202,11 @@ def make_rounds(timer: PassTimer, transfers: Transfers, options: CompileOptions,
 def coalesce_within(timer: PassTimer, rounds: Rounds, options: CompileOptions,
                     budget_tokens: int | None) -> FittedSchedule:
     """coalesce: within `budget_tokens` live buffer tokens where given (:func:`fit_memory`), else (or where every
-    schedule tried was hopelessly over it) at the requested rounds a stage, its peak not measured."""
+    schedule tried was hopelessly over it) at the requested rounds a stage, its peak not measured.
+
+    Returns:
+        the FittedSchedule (its schedule never None).
+    """
     fitted = fit_memory(timer, rounds, options, budget_tokens) if budget_tokens is not None else None
     if fitted is None or fitted.schedule is None:
         fitted = FittedSchedule(schedule=timer.run("coalesce", coalesce, rounds, options.coalesce, options.pipelined),
@@ -214,6 +222,11 @@ def fit_memory(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget
     plain order fits with the backward levelled less, and with the Q pulls first the backward's stages would halve;
     at 256 GPUs, seed 2, both need smaller stages, and the Q pulls first stay 2.7% faster).
 
+    Args:
+        timer: times each pass.
+        rounds: the rounds to coalesce.
+        options: the compile options (rounds a stage, pipelining).
+        budget_tokens: the most live buffer tokens a rank may hold.
     Returns:
         the first schedule tried that fits, else the completed one with the fewest live buffer tokens, or None when
         every forward half tried was over by more than half; with its peak live buffer tokens before relays and
@@ -250,7 +263,11 @@ def refits(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tok
     gradients leave two stages later); then, when that leaves it over by at most half, both passes' stages (a rank
     receives at most a stage's rounds of messages at a time, so the peak falls about in proportion). Smaller still
     costs more time than it saves memory (launches, smaller kernels) and, at hundreds of ranks, seconds of
-    scheduling. A forward half over the budget by more than half is not completed at all (schedule None)."""
+    scheduling. A forward half over the budget by more than half is not completed at all (schedule None).
+
+    Yields:
+        each ScheduleStep, `first` first; the caller stops at the first that fits.
+    """
     base, forward, peak = first.schedule, first.forward_peak_tokens, first.peak_tokens
     yield ScheduleStep(schedule=base, peak_tokens=peak)
     if base is None or not options.pipelined or peak <= budget_tokens:
@@ -282,7 +299,11 @@ def refits(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tok
 def schedule_at(timer: PassTimer, rounds: Rounds, options: CompileOptions, budget_tokens: int,
                 q_first: bool) -> FirstSchedule:
     """coalesce at the requested rounds a stage, its forward half first: the backward is not completed where the
-    forward alone is over `budget_tokens` by more than half (no refit could bring it under)."""
+    forward alone is over `budget_tokens` by more than half (no refit could bring it under).
+
+    Returns:
+        the FirstSchedule; `q_first` asks coalesce to move the rounds carrying Q pulls first where that pays.
+    """
     part = timer.run("coalesce", coalesce_forward, rounds, options.coalesce, options.pipelined, q_first=q_first)
     forward, moved = timer.run("score", forward_peak, part), part.q_pulls_first
     if forward > budget_tokens * 3 // 2 and options.pipelined:
@@ -357,7 +378,11 @@ def stacked_with_columns(timer: PassTimer, plan: ScheduledPlan, pass_name: str =
 def layer_figures(plan: ScheduledPlan, segments: Segments | None = None, stacked: StackedRanks | None = None) -> dict:
     """The simulated layer figures of a finished plan, from its arrays as the encoder lays them out (nothing
     encoded); `segments`: its tiles' segment pairs and their kinds, and `stacked`: stack_plan of it, where the caller
-    holds them."""
+    holds them.
+
+    Returns:
+        Simulation.layer_figures() of the plan (layer makespans, MFU, gaps to the bound).
+    """
     final, fields = plan.final, plan.header_fields
     if stacked is None:  # its tiles are read from the IR, but where the user layout's reshuffle overlap reads them
         stacked = stack_plan(final, fields, rank_columns(final, tile_rows=fields["layout"] is Layout.USER))
@@ -371,7 +396,11 @@ def backward_last_stage(timer: PassTimer, plan: ScheduledPlan, figures: dict, op
                         held: RankArrays | None = None) -> LastStage:
     """The floor's winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last
     stage back in their earliest (remote_tiles_out_of_last_stage) where that simulates faster and fits
-    `budget_tokens`. `held`: the winner's stacked ranks and encoder columns."""
+    `budget_tokens`. `held`: the winner's stacked ranks and encoder columns; `figures`: its layer figures.
+
+    Returns:
+        the LastStage: the plan kept, its figures and arrays, and the comparison for the floor's stats.
+    """
     moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan.final.schedule)
     if moved is None:
         return LastStage(plan=plan, figures=figures, record=None, held=held)
@@ -394,7 +423,12 @@ def backward_last_stage(timer: PassTimer, plan: ScheduledPlan, figures: dict, op
 def schedule_kind(timer: PassTimer, placed: Assignment, kind: LayerKind, options: CompileOptions, digest: str,
                   fan_out: bool, budget_tokens: int) -> KindSchedule:
     """plan_transfers, fan_out (as the placement's own plan), schedule_rounds, coalesce within `budget_tokens`, relay
-    and reshuffle for one layer kind on `placed`: it pulls only the blocks its mask reads."""
+    and reshuffle for one layer kind on `placed`: it pulls only the blocks its mask reads.
+
+    Returns:
+        the KindSchedule: the finished plan, its rounds before relays and, where it is coalesce's at the requested
+        rounds a stage, its schedule (what the memory budget's refits start from).
+    """
     transfers = timer.run("plan_transfers", plan_transfers, _kind_assignment(timer, placed, kind, options))
     rounds = make_rounds(timer, transfers, options, fan_out)
     fitted = coalesce_within(timer, rounds, options, budget_tokens)
