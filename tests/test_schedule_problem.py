@@ -74,7 +74,7 @@ def test_the_certified_bound_is_never_above_an_exact_optimum_on_every_benchmark_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import schedule_optimum
 
-    schedule_optimum._CONTEXT.update(eval_data=schedule_optimum.EVAL_DATA, time_limit=120.0, options={})
+    schedule_optimum._CONTEXT.update(eval_data=schedule_optimum.EVAL_DATA, time_limit=30.0, options={})
     for case in schedule_optimum.instances(schedule_optimum.EVAL_DATA, 108):
         row = schedule_optimum._measure(case)
         for name in ("fwd", "bwd"):
