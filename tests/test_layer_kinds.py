@@ -138,17 +138,19 @@ def test_a_plain_plan_reader_names_the_kinds_file_and_kinds_with_other_layouts_a
     # Two kinds' plans from two different placements, put in one file, are refused: one layout serves all.
     from fcp_compiler.format.kinds import encode_kinds
 
+    # Both from FCP's own placement (one token cap), each for its own mask.
+    own_full = compile_plan(_spec(), 8, block_size=128, floor=False, node_fan_out=False).kind("full_attention").plan
     other = compile_plan(BatchSpec(sequences=LENGTHS, mask={"kind": "sliding_window", "window": 96}), 8,
                          block_size=128, floor=False, node_fan_out=False)
-    full = plan.kind("full_attention").plan
-    mixed = encode_kinds([("full_attention", {"kind": "causal"}, 2, full.data),
+    mixed = encode_kinds([("full_attention", {"kind": "causal"}, 2, own_full.data),
                           ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, other.data)],
                          "full_attention")
     assert not np.array_equal(PlanReader(other.data).rank(0).arrays["blocks"],
-                              PlanReader(full.data).rank(0).arrays["blocks"])
+                              PlanReader(own_full.data).rank(0).arrays["blocks"])
     with pytest.raises(PlanInvalidError, match="invariant 7"):
         validate_kinds(mixed)
     # A kind whose plan has another mask than the header says is refused too.
+    full = plan.kind("full_attention").plan
     swapped = encode_kinds([("full_attention", {"kind": "causal"}, 2, plan.kind("sliding_attention").plan.data),
                             ("sliding_attention", {"kind": "sliding_window", "window": 96}, 2, full.data)],
                            "full_attention")

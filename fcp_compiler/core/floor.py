@@ -33,12 +33,13 @@ from fcp_compiler.core.ir import Assignment, Batch, Rounds, Schedule, TileSet, T
 from fcp_compiler.core.kinds import LayerKinds
 from fcp_compiler.core.memory_budget import Alternative, KeptPlan, memory_budget_tokens, most_refits
 from fcp_compiler.core.options import CompileOptions
+from fcp_compiler.core.kinds_schedule import kinds_seconds
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.placement import EQUAL_CHUNKS, LAYER_TOLERANCES, Placement, place, same_placement, shard_and_cost
-from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, SegmentCache, backward_last_stage,
-                                               coalesce_within, fanned_out, finish, fit_memory, kinds_seconds,
-                                               layer_figures, make_rounds, most_received_tokens, route,
-                                               stacked_with_columns)
+from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, ScoredSchedule, SegmentCache,
+                                               backward_last_stage, coalesce_within, fanned_out, faster_stages, finish,
+                                               fit_memory, layer_figures, make_rounds,
+                                               most_received_tokens, route, stacked_with_columns)
 from fcp_compiler.core.simulate import LAYER_STATS, busy_lower_bound
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.inputs import Layout
@@ -378,6 +379,11 @@ class FloorRun:
         arrays = stacked_with_columns(timer, plan) if fits and not self.alone else None
         figures = timer.run("score", layer_figures, plan, self.segments.segments_of(plan.final.tiles), arrays.stacked) \
             if arrays is not None else None
+        if figures and fitted.plain:  # the same pulls in larger stages where they fit and simulate faster
+            kept = faster_stages(timer, ScoredSchedule(schedule=schedule, plan=plan, peak_tokens=peak, arrays=arrays,
+                                                       figures=figures), options, self.digest, budget_tokens,
+                                 self.segments.segments_of(plan.final.tiles))
+            schedule, plan, peak, arrays, figures = kept.schedule, kept.plan, kept.peak_tokens, kept.arrays, kept.figures
         unscored = math.nan if fits else math.inf
         score = Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
@@ -393,7 +399,7 @@ class FloorRun:
             # where their first may start from it (its forward; held only where refits may run).
             refits = most_refits(options, plan.final.tiles.num_tiles, TILE_BUDGET) > 0
             self.best = _Best(score=score, plan=plan, figures=figures, rounds=schedule.rounds,
-                              plain=schedule if fitted.plain and refits else None)
+                              plain=schedule if fitted.plain and refits and schedule is fitted.schedule else None)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
             self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays)
         if not fits and (self.least is None or peak < self.least.score.max_buffer_tokens):

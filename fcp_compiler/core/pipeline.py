@@ -28,7 +28,8 @@ from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.assign import default_token_cap
 from fcp_compiler.core.placement import BALANCE_TOLERANCE, Placement, check_least_pairs, place
-from fcp_compiler.core.schedule_search import coalesce_within, finish, make_rounds, route, schedule_kind
+from fcp_compiler.core.kinds_schedule import schedule_kind
+from fcp_compiler.core.schedule_search import coalesce_within, finish, make_rounds, route
 from fcp_compiler.core.simulate import LAYER_STATS, layer_stats
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InvalidInputError
