@@ -33,6 +33,9 @@ TOKENS_PER_GPU = 32768
 # Where the public length files are (traces/README.md lists them): --eval-data, else $FCP_EVAL_DATA, else ./eval-data.
 EVAL_DATA = Path(os.environ.get("FCP_EVAL_DATA", "eval-data"))
 TAIL_FRACTION = 0.2
+# The length files under --eval-data, by the distribution's name (the MagiAttention histogram is read apart).
+LENGTH_FILES = {"wlbllm": "distca/dist_wlbllm.json", "prolong": "distca/dist_prolong.json",
+                "wikipedia": "flexsp/wikipedia.txt"}
 BASELINES = (Planner.RING, Planner.BYTESCALE, Planner.WLBLLM, Planner.MAGI)
 
 
@@ -41,9 +44,7 @@ def batches(eval_data: Path) -> dict:
     from fcp_compiler.tools.traces import lognormal_batch
 
     out = {"paper": lambda total, seed: lognormal_batch(total, 4096, 1.8, 64, 524288, seed)}
-    files = {"wlbllm": "distca/dist_wlbllm.json", "prolong": "distca/dist_prolong.json",
-             "wikipedia": "flexsp/wikipedia.txt"}
-    for name, relative in files.items():
+    for name, relative in LENGTH_FILES.items():
         if (eval_data / relative).exists():
             values = read_lengths_file(eval_data / relative)
             for tail in (0.0, TAIL_FRACTION):

@@ -7,7 +7,7 @@ Usage: python benchmarks/schedule_optimum.py [--eval-data DIR] [--instances 108]
 Instances: 4, 8 and 16 ranks (one node of 8 GPUs, or two: NVLink and the NIC); every distribution of the matrix
 (the paper-like lognormal, and each length file of --eval-data with and without a long tail, scaled to the batch);
 causal and a sliding window of 2048; 4096 tokens per rank at block 512 or 8192 at block 1024; every third plan with
-a device memory budget below its unbudgeted peak (BUDGET_CUTS), so that the compiler refits its stages. Each plan is compiled with the floor as `fcp
+a device memory budget below the unbudgeted peak of FCP's own placement (BUDGET_CUTS), so that the compiler refits its stages. Each plan is compiled with the floor as `fcp
 compile` does, validated, and simulated on its profile without what the job shop leaves out (launches, copies
 outside the kernels, the SMs messages take: schedule_problem.ideal_profile). The optimum is per pass (forward,
 backward) with the plan's own live buffer tokens as each rank's budget; the layer time is forward plus backward.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from placement import EVAL_DATA  # noqa: E402
+from placement import EVAL_DATA, LENGTH_FILES  # noqa: E402
 
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.algorithms.job_shop import solve_job_shop  # noqa: E402
@@ -60,9 +60,7 @@ def distributions(eval_data: Path) -> dict:
     """Name -> function(total tokens, seed) -> lengths: the matrix's distributions at a small plan's scale (sequences
     up to the batch, a tail of an eighth to a half of it)."""
     out = {"paper": lambda total, seed: lognormal_batch(total, total // 64, 1.8, 16, total // 2, seed)}
-    files = {"wlbllm": "distca/dist_wlbllm.json", "prolong": "distca/dist_prolong.json",
-             "wikipedia": "flexsp/wikipedia.txt"}
-    for name, relative in files.items():
+    for name, relative in LENGTH_FILES.items():
         if (eval_data / relative).exists():
             values = read_lengths_file(eval_data / relative)
             for tail in (0.0, TAIL_FRACTION):
@@ -101,20 +99,20 @@ def _lengths(case: dict) -> list[int]:
 
 
 def _compile(case: dict, options: dict):
-    """The instance's plan; with a budget, the unbudgeted plan's peak device memory cut by the first of
-    BUDGET_CUTS the compiler can meet (its stages refitted), else the unbudgeted plan."""
+    """The instance's plan; with a budget, the peak device memory of FCP's own placement alone (no floor: one
+    schedule at the requested rounds a stage, the same whatever the floor's choice, so that two trees compare on one
+    budget) cut by the first of BUDGET_CUTS the compiler can meet (its stages refitted), else unbudgeted."""
     fields = {"block_size": case["block"], "mask": case["mask"], **options}
     lengths = _lengths(case)
-    plan = compile_plan(lengths, case["ranks"], **fields)
-    if not case["budget"]:
-        return plan
-    peak_bytes = max(max(plan.header.max_buffer_bytes_fwd), max(plan.header.max_buffer_bytes_bwd))
-    for cut in BUDGET_CUTS:
-        try:
-            return compile_plan(lengths, case["ranks"], memory_budget_gib=cut * peak_bytes / 2 ** 30, **fields)
-        except InfeasibleError:
-            continue
-    return plan
+    if case["budget"]:
+        own = compile_plan(lengths, case["ranks"], **{**fields, "floor": False}).header
+        peak_bytes = max(max(own.max_buffer_bytes_fwd), max(own.max_buffer_bytes_bwd))
+        for cut in BUDGET_CUTS:
+            try:
+                return compile_plan(lengths, case["ranks"], memory_budget_gib=cut * peak_bytes / 2 ** 30, **fields)
+            except InfeasibleError:
+                continue
+    return compile_plan(lengths, case["ranks"], **fields)
 
 
 def _measure(case: dict) -> dict:

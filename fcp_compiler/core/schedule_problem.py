@@ -20,6 +20,7 @@ sender that read its pull has run, and the pushes it sums (a relay's children) h
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import HardwareProfile, Layout
 from fcp_compiler.format.models import load_model
 from fcp_compiler.format.plan_format import TransferKind
+
+if TYPE_CHECKING:
+    from fcp_compiler.core.pipeline import CompiledPlan
 
 PASSES = ("fwd", "bwd")
 # The HBM bandwidth of ideal_profile: data moved outside the kernels then costs nothing the figures show.
@@ -190,9 +194,14 @@ def _dependencies(final: Reshuffle, jobs: _Jobs, push_edge: np.ndarray):
     return _csr(after_msgs), _csr(after_jobs), _csr(frees_after)
 
 
-def problems_of(plan, budget_tokens: int | None = None) -> dict[str, JobShop]:
-    """Both passes of a CompiledPlan (plan layout) as job shops, on its own model and K,V prefetch.
+def problems_of(plan: CompiledPlan, budget_tokens: int | None = None) -> dict[str, JobShop]:
+    """Both passes of a compiled plan (plan layout) as job shops, on its own model and K,V prefetch.
 
+    Args:
+        plan: the CompiledPlan (its IR and header).
+        budget_tokens: each rank's live buffer budget in tokens (pulled buffers), None for none.
+    Returns:
+        {"fwd": JobShop, "bwd": JobShop}.
     Raises:
         InvalidInputError: a plan in the user layout.
     """
