@@ -399,7 +399,7 @@ class FloorRun:
             # where their first may start from it (its forward; held only where refits may run).
             refits = most_refits(options, plan.final.tiles.num_tiles, TILE_BUDGET) > 0
             self.best = _Best(score=score, plan=plan, figures=figures, rounds=schedule.rounds,
-                              plain=schedule if fitted.plain and refits and schedule is fitted.schedule else None)
+                              plain=fitted.schedule if fitted.plain and refits else None)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
             self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays)
         if not fits and (self.least is None or peak < self.least.score.max_buffer_tokens):
