@@ -114,7 +114,8 @@ def pass_problem(final: Reshuffle, pass_name: str, model_name: str | None, kv_pr
     """One pass of a placed plan as a job shop (module docstring).
 
     Args:
-        final: the plan's IR (its placement, pulls, relays and pushes; its stages are not read).
+        final: the plan's IR (its placement, pulls, relays and pushes; its stages are not read), in the plan layout
+            (a user layout's reshuffles are not modelled: :func:`problems_of` refuses one).
         pass_name: "fwd" or "bwd".
         model_name: the model preset around attention (its linear layers: each rank's release and tail), or "none".
         kv_prefetch: whether K,V pulls may leave once K and V are projected, before Q (the plan's header says).
@@ -122,7 +123,7 @@ def pass_problem(final: Reshuffle, pass_name: str, model_name: str | None, kv_pr
     Returns:
         the JobShop: messages are the pulls (edge order) then the pass's pushes (its push order).
     Raises:
-        InvalidInputError: the user layout (its reshuffles are not modelled), or an unknown pass.
+        InvalidInputError: an unknown pass.
     """
     if pass_name not in PASSES:
         raise InvalidInputError(f"pass {pass_name!r} is not one of {', '.join(PASSES)}")
