@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("ortools")
 
 from fcp_compiler import compile_plan  # noqa: E402
-from fcp_compiler.algorithms.job_shop import solve_job_shop  # noqa: E402
+from fcp_compiler.algorithms.job_shop import TIME_UNIT_S, solve_job_shop  # noqa: E402
 from fcp_compiler.core.layer_model import BACKWARD_WORK  # noqa: E402
 from fcp_compiler.core.schedule_problem import ideal_profile, problems_of  # noqa: E402
 from fcp_compiler.core.simulate import simulate_plan  # noqa: E402
@@ -58,6 +58,29 @@ def test_the_job_shop_holds_the_plans_work_and_messages():
         assert (work <= staged * scale * (1 + 1e-9)).all()
         assert ((work > 0) == (final.assignment.rank_seconds > 0)).all()
         assert problem.msg_awaited.sum() == program.push_edge.size
+
+
+@pytest.mark.parametrize("num_ranks,block,mask,seed", CASES[:2])
+def test_at_the_plans_own_calls_the_job_shop_charges_what_the_simulator_does_and_its_optimum_lies_between(
+        num_ranks, block, mask, seed):
+    """staged_calls: each rank's work is the plan's simulated compute to the last bit of rounding, and the optimum
+    is at least the one-launch optimum (whose tiles are never dearer) and at most the plan."""
+    plan = _plan(num_ranks, block, mask, seed)
+    simulation = simulate_plan(plan, profile=ideal_profile(plan.header.profile))
+    figures = simulation.layer_figures()
+    budget_tokens = int(plan.header.max_buffer_tokens)
+    one_launch = problems_of(plan, budget_tokens)
+    for name, problem in problems_of(plan, budget_tokens, staged_calls=True).items():
+        work = np.bincount(problem.job_rank, weights=problem.job_seconds, minlength=plan.num_ranks)
+        compute = (simulation.backward if name == "bwd" else simulation.forward).compute
+        np.testing.assert_allclose(work, compute, rtol=1e-9)  # (the backward's compute is at its 2.5x already)
+        staged = solve_job_shop(problem, time_limit_s=60)
+        cheapest = solve_job_shop(one_launch[name], time_limit_s=60)
+        assert staged.optimal and cheapest.optimal
+        assert cheapest.makespan_s <= staged.makespan_s * (1 + 1e-9)
+        # The plan can be this optimum to the last rounding of the job shop's durations (TIME_UNIT_S each).
+        rounding_s = TIME_UNIT_S * (problem.num_jobs + problem.num_messages)
+        assert staged.makespan_s <= figures[f"layer_makespan_{name}_s"] + rounding_s
 
 
 def test_the_user_layout_is_refused_in_one_line():

@@ -6,10 +6,11 @@ What it keeps of the simulator (:mod:`fcp_compiler.algorithms.timeline`): messag
 the simulator counts them for each pass, over NVLink or the NIC) and its latency; each rank's linear layers before
 and after attention (:class:`~fcp_compiler.core.layer_model.LayerCosts`); a tile's seconds at its kernel call's
 efficiency, as if its rank ran all its tiles in one launch (each query segment's pairs in one call: the largest
-calls any schedule makes, so no staged schedule's tiles are cheaper). What it drops, each only adding time to a
-schedule: kernel launches, the data the runtime moves outside the kernels and the SMs messages take from compute
-(:func:`ideal_profile` removes them from the simulator too, so that a staged plan and the optimum are compared on
-the same durations), and a message waiting for its receiver to begin a stage.
+calls any schedule makes, so no staged schedule's tiles are cheaper; or, with `staged_calls`, at the efficiency of
+the call the plan's own stages put it in, which separates what a plan's order loses from what its call sizes lose).
+What it drops, each only adding time to a schedule: kernel launches, the data the runtime moves outside the kernels
+and the SMs messages take from compute (:func:`ideal_profile` removes them from the simulator too, so that a staged
+plan and the optimum are compared on the same durations), and a message waiting for its receiver to begin a stage.
 
 When a message may leave: a K,V pull from its owner once the owner has projected K and V (forward; with K,V
 prefetch, before Q), else once its owner's linear layers before attention are done; in the backward K,V are the
@@ -55,11 +56,18 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return offsets(counts), flat
 
 
-def _one_launch_seconds(final: Reshuffle, backward: bool) -> np.ndarray:
-    """Each tile's seconds at its kernel call's efficiency with every tile of its rank in one launch."""
+def _call_seconds(final: Reshuffle, backward: bool, as_staged: bool) -> np.ndarray:
+    """Each tile's seconds at its kernel call's efficiency: with every tile of its rank in one launch, or
+    (`as_staged`) in its stage's launch, as the plan's own stages make its calls."""
     tiles, tile_rank = final.tiles, final.assignment.tile_rank
-    launches = PassLaunches(rank=tile_rank.astype(np.int64), launch=np.zeros(tiles.num_tiles, dtype=np.int64),
-                            num_launches=1, num_ranks=final.num_ranks, split=backward, count_calls=False)
+    if as_staged:
+        program = final.schedule.backward if backward else final.schedule.forward
+        launch = program.tile_stage.astype(np.int64)
+    else:
+        launch = np.zeros(tiles.num_tiles, dtype=np.int64)
+    launches = PassLaunches(rank=tile_rank.astype(np.int64), launch=launch,
+                            num_launches=int(launch.max(initial=0)) + 1, num_ranks=final.num_ranks, split=backward,
+                            count_calls=False)
     sweep(tiles, [launches], tiles.profile)
     return launches.seconds * (BACKWARD_WORK if backward else 1.0)
 
@@ -110,7 +118,7 @@ def _message_bytes(final: Reshuffle, program: PassSchedule, backward: bool) -> t
 
 
 def pass_problem(final: Reshuffle, pass_name: str, model_name: str | None, kv_prefetch: bool,
-                 budget_tokens: int | None = None) -> JobShop:
+                 budget_tokens: int | None = None, staged_calls: bool = False) -> JobShop:
     """One pass of a placed plan as a job shop (module docstring).
 
     Args:
@@ -120,6 +128,9 @@ def pass_problem(final: Reshuffle, pass_name: str, model_name: str | None, kv_pr
         model_name: the model preset around attention (its linear layers: each rank's release and tail), or "none".
         kv_prefetch: whether K,V pulls may leave once K and V are projected, before Q (the plan's header says).
         budget_tokens: each rank's live buffer budget in tokens (pulled buffers), None for none.
+        staged_calls: charge each tile at the efficiency of the kernel call the plan's own stages put it in, not at
+            one launch a rank: the optimum then bounds only schedules that make the plan's calls, and the plan's
+            distance to it is what its order and waiting lose, apart from what its call sizes lose.
     Returns:
         the JobShop: messages are the pulls (edge order) then the pass's pushes (its push order).
     Raises:
@@ -130,7 +141,7 @@ def pass_problem(final: Reshuffle, pass_name: str, model_name: str | None, kv_pr
     backward = pass_name == "bwd"
     transfers, n = final.transfers, final.num_ranks
     profile = final.tiles.profile
-    jobs = _jobs(final, _one_launch_seconds(final, backward))
+    jobs = _jobs(final, _call_seconds(final, backward, staged_calls))
     program = final.schedule.backward if backward else final.schedule.forward
     pull_bytes, push_bytes = _message_bytes(final, program, backward)
     num_pulls, push_edge = transfers.num_edges, program.push_edge.astype(np.int64)
@@ -195,12 +206,14 @@ def _dependencies(final: Reshuffle, jobs: _Jobs, push_edge: np.ndarray):
     return _csr(after_msgs), _csr(after_jobs), _csr(frees_after)
 
 
-def problems_of(plan: CompiledPlan, budget_tokens: int | None = None) -> dict[str, JobShop]:
+def problems_of(plan: CompiledPlan, budget_tokens: int | None = None,
+                staged_calls: bool = False) -> dict[str, JobShop]:
     """Both passes of a compiled plan (plan layout) as job shops, on its own model and K,V prefetch.
 
     Args:
         plan: the CompiledPlan (its IR and header).
         budget_tokens: each rank's live buffer budget in tokens (pulled buffers), None for none.
+        staged_calls: as :func:`pass_problem` takes it.
     Returns:
         {"fwd": JobShop, "bwd": JobShop}.
     Raises:
@@ -210,4 +223,5 @@ def problems_of(plan: CompiledPlan, budget_tokens: int | None = None) -> dict[st
     if header.layout is not Layout.PLAN:
         raise InvalidInputError(f"layout {header.layout.value!r}: the job shop models the plan layout only "
                                 "(the user layout's reshuffles are not in it)")
-    return {name: pass_problem(plan.ir, name, header.model, header.kv_prefetch, budget_tokens) for name in PASSES}
+    return {name: pass_problem(plan.ir, name, header.model, header.kv_prefetch, budget_tokens, staged_calls)
+            for name in PASSES}
