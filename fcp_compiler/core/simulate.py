@@ -209,7 +209,9 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     Raises:
         InvalidInputError: an unknown model name.
     """
-    header, tables, stacked, profile, tiles, final = _read_with_costs(source, profile)
+    read = _read_with_costs(source, profile)
+    header, tables, stacked, profile, tiles, final = (read.header, read.tables, read.stacked, read.profile, read.tiles,
+                                                      read.final)
     n = header.num_ranks
     held = isinstance(source, HeldPlan) and tiles is source.tiles
     inputs = pass_inputs(header, stacked, tiles, profile, record, source.pairs if held else None,
@@ -320,8 +322,27 @@ class HeldPlan:
     final: Reshuffle | None = None  # its IR (whose tiles are `tiles`), where held: its tiles are read from it
 
 
-def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
-    """(header, tables, stacked ranks, profile, tiles, IR or None): the plan's ranks stacked, and its tiles costed on
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _CostedPlan:
+    """A plan read for simulation: its ranks stacked (with their header and tables), the profile it is simulated on,
+    its tiles costed on that profile, and its IR where the source holds one (else None)."""
+
+    stacked: StackedRanks
+    profile: HardwareProfile
+    tiles: TileSet
+    final: Reshuffle | None
+
+    @property
+    def header(self):
+        return self.stacked.header
+
+    @property
+    def tables(self):
+        return self.stacked.tables
+
+
+def _read_with_costs(source, profile: HardwareProfile | None) -> _CostedPlan:
+    """The plan read for simulation (:class:`_CostedPlan`): its ranks stacked, and its tiles costed on
     `profile` (default: the plan's own; a CompiledPlan's or a HeldPlan's costs are reused on its own profile, and its
     tiles then read from its IR where it is held). A CompiledPlan is read from its IR, as the encoder lays it out,
     not decoded from its bytes (a 4096-rank plan is 100 MB), and its tile rows are not stacked where its IR gives
@@ -341,11 +362,12 @@ def _read_with_costs(source, profile: HardwareProfile | None) -> tuple:
     header, tables = stacked.header, stacked.tables
     profile = profile or header.profile
     if compiled_tiles is not None and compiled_tiles.profile == profile:
-        return header, tables, stacked, profile, compiled_tiles, final
+        return _CostedPlan(stacked=stacked, profile=profile, tiles=compiled_tiles, final=final)
     sharding = Sharding(batch=Batch(lengths=tables.seq_lengths, windows=tables.seq_window),
                         block_size=header.block_size, zigzag=header.zigzag, seg_block=tables.seg_block,
                         seg_seq=tables.seg_seq, seg_start=tables.seg_start, seg_end=tables.seg_end)
-    return header, tables, stacked, profile, _tile_costs(header, sharding, stacked, profile), None
+    return _CostedPlan(stacked=stacked, profile=profile, tiles=_tile_costs(header, sharding, stacked, profile),
+                       final=None)
 
 
 def _tile_costs(header, sharding: Sharding, stacked: StackedRanks, profile: HardwareProfile):
