@@ -181,10 +181,10 @@ def test_the_collate_maps_layer_types_to_layer_kinds():
 
 
 @pytest.mark.parametrize("setup", [
-    Setup(lengths=(2000, 2000, 2000), block_size=4096, steps=3, num_layers=2),
+    Setup(lengths=(700, 700, 700), block_size=1024, steps=3, num_layers=2),
     Setup(lengths=(100, 100, 100), block_size=4096, steps=3, num_layers=2),
-    Setup(arch="mistral", sliding_window=4096, lengths=(5000, 300), block_size=4096, steps=3, num_layers=2)],
-    ids=["3x2000-at-block-4096", "3x100", "mistral-window-4096-on-5000"])
+    Setup(arch="mistral", sliding_window=1024, lengths=(1300, 300), block_size=1024, steps=3, num_layers=2)],
+    ids=["3x700-at-block-1024", "3x100", "mistral-window-1024-on-1300"])
 def test_a_short_step_or_a_mistral_window_trains_on_4_ranks_as_in_one_process(setup):
     """A step of fewer blocks than ranks is compiled at smaller blocks so that no rank is empty (an empty rank would
     crash inside the model); a Mistral config (a sliding_window, no layer_types) gets plans whose documents slide
