@@ -7,8 +7,9 @@ The batches are benchmarks/layer_objective.py's matrix (the paper-like trace and
 without a 20% long tail; 32768 tokens per GPU), made once here so that both trees compile the same lengths. Each tree
 compiles every batch once in one process of its own (imports excluded), with the trees taking turns --turns times.
 
-It prints, per scale, each tree's summed compile seconds (the median over turns) and their ratio, then the plans:
-every batch whose plan (sha256) or simulated layer makespan (forward plus backward) differs between the trees, the
+It prints, per scale, each tree's summed compile seconds (the median over turns), their ratio and the schedules a
+compile made (mean, min-max: its coalesce pass's calls, counted on the tree's own pass timer), then the plans: every batch
+whose plan (sha256) or simulated layer makespan (forward plus backward) differs between the trees, the
 worst change, and how many batches are more than 0.5% slower (issue 34: no batch slower than its start by more than
 that). Without --against it prints this tree's figures only; --write keeps every row.
 """
@@ -36,8 +37,18 @@ import fcp_compiler
 assert Path(fcp_compiler.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), fcp_compiler.__file__
 from fcp_compiler import compile_plan
 from fcp_compiler.core.simulate import layer_stats
+try:  # the schedules a compile makes: its coalesce pass's calls, counted on the tree's own pass timer
+    from fcp_compiler.core.pass_timer import PassTimer as Timer
+except ImportError:  # before the pipeline was split
+    from fcp_compiler.core.pipeline import _PassTimer as Timer
+timed, calls = Timer.run, []
+def counted(self, name, function, *args, **kwargs):
+    calls.append(name)
+    return timed(self, name, function, *args, **kwargs)
+Timer.run = counted
 rows = {}
 for name, (lengths, gpus) in json.loads(Path(sys.argv[2]).read_text()).items():
+    calls.clear()
     start = time.perf_counter()
     plan = compile_plan(lengths, gpus)
     seconds = time.perf_counter() - start
@@ -45,7 +56,7 @@ for name, (lengths, gpus) in json.loads(Path(sys.argv[2]).read_text()).items():
     floor = plan.stats.get("floor") or {}
     rows[name] = {"gpus": gpus, "seconds": seconds, "sha256": plan.stats["plan_sha256"],
                   "layer_s": stats["layer_makespan_fwd_s"] + stats["layer_makespan_bwd_s"],
-                  "winner": floor.get("winner")}
+                  "winner": floor.get("winner"), "schedules": calls.count("coalesce")}
 print(json.dumps(rows))
 """
 
@@ -69,6 +80,13 @@ def compile_in(tree: Path, lengths_file: Path) -> dict:
 def summed_seconds(turns: list[dict], gpus: int) -> float:
     """The median over turns of a tree's compile seconds summed over the batches at `gpus`."""
     return statistics.median(sum(row["seconds"] for row in rows.values() if row["gpus"] == gpus) for rows in turns)
+
+
+def schedules_per_compile(turns: list[dict], gpus: int) -> str:
+    """A tree's schedules per compile at `gpus` (its coalesce pass's calls: the same every turn), as
+    "mean (min-max)"."""
+    counts = [row["schedules"] for row in turns[0].values() if row["gpus"] == gpus]
+    return f"{statistics.mean(counts):.1f} ({min(counts)}-{max(counts)})"
 
 
 def plan_changes(mine: dict, theirs: dict) -> list[tuple[str, float, bool]]:
@@ -99,13 +117,17 @@ def main() -> None:
                 print(f"turn {turn + 1}: {tree} done", file=sys.stderr, flush=True)
     if args.write:
         args.write.write_text(json.dumps({str(tree): rows for tree, rows in turns.items()}))
-    print(f"{'gpus':>5} {'batches':>8} {'this s':>8}" + (f" {'other s':>8} {'ratio':>6}" if args.against else ""))
+    print(f"{'gpus':>5} {'batches':>8} {'this s':>8}" + (f" {'other s':>8} {'ratio':>6}" if args.against else "")
+          + f"  {'schedules/compile':>18}" + (f" {'other':>18}" if args.against else ""))
     for gpus in scales:
         count = sum(row["gpus"] == gpus for row in turns[HERE][0].values())
         line = f"{gpus:>5} {count:>8} {summed_seconds(turns[HERE], gpus):>8.2f}"
         if args.against:
             theirs = summed_seconds(turns[trees[1]], gpus)
             line += f" {theirs:>8.2f} {summed_seconds(turns[HERE], gpus) / theirs:>6.3f}"
+        line += f"  {schedules_per_compile(turns[HERE], gpus):>18}"
+        if args.against:
+            line += f" {schedules_per_compile(turns[trees[1]], gpus):>18}"
         print(line)
     if not args.against:
         return

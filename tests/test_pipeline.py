@@ -17,7 +17,7 @@ from fcp_compiler.format.plan_format import PlanReader
 ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds", "memory",
               "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
-              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "plan_sha256",
+              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "pass_calls", "plan_sha256",
               "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
 # "memory": the returned plan's memory account (and, over the budget, its refits' passes, already listed).
@@ -67,6 +67,9 @@ def test_stats_hold_every_documented_key(small_plan):
     assert list(own.stats["pass_seconds"]) == ["parse"] + PASSES
     user = compile_own([5000, 300, 70000], 4, block_size=1024, layout="user")
     assert list(user.stats["pass_seconds"]) == ["parse"] + USER_LAYOUT_PASSES
+    # How often each pass ran: FCP's own placement alone is scheduled once, the floor schedules every candidate.
+    assert own.stats["pass_calls"]["coalesce"] == 1 and set(own.stats["pass_calls"]) == set(own.stats["pass_seconds"])
+    assert small_plan.stats["pass_calls"]["coalesce"] >= len(small_plan.stats["floor"]["candidates"])
     json.dumps(small_plan.stats)
 
 

@@ -19,8 +19,11 @@ def test_the_compile_line_names_each_time_once(plan):
     stats = plan.stats
     (line,) = [line for line in compile_summary(stats, None).splitlines() if line.startswith("  compile ")]
     head, passes = line.split(": ", 1)
-    total, in_floor = re.fullmatch(r"  compile (\S+) s \((\S+) s of it in the floor\)", head).groups()
+    total, in_floor, schedules = re.fullmatch(r"  compile (\S+) s \((\S+) s of it in the floor\), (\d+) schedules",
+                                              head).groups()
     assert total == f"{stats['compile_seconds']:.3f}" and in_floor == f"{stats['floor']['seconds']:.3f}"
+    # The floor scheduled each of its candidates at least once.
+    assert int(schedules) == stats["pass_calls"]["coalesce"] >= len(stats["floor"]["candidates"])
     printed = dict(item.split(" ") for item in passes.split("  "))
     assert printed == {name: f"{seconds:.3f}" for name, seconds in stats["pass_seconds"].items()}
     # No pass is named like the floor's total: "floor" is said once, for what the floor cost in all.

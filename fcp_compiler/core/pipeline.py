@@ -244,7 +244,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     if floor_stats is not None and budgeted.decision.refitted:
         for name in LAYER_STATS:  # the floor's figures were the plan's before it was refitted
             floor_stats.pop(name, None)
-    plan = _compiled(budgeted, options, time.perf_counter() - total_start, timer.seconds, floor_stats)
+    plan = _compiled(budgeted, options, time.perf_counter() - total_start, timer.seconds, floor_stats, timer.calls)
     return plan if kinds is None else _with_kinds(timer, plan, kinds, prepared, fan_out, total_start)
 
 
@@ -262,7 +262,7 @@ def _compile_alone(timer: PassTimer, batch: Batch, options: CompileOptions, toke
 
 
 def _compiled(budgeted: BudgetedPlan, options: CompileOptions, compile_seconds: float, pass_seconds: dict,
-              floor_stats: dict | None = None) -> CompiledPlan:
+              floor_stats: dict | None = None, pass_calls: dict | None = None) -> CompiledPlan:
     """The CompiledPlan of an encoded plan: its statistics, what the memory budget decided (stats["memory"]) and
     the floor's stats where it ran."""
     final, header_fields, data = budgeted.plan.final, budgeted.plan.header_fields, budgeted.data
@@ -270,6 +270,7 @@ def _compiled(budgeted: BudgetedPlan, options: CompileOptions, compile_seconds: 
                        max_buffer=header_fields["max_buffer_tokens"])
     stats["kv_prefetch"] = header_fields["kv_prefetch"]
     stats["memory"] = budgeted.decision.stats()
+    stats["pass_calls"] = dict(pass_calls or {})  # how often each pass ran: "coalesce" counts the schedules made
     if floor_stats is not None:
         stats.update(floor_stats)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))
@@ -299,7 +300,8 @@ def _with_kinds(timer: PassTimer, primary: CompiledPlan, kinds: LayerKinds, prep
     stats = {**primary.stats, "layer_kinds": summary, "primary_kind": kinds.primary.name,
              "layer_mix_s": sum(row["num_layers"] * row["layer_seconds"] for row in summary),
              "plan_bytes": len(data), "plan_sha256": hashlib.sha256(data).hexdigest(),
-             "compile_seconds": time.perf_counter() - started, "pass_seconds": dict(timer.seconds)}
+             "compile_seconds": time.perf_counter() - started, "pass_seconds": dict(timer.seconds),
+             "pass_calls": dict(timer.calls)}
     return CompiledPlan(data=data, ir=primary.ir, stats=stats, _reader=primary._reader, kinds=ordered)
 
 

@@ -48,6 +48,12 @@ def _layer_line(stats: dict) -> list[str]:
             f"{stats['normalized_layer_mfu']:.3f}"]
 
 
+def _schedules(stats: dict) -> str:
+    """", N schedules" where the compile made several (its coalesce pass ran N times), else nothing."""
+    made = stats.get("pass_calls", {}).get("coalesce", 0)
+    return f", {made} schedules" if made > 1 else ""
+
+
 def _floor_line(stats: dict) -> list[str]:
     """The floor's verdict: which candidate won, what each scored (fwd + bwd layer ms, or over the memory budget)."""
     floor = stats.get("floor")
@@ -139,8 +145,8 @@ def compile_summary(stats: dict, path: str | None) -> str:
         *_layer_line(stats),
         *_floor_line(stats),
         *kinds_lines(stats),
-        "  compile {:.3f} s{}: {}".format(stats["compile_seconds"], f" ({stats['floor']['seconds']:.3f} s of it "
-                                          "in the floor)" if stats.get("floor") else "", "  ".join(
+        "  compile {:.3f} s{}{}: {}".format(stats["compile_seconds"], f" ({stats['floor']['seconds']:.3f} s of it "
+                                            "in the floor)" if stats.get("floor") else "", _schedules(stats), "  ".join(
             f"{name} {seconds:.3f}" for name, seconds in stats["pass_seconds"].items())),
     ]
     if path:
