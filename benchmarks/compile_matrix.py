@@ -8,7 +8,7 @@ without a 20% long tail; 32768 tokens per GPU), made once here so that both tree
 compiles every batch once in one process of its own (imports excluded), with the trees taking turns --turns times.
 
 It prints, per scale, each tree's summed compile seconds (the median over turns), their ratio and the schedules a
-compile made (mean, min-max: its coalesce pass's calls, counted on the tree's own pass timer), then the plans: every batch
+compile made (mean, min-max: plans finished, its reshuffle pass's calls on the tree's own pass timer), then the plans: every batch
 whose plan (sha256) or simulated layer makespan (forward plus backward) differs between the trees, the
 worst change, and how many batches are more than 0.5% slower (issue 34: no batch slower than its start by more than
 that). Without --against it prints this tree's figures only; --write keeps every row.
@@ -37,7 +37,7 @@ import fcp_compiler
 assert Path(fcp_compiler.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), fcp_compiler.__file__
 from fcp_compiler import compile_plan
 from fcp_compiler.core.simulate import layer_stats
-try:  # the schedules a compile makes: its coalesce pass's calls, counted on the tree's own pass timer
+try:  # the full schedules a compile makes: its reshuffle pass's calls (every finished plan's last pass)
     from fcp_compiler.core.pass_timer import PassTimer as Timer
 except ImportError:  # before the pipeline was split
     from fcp_compiler.core.pipeline import _PassTimer as Timer
@@ -56,7 +56,7 @@ for name, (lengths, gpus) in json.loads(Path(sys.argv[2]).read_text()).items():
     floor = plan.stats.get("floor") or {}
     rows[name] = {"gpus": gpus, "seconds": seconds, "sha256": plan.stats["plan_sha256"],
                   "layer_s": stats["layer_makespan_fwd_s"] + stats["layer_makespan_bwd_s"],
-                  "winner": floor.get("winner"), "schedules": calls.count("coalesce")}
+                  "winner": floor.get("winner"), "schedules": calls.count("reshuffle")}
 print(json.dumps(rows))
 """
 
@@ -83,7 +83,7 @@ def summed_seconds(turns: list[dict], gpus: int) -> float:
 
 
 def schedules_per_compile(turns: list[dict], gpus: int) -> str:
-    """A tree's schedules per compile at `gpus` (its coalesce pass's calls: the same every turn), as
+    """A tree's full schedules per compile at `gpus` (its reshuffle pass's calls: the same every turn), as
     "mean (min-max)"."""
     counts = [row["schedules"] for row in turns[0].values() if row["gpus"] == gpus]
     return f"{statistics.mean(counts):.1f} ({min(counts)}-{max(counts)})"

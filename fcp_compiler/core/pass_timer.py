@@ -1,6 +1,7 @@
 """PassTimer: the seconds each pass takes over a compile (stats["pass_seconds"]), summed over the floor's
 candidates and the memory budget's refits, which run the same passes again, and how often each ran
-(stats["pass_calls"]: its "coalesce" is the number of schedules a compile made)."""
+(stats["pass_calls"]: its "reshuffle", the last pass of every finished plan, counts the full schedules a compile
+made)."""
 
 from __future__ import annotations
 

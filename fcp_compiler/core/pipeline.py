@@ -270,7 +270,7 @@ def _compiled(budgeted: BudgetedPlan, options: CompileOptions, compile_seconds: 
                        max_buffer=header_fields["max_buffer_tokens"])
     stats["kv_prefetch"] = header_fields["kv_prefetch"]
     stats["memory"] = budgeted.decision.stats()
-    stats["pass_calls"] = dict(pass_calls or {})  # how often each pass ran: "coalesce" counts the schedules made
+    stats["pass_calls"] = dict(pass_calls or {})  # how often each pass ran ("reshuffle": full schedules)
     if floor_stats is not None:
         stats.update(floor_stats)
     return CompiledPlan(data=data, ir=final, stats=stats, _reader=PlanReader(data))

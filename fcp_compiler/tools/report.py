@@ -49,8 +49,9 @@ def _layer_line(stats: dict) -> list[str]:
 
 
 def _schedules(stats: dict) -> str:
-    """", N schedules" where the compile made several (its coalesce pass ran N times), else nothing."""
-    made = stats.get("pass_calls", {}).get("coalesce", 0)
+    """", N schedules" where the compile finished several plans (its reshuffle pass, every finished plan's last, ran
+    N times), else nothing."""
+    made = stats.get("pass_calls", {}).get("reshuffle", 0)
     return f", {made} schedules" if made > 1 else ""
 
 
