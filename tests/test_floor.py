@@ -324,3 +324,55 @@ def test_node_fan_out_out_of_the_budgets_reach_is_not_scheduled_and_could_not_fi
     assert short["out_of_reach"] == []
     (own,) = [row for row in short["candidates"] if row["name"].startswith("layer+fan-out")]
     assert own["max_buffer_tokens"] <= short["memory_budget_tokens"]
+
+
+def _scored_at_requested_stages(num_ranks: int, block_size: int, seed: int):
+    """FCP's own placement of a small paper-like batch at the requested rounds a stage, as the floor scores it."""
+    from fcp_compiler.core import pipeline, schedule_search
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.passes.assign import default_token_cap
+    from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
+    from fcp_compiler.core.placement import place
+
+    options = CompileOptions.of(num_ranks, block_size=block_size)
+    total = 4096 * num_ranks if block_size < 4096 else 32768 * num_ranks
+    batch = pipeline._to_batch(lognormal_batch(total, total // 64, 1.8, 16, total // 2, seed=seed), None)
+    timer = PassTimer()
+    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, num_ranks, block_size),
+                       Placement.LAYER)
+    rounds = schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options, False)
+    schedule = coalesce(rounds, options.coalesce)
+    plan = schedule_search.finish(timer, schedule, options, "0" * 64)
+    arrays = schedule_search.stacked_with_columns(timer, plan)
+    scored = schedule_search.ScoredSchedule(schedule=schedule, plan=plan, peak_tokens=max_buffer_tokens(schedule),
+                                            arrays=arrays, figures=schedule_search.layer_figures(plan, None,
+                                                                                                 arrays.stacked))
+    return timer, options, scored
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_larger_stages_are_kept_only_where_they_fit_and_simulate_faster(seed):
+    """schedule_search.faster_stages at block 512 (one tile low on the efficiency curve), with room for twice the
+    pulls: the plan kept is the faster of the two schedules, its larger stages within the budget."""
+    from fcp_compiler.core.schedule_search import faster_stages
+
+    timer, options, scored = _scored_at_requested_stages(8, 512, seed)
+    budget_tokens = 2 * scored.peak_tokens
+    kept = faster_stages(timer, scored, options, "0" * 64, budget_tokens)
+    # On each of these batches the larger stages are faster (each query segment's keys in fewer, larger calls).
+    assert kept is not scored and kept.layer_seconds < scored.layer_seconds
+    assert kept.schedule.coalesce == 2 * options.coalesce and kept.plan.max_buffer_tokens <= budget_tokens
+    figures = kept.figures
+    assert kept.layer_seconds == pytest.approx(figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+    # Without room for twice the pulls nothing else is tried.
+    assert faster_stages(timer, scored, options, "0" * 64, 2 * scored.peak_tokens - 1) is scored
+
+
+def test_larger_stages_are_not_tried_where_one_tile_is_near_the_top_of_the_efficiency_curve(monkeypatch):
+    """At 4096-token blocks (0.95 of the curve's top on Hopper) no second schedule is made, however much room."""
+    from fcp_compiler.core import schedule_search
+
+    timer, options, scored = _scored_at_requested_stages(4, 4096, 0)
+    monkeypatch.setattr(schedule_search, "coalesce", lambda *args, **kwargs: pytest.fail("a second schedule"))
+    assert schedule_search.faster_stages(timer, scored, options, "0" * 64, 10 * scored.peak_tokens) is scored

@@ -26,6 +26,7 @@ from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce,
                                                forward_peak, max_buffer_tokens, pass_peaks,
                                                remote_tiles_out_of_last_stage, smaller_backward_rounds,
                                                with_backward_rounds)
+from fcp_compiler.core.passes.cost import tile_efficiency
 from fcp_compiler.core.passes.encode import rank_columns
 from fcp_compiler.core.passes.fan_out import fan_out
 from fcp_compiler.core.passes.localize import group_nodes, localize
@@ -40,6 +41,12 @@ from fcp_compiler.format.stacked import StackedRanks
 
 # fit_memory aims this share of the token budget when it shrinks the stages of a plan over it.
 FIT_MARGIN = 0.8
+# faster_stages tries larger stages only where one tile (a block of queries by a block of keys) is below this share of
+# the efficiency curve's top: larger stages pay mostly through larger kernel calls (on small plans call sizes are
+# most of the distance to the optimum, benchmarks/schedule_optimum.py --staged-calls), and a tile near the top gains
+# little from them. At 4096-token blocks (0.95 of the top on Hopper) the matrix's 54 plans changed on 2 (+0.20%,
+# -0.01%) for 3.3% more compile at 64 GPUs; at 512 and 1024 (0.32, 0.56) they are most of what the small plans gain.
+LARGER_STAGES_EFFICIENCY = 0.9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -379,7 +386,8 @@ def faster_stages(timer: PassTimer, scored: ScoredSchedule, options: CompileOpti
     the plan holds at most half `budget_tokens` live (twice the stages' pulls may still fit) and kept only where it
     fits: fewer stage ends to wait at, and each query segment's keys in fewer, larger kernel calls. On small plans
     this takes the median distance to the exact optimum of their placement from 2.3% to 1.7%
-    (benchmarks/schedule_optimum.py); a plan the budget binds (most at hundreds of ranks) is never tried.
+    (benchmarks/schedule_optimum.py); a plan the budget binds (most at hundreds of ranks) is never tried, nor one
+    whose tiles are already near the top of the efficiency curve (LARGER_STAGES_EFFICIENCY).
 
     Args:
         timer: times each pass.
@@ -392,7 +400,8 @@ def faster_stages(timer: PassTimer, scored: ScoredSchedule, options: CompileOpti
         the faster ScoredSchedule.
     """
     if (options.planner is not Planner.FCP or not options.pipelined or not options.matching_rounds
-            or 2 * scored.peak_tokens > budget_tokens or scored.schedule.coalesce != options.coalesce):
+            or 2 * scored.peak_tokens > budget_tokens or scored.schedule.coalesce != options.coalesce
+            or not _tiles_gain_from_calls(options)):
         return scored
     larger = timer.run("coalesce", coalesce, scored.schedule.rounds, 2 * options.coalesce, options.pipelined)
     peak = max(timer.run("score", pass_peaks, larger))
@@ -403,6 +412,14 @@ def faster_stages(timer: PassTimer, scored: ScoredSchedule, options: CompileOpti
     other = ScoredSchedule(schedule=larger, plan=plan, peak_tokens=plan.max_buffer_tokens, arrays=arrays,
                            figures=timer.run("score", layer_figures, plan, segments, arrays.stacked))
     return other if other.layer_seconds < scored.layer_seconds else scored
+
+
+def _tiles_gain_from_calls(options: CompileOptions) -> bool:
+    """Whether one tile of the block size is below LARGER_STAGES_EFFICIENCY of the efficiency curve's top."""
+    profile = options.profile
+    block_size = float(options.resolved_block_size)
+    top = max(point.efficiency for point in profile.efficiency_curve)
+    return float(tile_efficiency(profile, np.array([block_size]))[0]) < LARGER_STAGES_EFFICIENCY * top
 
 
 def stacked_with_columns(timer: PassTimer, plan: ScheduledPlan, pass_name: str = "score") -> RankArrays:
