@@ -9,9 +9,9 @@ compiles every batch once in one process of its own (imports excluded), with the
 
 It prints, per scale, each tree's summed compile seconds (the median over turns), their ratio and the full schedules
 a compile made (mean, min-max: plans finished, its reshuffle pass's calls on the tree's own pass timer), then the
-plans: every batch whose plan (sha256) or simulated layer makespan (forward plus backward) differs between the trees, the
-worst change, and how many batches are more than 0.5% slower (issue 34: no batch slower than its start by more than
-that). Without --against it prints this tree's figures only; --write keeps every row.
+plans: every batch whose plan (sha256) or simulated layer makespan (forward plus backward) differs between the
+trees, the worst change, and how many batches are more than 0.5% slower (issue 34: no batch slower than its start by
+more than that). Without --against it prints this tree's figures only; --write keeps every row.
 """
 
 from __future__ import annotations
