@@ -140,6 +140,19 @@ def test_plans_with_smaller_backward_stages_validate_and_replay_exactly(seed, gp
     run_ranks(gpus, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
 
 
+def test_a_plan_kept_at_twice_the_rounds_a_stage_validates_and_replays_exactly():
+    """schedule_search.faster_stages keeps a candidate coalesced at twice the requested rounds a stage where that fits
+    and simulates faster (block 256): such a plan keeps every invariant and replays exactly in fp64."""
+    torch = pytest.importorskip("torch")
+    from runtime_harness import compare_with_reference, run_ranks
+
+    total = 4 * 2048
+    lengths = lognormal_batch(total, total // 64, 1.8, 16, total // 2, 0)
+    plan = compile_valid(lengths, 4, block_size=256, coalesce=8)
+    assert plan.header.coalesce == 16 and plan.header.bwd_coalesce == 32  # the case this test is for
+    run_ranks(4, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
+
+
 @pytest.mark.parametrize("layout, seed", [("plan", 0), ("user", 3), pytest.param("user", 0, marks=pytest.mark.long),
                                           pytest.param("plan", 3, marks=pytest.mark.long)])
 def test_the_busy_bound_never_exceeds_the_simulated_layer_of_any_schedule_of_the_placement(layout, seed):
