@@ -2,7 +2,8 @@
 (CP-SAT, fcp_compiler.algorithms.job_shop), beside what the compiler's schedule takes and the certified lower bound.
 
 Usage: python benchmarks/schedule_optimum.py [--eval-data DIR] [--instances 108] [--ids 98,101] [--time-limit 60]
-       [--jobs 2] [--options '{"schedule_search": false}'] [--staged-calls] [--write rows.json] [--compare old_rows.json]
+       [--jobs 2] [--options '{"schedule_search": false}'] [--staged-calls] [--write rows.json]
+       [--compare old_rows.json]
 
 Instances: 4, 8 and 16 ranks (one node of 8 GPUs, or two: NVLink and the NIC); every distribution of the matrix
 (the paper-like lognormal, and each length file of --eval-data with and without a long tail, scaled to the batch);

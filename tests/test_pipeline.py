@@ -17,8 +17,8 @@ from fcp_compiler.format.plan_format import PlanReader
 ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"num_ranks", "block_size", "coalesce", "num_blocks", "num_transfers", "max_degree", "num_rounds", "memory",
               "compute_imbalance", "comm_imbalance", "max_tokens_per_rank", "token_cap",
-              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "pass_calls", "plan_sha256",
-              "num_relayed_transfers"}
+              "makespan_lower_bound_ratio", "total_comm_bytes", "compile_seconds", "pass_seconds", "pass_calls",
+              "plan_sha256", "num_relayed_transfers"}
 # In the plan layout the pulls are listed before localize, which renumbers them with the ranks.
 # "memory": the returned plan's memory account (and, over the budget, its refits' passes, already listed).
 PASSES = ["shard", "cost", "assign", "plan_transfers", "localize", "fan_out", "schedule_rounds", "coalesce", "relay", "reshuffle",
