@@ -204,12 +204,9 @@ def _profile_file(profile: str | None) -> Path | None:
     return Path(profile) if profile is not None and Path(profile).suffix == ".json" else None
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options) -> None:
     from fcp_compiler.tools.bulk import bulk_compile, read_jsonl
+    from fcp_compiler.tools.parallel import request_stop
     from fcp_compiler.tools.report import bulk_summary, progress_bar
 
     if jobs is not None and jobs < 1:
@@ -228,9 +225,14 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
             sys.stderr.write(progress_bar(done, total) + ("\n" if done == total else ""))
             sys.stderr.flush()
 
+    def interrupt(signum, frame) -> None:
+        request_stop(signum)  # noted too: an interrupt raised inside a finalizer is swallowed, the next step stops
+        raise KeyboardInterrupt
+
     # SIGTERM (a scheduler stopping the job) ends the run as Ctrl-C does: with the line that says what is written.
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    previous = {stop: signal.signal(stop, interrupt) for stop in (signal.SIGINT, signal.SIGTERM)} \
+        if in_main_thread else {}
     try:
         summary = bulk_compile(batches, out_dir, options, jobs=jobs, progress=progress)
     except (KeyboardInterrupt, typer.Abort):
@@ -238,8 +240,8 @@ def _bulk(batch: Path, out_dir: Path, jobs: Optional[int], quiet: bool, options)
                    f"resumes)", err=True)
         raise
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
     if not quiet:
         typer.echo(bulk_summary(summary, out_dir))
 

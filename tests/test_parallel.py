@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fcp_compiler.errors import InfeasibleError
-from fcp_compiler.tools.parallel import map_on_cores
+from fcp_compiler.tools.parallel import map_on_cores, request_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 30.0  # a hang would be minutes; a loaded CI machine still answers in seconds
@@ -25,6 +25,30 @@ def _square_or_die(job: int) -> int:
 
 def _square(job: int) -> int:
     return job * job
+
+
+class _Finalized:
+    def __del__(self):
+        raise KeyboardInterrupt  # as a signal handler's interrupt landing in a finalizer: Python swallows it
+
+
+def _square_interrupted_in_a_finalizer(job: int) -> int:
+    if job == 1:
+        request_stop(signal.SIGTERM)  # what fcp compile's handler notes before it raises
+        _Finalized()  # its interrupt is printed as "Exception ignored" and lost
+    return job * job
+
+
+def test_one_process_stops_before_its_next_job_when_an_interrupt_was_swallowed(monkeypatch):
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type))
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        for result in map_on_cores(_square_interrupted_in_a_finalizer, list(range(5)), 1):
+            done.append(result)
+    assert swallowed == [KeyboardInterrupt]
+    assert done == [0, 1]  # the job under way finishes; none after it starts
+    assert list(map_on_cores(_square, list(range(3)), 1)) == [0, 1, 4]  # the next map starts afresh
 
 
 def test_every_result_comes_back():

@@ -36,10 +36,18 @@ def _request_stop(signum, frame) -> None:
 _STOP: dict = {"signal": None}
 
 
+def request_stop(signum: int) -> None:
+    """Note a stop (Ctrl-C or SIGTERM) that :func:`map_on_cores` acts on before its next job. A handler that raises
+    KeyboardInterrupt in one process notes it first: an interrupt that lands inside a finalizer (a file's __del__,
+    a collected generator) is swallowed by Python ("Exception ignored ..."), and the map would run on to its end."""
+    _STOP["signal"] = signum
+
+
 def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = None) -> Iterator:
     """Yield function(job) for every job as each finishes, on `processes` forked workers (default: all cores).
 
-    One process runs the jobs in order in this process. `function` must be a module-level function; with fork,
+    One process runs the jobs in order in this process, stopping before the next job once a stop is noted
+    (:func:`request_stop`). `function` must be a module-level function; with fork,
     workers inherit module state set before the call. Ctrl-C or SIGTERM in the parent stops every worker at once
     (they are killed, not drained), workers die with a parent that is killed, and a worker that dies (killed for
     memory, a crash) ends the map with one error naming its job, never a wait for a result that will not come.
@@ -49,7 +57,11 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
     """
     processes = max(1, min(processes or os.cpu_count() or 1, len(jobs) or 1))
     if processes == 1:
-        yield from map(function, jobs)
+        _STOP["signal"] = None
+        for job in jobs:
+            if _STOP["signal"] is not None:  # a stop noted whose interrupt was swallowed (request_stop)
+                raise KeyboardInterrupt
+            yield function(job)
         return
     _STOP["signal"] = None
     previous = {stop: signal.signal(stop, _request_stop) for stop in (signal.SIGINT, signal.SIGTERM)} \
