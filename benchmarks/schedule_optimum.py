@@ -8,10 +8,11 @@ Usage: python benchmarks/schedule_optimum.py [--eval-data DIR] [--instances 108]
 Instances: 4, 8 and 16 ranks (one node of 8 GPUs, or two: NVLink and the NIC); every distribution of the matrix
 (the paper-like lognormal, and each length file of --eval-data with and without a long tail, scaled to the batch);
 causal and a sliding window of 2048; 4096 tokens per rank at block 512 or 8192 at block 1024; every third plan with
-a device memory budget below the unbudgeted peak of FCP's own placement (BUDGET_CUTS), so that the compiler refits its stages. Each plan is compiled with the floor as `fcp
-compile` does, validated, and simulated on its profile without what the job shop leaves out (launches, copies
-outside the kernels, the SMs messages take: schedule_problem.ideal_profile). The optimum is per pass (forward,
-backward) with the plan's own live buffer tokens as each rank's budget; the layer time is forward plus backward.
+a device memory budget below the unbudgeted peak of FCP's own placement (BUDGET_CUTS), so that the compiler refits
+its stages. Each plan is compiled with the floor as `fcp compile` does, validated, and simulated on its profile
+without what the job shop leaves out (launches, copies outside the kernels, the SMs messages take:
+schedule_problem.ideal_profile). The optimum is per pass (forward, backward) with the plan's own live buffer tokens
+as each rank's budget; the layer time is forward plus backward.
 
 --staged-calls charges each tile in the job shop at the efficiency of the kernel call the plan's own stages put it in
 (schedule_problem.pass_problem's staged_calls), not at one launch a rank: that optimum bounds only schedules making

@@ -217,19 +217,13 @@ def test_a_plan_that_deeper_levelling_lifts_over_the_budget_keeps_its_stages_wit
     """Levelling holds a delayed tile's pulled block live: where the default depth (3 stages' worth) lifts the
     backward over the memory budget, schedule_search.fit_memory levels the backward again within 2 before it shrinks
     any stage, and keeps the forward as it was."""
-    from fcp_compiler.core import pipeline, schedule_search
+    from fcp_compiler.core import schedule_search
     from fcp_compiler.core.memory_budget import memory_budget_tokens
     from fcp_compiler.core.options import CompileOptions
-    from fcp_compiler.core.pass_timer import PassTimer
-    from fcp_compiler.core.passes.assign import default_token_cap
     from fcp_compiler.core.passes.coalesce import LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, pass_peaks
-    from fcp_compiler.core.placement import place
 
     options = CompileOptions.of(64, model="llama3-70b")
-    batch = pipeline._to_batch(lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0), None)
-    timer = PassTimer()
-    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, 64, 4096), Placement.LAYER)
-    rounds = schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options, False)
+    timer, rounds = _own_rounds(options, lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0))
     budget_tokens = memory_budget_tokens(options)
     deep, shallow = (coalesce(rounds, 16, levelling_stages=depth) for depth in (LEVELLING_STAGES,
                                                                                   TIGHT_LEVELLING_STAGES))
@@ -339,22 +333,31 @@ def test_node_fan_out_out_of_the_budgets_reach_is_not_scheduled_and_could_not_fi
     assert own["max_buffer_tokens"] <= short["memory_budget_tokens"]
 
 
-def _scored_at_requested_stages(num_ranks: int, block_size: int, seed: int):
-    """FCP's own placement of a small paper-like batch at the requested rounds a stage, as the floor scores it."""
+def _own_rounds(options, lengths):
+    """FCP's own placement of `lengths` routed into rounds, as the floor schedules it (without fan-out); and the
+    timer that timed it."""
     from fcp_compiler.core import pipeline, schedule_search
-    from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.pass_timer import PassTimer
     from fcp_compiler.core.passes.assign import default_token_cap
-    from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
     from fcp_compiler.core.placement import place
+
+    batch = pipeline._to_batch(lengths, None)
+    timer = PassTimer()
+    token_cap = default_token_cap(batch.total_tokens, options.num_ranks, options.resolved_block_size)
+    assignment = place(timer, batch, options, token_cap, Placement.LAYER)
+    return timer, schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options,
+                                              False)
+
+
+def _scored_at_requested_stages(num_ranks: int, block_size: int, seed: int):
+    """FCP's own placement of a small paper-like batch at the requested rounds a stage, as the floor scores it."""
+    from fcp_compiler.core import schedule_search
+    from fcp_compiler.core.options import CompileOptions
+    from fcp_compiler.core.passes.coalesce import coalesce, max_buffer_tokens
 
     options = CompileOptions.of(num_ranks, block_size=block_size)
     total = 4096 * num_ranks if block_size < 4096 else 32768 * num_ranks
-    batch = pipeline._to_batch(lognormal_batch(total, total // 64, 1.8, 16, total // 2, seed=seed), None)
-    timer = PassTimer()
-    assignment = place(timer, batch, options, default_token_cap(batch.total_tokens, num_ranks, block_size),
-                       Placement.LAYER)
-    rounds = schedule_search.make_rounds(timer, schedule_search.route(timer, assignment, options), options, False)
+    timer, rounds = _own_rounds(options, lognormal_batch(total, total // 64, 1.8, 16, total // 2, seed=seed))
     schedule = coalesce(rounds, options.coalesce)
     plan = schedule_search.finish(timer, schedule, options, "0" * 64)
     arrays = schedule_search.stacked_with_columns(timer, plan)

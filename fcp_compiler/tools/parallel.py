@@ -30,7 +30,7 @@ def _worker_start() -> None:
 def _request_stop(signum, frame) -> None:
     """The parent's Ctrl-C and SIGTERM while workers run: noted, and acted on between waits, where no pool state is
     half updated (an exception raised inside the pool's own calls can leave its threads unable to shut down)."""
-    _STOP["signal"] = signum
+    request_stop(signum)
 
 
 _STOP: dict = {"signal": None}
