@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import compile_valid
+from fcp_compiler.algorithms import arena
 from fcp_compiler.algorithms.arena import max_live, place_buffers
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls
 from fcp_compiler.format.call_plan import rank_calls, step_requests
@@ -45,6 +46,59 @@ def test_buffers_of_one_stage_sit_side_by_side_in_order_where_a_gap_holds_them()
     offset, extent = place_buffers([3, 3, 2, 1, 2], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 2, 0, 1])
     assert extent == 6
     assert offset[3] == 0 and offset[4] == 1 and offset[2] == 3  # by order: 3, 4, 2, one run
+
+
+def _first_fit_by_scan(rows, first, last, order):
+    """The placement rule spelled out on an array of rows: per stage, release the buffers last live before it, then
+    the stage's buffers (by order, then index) as one run at the lowest free offset that holds them all below the
+    arena's end, else each at the lowest free offset holding it below the end, else at the start of the free tail."""
+    rows, first, last = (np.asarray(a) for a in (rows, first, last))
+    owner = np.full(int(rows.sum()) + 1, -1)
+    offset, extent = np.zeros(rows.size, dtype=np.int64), 0
+
+    def lowest(size, limit):
+        for at in range(limit - size + 1):
+            if (owner[at:at + size] == -1).all():
+                return at
+        return None
+
+    by_start = sorted(range(rows.size), key=lambda b: (first[b], order[b], b))
+    for stage in sorted(set(first.tolist())):
+        owner[np.isin(owner, np.flatnonzero(last < stage))] = -1
+        group = [b for b in by_start if first[b] == stage]
+        start = lowest(int(rows[group].sum()), extent)
+        for b in group:
+            if start is not None:
+                at, start = start, start + int(rows[b])
+            else:
+                at = lowest(int(rows[b]), extent)
+                if at is None:
+                    used = np.flatnonzero(owner[:extent] != -1)
+                    at = int(used[-1]) + 1 if used.size else 0
+                    extent = max(extent, at + int(rows[b]))
+            owner[at:at + int(rows[b])] = b
+            offset[b] = at
+    return offset, extent
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_both_placements_are_the_rule_spelled_out(seed, monkeypatch):
+    rng = np.random.default_rng(100 + seed)
+    count = int(rng.integers(1, 30))
+    unit = int(rng.choice([1, 3, 512]))
+    rows = unit * rng.choice([1, 2, 2, 4, 5], count) * (rng.random(count) > 0.05)  # some empty buffers
+    first = rng.integers(0, 8, count)
+    last = first + rng.integers(0, 4, count)
+    order = rng.permutation(count)
+    offset, extent = place_buffers(rows, first, last, order)
+    monkeypatch.setattr(arena, "MAX_MASK_UNITS", 0)  # every arena over the bitmask's units: the list of gaps
+    by_gaps, by_gaps_extent = place_buffers(rows, first, last, order)
+    assert np.array_equal(offset, by_gaps) and extent == by_gaps_extent
+    expected, expected_extent = _first_fit_by_scan(rows // unit, first, last, order)
+    if rows.any():  # (an empty buffer's offset is where the rule finds room for nothing)
+        assert extent == expected_extent * unit
+        assert np.array_equal(offset[rows > 0], expected[rows > 0] * unit)
+    _check_placement(rows, first, last, offset, extent)
 
 
 def _arena_tokens(program, arenas, messages, stores, pass_name, stage):

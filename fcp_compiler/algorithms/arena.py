@@ -7,8 +7,13 @@ consecutive in a sequence and arrive together should be consecutive rows of the 
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
+
+# Units an arena may hold at most and be placed as a bitmask (each shift of the mask is a pass over its words: at
+# odd sizes, units of one row, a list of free gaps is faster).
+MAX_MASK_UNITS = 1 << 12
 
 
 def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
@@ -19,7 +24,8 @@ def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
     that holds them, else each in the first free gap that holds it, else at the arena's end. With equal sizes this
     is first-fit colouring of an interval graph in order of start, which needs exactly the most buffers ever live
     at once; with unequal sizes the arena may exceed the live peak (fragmentation), never the sum of all buffers.
-    O(B log B + B G) for B buffers and at most G free gaps.
+    :func:`place_arena` does it, O(B log B) to sort and O(B log S) big-integer operations on words of the arena's
+    units (S: the largest buffer in units of the sizes' greatest common divisor).
 
     Args:
         rows: int [B], each buffer's rows (>= 0).
@@ -30,21 +36,99 @@ def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
     """
     rows, first, last, order = (np.asarray(a, dtype=np.int64) for a in (rows, first, last, order))
     assert (rows >= 0).all() and (first <= last).all()
-    offset = np.zeros(rows.size, dtype=np.int64)
-    gaps: list[list[int]] = []  # free [start, end), sorted by start, never touching each other
-    live: list[tuple[int, int]] = []  # (last stage, buffer)
+    offset = [0] * rows.size
+    by_start = np.lexsort((np.arange(rows.size), order, first)).tolist()
+    extent = place_arena(by_start, rows.tolist(), first.tolist(), last.tolist(), offset)
+    return np.asarray(offset, dtype=np.int64), extent
+
+
+def place_arena(buffers: list[int], size_of: list[int], first_of: list[int], last_of: list[int],
+                offset: list[int]) -> int:
+    """:func:`place_buffers` of the buffers `buffers` (indices into the per-buffer lists, in placement order: by
+    first stage, then by order within it), written into `offset`; returns the arena's rows.
+
+    The arena is a bitmask of units (the sizes' greatest common divisor), a set bit a unit in use: the first free
+    gap that holds n units starts at the lowest bit that begins n clear bits, found with log2(n) shifts of the
+    clear mask. The first gap by start and the lowest such bit are the same place, since gaps are maximal runs.
+    """
+    unit = total = 0
+    for buffer in buffers:
+        unit = math.gcd(unit, size_of[buffer])
+        total += size_of[buffer]
+    if unit == 0:  # nothing but empty buffers
+        for buffer in buffers:
+            offset[buffer] = 0
+        return 0
+    if total // unit > MAX_MASK_UNITS:
+        return _place_by_gaps(buffers, size_of, first_of, last_of, offset)
+    clear = extent = 0  # the free units below the arena's end (bits), the arena's units
+    freed: dict[int, int] = {}  # last stage -> the units of the buffers live until it
+    count, low = len(buffers), 0
+    while low < count:
+        stage = first_of[buffers[low]]
+        high = low + 1
+        while high < count and first_of[buffers[high]] == stage:
+            high += 1
+        for done in [last for last in freed if last < stage]:
+            clear |= freed.pop(done)
+        group = buffers[low:high]
+        sizes = [size_of[buffer] // unit for buffer in group]
+        total = sum(sizes)
+        start = _first_fit(clear, total)
+        if start is not None:
+            clear ^= ((1 << total) - 1) << start
+        for buffer, size in zip(group, sizes):
+            if start is None:
+                at = _first_fit(clear, size)
+                if at is None:  # at the arena's end, from the start of the free tail (if any)
+                    at = (~clear & ((1 << extent) - 1)).bit_length()
+                    clear &= (1 << at) - 1
+                    extent = max(extent, at + size)
+                else:
+                    clear ^= ((1 << size) - 1) << at
+            else:
+                at, start = start, start + size
+            last = last_of[buffer]
+            freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
+            offset[buffer] = at * unit
+        low = high
+    return extent * unit
+
+
+def _first_fit(clear: int, size: int) -> int | None:
+    """The lowest bit of `clear` that begins `size` set bits (None if none does); for size 0, the lowest set bit."""
+    if clear == 0:
+        return None
+    if size <= 1:
+        return (clear & -clear).bit_length() - 1
+    have = 1
+    while have < size:
+        step = min(have, size - have)
+        clear &= clear >> step
+        have += step
+    return (clear & -clear).bit_length() - 1 if clear else None
+
+
+def _place_by_gaps(buffers: list[int], size_of: list[int], first_of: list[int], last_of: list[int],
+                   offset: list[int]) -> int:
+    """:func:`place_arena` over a sorted list of free gaps, [start, end) each, and a heap of the live buffers."""
+    gaps: list[list[int]] = []
+    live: list[tuple[int, int]] = []
     extent = 0
-    by_start = np.lexsort((np.arange(rows.size), order, first))
-    bounds = np.flatnonzero(np.diff(first[by_start])) + 1
-    size_of, last_of = rows.tolist(), last.tolist()
-    for group in np.split(by_start, bounds) if rows.size else []:
-        extent = place_stage(gaps, live, extent, int(first[group[0]]), group.tolist(), size_of, last_of, offset)
-    return offset, extent
+    count, low = len(buffers), 0
+    while low < count:
+        stage = first_of[buffers[low]]
+        high = low + 1
+        while high < count and first_of[buffers[high]] == stage:
+            high += 1
+        extent = _place_stage(gaps, live, extent, stage, buffers[low:high], size_of, last_of, offset)
+        low = high
+    return extent
 
 
-def place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: list[int],
-                size_of, last_of, offset) -> int:
-    """One stage of :func:`place_buffers`: free the buffers last live before `stage`, then place `group` (the
+def _place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: list[int],
+                 size_of, last_of, offset) -> int:
+    """One stage of :func:`_place_by_gaps`: free the buffers last live before `stage`, then place `group` (the
     buffers first live in it, in order) in one gap that holds them all, else each first fit, growing the arena at
     its end. Writes their offsets into `offset` and pushes them on `live` (a heap of (last stage, buffer)).
 
@@ -64,7 +148,8 @@ def place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int,
         else:
             at, start = start, start + size
         offset[buffer] = at
-        heapq.heappush(live, (last_of[buffer], buffer))
+        if size:  # an empty buffer holds no rows to free (freeing it would leave an empty gap in the list)
+            heapq.heappush(live, (last_of[buffer], buffer))
     return extent
 
 

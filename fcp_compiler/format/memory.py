@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.arena import place_stage
+from fcp_compiler.algorithms.arena import place_arena
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets_within
@@ -710,27 +710,16 @@ def _stacked_arenas(stacked: StackedRanks, messages: dict[str, PassMessages]) ->
 
 def _place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray,
                   num_arenas: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`fcp_compiler.algorithms.arena.place_buffers` of each arena's buffers (`arena`: int per buffer), all in
-    one loop over plain lists: the same offsets (int64 per buffer) and arena rows (int64 [num_arenas]), without the
-    per-arena call's array overhead (hundreds of thousands of pulls at hundreds of ranks)."""
-    by_start = np.lexsort((np.arange(arena.size), order, first, arena)).tolist()
-    arena_of, size_of, first_of, last_of = arena.tolist(), rows.tolist(), first.tolist(), last.tolist()
+    """:func:`fcp_compiler.algorithms.arena.place_buffers` of each arena's buffers (`arena`: int per buffer), over
+    plain lists shared by all arenas: the same offsets (int64 per buffer) and arena rows (int64 [num_arenas]),
+    without the per-arena call's array overhead (hundreds of thousands of pulls at hundreds of ranks)."""
+    by_start = np.lexsort((np.arange(arena.size), order, first, arena))
+    bounds = np.searchsorted(arena[by_start], np.arange(num_arenas + 1)).tolist()
+    by_start = by_start.tolist()
+    size_of, first_of, last_of = rows.tolist(), first.tolist(), last.tolist()
     offset = [0] * arena.size
-    extent = [0] * num_arenas
-    count, low = len(by_start), 0
-    while low < count:
-        which = arena_of[by_start[low]]
-        gaps: list[list[int]] = []
-        live: list[tuple[int, int]] = []
-        end = 0
-        while low < count and arena_of[by_start[low]] == which:
-            stage = first_of[by_start[low]]
-            high = low
-            while high < count and arena_of[by_start[high]] == which and first_of[by_start[high]] == stage:
-                high += 1
-            end = place_stage(gaps, live, end, stage, by_start[low:high], size_of, last_of, offset)
-            low = high
-        extent[which] = end
+    extent = [place_arena(by_start[bounds[which]:bounds[which + 1]], size_of, first_of, last_of, offset)
+              for which in range(num_arenas)]
     return np.asarray(offset, dtype=np.int64), np.asarray(extent, dtype=np.int64)
 
 
