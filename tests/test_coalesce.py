@@ -258,6 +258,11 @@ def test_smaller_backward_stages_keep_every_later_forward_stage_later():
         assert r % 2 == 0 and 2 <= r <= c and keeps_order(c, r)
         assert not any(keeps_order(c, bigger) for bigger in range(r + 2, c + 1, 2))
     assert not keeps_order(11, 10) and not keeps_order(9, 8)  # what rounding c down to even gave
+    from fcp_compiler.core.passes.coalesce import deeper_backward_rounds
+
+    for c in range(2, 40):  # the memory budget's deeper steps: every even count below the halved that keeps it
+        r = smaller_backward_rounds(c)
+        assert deeper_backward_rounds(c, r) == [rounds for rounds in range(r - 2, 1, -2) if keeps_order(c, rounds)]
 
 
 @given(st.integers(1, 24), st.integers(1, 4), st.integers(1, 3), st.integers(0, 10_000))

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import compile_valid
 from fcp_compiler import compile_plan
+from fcp_compiler.core.simulate import layer_stats
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.stacked import stack_programs
@@ -187,12 +188,12 @@ def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_
         chosen = memory_budget._faster_next_step(timer, fitting, ScheduledPlan(final=(name, seconds, peak),
                                                                                header_fields={}),
                                                  RankArrays(stacked=None, columns=None), 100, search)
-        return chosen.plan.final[0], chosen.layer_seconds, search.least_peak_bytes
+        return chosen.kept.plan.final[0], chosen.kept.layer_seconds, search.least_peak_bytes, chosen.faster
 
-    assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80)
-    assert next_step("faster, over", 0.9, 120) == ("first", 1.0, 90)
-    assert next_step("as fast", 1.0, 80) == ("first", 1.0, 90)  # a tie goes to the first
-    assert next_step("slower", 1.1, 80) == ("first", 1.0, 90)
+    assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80, True)
+    assert next_step("faster, over", 0.9, 120) == ("first", 1.0, 90, True)
+    assert next_step("as fast", 1.0, 80) == ("first", 1.0, 90, False)  # a tie goes to the first
+    assert next_step("slower", 1.1, 80) == ("first", 1.0, 90, False)
     assert accounted == ["faster", "faster, over"]
 
 
@@ -244,6 +245,37 @@ def test_the_budget_ladder_from_the_plans_own_schedule_is_the_ladder_from_its_ro
                     (step, part, name)
         assert np.array_equal(got.tile_order, want.tile_order)
     assert next(ladder, None) is None and len(from_rounds) > 2
+
+
+def test_a_backward_a_little_over_the_budget_is_held_in_smaller_stages_before_the_forward_shrinks(unbudgeted,
+                                                                                                     monkeypatch):
+    """Where the halved backward is over the budget by little while the forward fits, the budget ladder tries the
+    same c with the backward in smaller stages still: the forward keeps larger stages, the plan fits and validates,
+    and it simulates no slower than the ladder without those steps keeps."""
+    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core.passes.coalesce import smaller_backward_rounds
+
+    peak = max(max(unbudgeted.header.max_buffer_bytes_fwd), max(unbudgeted.header.max_buffer_bytes_bwd))
+    budget_gib = 0.6 * peak / 2**30
+    tried, real = [], memory_budget.with_backward_rounds
+
+    def recorded(schedule, rounds, *rest):
+        tried.append((schedule.coalesce, rounds))
+        return real(schedule, rounds, *rest)
+
+    monkeypatch.setattr(memory_budget, "with_backward_rounds", recorded)
+    deeper = compile_valid(LENGTHS, 8, memory_budget_gib=budget_gib, floor=False)
+    assert any(rounds < smaller_backward_rounds(c) for c, rounds in tried)
+    monkeypatch.setattr(memory_budget, "deeper_backward_rounds", lambda c, halved: [])
+    plain = compile_valid(LENGTHS, 8, memory_budget_gib=budget_gib, floor=False)
+    layer = {}
+    for name, plan in (("deeper", deeper), ("plain", plain)):
+        header = plan.header
+        assert max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd)) <= budget_gib * 2**30
+        figures = layer_stats(plan)
+        layer[name] = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    assert deeper.header.num_fwd_stages < plain.header.num_fwd_stages
+    assert layer["deeper"] <= layer["plain"]
 
 
 def test_an_account_stopped_above_a_peak_is_the_full_accounts_first_ranks(unbudgeted, monkeypatch):

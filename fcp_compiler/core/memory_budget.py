@@ -27,7 +27,7 @@ from fcp_compiler.core.ir import Rounds, Schedule, TileSet
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.coalesce import (LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce,
-                                               smaller_backward_rounds, with_backward_rounds)
+                                               deeper_backward_rounds, smaller_backward_rounds, with_backward_rounds)
 from fcp_compiler.core.passes.encode import encode
 from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, Segments, finish, layer_figures,
                                                stacked_with_columns)
@@ -40,6 +40,9 @@ from fcp_compiler.format.stacked import StackedRanks
 # runtime's memory can give. A floor candidate over it is kept only when every candidate is over it (then the one
 # with the fewest); time does not buy memory.
 MEMORY_BUDGET_STAGES = 4
+# The most a halved backward's peak may be over the byte budget for the ladder to try the same c with the backward in
+# smaller stages still (budget_ladder): further over, only a smaller c brings it under.
+DEEPER_WITHIN = 1.25
 
 
 def memory_budget_tokens(options: CompileOptions) -> int:
@@ -273,8 +276,12 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
     most = _refits_allowed(plan, options, budget_bytes, search, tile_budget)
     if most == 0:
         return None
-    fitting, over = None, []  # fitting: the first step that fits
-    for schedule in budget_ladder(timer, rounds_of, options, plain):
+    fitting, over = None, []  # fitting: the fastest step that fits so far
+    # After a deeper backward step fits, the steps down the ladder are simulated while they are faster (its many
+    # small backward stages can be slower than the next c's steps: Wikipedia + tail at 256 GPUs, seed 0, 527 ms at
+    # 2 rounds a backward stage against 513 at the next c's halved backward); a faster one that fits is kept.
+    feedback, searching = LadderFeedback(), False
+    for schedule in budget_ladder(timer, rounds_of, options, plain, feedback):
         if search.refits == most:
             search.unmet = "work"
             break
@@ -285,16 +292,26 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
         if fitting is not None:
             # The step after the first that fits is simulated first: where it is no faster (smaller stages seldom
             # are), its account, which where it fits visits every rank, is not needed.
-            return _faster_next_step(timer, fitting, candidate, arrays, budget_bytes, search, first, segments)
+            compared = _faster_next_step(timer, fitting, candidate, arrays, budget_bytes, search, first, segments)
+            if searching and compared.faster and compared.kept is fitting:  # faster but over: on down the ladder
+                continue
+            if searching and compared.kept is not fitting:  # a faster step fits: the step after it is compared
+                fitting, searching = compared.kept, False
+                continue
+            return compared.kept
         # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
         # under every step over; only where none fits are the steps over accounted further (_least_over: their
         # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
         # gave, whose refusal names the least peak, has each step over accounted until a rank is above the least
         # so far too (its steps are not bounded by that budget, so their stacks are not held).
         strict = options.memory_budget_is_strict
-        peaks = _peak_bytes(timer, candidate, arrays.stacked, first,
-                            stop_above=max(budget_bytes, search.least_peak_bytes) if strict else budget_bytes)
+        stop_above = max(budget_bytes, search.least_peak_bytes) if strict else budget_bytes
+        if feedback.gauge:
+            stop_above = max(stop_above, int(DEEPER_WITHIN * budget_bytes))
+        peaks = _peak_bytes(timer, candidate, arrays.stacked, first, stop_above=stop_above)
         if peaks.max() > budget_bytes:
+            feedback.forward_over = bool(peaks[:, 0].max() > budget_bytes)
+            feedback.peak_over_budget = float(peaks.max()) / budget_bytes
             if strict:
                 search.found(int(peaks.max()))
             else:
@@ -305,6 +322,7 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
         figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
         fitting = BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
                             layer_seconds=figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+        feedback.fitted, searching = True, feedback.deeper
     if fitting is None:
         _least_over(timer, over, budget_bytes, search)
     return fitting
@@ -330,20 +348,30 @@ def _refits_allowed(plan: ScheduledPlan, options: CompileOptions, budget_bytes: 
     return most
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Compared:
+    """:func:`_faster_next_step`'s result: the fit kept, and whether the step compared simulated faster."""
+
+    kept: BudgetFit
+    faster: bool
+
+
 def _faster_next_step(timer: PassTimer, fitting: BudgetFit, candidate: ScheduledPlan, arrays: RankArrays,
                       budget_bytes: int, search: _Search, first: np.ndarray | None = None,
-                      segments: Segments | None = None) -> BudgetFit:
-    """:func:`refit_to_budget`'s choice between the first step that fits, `fitting`, and the step after it,
-    `candidate` (with its stacked ranks and columns, `arrays`): the next step where it simulates faster and fits the
-    budget, else the first. `segments`: as :func:`layer_figures` takes them."""
+                      segments: Segments | None = None) -> _Compared:
+    """:func:`refit_to_budget`'s choice between the fastest step that fits so far, `fitting`, and a step after it,
+    `candidate` (with its stacked ranks and columns, `arrays`): the candidate where it simulates faster and fits the
+    budget, else `fitting`. `segments`: as :func:`layer_figures` takes them."""
     figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
     seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
     if seconds < fitting.layer_seconds:  # (a tie goes to the first)
         peaks = _peak_bytes(timer, candidate, arrays.stacked, first, stop_above=budget_bytes)
         if peaks.max() <= budget_bytes:
             search.found(int(peaks.max()))
-            return BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns, layer_seconds=seconds)
-    return fitting
+            return _Compared(kept=BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
+                                            layer_seconds=seconds), faster=True)
+        return _Compared(kept=fitting, faster=True)
+    return _Compared(kept=fitting, faster=False)
 
 
 def _least_over(timer: PassTimer, over: list[StackedRanks], budget_bytes: int, search: _Search) -> None:
@@ -388,14 +416,37 @@ def _peak_bytes(timer: PassTimer, plan: ScheduledPlan, stacked: StackedRanks | N
     return timer.run("memory", stacked_peak_bytes, stacked, stop_above=stop_above, first=first)
 
 
+@dataclass(slots=True, kw_only=True)
+class LadderFeedback:
+    """What :func:`refit_to_budget` tells :func:`budget_ladder` of the steps it has accounted: whether one fits the
+    budget, and whether the last one's forward is over it (on the ranks accounted; smaller backward stages cannot
+    bring that step under)."""
+
+    fitted: bool = False
+    forward_over: bool = False
+    peak_over_budget: float = math.inf  # the last step's peak over the budget (on the ranks accounted)
+    deeper: bool = False  # set by the ladder: whether the step it gave last is one of the deeper backward steps
+    # Set by the ladder: whether the step it gave last decides if deeper steps follow. Its account then stops only
+    # above DEEPER_WITHIN of the budget, so that the decision is the full account's (whatever ranks an account
+    # stopped above the budget visited first).
+    gauge: bool = False
+
+
 def budget_ladder(timer: PassTimer, rounds_of: Callable[[], Rounds], options: CompileOptions,
-                  plain: Schedule | None = None) -> Iterator[Schedule]:
+                  plain: Schedule | None = None, feedback: LadderFeedback | None = None) -> Iterator[Schedule]:
     """Schedules of the rounds `rounds_of()` gives that hold less and less, step by step: at the requested rounds a
     stage (c), then at about 3/4 as many each step down to one, the backward levelled within TIGHT_LEVELLING_STAGES
     (a tile levelling delays keeps its pulled block live) and then, at the same c, with its stages halved too (a
     pulled block lives until its gradient leaves two stages later). A rank receives at most a stage's rounds of
     messages at a time, so its peak falls about with the stage. `plain`: coalesce's schedule of those rounds at c,
     where the caller holds it; the first step then levels its backward again (the forward is the same call).
+
+    With `feedback`, where the halved backward is still over the budget while its forward is not, the same c is
+    tried with the backward in smaller stages still (:func:`deeper_backward_rounds`) before c shrinks: the backward
+    holds about twice the forward's peak (a pulled block lives until its gradient leaves), and shrinking c for both
+    passes made the forward's stages as small as the backward needs (paper trace at 64 GPUs, seed 2: 42/44 stages
+    where the forward fits at 16). Those steps stop at the first that fits: the step compared with it is then the
+    next c's, as without them.
 
     Yields:
         each step's Schedule, holding less than the one before.
@@ -414,6 +465,22 @@ def budget_ladder(timer: PassTimer, rounds_of: Callable[[], Rounds], options: Co
                                  buffer_budget=LEVELLING_STAGES * per_stage * block_size, levelling_stages=tight)
         yield schedule
         if (halved := smaller_backward_rounds(per_stage)) is not None:
+            deeper = deeper_backward_rounds(per_stage, halved) if feedback is not None else []
+            if deeper:
+                feedback.gauge = True
             yield timer.run("coalesce", with_backward_rounds, schedule, halved, tight)
+            previous = math.inf
+            for rounds_a_stage in deeper:
+                # Smaller backward stages cut the peak by 5-27% a step, then no more (paper trace at 256 GPUs,
+                # seed 0: 6.7, 5.4, 4.9, 5.1 GiB at 16, 8, 4 and 2 rounds): tried within DEEPER_WITHIN of the
+                # budget, while the peak still falls, so that they do not spend the refits the smaller c needs.
+                over_by = feedback.peak_over_budget
+                if feedback.fitted or feedback.forward_over or over_by > DEEPER_WITHIN or over_by >= previous:
+                    break
+                previous, feedback.deeper = over_by, True
+                yield timer.run("coalesce", with_backward_rounds, schedule, rounds_a_stage, tight)
+                feedback.deeper = False
+            if feedback is not None:
+                feedback.gauge = False
         del schedule
         per_stage = per_stage * 3 // 4 if per_stage > 3 else per_stage - 1

@@ -407,6 +407,12 @@ def smaller_backward_rounds(coalesce_degree: int) -> int | None:
                 None)
 
 
+def deeper_backward_rounds(coalesce_degree: int, halved: int) -> list[int]:
+    """Rounds a backward stage may hold below `halved` (:func:`smaller_backward_rounds`), most first: each even and
+    dividing 2c, so that every boundary of the usual backward stages stays one."""
+    return [rounds for rounds in range(halved - 2, 1, -2) if 2 * coalesce_degree % rounds == 0]
+
+
 def with_backward_rounds(schedule: Schedule, backward_rounds: int,
                          levelling_stages: int = LEVELLING_STAGES) -> Schedule:
     """The same schedule with the backward pass in stages of `backward_rounds` rounds (even, dividing twice the
