@@ -259,10 +259,11 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
     """The plan's placement scheduled again down :func:`budget_ladder`, holding less at each step, until a step fits
     `budget_bytes`; that step, or the step after it where that one simulates faster and fits too (which of halving
     the backward's stages and shrinking both passes' costs less depends on the batch: on traces/small_8gpu.json at 8
-    GPUs both passes at 12 rounds beat the backward's halved by 1%). None when no step fits, when a rank's own
-    tokens' accumulators and outputs alone are over the budget, or when the default budget's work bound allows no
-    step (no step is tried then). Records the steps tried, the least peak found, that floor and why a budget is
-    unmet in `search`.
+    GPUs both passes at 12 rounds beat the backward's halved by 1%); where the first that fits is a deeper backward
+    step (:func:`budget_ladder`), the fastest of it and the steps below it that simulate faster. None when no step
+    fits, when a rank's own tokens' accumulators and outputs alone are over the budget, or when the default budget's
+    work bound allows no step (no step is tried then). Records the steps tried, the least peak found, that floor and
+    why a budget is unmet in `search`.
 
     Args:
         rounds_of: gives the plan's rounds before relays (called only where a step needs them).
@@ -299,33 +300,43 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
                 fitting, searching = compared.kept, False
                 continue
             return compared.kept
-        # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's,
-        # under every step over; only where none fits are the steps over accounted further (_least_over: their
-        # stacks are held until a step fits, as many as the floor's tile budget allows steps). A budget the user
-        # gave, whose refusal names the least peak, has each step over accounted until a rank is above the least
-        # so far too (its steps are not bounded by that budget, so their stacks are not held).
-        strict = options.memory_budget_is_strict
-        stop_above = max(budget_bytes, search.least_peak_bytes) if strict else budget_bytes
-        if feedback.gauge:
-            stop_above = max(stop_above, int(DEEPER_WITHIN * budget_bytes))
-        peaks = _peak_bytes(timer, candidate, arrays.stacked, first, stop_above=stop_above)
-        if peaks.max() > budget_bytes:
-            feedback.forward_over = bool(peaks[:, 0].max() > budget_bytes)
-            feedback.peak_over_budget = float(peaks.max()) / budget_bytes
-            if strict:
-                search.found(int(peaks.max()))
-            else:
-                over.append(arrays.stacked)
-            continue
-        search.found(int(peaks.max()))
-        del over[:]
-        figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
-        fitting = BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
-                            layer_seconds=figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
-        feedback.fitted, searching = True, feedback.deeper
+        fit = _fitting_step(timer, candidate, arrays, options, budget_bytes, search, feedback, over, first, segments)
+        if fit is not None:
+            fitting, searching, feedback.fitted = fit, feedback.deeper, True
     if fitting is None:
         _least_over(timer, over, budget_bytes, search)
     return fitting
+
+
+def _fitting_step(timer: PassTimer, candidate: ScheduledPlan, arrays: RankArrays, options: CompileOptions,
+                  budget_bytes: int, search: _Search, feedback: LadderFeedback, over: list[StackedRanks],
+                  first: np.ndarray | None, segments: Segments | None) -> BudgetFit | None:
+    """One step of :func:`refit_to_budget` before any fits: its BudgetFit (accounted and simulated) where it fits
+    the budget, else None, with what the ladder reads in `feedback` and, under a default budget, its stacked ranks
+    appended to `over` (accounted further only where no step fits)."""
+    # A rank above the budget settles whether the step fits. The least peak found is then a fitting step's, under
+    # every step over; only where none fits are the steps over accounted further (_least_over: their stacks are held
+    # until a step fits, as many as the floor's tile budget allows steps). A budget the user gave, whose refusal
+    # names the least peak, has each step over accounted until a rank is above the least so far too (its steps are
+    # not bounded by that budget, so their stacks are not held).
+    strict = options.memory_budget_is_strict
+    stop_above = max(budget_bytes, search.least_peak_bytes) if strict else budget_bytes
+    if feedback.gauge:
+        stop_above = max(stop_above, int(DEEPER_WITHIN * budget_bytes))
+    peaks = _peak_bytes(timer, candidate, arrays.stacked, first, stop_above=stop_above)
+    if peaks.max() > budget_bytes:
+        feedback.forward_over = bool(peaks[:, 0].max() > budget_bytes)
+        feedback.peak_over_budget = float(peaks.max()) / budget_bytes
+        if strict:
+            search.found(int(peaks.max()))
+        else:
+            over.append(arrays.stacked)
+        return None
+    search.found(int(peaks.max()))
+    del over[:]
+    figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
+    return BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
+                     layer_seconds=figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
 
 
 def _refits_allowed(plan: ScheduledPlan, options: CompileOptions, budget_bytes: int, search: _Search,
