@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -63,15 +64,9 @@ def place_arena(buffers: list[int], size_of: list[int], first_of: list[int], las
         return _place_by_gaps(buffers, size_of, first_of, last_of, offset)
     clear = extent = 0  # the free units below the arena's end (bits), the arena's units
     freed: dict[int, int] = {}  # last stage -> the units of the buffers live until it
-    count, low = len(buffers), 0
-    while low < count:
-        stage = first_of[buffers[low]]
-        high = low + 1
-        while high < count and first_of[buffers[high]] == stage:
-            high += 1
+    for stage, group in _stage_groups(buffers, first_of):
         for done in [last for last in freed if last < stage]:
             clear |= freed.pop(done)
-        group = buffers[low:high]
         sizes = [size_of[buffer] // unit for buffer in group]
         total = sum(sizes)
         start = _first_fit(clear, total)
@@ -91,7 +86,6 @@ def place_arena(buffers: list[int], size_of: list[int], first_of: list[int], las
             last = last_of[buffer]
             freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
             offset[buffer] = at * unit
-        low = high
     return extent * unit
 
 
@@ -115,15 +109,21 @@ def _place_by_gaps(buffers: list[int], size_of: list[int], first_of: list[int], 
     gaps: list[list[int]] = []
     live: list[tuple[int, int]] = []
     extent = 0
+    for stage, group in _stage_groups(buffers, first_of):
+        extent = _place_stage(gaps, live, extent, stage, group, size_of, last_of, offset)
+    return extent
+
+
+def _stage_groups(buffers: list[int], first_of: list[int]) -> Iterator[tuple[int, list[int]]]:
+    """The runs of `buffers` (in placement order) first live in one stage: (that stage, the run)."""
     count, low = len(buffers), 0
     while low < count:
         stage = first_of[buffers[low]]
         high = low + 1
         while high < count and first_of[buffers[high]] == stage:
             high += 1
-        extent = _place_stage(gaps, live, extent, stage, buffers[low:high], size_of, last_of, offset)
+        yield stage, buffers[low:high]
         low = high
-    return extent
 
 
 def _place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: list[int],
