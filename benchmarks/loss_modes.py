@@ -17,6 +17,9 @@ for each loss mode, its measure:
   less the busiest rank's busy time, forward plus backward) own less magi's, in ms: one receiver everyone waits
   for.
 
+It also compiles each batch as `fcp compile` does (the floor) and counts the batches where own is within 0.5% and
+2% of it.
+
 Then, for each mode, the batch where its measure is worst, with own / magi there. Run it in two trees
 (`PYTHONPATH=TREE python TREE/benchmarks/loss_modes.py ...`, or this script with --write in each) to see a mode
 before and after a change.
@@ -65,9 +68,11 @@ def _measure(case: tuple[str, int, int]) -> dict:
     own = _figures(compile_plan(lengths, gpus, floor=False))
     unbudgeted = layer_stats(compile_plan(lengths, gpus, floor=False, memory_budget_gib=math.inf))
     unbudgeted_s = unbudgeted["layer_makespan_fwd_s"] + unbudgeted["layer_makespan_bwd_s"]
+    floor = layer_stats(compile_plan(lengths, gpus))
     magi = min((_figures(compile_plan(lengths, gpus, planner="magi", node_fan_out=switch, fit_memory=True,
                                       validatable=False)) for switch in (True, False)), key=lambda row: row["layer_s"])
-    return {"batch": f"{name}/{gpus}/{seed}", "own": own, "magi": magi, "own_unbudgeted_s": unbudgeted_s}
+    return {"batch": f"{name}/{gpus}/{seed}", "own": own, "magi": magi, "own_unbudgeted_s": unbudgeted_s,
+            "floor_s": floor["layer_makespan_fwd_s"] + floor["layer_makespan_bwd_s"]}
 
 
 def _modes(row: dict) -> dict:
@@ -89,6 +94,9 @@ def _report(rows: list[dict]) -> None:
     print(table(["batch", "own/magi", "tiles", "compute fwd", "stages own / magi", "budget cost", "NIC recv",
                  "exposed ms"], body))
     print()
+    own_floor = [row["own"]["layer_s"] / row["floor_s"] for row in rows]
+    print(f"  own / the floor (default compile): within 0.5% on {sum(r <= 1.005 for r in own_floor)} of "
+          f"{len(rows)}, within 2% on {sum(r <= 1.02 for r in own_floor)}, worst {max(own_floor):.3f}")
     for title, key in (("pairing: own/magi tiles", "tiles"), ("stages: own in budget/unbudgeted", "budget"),
                        ("NIC receiver: own-magi exposed ms", "exposed_ms")):
         worst = max(rows, key=lambda row: _modes(row)[key])
