@@ -362,7 +362,6 @@ def torchtitan_step(run: Setting) -> str:
         import fcp_runtime.torchtitan as fcp_titan
     except ImportError:
         return "torchtitan step: torchtitan not installed, skipped"
-    import dataclasses
     import os
     import socket
     import tempfile

@@ -31,8 +31,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from placement import TOKENS_PER_GPU, chosen_batches, matrix_arguments  # noqa: E402
 

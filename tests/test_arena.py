@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import compile_valid
 from fcp_compiler.algorithms import arena
 from fcp_compiler.algorithms.arena import max_live, place_buffers
 from fcp_compiler.format.arena import rank_arenas, rank_range_calls

@@ -89,7 +89,6 @@ def test_no_percentage_from_a_zero_base(plans, tmp_path, capsys):
 
 
 def test_memory_over_the_budget_and_an_invalid_b_are_regressions(tmp_path):
-    from fcp_compiler.format.plan_format import PlanReader
     from fcp_compiler.tools.diff import _regressions, invalid_after
 
     figures = {"layer_makespan_fwd_s": 1.0, "layer_makespan_bwd_s": 2.0, "max_buffer_bytes_fwd": 90,

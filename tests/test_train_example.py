@@ -10,7 +10,6 @@ whose gradient is nearly zero turns the ranks' different summation order into up
 example's lr the largest difference measured is 2.9e-6 (wv), a third of the tolerance.
 """
 
-import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
