@@ -56,14 +56,13 @@ def map_on_cores(function: Callable, jobs: Sequence, processes: int | None = Non
         InfeasibleError: a worker died while running a job.
     """
     processes = max(1, min(processes or os.cpu_count() or 1, len(jobs) or 1))
+    _STOP["signal"] = None
     if processes == 1:
-        _STOP["signal"] = None
         for job in jobs:
             if _STOP["signal"] is not None:  # a stop noted whose interrupt was swallowed (request_stop)
                 raise KeyboardInterrupt
             yield function(job)
         return
-    _STOP["signal"] = None
     previous = {stop: signal.signal(stop, _request_stop) for stop in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
     context = multiprocessing.get_context("fork")
