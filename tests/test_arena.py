@@ -33,7 +33,8 @@ def test_buffers_live_together_never_overlap_and_the_arena_is_near_the_live_peak
     rows = rng.integers(1, 9, count) if seed % 3 else np.full(count, 4)
     first = rng.integers(0, 12, count)
     last = first + rng.integers(0, 5, count)
-    offset, extent = place_buffers(rows, first, last, rng.permutation(count))
+    placed = place_buffers(rows, first, last, rng.permutation(count))
+    offset, extent = placed.offset, int(placed.arena_rows[0])
     _check_placement(rows, first, last, offset, extent)
     assert max_live(rows, first, last) <= extent <= rows.sum()
     if seed % 3 == 0:  # equal sizes: first fit in order of start needs exactly the live peak
@@ -42,7 +43,8 @@ def test_buffers_live_together_never_overlap_and_the_arena_is_near_the_live_peak
 
 def test_buffers_of_one_stage_sit_side_by_side_in_order_where_a_gap_holds_them():
     # Stage 0: two buffers, freed after it; stage 1: three buffers whose total fits the freed gap, in `order`.
-    offset, extent = place_buffers([3, 3, 2, 1, 2], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 2, 0, 1])
+    placed = place_buffers([3, 3, 2, 1, 2], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 2, 0, 1])
+    offset, extent = placed.offset, int(placed.arena_rows[0])
     assert extent == 6
     assert offset[3] == 0 and offset[4] == 1 and offset[2] == 3  # by order: 3, 4, 2, one run
 
@@ -89,15 +91,37 @@ def test_both_placements_are_the_rule_spelled_out(seed, monkeypatch):
     first = rng.integers(0, 8, count)
     last = first + rng.integers(0, 4, count)
     order = rng.permutation(count)
-    offset, extent = place_buffers(rows, first, last, order)
+    placed = place_buffers(rows, first, last, order)
+    offset, extent = placed.offset, int(placed.arena_rows[0])
     monkeypatch.setattr(arena, "MAX_MASK_UNITS", 0)  # every arena over the bitmask's units: the list of gaps
-    by_gaps, by_gaps_extent = place_buffers(rows, first, last, order)
-    assert np.array_equal(offset, by_gaps) and extent == by_gaps_extent
+    by_gaps = place_buffers(rows, first, last, order)
+    assert np.array_equal(offset, by_gaps.offset) and extent == by_gaps.arena_rows[0]
     expected, expected_extent = _first_fit_by_scan(rows // unit, first, last, order)
     if rows.any():  # (an empty buffer's offset is where the rule finds room for nothing)
         assert extent == expected_extent * unit
         assert np.array_equal(offset[rows > 0], expected[rows > 0] * unit)
     _check_placement(rows, first, last, offset, extent)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_arenas_placed_at_once_are_each_arena_placed_alone(seed, monkeypatch):
+    rng = np.random.default_rng(300 + seed)
+    num_arenas = int(rng.integers(1, 7))
+    count = int(rng.integers(0, 80))
+    which = rng.integers(0, num_arenas, count)  # some arenas empty
+    unit = rng.choice([1, 3, 64], num_arenas)[which]
+    rows = unit * rng.choice([0, 1, 2, 5, 64], count)
+    first = rng.integers(0, 6, count)
+    last = first + rng.integers(0, 3, count)
+    order = rng.integers(0, 4, count)
+    monkeypatch.setattr(arena, "MAX_MASK_UNITS", int(rng.choice([0, 64, 4096])))  # some arenas by their gaps
+    placed = arena.place_arenas(which, rows, first, last, order, num_arenas)
+    for index in range(num_arenas):
+        mine = np.flatnonzero(which == index)
+        alone = place_buffers(rows[mine], first[mine], last[mine], order[mine])
+        assert np.array_equal(placed.offset[mine], alone.offset)
+        assert placed.arena_rows[index] == alone.arena_rows[0]
+        _check_placement(rows[mine], first[mine], last[mine], alone.offset, int(alone.arena_rows[0]))
 
 
 def _arena_tokens(program, arenas, messages, stores, pass_name, stage):

@@ -7,8 +7,8 @@ consecutive in a sequence and arrive together should be consecutive rows of the 
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,7 +17,16 @@ import numpy as np
 MAX_MASK_UNITS = 1 << 12
 
 
-def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArenaPlacement:
+    """Where buffers sit in their arenas: each buffer's first row (int64 per buffer) and each arena's rows (int64 per
+    arena: its extent, the end of its last-placed buffer's rows at most)."""
+
+    offset: np.ndarray
+    arena_rows: np.ndarray
+
+
+def place_buffers(rows, first, last, order) -> ArenaPlacement:
     """Offsets in one arena for buffers live over stages [first, last].
 
     Objective: a small arena whose buffers posted in one stage sit side by side, in `order`. Stage by stage, the
@@ -25,82 +34,141 @@ def place_buffers(rows, first, last, order) -> tuple[np.ndarray, int]:
     that holds them, else each in the first free gap that holds it, else at the arena's end. With equal sizes this
     is first-fit colouring of an interval graph in order of start, which needs exactly the most buffers ever live
     at once; with unequal sizes the arena may exceed the live peak (fragmentation), never the sum of all buffers.
-    :func:`place_arena` does it, O(B log B) to sort and O(B log S) big-integer operations on words of the arena's
-    units (S: the largest buffer in units of the sizes' greatest common divisor).
+    :func:`place_arenas` does it for one arena.
 
     Args:
         rows: int [B], each buffer's rows (>= 0).
         first, last: int [B], the first and last stage it is live in (first <= last).
         order: int [B], where it goes among the buffers of its stage (lower first; ties by index).
     Returns:
-        (offset per buffer (int64 [B]), the arena's rows).
+        the ArenaPlacement (one arena).
     """
     rows, first, last, order = (np.asarray(a, dtype=np.int64) for a in (rows, first, last, order))
     assert (rows >= 0).all() and (first <= last).all()
-    offset = [0] * rows.size
-    by_start = np.lexsort((np.arange(rows.size), order, first)).tolist()
-    extent = place_arena(by_start, rows.tolist(), first.tolist(), last.tolist(), offset)
-    return np.asarray(offset, dtype=np.int64), extent
+    return place_arenas(np.zeros(rows.size, dtype=np.int64), rows, first, last, order, 1)
 
 
-def place_arena(buffers: list[int], size_of: list[int], first_of: list[int], last_of: list[int],
-                offset: list[int]) -> int:
-    """:func:`place_buffers` of the buffers `buffers` (indices into the per-buffer lists, in placement order: by
-    first stage, then by order within it), written into `offset`; returns the arena's rows.
+def place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray,
+                 num_arenas: int) -> ArenaPlacement:
+    """:func:`place_buffers` of each arena's buffers (`arena`: int64 per buffer, in [0, num_arenas)), all at once:
+    hundreds of thousands of pulls at hundreds of ranks.
 
-    The arena is a bitmask of units (the sizes' greatest common divisor), a set bit a unit in use: the first free
-    gap that holds n units starts at the lowest bit that begins n clear bits, found with log2(n) shifts of the
-    clear mask. The first gap by start and the lowest such bit are the same place, since gaps are maximal runs.
+    Each arena is a bitmask of units (the greatest common divisor of its sizes), a set bit a free unit below its
+    end: the first free gap that holds n units starts at the lowest bit that begins n set bits, found with log2(n)
+    shifts of the mask (the first gap by start and the lowest such bit are the same place, since gaps are maximal
+    runs). The sort, the units and the stage groups are made for every arena in NumPy; one loop a stage group and
+    one a buffer placed apart remain. An arena over MAX_MASK_UNITS units keeps a list of free gaps instead.
+    O(B log B) to sort and O(B log S) big-integer operations on words of an arena's units (S: its largest buffer in
+    units).
+
+    Args:
+        arena, rows, first, last, order: int64 [B] each: the buffer's arena and :func:`place_buffers`'s arrays.
+        num_arenas: the number of arenas.
+    Returns:
+        the ArenaPlacement.
     """
-    unit = total = 0
-    for buffer in buffers:
-        unit = math.gcd(unit, size_of[buffer])
-        total += size_of[buffer]
-    if unit == 0:  # nothing but empty buffers
-        for buffer in buffers:
-            offset[buffer] = 0
-        return 0
-    if total // unit > MAX_MASK_UNITS:
-        return _place_by_gaps(buffers, size_of, first_of, last_of, offset)
-    clear = extent = 0  # the free units below the arena's end (bits), the arena's units
-    freed: dict[int, int] = {}  # last stage -> the units of the buffers live until it
-    for stage, group in _stage_groups(buffers, first_of):
-        for done in [last for last in freed if last < stage]:
-            clear |= freed.pop(done)
-        sizes = [size_of[buffer] // unit for buffer in group]
-        total = sum(sizes)
-        start = _first_fit(clear, total)
-        if start is not None:
-            clear ^= ((1 << total) - 1) << start
-        for buffer, size in zip(group, sizes):
-            if start is None:
-                at = _first_fit(clear, size)
-                if at is None:  # at the arena's end, from the start of the free tail (if any)
-                    at = (~clear & ((1 << extent) - 1)).bit_length()
-                    clear &= (1 << at) - 1
-                    extent = max(extent, at + size)
+    count = arena.size
+    by_start = np.lexsort((np.arange(count), order, first, arena))
+    sorted_arena, sorted_rows, sorted_first = arena[by_start], rows[by_start], first[by_start]
+    bounds = np.searchsorted(sorted_arena, np.arange(num_arenas + 1))
+    unit, total = np.zeros(num_arenas, dtype=np.int64), np.zeros(num_arenas, dtype=np.int64)
+    held = np.flatnonzero(bounds[1:] > bounds[:-1])
+    if held.size:
+        unit[held] = np.gcd.reduceat(sorted_rows, bounds[held])
+        total[held] = np.add.reduceat(sorted_rows, bounds[held])
+    unit = np.maximum(unit, 1)  # (an arena of empty buffers: offsets and rows 0)
+    masked = (total > 0) & (total // unit <= MAX_MASK_UNITS)
+    groups = _StageGroups.of(sorted_arena, sorted_first, last[by_start], sorted_rows // unit[sorted_arena],
+                             bounds)
+    units_at = [0] * count
+    arena_units = [0] * num_arenas
+    for which in np.flatnonzero(masked).tolist():
+        arena_units[which] = groups.place_masked(which, units_at)
+    offset = np.empty(count, dtype=np.int64)
+    offset[by_start] = np.asarray(units_at, dtype=np.int64) * unit[sorted_arena]
+    arena_rows = np.asarray(arena_units, dtype=np.int64) * unit
+    by_gaps = np.flatnonzero(~masked & (total > 0)).tolist()
+    if by_gaps:
+        written, size_of, first_of, last_of = offset.tolist(), rows.tolist(), first.tolist(), last.tolist()
+        buffers, low = by_start.tolist(), bounds.tolist()
+        for which in by_gaps:
+            arena_rows[which] = _place_by_gaps(buffers[low[which]:low[which + 1]], size_of, first_of, last_of,
+                                               written)
+        offset = np.asarray(written, dtype=np.int64)
+    return ArenaPlacement(offset=offset, arena_rows=arena_rows)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StageGroups:
+    """Buffers sorted by arena, first stage and order (lists, for the placement loop): each one's units and last
+    stage; each stage group's (the run of an arena's buffers first live in one stage) first buffer, end, units
+    and stage; each arena's first group and the end of its groups (arena_group[a]:arena_group[a + 1])."""
+
+    units: list[int]
+    last: list[int]
+    group_start: list[int]
+    group_end: list[int]
+    group_units: list[int]
+    group_stage: list[int]
+    arena_group: list[int]
+
+    @classmethod
+    def of(cls, sorted_arena: np.ndarray, sorted_first: np.ndarray, sorted_last: np.ndarray, units: np.ndarray,
+           bounds: np.ndarray) -> "_StageGroups":
+        """The groups of buffers sorted by (arena, first stage, order), with their units and arena bounds."""
+        count = sorted_arena.size
+        starts = np.ones(count, dtype=bool)
+        starts[1:] = (sorted_arena[1:] != sorted_arena[:-1]) | (sorted_first[1:] != sorted_first[:-1])
+        group_start = np.flatnonzero(starts)
+        group_units = np.add.reduceat(units, group_start) if count else units[:0]
+        return cls(units=units.tolist(), last=sorted_last.tolist(), group_start=group_start.tolist(),
+                   group_end=np.append(group_start[1:], count).tolist(), group_units=group_units.tolist(),
+                   group_stage=sorted_first[group_start].tolist(),
+                   arena_group=np.searchsorted(group_start, bounds).tolist())
+
+    def place_masked(self, which: int, units_at: list[int]) -> int:
+        """Place arena `which`'s buffers on a bitmask (:func:`place_arenas`), writing each one's first unit into
+        `units_at` (by sorted position); returns the arena's units."""
+        units, last_of, group_end, group_units = self.units, self.last, self.group_end, self.group_units
+        clear = extent = 0  # the free units below the arena's end (bits), the arena's units
+        freed: dict[int, int] = {}  # last stage -> the units of the buffers live until it
+        for group in range(self.arena_group[which], self.arena_group[which + 1]):
+            stage = self.group_stage[group]
+            for done in [last for last in freed if last < stage]:
+                clear |= freed.pop(done)
+            total = group_units[group]
+            start = _first_fit(clear, total) if clear else None
+            if start is not None:  # the whole group as one run
+                clear ^= ((1 << total) - 1) << start
+            for buffer in range(self.group_start[group], group_end[group]):
+                size = units[buffer]
+                if start is not None:
+                    at, start = start, start + size
                 else:
-                    clear ^= ((1 << size) - 1) << at
-            else:
-                at, start = start, start + size
-            last = last_of[buffer]
-            freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
-            offset[buffer] = at * unit
-    return extent * unit
+                    at = _first_fit(clear, size) if clear else None
+                    if at is None:  # at the arena's end, from the start of the free tail (if any)
+                        at = (~clear & ((1 << extent) - 1)).bit_length()
+                        clear &= (1 << at) - 1
+                        extent = max(extent, at + size)
+                    else:
+                        clear ^= ((1 << size) - 1) << at
+                units_at[buffer] = at
+                last = last_of[buffer]
+                freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
+        return extent
 
 
 def _first_fit(clear: int, size: int) -> int | None:
-    """The lowest bit of `clear` that begins `size` set bits (None if none does); for size 0, the lowest set bit."""
-    if clear == 0:
-        return None
-    if size <= 1:
-        return (clear & -clear).bit_length() - 1
+    """The lowest bit of `clear` (not 0) that begins `size` set bits (None if none does); for size 0, the lowest
+    set bit."""
     have = 1
     while have < size:
-        step = min(have, size - have)
+        step = have if have < size - have else size - have
         clear &= clear >> step
+        if not clear:
+            return None
         have += step
-    return (clear & -clear).bit_length() - 1 if clear else None
+    return (clear & -clear).bit_length() - 1
 
 
 def _place_by_gaps(buffers: list[int], size_of: list[int], first_of: list[int], last_of: list[int],

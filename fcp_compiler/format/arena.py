@@ -78,8 +78,9 @@ def rank_arenas(program: RankProgram) -> dict[str, Arenas]:
         extent = {}
         for kind in (TransferKind.Q, TransferKind.KV):
             mine = np.flatnonzero(kinds == kind)
-            offset[mine], extent[kind] = place_buffers(rows[mine], messages.pull_recv_stage[mine],
-                                                       messages.pull_recv_last[mine], order[mine])
+            placed = place_buffers(rows[mine], messages.pull_recv_stage[mine], messages.pull_recv_last[mine],
+                                   order[mine])
+            offset[mine], extent[kind] = placed.offset, int(placed.arena_rows[0])
         out[pass_name] = Arenas(pull_offset=offset, q_rows=extent[TransferKind.Q], kv_rows=extent[TransferKind.KV])
     return out
 

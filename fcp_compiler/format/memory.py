@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.arena import place_arena
+from fcp_compiler.algorithms.arena import place_arenas
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets_within
@@ -696,31 +696,16 @@ class _StackedArenas:
 
 def _stacked_arenas(stacked: StackedRanks, messages: dict[str, PassMessages]) -> dict[str, _StackedArenas]:
     """Every stacked rank's arenas per pass, placed as :func:`fcp_compiler.format.arena.rank_arenas` places them
-    (the same placement: :func:`_place_arenas`)."""
+    (the same placement, every arena at once: :func:`fcp_compiler.algorithms.arena.place_arenas`)."""
     rows, order = received_pull_order(stacked)
     arena = stacked.rank_of("pull_recv_kind") * 2 + stacked.arrays["pull_recv_kind"]  # one arena per (rank, kind)
     out = {}
     for name in PASSES:
-        offset, extent = _place_arenas(arena, rows, messages[name].pull_recv_stage, messages[name].pull_recv_last,
-                                       order, 2 * stacked.num_ranks)
-        extent = extent.reshape(stacked.num_ranks, 2)
-        out[name] = _StackedArenas(pull_offset=offset, rows={kind: extent[:, kind] for kind in TransferKind})
+        placed = place_arenas(arena, rows, messages[name].pull_recv_stage, messages[name].pull_recv_last, order,
+                              2 * stacked.num_ranks)
+        extent = placed.arena_rows.reshape(stacked.num_ranks, 2)
+        out[name] = _StackedArenas(pull_offset=placed.offset, rows={kind: extent[:, kind] for kind in TransferKind})
     return out
-
-
-def _place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray,
-                  num_arenas: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`fcp_compiler.algorithms.arena.place_buffers` of each arena's buffers (`arena`: int per buffer), over
-    plain lists shared by all arenas: the same offsets (int64 per buffer) and arena rows (int64 [num_arenas]),
-    without the per-arena call's array overhead (hundreds of thousands of pulls at hundreds of ranks)."""
-    by_start = np.lexsort((np.arange(arena.size), order, first, arena))
-    bounds = np.searchsorted(arena[by_start], np.arange(num_arenas + 1)).tolist()
-    by_start = by_start.tolist()
-    size_of, first_of, last_of = rows.tolist(), first.tolist(), last.tolist()
-    offset = [0] * arena.size
-    extent = [place_arena(by_start[bounds[which]:bounds[which + 1]], size_of, first_of, last_of, offset)
-              for which in range(num_arenas)]
-    return np.asarray(offset, dtype=np.int64), np.asarray(extent, dtype=np.int64)
 
 
 def _ranges_per_rank(stacked: StackedRanks, table: RequestTable, first: int, calls: CallArrays,
