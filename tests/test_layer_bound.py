@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from fcp_compiler.algorithms.layer_bound import (Machine, PassCosts, bytes_for_excess, efficiency_cap, held_pairs,
-                                                 layer_lower_bound, _held_tokens_for)
+                                                 layer_lower_bound, pair_efficiency, _held_tokens_for)
 from fcp_compiler.algorithms.visibility import visible_pairs
+from fcp_compiler.core.launches import coalesced_seconds
+from fcp_compiler.core.layer_model import attention_costs, longest_segments
 from fcp_compiler.core.passes.cost import tile_efficiency
 from fcp_compiler.format.inputs import PRESET_PROFILES, BatchSpec
 from fcp_compiler.core.simulate import simulate_plan
@@ -73,6 +75,58 @@ def test_efficiency_cap_is_the_best_tile_up_to_that_size(profile):
     # A curve that dips: the cap keeps the best point below.
     dipping = efficiency_cap(np.array([3000.0]), np.array([1000.0, 2000.0, 4000.0]), np.array([0.5, 0.8, 0.6]))
     assert dipping[0] == pytest.approx(0.8)
+
+
+_STEP_CURVE = (np.array([1.0, 4.0, 16.0, 64.0]), np.array([0.1, 0.3, 0.6, 0.9]))  # steep at a few tokens
+
+
+@given(length=st.integers(1, 300), segment=st.integers(1, 300), window=st.sampled_from([0, -1, 1, 3, 20]))
+def test_pair_efficiency_caps_every_pair_at_its_largest_possible_call(length, segment, window):
+    """Against the caps written out position by position: no looser than the old cap at the sequence's length,
+    never tighter than each position's own cap (a query at p calls over fewer than p + S keys, w + 2S under a
+    window, all L full), and its best is the best position's."""
+    window = length if window == -1 else min(window, length)  # -1: causal
+    curve_tokens, curve_efficiency = _STEP_CURVE
+    got = pair_efficiency(np.array([length]), np.array([window]), np.array([segment]), curve_tokens,
+                          curve_efficiency)
+    q = min(segment, length)
+    by_position, caps = 0.0, []
+    for position in range(length):
+        seen = length if window == 0 else min(position + 1, window)
+        keys = length if window == 0 else min(length, position + q, window + 2 * q if window < length else length)
+        cap = efficiency_cap(np.array([np.sqrt(q * keys)]), curve_tokens, curve_efficiency)[0]
+        by_position += seen / cap
+        caps.append(cap)
+    visible = float(visible_pairs(0, length, 0, length, window))
+    old = visible / efficiency_cap(np.array([length]), curve_tokens, curve_efficiency)[0]
+    assert old * (1 - 1e-9) <= got.weighted_pairs[0] <= by_position * (1 + 1e-9)
+    assert got.best[0] == pytest.approx(max(caps))
+    if segment >= length:  # a segment as long as the sequence: the old cap exactly
+        assert got.weighted_pairs[0] == pytest.approx(old)
+
+
+@pytest.mark.parametrize("planner,mask,block,lengths", [
+    ("fcp", "causal", 256, [3000, 700, 90, 1500, 260, 1200, 5000, 64]),
+    ("fcp", "full", 256, [3000, 700, 90, 1500, 260]),
+    ("fcp", "sliding_window:300", 128, [3000, 700, 1500, 4100]),
+    ("fcp", "causal", 512, [9000]),  # one sequence: its own pairs against its own bound
+    ("magi", "causal", None, [3000, 700, 90, 1500, 260, 1200, 5000, 64]),
+    ("ring", "causal", None, [3000, 700, 1500, 5000]),
+    ("wlbllm", "sliding_window:500", None, [3000, 700, 1500, 5000])])
+def test_no_plan_runs_its_pairs_faster_than_their_segments_allow(planner, mask, block, lengths):
+    """The least attention time the bound charges each sequence at the plan's longest segments is at most what the
+    simulator charges the plan's tiles with every tile of a rank in one launch (its largest calls)."""
+    options = {"planner": planner, "mask": mask, **({"block_size": block, "coalesce": 2} if block else {})}
+    plan = compile_valid(lengths, 4, **options)
+    final = plan.ir
+    tiles, sharding = final.tiles, final.tiles.sharding
+    one_launch = coalesced_seconds(tiles, np.arange(tiles.num_tiles), final.assignment.tile_rank.astype(np.int64),
+                                   np.zeros(tiles.num_tiles, dtype=np.int64), tiles.profile)
+    longest = longest_segments(sharding.seg_seq, sharding.seg_tokens, sharding.batch.num_sequences)
+    costs = attention_costs(sharding.batch.lengths, sharding.batch.windows, tiles.shape, tiles.profile, longest)
+    assert costs.attention_seconds.sum() <= one_launch.sum() * (1 + 1e-9)
+    old = attention_costs(sharding.batch.lengths, sharding.batch.windows, tiles.shape, tiles.profile)
+    assert costs.attention_seconds.sum() >= old.attention_seconds.sum() * (1 - 1e-9)
 
 
 def _optimum(lengths, windows, pair_cost, linear, q_bytes, kv_bytes, num_ranks, per_node, cap, nvlink, nic):

@@ -8,9 +8,11 @@ present on its rank, either held there or received; a rank receives over NVLink 
 
 Terms (seconds):
 
-- compute: (sum over sequences of visible pairs x the fastest a pair of that sequence can run + all tokens' linear
-  time) / N. A tile of sequence s has at most L_s query and L_s key tokens, so it reaches at most the best efficiency
-  of a tile of L_s tokens (:func:`efficiency_cap`); launches and the SMs given to communication only add time.
+- compute: (sum over sequences of each visible pair at the fastest it can run + all tokens' linear time) / N. A
+  pair runs in a kernel call of one query segment of s (at most L_s tokens, and at most the plan's longest segment of
+  s where the caller gives it) over keys of s that end with that segment, so it reaches at most the best efficiency
+  of a tile that large (:func:`efficiency_cap`, :func:`pair_efficiency`); launches and the SMs given to
+  communication only add time.
 - largest unit: the work that cannot be split between ranks. In this model a tile can be one segment pair and a
   segment a single token, so the only indivisible units are one token's linear layers and one visible pair (which
   may run on another rank than the token's holder): the term is kept for completeness and never binds on a real
@@ -42,7 +44,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fcp_compiler.algorithms.visibility import visible_pairs
+
 BISECTION_STEPS = 60
+# Chunks of a sequence's positions S (its longest segment) wide before they double (pair_efficiency): past them a
+# chunk's cap is at most one doubling of k looser.
+LINEAR_CHUNKS = 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +57,8 @@ class PassCosts:
     """What one pass costs per unit, as plain numbers (the caller derives them from shape, model and profile).
 
     pair_seconds: per sequence, the least time one visible pair can take (work per pair / (peak x efficiency cap)).
+    attention_seconds: per sequence, the least time all its visible pairs take together (default: visible pairs x
+        pair_seconds; :func:`pair_efficiency` gives a larger one where the query segments are short).
     linear_seconds_per_token: the linear layers' time per token held (0 for attention alone).
     q_row_bytes, kv_row_bytes: bytes a received query row (with what the pass sends with it) and a received key/value
         row cost.
@@ -59,6 +68,7 @@ class PassCosts:
     linear_seconds_per_token: float
     q_row_bytes: float
     kv_row_bytes: float
+    attention_seconds: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +142,62 @@ def efficiency_cap(tokens: np.ndarray, curve_tokens: np.ndarray, curve_efficienc
     return np.maximum(at, best_point)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PairEfficiency:
+    """What the efficiency cap allows each sequence's visible pairs (:func:`pair_efficiency`): `weighted_pairs`, the
+    sum over its visible pairs of 1 / the best efficiency each can reach (its pairs' least time, in units of one
+    pair's work at peak), and `best`, the best efficiency any of them reaches."""
+
+    weighted_pairs: np.ndarray
+    best: np.ndarray
+
+
+def pair_efficiency(lengths: np.ndarray, windows: np.ndarray, max_segment: np.ndarray, curve_tokens: np.ndarray,
+                    curve_efficiency: np.ndarray) -> PairEfficiency:
+    """The best efficiency each visible pair of each sequence can reach, given its longest query segment.
+
+    A pair runs in a kernel call of one query segment over key segments of its sequence, at the efficiency of a tile
+    of sqrt(q x k) tokens: q the segment's tokens, at most the sequence's longest segment S (and its length L); k
+    the tokens of the key segments the call holds. Causal or windowed, every key segment a call holds ends at or
+    before its query segment's end, below p + S for a query at position p, so k < p + S; under a window w < L the
+    key segments meet the segment's window [start - w + 1, end) and at most one reaches below it (by under S), so
+    k <= w + 2 S; full, k <= L. The positions of a sequence are taken in chunks, each capped at its last position
+    (valid for all of them): S wide for the first LINEAR_CHUNKS chunks, doubling after. Summed pairs per chunk are
+    exact (:func:`fcp_compiler.algorithms.visibility.visible_pairs`). O(sum over sequences of LINEAR_CHUNKS +
+    log2(L / S)), vectorised.
+
+    Args:
+        lengths, windows: per sequence (window: causal = its length, full = 0, else the sliding window).
+        max_segment: per sequence, its longest query segment's tokens (at least 1; the length where unknown).
+        curve_tokens, curve_efficiency: the efficiency curve (:func:`efficiency_cap`).
+    Returns:
+        the PairEfficiency.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    windows = np.asarray(windows, dtype=np.int64)
+    segment = np.clip(np.asarray(max_segment, dtype=np.int64), 1, np.maximum(lengths, 1))
+    doublings = int(np.ceil(np.log2(max(float((lengths / segment).max(initial=1.0)), 1.0)))) + 1
+    widths = np.concatenate((np.arange(LINEAR_CHUNKS + 1, dtype=np.float64),
+                             LINEAR_CHUNKS * 2.0 ** np.arange(1, doublings + 1)))
+    edges = np.minimum(segment[:, None] * widths[None, :], lengths[:, None]).astype(np.int64)
+    low, high = edges[:, :-1], edges[:, 1:]
+    length, window = (np.broadcast_to(values[:, None], low.shape) for values in (lengths, windows))
+    pairs = visible_pairs(low, high, 0, length, window).astype(np.float64)
+    keys = _most_keys(high - 1 + segment[:, None], length, window, segment[:, None])
+    cap = efficiency_cap(np.sqrt(segment[:, None] * keys), curve_tokens, curve_efficiency)
+    weighted = np.where(pairs > 0, pairs / cap, 0.0).sum(axis=1)
+    best = efficiency_cap(np.sqrt(segment * _most_keys(lengths - 1 + segment, lengths, windows, segment)),
+                          curve_tokens, curve_efficiency)
+    return PairEfficiency(weighted_pairs=weighted, best=best)
+
+
+def _most_keys(below: np.ndarray, lengths: np.ndarray, windows: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """The most key tokens a call can hold (:func:`pair_efficiency`): under `below` causal (and w + 2 S under a
+    window), the whole length full, never past it. float64, elementwise."""
+    causal = np.minimum(below, np.where(windows < lengths, windows + 2 * segment, lengths))
+    return np.minimum(np.where(windows > 0, causal, lengths), lengths).astype(np.float64)
+
+
 def _needed_bytes(time_s: float, group_size: int, group_token_cap: int, visible: np.ndarray, lengths: np.ndarray,
                   windows: np.ndarray, costs: PassCosts) -> float:
     """Least bytes all groups of `group_size` ranks together must receive so that each finishes in `time_s`."""
@@ -190,7 +256,8 @@ def layer_lower_bound(lengths: np.ndarray, windows: np.ndarray, visible: np.ndar
     windows = np.asarray(windows, dtype=np.int64)
     visible = np.asarray(visible, dtype=np.float64)
     total_tokens = float(lengths.sum())
-    work = float(np.sum(visible * costs.pair_seconds)) + total_tokens * costs.linear_seconds_per_token
+    attention = visible * costs.pair_seconds if costs.attention_seconds is None else costs.attention_seconds
+    work = float(np.sum(attention)) + total_tokens * costs.linear_seconds_per_token
     compute = work / machine.num_ranks
     # A token's linear layers and a pair it takes part in may run on different ranks: each is its own unit.
     largest_unit = max(costs.linear_seconds_per_token, float(costs.pair_seconds[visible > 0].max())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.layer_bound import Machine, PassCosts, efficiency_cap, layer_lower_bound
+from fcp_compiler.algorithms.layer_bound import Machine, PassCosts, layer_lower_bound, pair_efficiency
 from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.ir import AttentionShape, Batch, HardwareProfile
 from fcp_compiler.format.memory import Sizes
@@ -71,27 +71,56 @@ class LayerCosts:
                 "bwd_after": before * BACKWARD_LINEAR_WORK, "fwd_kv": tokens * self.kv_projection_seconds_per_token}
 
 
-def pair_seconds_at_best(lengths: np.ndarray, shape: AttentionShape, profile: HardwareProfile) -> np.ndarray:
-    """Per sequence, the least forward time one visible pair can take: no tile of it is larger than the sequence,
-    so none beats the efficiency cap of a tile of its length."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionCosts:
+    """Per sequence, the forward's least seconds for one visible pair and for all of them (:func:`attention_costs`)."""
+
+    pair_seconds: np.ndarray
+    attention_seconds: np.ndarray
+
+
+def attention_costs(lengths: np.ndarray, windows: np.ndarray, shape: AttentionShape, profile: HardwareProfile,
+                    max_segment_tokens: np.ndarray | None = None) -> AttentionCosts:
+    """Per sequence, the least forward time of one visible pair and of all of them: no kernel call is larger than
+    a query segment over the keys it sees (:func:`~fcp_compiler.algorithms.layer_bound.pair_efficiency`), so none
+    beats the efficiency cap of that tile.
+
+    Args:
+        lengths, windows: per sequence.
+        shape, profile: head counts and head size; peak and efficiency curve.
+        max_segment_tokens: per sequence, its longest query segment in the plan (default: its length, a bound for
+            every plan of the batch).
+    Returns:
+        the AttentionCosts.
+    """
     curve_tokens = np.array([point.tokens for point in profile.efficiency_curve], dtype=np.float64)
     curve_efficiency = np.array([point.efficiency for point in profile.efficiency_curve], dtype=np.float64)
-    per_pair = 4.0 * shape.q_heads * shape.head_dim
-    return per_pair / (profile.peak_tflops * 1e12 * efficiency_cap(lengths, curve_tokens, curve_efficiency))
+    per_pair = 4.0 * shape.q_heads * shape.head_dim / (profile.peak_tflops * 1e12)
+    caps = pair_efficiency(lengths, windows, lengths if max_segment_tokens is None else max_segment_tokens,
+                           curve_tokens, curve_efficiency)
+    return AttentionCosts(pair_seconds=per_pair / caps.best, attention_seconds=per_pair * caps.weighted_pairs)
+
+
+def longest_segments(seg_seq: np.ndarray, seg_tokens: np.ndarray, num_sequences: int) -> np.ndarray:
+    """Per sequence, the tokens of its longest segment (int64; 1 for a sequence without one)."""
+    longest = np.ones(num_sequences, dtype=np.int64)
+    np.maximum.at(longest, np.asarray(seg_seq, dtype=np.int64), np.asarray(seg_tokens, dtype=np.int64))
+    return longest
 
 
 def layer_bounds(batch: Batch, shape: AttentionShape, profile: HardwareProfile, model: ModelPreset | None,
-                 num_ranks: int, token_cap: int) -> dict[str, dict]:
+                 num_ranks: int, token_cap: int, max_segment_tokens: np.ndarray | None = None) -> dict[str, dict]:
     """Certified lower bounds on the forward and the backward layer makespan of any plan for this batch on
     `num_ranks` ranks with at most `token_cap` tokens each (:func:`~fcp_compiler.algorithms.layer_bound.
-    layer_lower_bound` proves each term).
+    layer_lower_bound` proves each term) and, where `max_segment_tokens` is given (per sequence, its longest query
+    segment: :func:`longest_segments` of the plan's), no query segment longer (:func:`attention_costs`).
 
     Returns:
         {"fwd": terms, "bwd": terms}, each as layer_lower_bound returns it.
     """
     lengths, windows = batch.lengths, batch.windows
     visible = visible_pairs(0, lengths, 0, lengths, windows).astype(np.float64)
-    forward_pair = pair_seconds_at_best(lengths, shape, profile)
+    attention = attention_costs(lengths, windows, shape, profile, max_segment_tokens)
     linear = LayerCosts.of(model, profile).linear_seconds_per_token
     # Every token's accumulators are made and its outputs cast by the rank that holds it, on its compute stream,
     # whatever the schedule: per token, like the linear layers (fcp_compiler.format.traffic).
@@ -100,10 +129,11 @@ def layer_bounds(batch: Batch, shape: AttentionShape, profile: HardwareProfile, 
     machine = Machine(num_ranks=num_ranks, gpus_per_node=profile.gpus_per_node, token_cap=token_cap,
                       nvlink_bytes_per_s=profile.nvlink_gbps * 1e9, nic_bytes_per_s=profile.network_gbps * 1e9)
     q_bytes, kv_bytes = float(shape.q_bytes_per_token), float(shape.kv_bytes_per_token)
-    forward = PassCosts(pair_seconds=forward_pair, linear_seconds_per_token=linear + own[True], q_row_bytes=q_bytes,
-                        kv_row_bytes=kv_bytes)
+    forward = PassCosts(pair_seconds=attention.pair_seconds, attention_seconds=attention.attention_seconds,
+                        linear_seconds_per_token=linear + own[True], q_row_bytes=q_bytes, kv_row_bytes=kv_bytes)
     # A backward query row travels with its output, the output's gradient and its log-sum-exp.
-    backward = PassCosts(pair_seconds=forward_pair * BACKWARD_WORK,
+    backward = PassCosts(pair_seconds=attention.pair_seconds * BACKWARD_WORK,
+                         attention_seconds=attention.attention_seconds * BACKWARD_WORK,
                          linear_seconds_per_token=linear * BACKWARD_LINEAR_WORK + own[False],
                          q_row_bytes=3 * q_bytes + LSE_BYTES * shape.q_heads, kv_row_bytes=kv_bytes)
     return {"fwd": layer_lower_bound(lengths, windows, visible, forward, machine),

@@ -29,7 +29,8 @@ from fcp_compiler.algorithms.visibility import visible_pairs
 from fcp_compiler.core.passes.cost import cost, ring_cost, ring_in_closed_form, tile_efficiency
 from fcp_compiler.format.plan_format import PlanReader
 from fcp_compiler.format.stacked import StackedRanks, stack_reader
-from fcp_compiler.core.layer_model import BACKWARD_LINEAR_WORK, BACKWARD_WORK, LayerCosts, layer_bounds
+from fcp_compiler.core.layer_model import (BACKWARD_LINEAR_WORK, BACKWARD_WORK, LayerCosts, layer_bounds,
+                                          longest_segments)
 
 # Re-exported: the figures' kernel launches (core.launches) are read from here by the benchmarks and the floor.
 __all__ = ["HeldPlan", "LAYER_STATS", "Simulation", "busy_lower_bound", "coalesced_seconds", "kernel_calls",
@@ -229,7 +230,9 @@ def simulate_plan(source, profile: HardwareProfile | None = None, record: bool =
     batch = Batch(lengths=tables.seq_lengths, windows=tables.seq_window)
     return Simulation(forward=forward, backward=backward, layer_forward=layer_forward,
                       layer_backward=layer_backward, phases=phases, model=layer_model,
-                      bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap),
+                      bounds=layer_bounds(batch, header.shape, profile, layer_model, n, header.token_cap,
+                                         longest_segments(tables.seg_seq, tables.seg_end - tables.seg_start,
+                                                          tables.seq_lengths.size)),
                       flops_fwd=float(tiles.tile_flops.sum()),
                       single_gpu_efficiency=_single_gpu_efficiency(tables.seq_lengths, tables.seq_window, profile),
                       peak_flops=profile.peak_tflops * 1e12, num_ranks=n, planned_compute=inputs.planned_compute,

@@ -9,7 +9,7 @@ import numpy as np
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.algorithms.fan_out import link_class
 from fcp_compiler.core.ir import PassSchedule, Reshuffle, Schedule, TransferKind, Transfers
-from fcp_compiler.core.layer_model import LSE_BYTES, LayerCosts, layer_bounds
+from fcp_compiler.core.layer_model import LSE_BYTES, LayerCosts, layer_bounds, longest_segments
 from fcp_compiler.core.passes.coalesce import max_buffer_tokens
 from fcp_compiler.format.models import NO_MODEL, ModelPreset
 
@@ -99,7 +99,8 @@ def plan_stats(final: Reshuffle, data: bytes, compile_seconds: float, pass_secon
     sharding = tiles.sharding
     received, sent = forward_comm_bytes(final)
     layer = layer_bounds(sharding.batch, tiles.shape, tiles.profile, model, assignment.num_ranks,
-                         assignment.token_cap)
+                         assignment.token_cap, longest_segments(sharding.seg_seq, sharding.seg_tokens,
+                                                                sharding.batch.num_sequences))
     return {
         "num_ranks": assignment.num_ranks,
         "block_size": sharding.block_size,
