@@ -50,6 +50,7 @@ BISECTION_STEPS = 60
 # Chunks of a sequence's positions S (its longest segment) wide before they double (pair_efficiency): past them a
 # chunk's cap is at most one doubling of k looser.
 LINEAR_CHUNKS = 32
+PART_SEQUENCES = 1 << 16  # sequences pair_efficiency takes at a time
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,19 +177,40 @@ def pair_efficiency(lengths: np.ndarray, windows: np.ndarray, max_segment: np.nd
     lengths = np.asarray(lengths, dtype=np.int64)
     windows = np.asarray(windows, dtype=np.int64)
     segment = np.clip(np.asarray(max_segment, dtype=np.int64), 1, np.maximum(lengths, 1))
-    doublings = int(np.ceil(np.log2(max(float((lengths / segment).max(initial=1.0)), 1.0)))) + 1
-    widths = np.concatenate((np.arange(LINEAR_CHUNKS + 1, dtype=np.float64),
-                             LINEAR_CHUNKS * 2.0 ** np.arange(1, doublings + 1)))
+    weighted = np.zeros(lengths.size)
+    # A part of the sequences at a time (bounded temporaries whatever their number): one chunk where a segment can be
+    # the whole sequence, the rest a chunk column each.
+    for low in range(0, lengths.size, PART_SEQUENCES):
+        part = np.arange(low, min(low + PART_SEQUENCES, lengths.size))
+        for mine, whole in ((part[segment[part] >= lengths[part]], True), (part[segment[part] < lengths[part]], False)):
+            if mine.size:
+                widths = np.array([0.0, 1.0]) if whole else _chunk_widths(float((lengths[mine] / segment[mine]).max()))
+                weighted[mine] = _weighted_pairs(lengths[mine], windows[mine], segment[mine], widths, curve_tokens,
+                                                 curve_efficiency)
+    best = efficiency_cap(np.sqrt(segment * _most_keys(lengths - 1 + segment, lengths, windows, segment)),
+                          curve_tokens, curve_efficiency)
+    return PairEfficiency(weighted_pairs=weighted, best=best)
+
+
+def _chunk_widths(most_segments: float) -> np.ndarray:
+    """Chunk edges in segments (:func:`pair_efficiency`): 0 to LINEAR_CHUNKS one apart, then doubling, until they
+    pass `most_segments` (a sequence's length over its longest segment)."""
+    doublings = max(int(np.ceil(np.log2(max(most_segments / LINEAR_CHUNKS, 1.0)))), 0)
+    linear = np.arange(min(LINEAR_CHUNKS, int(np.ceil(most_segments))) + 1, dtype=np.float64)
+    return np.concatenate((linear, LINEAR_CHUNKS * 2.0 ** np.arange(1, doublings + 1)))
+
+
+def _weighted_pairs(lengths: np.ndarray, windows: np.ndarray, segment: np.ndarray, widths: np.ndarray,
+                    curve_tokens: np.ndarray, curve_efficiency: np.ndarray) -> np.ndarray:
+    """:func:`pair_efficiency`'s weighted pairs of these sequences over chunks at `widths` segments (edges past a
+    sequence's length are its length)."""
     edges = np.minimum(segment[:, None] * widths[None, :], lengths[:, None]).astype(np.int64)
     low, high = edges[:, :-1], edges[:, 1:]
     length, window = (np.broadcast_to(values[:, None], low.shape) for values in (lengths, windows))
     pairs = visible_pairs(low, high, 0, length, window).astype(np.float64)
     keys = _most_keys(high - 1 + segment[:, None], length, window, segment[:, None])
     cap = efficiency_cap(np.sqrt(segment[:, None] * keys), curve_tokens, curve_efficiency)
-    weighted = np.where(pairs > 0, pairs / cap, 0.0).sum(axis=1)
-    best = efficiency_cap(np.sqrt(segment * _most_keys(lengths - 1 + segment, lengths, windows, segment)),
-                          curve_tokens, curve_efficiency)
-    return PairEfficiency(weighted_pairs=weighted, best=best)
+    return np.where(pairs > 0, pairs / cap, 0.0).sum(axis=1)
 
 
 def _most_keys(below: np.ndarray, lengths: np.ndarray, windows: np.ndarray, segment: np.ndarray) -> np.ndarray:
