@@ -9,7 +9,7 @@ import pytest
 
 from fcp_compiler.algorithms import arena
 from fcp_compiler.algorithms.arena import max_live, place_buffers
-from fcp_compiler.format.arena import rank_arenas, rank_range_calls
+from fcp_compiler.format.arena import rank_arenas, rank_range_calls, ranges_per_request
 from fcp_compiler.format.call_plan import rank_calls, step_requests
 from fcp_compiler.format.liveness import stacked_messages
 from fcp_compiler.format.plan_format import PlanReader, TransferKind
@@ -181,6 +181,12 @@ def test_range_calls_compute_every_visible_token_pair_exactly_once_from_the_aren
             assert np.array_equal(computed, np.sort(needed_pairs(program, request.tiles))), (rank, request)
             assert (np.bincount(calls.call_request, minlength=len(requests)) <= 4).all()  # per (query, key) tensor
         merged += calls.q_start.size
-        pieces += rank_calls(program, requests).key_rows.size
+        packed = rank_calls(program, requests)
+        pieces += packed.key_rows.size
+        # The memory account's count of them, without making them.
+        backward = np.asarray([request.pass_name == "bwd" for request in requests])
+        np.testing.assert_array_equal(ranges_per_request(packed, backward, arenas, len(requests)),
+                                      np.bincount(calls.call_request, weights=np.diff(calls.call_range_ptr),
+                                                  minlength=len(requests)))
     # Key pieces that are consecutive arena or local rows became one range.
     assert 0 < merged < pieces

@@ -131,24 +131,13 @@ def range_calls(calls: CallArrays, request_backward: np.ndarray, arenas: dict[st
     """A rank's packed calls (:class:`CallArrays`) as range calls over its arenas: each entry's key pieces as
     ranges (consecutive rows merged where the earlier piece is unmasked), grouped per (request, query tensor, key
     tensor) in call-plan order. Entries without keys (the packed path's filled gaps) are dropped."""
-    key_entry = calls.key_entry
-    call = calls.entry_call[key_entry]
-    backward = np.asarray(request_backward, dtype=bool)[calls.call_request[call]]
+    pieces = _KeyPieces.of(calls, request_backward, arenas)
+    key_entry, call = calls.key_entry, pieces.call
     q_source = calls.entry_q_source[key_entry]
-    q_arena, q_start = _placed(q_source, calls.entry_q_row[key_entry], backward, arenas)
+    q_arena, q_start = _placed(q_source, calls.entry_q_row[key_entry], pieces.backward, arenas)
     q_end = q_start + calls.entry_q_rows[key_entry]
-    k_arena, k_start = _placed(calls.key_source, calls.key_row, backward, arenas)
-    k_end = k_start + calls.key_rows
-    windowed = (calls.call_left[call] >= 0) | (calls.call_right[call] >= 0)
-    last_piece = np.append(key_entry[1:] != key_entry[:-1], True) if key_entry.size else np.zeros(0, dtype=bool)
-    diagonal = calls.call_causal[call].astype(bool) & last_piece
-    left = np.where(windowed, calls.call_left[call], -1)
-    right = np.where(windowed, calls.call_right[call], np.where(diagonal, 0, -1))
-    full = (left == -1) & (right == -1)
-    join = np.zeros(key_entry.size, dtype=bool)
-    join[1:] = ((key_entry[1:] == key_entry[:-1]) & (k_arena[1:] == k_arena[:-1]) & (k_start[1:] == k_end[:-1])
-                & full[:-1] & ~windowed[1:])
-    first = np.flatnonzero(~join)
+    k_arena = pieces.k_arena
+    first = np.flatnonzero(~pieces.join)
     last = np.append(first[1:], key_entry.size) - 1
     request = calls.call_request[call[first]]
     group = (request * 2 + q_arena[first]) * 2 + k_arena[first]
@@ -164,10 +153,54 @@ def range_calls(calls: CallArrays, request_backward: np.ndarray, arenas: dict[st
     return RangeCalls(call_request=group[starts] // 4, call_q_arena=(group[starts] // 2 % 2).astype(bool),
                       call_kv_arena=(group[starts] % 2).astype(bool),
                       call_range_ptr=np.append(starts, group.size).astype(np.int64),
-                      q_start=q_start[first], q_end=q_end[first], k_start=k_start[first], k_end=k_end[last],
-                      left=left[last], right=right[last],
+                      q_start=q_start[first], q_end=q_end[first], k_start=pieces.k_start[first],
+                      k_end=pieces.k_end[last], left=pieces.left[last], right=pieces.right[last],
                       call_pull_ptr=np.searchsorted(pull_call, np.arange(starts.size + 1)).astype(np.int64),
                       call_pull=pull_key % (1 << 32) - 1)
+
+
+def ranges_per_request(calls: CallArrays, request_backward: np.ndarray, arenas: dict[str, Arenas],
+                       num_requests: int) -> np.ndarray:
+    """How many ranges :func:`range_calls` makes for each request (int64 [num_requests]), without making them (the
+    memory account's index tensors)."""
+    pieces = _KeyPieces.of(calls, request_backward, arenas)
+    return np.bincount(calls.call_request[pieces.call[~pieces.join]], minlength=num_requests).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _KeyPieces:
+    """Per key piece of a rank's packed calls (calls.key_entry's order): its call, whether its pass is the backward,
+    its rows in its tensor (k_arena: in the key arena; [k_start, k_end)), the mask its range would have (left,
+    right: flash-attn's window) and whether it joins the piece before it in one range (consecutive rows of one
+    tensor, in one entry, the earlier piece unmasked)."""
+
+    call: np.ndarray
+    backward: np.ndarray
+    k_arena: np.ndarray
+    k_start: np.ndarray
+    k_end: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    join: np.ndarray
+
+    @classmethod
+    def of(cls, calls: CallArrays, request_backward: np.ndarray, arenas: dict[str, Arenas]) -> "_KeyPieces":
+        key_entry = calls.key_entry
+        call = calls.entry_call[key_entry]
+        backward = np.asarray(request_backward, dtype=bool)[calls.call_request[call]]
+        k_arena, k_start = _placed(calls.key_source, calls.key_row, backward, arenas)
+        k_end = k_start + calls.key_rows
+        windowed = (calls.call_left[call] >= 0) | (calls.call_right[call] >= 0)
+        last_piece = np.append(key_entry[1:] != key_entry[:-1], True) if key_entry.size else np.zeros(0, dtype=bool)
+        diagonal = calls.call_causal[call].astype(bool) & last_piece
+        left = np.where(windowed, calls.call_left[call], -1)
+        right = np.where(windowed, calls.call_right[call], np.where(diagonal, 0, -1))
+        full = (left == -1) & (right == -1)
+        join = np.zeros(key_entry.size, dtype=bool)
+        join[1:] = ((key_entry[1:] == key_entry[:-1]) & (k_arena[1:] == k_arena[:-1]) & (k_start[1:] == k_end[:-1])
+                    & full[:-1] & ~windowed[1:])
+        return cls(call=call, backward=backward, k_arena=k_arena, k_start=k_start, k_end=k_end, left=left,
+                   right=right, join=join)
 
 
 def _placed(source: np.ndarray, row: np.ndarray, backward: np.ndarray,

@@ -48,7 +48,7 @@ from fcp_compiler.algorithms.arena import place_arenas
 from fcp_compiler.algorithms.call_plan import LOCAL, CallArrays
 from fcp_compiler.algorithms.keys import lookup, stable_argsort
 from fcp_compiler.algorithms.ranges import offsets_within
-from fcp_compiler.format.arena import Arenas, range_calls, received_pull_order
+from fcp_compiler.format.arena import Arenas, ranges_per_request, received_pull_order
 from fcp_compiler.format.call_plan import Request, RequestTable, calls_in_parts, step_table
 from fcp_compiler.format.inputs import AttentionShape
 from fcp_compiler.format.liveness import PassMessages, stacked_messages, tile_pull_rows
@@ -711,20 +711,18 @@ def _stacked_arenas(stacked: StackedRanks, messages: dict[str, PassMessages]) ->
 def _ranges_per_rank(stacked: StackedRanks, table: RequestTable, first: int, calls: CallArrays,
                      arenas: dict[str, _StackedArenas]) -> np.ndarray:
     """The range path's ranges per stacked rank of one part's calls (call_request counted from request `first`):
-    the calls as :func:`fcp_compiler.format.arena.range_calls` makes them over each rank's arenas. int64 [ranks]."""
+    the ranges :func:`fcp_compiler.format.arena.range_calls` makes of them over each rank's arenas
+    (:func:`~fcp_compiler.format.arena.ranges_per_request`). int64 [ranks]."""
     call_rank = table.request_rank[calls.call_request + first]
-    recv_base = stacked.base("pull_recv_round")
-    entry_rank = call_rank[calls.entry_call]
-    key_rank = entry_rank[calls.key_entry]
+    key_rank = call_rank[calls.entry_call[calls.key_entry]]
     # Received pulls as stacked rows, so that one placement (the stacked offsets) serves every rank's calls.
-    q_source, key_source = calls.entry_q_source, calls.key_source
-    stacked_calls = dataclasses.replace(
-        calls, entry_q_source=np.where(q_source == LOCAL, LOCAL, q_source + recv_base[entry_rank]),
-        key_source=np.where(key_source == LOCAL, LOCAL, key_source + recv_base[key_rank]))
+    key_source = calls.key_source
+    stacked_calls = dataclasses.replace(calls, key_source=np.where(
+        key_source == LOCAL, LOCAL, key_source + stacked.base("pull_recv_round")[key_rank]))
     placed = {name: Arenas(pull_offset=arena.pull_offset, q_rows=0, kv_rows=0) for name, arena in arenas.items()}
-    ranged = range_calls(stacked_calls, table.request_backward[first:], placed)
-    return np.bincount(table.request_rank[ranged.call_request + first], weights=np.diff(ranged.call_range_ptr),
-                       minlength=stacked.num_ranks).astype(np.int64)
+    request_backward = table.request_backward[first:]
+    ranges = ranges_per_request(stacked_calls, request_backward, placed, request_backward.size)
+    return np.bincount(table.request_rank[first:], weights=ranges, minlength=stacked.num_ranks).astype(np.int64)
 
 
 def _range_pass_peak(num_ranks: int, messages: PassMessages, stores: _Stores, arenas: _StackedArenas, sizes: Sizes,
