@@ -7,7 +7,6 @@ consecutive in a sequence and arrive together should be consecutive rows of the 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,19 +81,12 @@ def place_arenas(arena: np.ndarray, rows: np.ndarray, first: np.ndarray, last: n
                              bounds)
     units_at = [0] * count
     arena_units = [0] * num_arenas
-    for which in np.flatnonzero(masked).tolist():
-        arena_units[which] = groups.place_masked(which, units_at)
+    for which in np.flatnonzero(total > 0).tolist():
+        place = groups.place_masked if masked[which] else groups.place_by_gaps
+        arena_units[which] = place(which, units_at)
     offset = np.empty(count, dtype=np.int64)
     offset[by_start] = np.asarray(units_at, dtype=np.int64) * unit[sorted_arena]
     arena_rows = np.asarray(arena_units, dtype=np.int64) * unit
-    by_gaps = np.flatnonzero(~masked & (total > 0)).tolist()
-    if by_gaps:
-        written, size_of, first_of, last_of = offset.tolist(), rows.tolist(), first.tolist(), last.tolist()
-        buffers, low = by_start.tolist(), bounds.tolist()
-        for which in by_gaps:
-            arena_rows[which] = _place_by_gaps(buffers[low[which]:low[which + 1]], size_of, first_of, last_of,
-                                               written)
-        offset = np.asarray(written, dtype=np.int64)
     return ArenaPlacement(offset=offset, arena_rows=arena_rows)
 
 
@@ -158,6 +150,18 @@ class _StageGroups:
         return extent
 
 
+    def place_by_gaps(self, which: int, units_at: list[int]) -> int:
+        """:meth:`place_masked` over a sorted list of free gaps, [start, end) each, and a heap of the live buffers
+        (an arena of more units than a bitmask holds cheaply)."""
+        gaps: list[list[int]] = []
+        live: list[tuple[int, int]] = []
+        extent = 0
+        for group in range(self.arena_group[which], self.arena_group[which + 1]):
+            extent = _place_stage(gaps, live, extent, self.group_stage[group],
+                                  range(self.group_start[group], self.group_end[group]), self.units, self.last,
+                                  units_at)
+        return extent
+
 def _first_fit(clear: int, size: int) -> int | None:
     """The lowest bit of `clear` (not 0) that begins `size` set bits (None if none does); for size 0, the lowest
     set bit."""
@@ -171,37 +175,15 @@ def _first_fit(clear: int, size: int) -> int | None:
     return (clear & -clear).bit_length() - 1
 
 
-def _place_by_gaps(buffers: list[int], size_of: list[int], first_of: list[int], last_of: list[int],
-                   offset: list[int]) -> int:
-    """:func:`place_arena` over a sorted list of free gaps, [start, end) each, and a heap of the live buffers."""
-    gaps: list[list[int]] = []
-    live: list[tuple[int, int]] = []
-    extent = 0
-    for stage, group in _stage_groups(buffers, first_of):
-        extent = _place_stage(gaps, live, extent, stage, group, size_of, last_of, offset)
-    return extent
-
-
-def _stage_groups(buffers: list[int], first_of: list[int]) -> Iterator[tuple[int, list[int]]]:
-    """The runs of `buffers` (in placement order) first live in one stage: (that stage, the run)."""
-    count, low = len(buffers), 0
-    while low < count:
-        stage = first_of[buffers[low]]
-        high = low + 1
-        while high < count and first_of[buffers[high]] == stage:
-            high += 1
-        yield stage, buffers[low:high]
-        low = high
-
-
-def _place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: list[int],
+def _place_stage(gaps: list[list[int]], live: list[tuple[int, int]], extent: int, stage: int, group: range,
                  size_of, last_of, offset) -> int:
-    """One stage of :func:`_place_by_gaps`: free the buffers last live before `stage`, then place `group` (the
-    buffers first live in it, in order) in one gap that holds them all, else each first fit, growing the arena at
-    its end. Writes their offsets into `offset` and pushes them on `live` (a heap of (last stage, buffer)).
+    """One stage of :meth:`_StageGroups.place_by_gaps`: free the buffers last live before `stage`, then place
+    `group` (the buffers first live in it, in order) in one gap that holds them all, else each first fit, growing
+    the arena at its end. Writes their offsets into `offset` and pushes them on `live` (a heap of (last stage,
+    buffer)). Sizes, offsets and gaps are in the arena's units.
 
     Returns:
-        the arena's rows after the stage.
+        the arena's units after the stage.
     """
     while live and live[0][0] < stage:
         _, done = heapq.heappop(live)
