@@ -100,9 +100,9 @@ def compile_command(
                                help="plan: tokens dispatched once into the plan's layout; user: attention reshuffles"),
     planner: str = typer.Option("fcp", "--planner", help="fcp, or a baseline: ring, bytescale, wlbllm, magi"),
     node_fan_out: Optional[str] = NODE_FAN_OUT,
-    no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only (with its node "
-                                  "fan-out unless --node-fan-out off), not the floor's candidates: to study it, not "
-                                  "a faster compile (nothing guards its time or memory)"),
+    no_floor: bool = typer.Option(False, "--no-floor", help="fcp: schedule its own placement only (direct unless "
+                                  "--node-fan-out on), not the floor's candidates: to study it, not a faster compile "
+                                  "(nothing guards its time)"),
     no_pipeline: bool = typer.Option(False, "--no-pipeline", help="ablation: every tile after the last pull"),
     arbitrary_rounds: bool = typer.Option(False, "--arbitrary-rounds",
                                           help="ablation: pulls in edge order, not matchings (fails validation)"),

@@ -34,8 +34,11 @@ def run_cli(capsys, *args):
 
 def compile_own(lengths, gpus, **options):
     """compile_valid with FCP's own placement only (no floor): a test of one mechanism (relays, fan-out, offloads,
-    the placement's balance) needs the plan that uses it, not whichever candidate the floor keeps."""
-    return compile_valid(lengths, gpus, **{"floor": False, **options})
+    the placement's balance) needs the plan that uses it, not whichever candidate the floor keeps. FCP's with node
+    fan-out unless the options say otherwise (alone it goes direct by default), so that the tests that replay,
+    validate and relay its plans cover the fan-out's pulls too."""
+    fan_out = {"node_fan_out": True} if options.get("planner", "fcp") == "fcp" else {}
+    return compile_valid(lengths, gpus, **{"floor": False, **fan_out, **options})
 
 
 def compile_valid(lengths, gpus, **options):

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from fcp_compiler.algorithms.bounds import imbalance_ratio, makespan_lower_bound
 from fcp_compiler.algorithms.comm_balance import RankNeeds, balance_two_dimensional
-from fcp_compiler.algorithms.offload import offload_tiles
+from fcp_compiler.algorithms.offload import _HelpedBlocks, offload_tiles
 
 
 def test_imbalance_ratio_and_bound():
@@ -24,6 +24,80 @@ def test_offload_moves_tiles_of_a_heavy_block_to_idle_ranks():
     assert loads.max() == 2
     # Tiles whose K,V the helper holds go there first.
     assert set(tile_kv[tile_rank == 1]) == {4, 5}
+
+
+def _helped_tokens(tile_q, tile_rank, block_rank, block_tokens, num_ranks):
+    """Per rank, the tokens of the other owners' query blocks it runs tiles of (written out)."""
+    out = np.zeros(num_ranks, dtype=np.int64)
+    for rank in range(num_ranks):
+        out[rank] = sum(block_tokens[b] for b in {int(q) for q, r in zip(tile_q, tile_rank) if r == rank}
+                        if block_rank[b] != rank)
+    return out
+
+
+def test_offload_limits_the_blocks_a_helper_takes():
+    # Ranks 2 and 1 run 3 tiles each (query blocks 0; 2 and 5), rank 3 one, rank 0 none; the target is 2.
+    num_ranks = 4
+    block_rank = np.array([2, 1, 1, 3, 1, 1])
+    tile_q = np.array([0, 0, 0, 2, 3, 5, 5])
+    tokens = np.full(block_rank.size, 100)
+    free = offload_tiles(tile_q, tile_q, np.ones(tile_q.size), block_rank, num_ranks, target=2.0)
+    capped = offload_tiles(tile_q, tile_q, np.ones(tile_q.size), block_rank, num_ranks, target=2.0,
+                           block_tokens=tokens, max_helped_tokens=100)
+    # Unlimited, the idle rank 0 takes tiles of two blocks (two Q pulls); limited to one block's tokens, the second
+    # block's tile goes to rank 3, and the balance is the same.
+    assert _helped_tokens(tile_q, free, block_rank, tokens, num_ranks).tolist() == [200, 0, 0, 0]
+    assert _helped_tokens(tile_q, capped, block_rank, tokens, num_ranks).tolist() == [100, 0, 0, 100]
+    assert np.bincount(free, minlength=num_ranks).max() == np.bincount(capped, minlength=num_ranks).max() == 2
+
+
+@given(st.integers(2, 6), st.integers(0, 10_000), st.integers(1, 4))
+def test_offload_limit_holds_and_changes_nothing_when_loose(num_ranks, seed, limit_blocks):
+    rng = np.random.default_rng(seed)
+    num_blocks = 3 * num_ranks
+    block_rank = rng.integers(0, num_ranks, num_blocks)
+    tokens = rng.integers(1, 5, num_blocks) * 64
+    tile_q = np.repeat(np.arange(num_blocks), rng.integers(1, 6, num_blocks))
+    tile_kv = rng.integers(0, num_blocks, tile_q.size)
+    seconds = rng.uniform(0.5, 2.0, tile_q.size)
+    loads = np.bincount(block_rank[tile_q], weights=seconds, minlength=num_ranks)
+    target = float(loads.mean()) * 1.01
+    free = offload_tiles(tile_q, tile_kv, seconds, block_rank, num_ranks, target=target)
+    loose = offload_tiles(tile_q, tile_kv, seconds, block_rank, num_ranks, target=target, block_tokens=tokens,
+                          max_helped_tokens=int(tokens.sum()))
+    assert np.array_equal(free, loose)
+    limit = limit_blocks * 128
+    capped = offload_tiles(tile_q, tile_kv, seconds, block_rank, num_ranks, target=target, block_tokens=tokens,
+                           max_helped_tokens=limit)
+    # Every helper keeps within the limit (none ran tiles for others on entry), a block's own tiles may always go
+    # back to it, and no rank ends above the most loaded one on entry.
+    assert (_helped_tokens(tile_q, capped, block_rank, tokens, num_ranks) <= limit).all()
+    assert np.bincount(capped, weights=seconds, minlength=num_ranks).max() <= loads.max() + 1e-9
+
+
+@given(st.integers(0, 10_000))
+def test_helped_blocks_follow_their_tiles(seed):
+    # The helped-block tally after random moves equals the tokens recounted from where the tiles are.
+    rng = np.random.default_rng(seed)
+    num_ranks, num_blocks = 4, 6
+    block_rank = rng.integers(0, num_ranks, num_blocks)
+    tokens = rng.integers(1, 9, num_blocks) * 64
+    tile_q = rng.integers(0, num_blocks, 20)
+    tile_rank = rng.integers(0, num_ranks, tile_q.size)
+    helped = _HelpedBlocks.of(tile_q, tile_rank, block_rank, num_ranks, tokens, 10**9)
+    for _ in range(30):
+        block = int(rng.integers(0, num_blocks))
+        ranks = np.unique(tile_rank[tile_q == block])
+        if ranks.size == 0:
+            continue
+        source, helper = int(rng.choice(ranks)), int(rng.integers(0, num_ranks))
+        if helper == source:
+            continue
+        mine = np.flatnonzero((tile_q == block) & (tile_rank == source))
+        moved = mine[:int(rng.integers(1, mine.size + 1))]
+        tile_rank[moved] = helper
+        helped.move(block, source, helper, moved.size)
+        assert helped.tokens.tolist() == _helped_tokens(tile_q, tile_rank, block_rank, tokens, num_ranks).tolist()
 
 
 def brute_received(block_rank, seg_block, seg_tokens, need_block, need_seg, num_ranks):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import compile_own
+from conftest import compile_own, compile_valid
 from fcp_compiler import InfeasibleError, InvalidInputError, compile_plan
 from fcp_compiler.format.inputs import load_batch
 from fcp_compiler.format.plan_format import PlanReader
@@ -67,6 +67,9 @@ def test_stats_hold_every_documented_key(small_plan):
     assert list(own.stats["pass_seconds"]) == ["parse"] + PASSES
     user = compile_own([5000, 300, 70000], 4, block_size=1024, layout="user")
     assert list(user.stats["pass_seconds"]) == ["parse"] + USER_LAYOUT_PASSES
+    # Alone, FCP's own placement goes direct unless fan-out is asked for: no fan_out pass.
+    direct = compile_valid([5000, 300, 70000], 4, block_size=1024, floor=False)
+    assert list(direct.stats["pass_seconds"]) == ["parse"] + [name for name in PASSES if name != "fan_out"]
     # How often each pass ran: FCP's own placement alone is scheduled and finished once, the floor finishes several.
     assert own.stats["pass_calls"]["reshuffle"] == own.stats["pass_calls"]["coalesce"] == 1
     assert set(own.stats["pass_calls"]) == set(own.stats["pass_seconds"])

@@ -30,6 +30,13 @@ PAIR_TOLERANCE = 0.025
 HOME_SLACK = 0.0
 # Work a heavy block's owner keeps, and the most work per batch of its other tiles, as a share of the mean.
 HELPER_PIECE = 0.75
+# Tokens of other owners' query blocks the offload lets a helper come to run tiles of (6 blocks of the default 4096
+# tokens). Each is a Q pull whose partial outputs stay live until pushed back, and a NIC receive where it crosses
+# nodes. Unlimited, the least-loaded rank took them all: 18 blocks on one rank of Wikipedia + tail at 64 GPUs, seed
+# 0, 8.6 GiB where the budget is 4 (benchmarks/loss_modes.py). At this limit FCP's own placement alone (direct)
+# fits the 4 GiB budget on all 54 matrix batches (44 unlimited, 50 at 8 blocks) and the floor's plans are the same or
+# faster (one, by 1.1%); at 4 blocks one floor plan was 1.9% slower.
+HELPED_TOKENS = 24576
 
 
 def default_token_cap(total_tokens: int, num_ranks: int, block_size: int) -> int:
@@ -210,10 +217,10 @@ def assign(tiles: TileSet, num_ranks: int, token_cap: int, balance_tolerance: fl
     tile_rank = np.where(tile_batch >= 0, batch_rank[tile_batch] if batch_rank.size else -1,
                          block_rank[tiles.tile_q_block])
     tile_rank = offload_tiles(tiles.tile_q_block, tiles.tile_kv_block, tiles.tile_seconds, block_rank, num_ranks,
-                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank,
-                              fixed_load=np.bincount(block_rank, weights=block_linear, minlength=num_ranks))
-    return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank,
-                      tile_rank=tile_rank)
+                              target=bound * (1.0 + balance_tolerance), tile_rank=tile_rank, block_tokens=sizes,
+                              fixed_load=np.bincount(block_rank, weights=block_linear, minlength=num_ranks),
+                              max_helped_tokens=HELPED_TOKENS)
+    return Assignment(tiles=tiles, num_ranks=num_ranks, token_cap=token_cap, block_rank=block_rank, tile_rank=tile_rank)
 
 
 def _lend_heavy_tiles(tiles: TileSet, mean: float, linear_seconds_per_token: float) -> tuple[np.ndarray, np.ndarray]:
