@@ -163,6 +163,7 @@ class _HelpedBlocks:
     def of(cls, tile_q_block: np.ndarray, tile_rank: np.ndarray, block_rank: np.ndarray, num_ranks: int,
            block_tokens: np.ndarray, limit: int) -> "_HelpedBlocks":
         """The blocks each rank runs tiles of for other owners before any move."""
+        assert block_tokens is not None, "a limit on helped tokens needs each block's tokens"
         helped = cls(block_rank, np.asarray(block_tokens, dtype=np.int64), limit, num_ranks)
         away = np.flatnonzero(tile_rank != block_rank[tile_q_block])
         if away.size:

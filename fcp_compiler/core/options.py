@@ -170,9 +170,9 @@ class CompileOptions:
     @property
     def resolved_node_fan_out(self) -> bool:
         """Whether K,V blocks fan out inside nodes: the given switch, else the planner's own default; FCP's own
-        placement alone (the floor off) goes direct, as the floor's first candidate does: the floor kept a direct
-        plan on 49 of the 54 matrix batches, and alone with fan-out the placement stayed over the 4 GiB device
-        budget on 10 of them (direct on none; benchmarks/loss_modes.py)."""
+        placement alone (the floor off) goes direct, as the floor's first candidate does: the floor keeps a direct
+        plan on 50 of the 54 matrix batches, and alone with fan-out the placement stayed over the 4 GiB device
+        budget on 13 of them, direct on none (benchmarks/loss_modes.py)."""
         if self.node_fan_out is not None:
             return self.node_fan_out
         return False if self.planner is Planner.FCP and not self.floor else NODE_FAN_OUT_DEFAULT[self.planner]
