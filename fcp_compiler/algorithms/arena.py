@@ -149,7 +149,6 @@ class _StageGroups:
                 freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
         return extent
 
-
     def place_by_gaps(self, which: int, units_at: list[int]) -> int:
         """:meth:`place_masked` over a sorted list of free gaps, [start, end) each, and a heap of the live buffers
         (an arena of more units than a bitmask holds cheaply)."""
@@ -161,6 +160,7 @@ class _StageGroups:
                                   range(self.group_start[group], self.group_end[group]), self.units, self.last,
                                   units_at)
         return extent
+
 
 def _first_fit(clear: int, size: int) -> int | None:
     """The lowest bit of `clear` (not 0) that begins `size` set bits (None if none does); for size 0, the lowest

@@ -33,9 +33,9 @@ HELPER_PIECE = 0.75
 # Tokens of other owners' query blocks the offload lets a helper come to run tiles of (6 blocks of the default 4096
 # tokens). Each is a Q pull whose partial outputs stay live until pushed back, and a NIC receive where it crosses
 # nodes. Unlimited, the least-loaded rank took them all: 18 blocks on one rank of Wikipedia + tail at 64 GPUs, seed
-# 0, 8.6 GiB where the budget is 4 (benchmarks/loss_modes.py). At this limit FCP's own placement alone (direct)
-# fits the 4 GiB budget on all 54 matrix batches (44 unlimited, 50 at 8 blocks) and the floor's plans are the same or
-# faster (one, by 1.1%); at 4 blocks one floor plan was 1.9% slower.
+# 0, 8.6 GiB where the budget is 4 (`fcp compile --no-floor --node-fan-out off` at c71c203). At this limit FCP's own
+# placement alone (direct) fits the 4 GiB budget on all 54 matrix batches (44 unlimited, 50 at 8 blocks) and the
+# floor's plans are the same or faster (one, by 1.1%); at 4 blocks one floor plan was 1.9% slower.
 HELPED_TOKENS = 24576
 
 
