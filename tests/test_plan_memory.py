@@ -126,13 +126,14 @@ def test_the_simulator_reports_the_memory_the_plan_states(unbudgeted):
 
 
 def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winner(monkeypatch):
-    from fcp_compiler.core import memory_budget
-    from fcp_compiler.core.memory_budget import Alternative, BudgetFit
+    from fcp_compiler.core import budget_refit, memory_budget
+    from fcp_compiler.core.budget_refit import BudgetFit
+    from fcp_compiler.core.memory_budget import Alternative
     from fcp_compiler.core.pass_timer import PassTimer
     from fcp_compiler.core.schedule_search import ScheduledPlan
 
     # Plans stand in as (name, peak bytes); the account reads them, and the floor gives each one's seconds.
-    monkeypatch.setattr(memory_budget, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, final[1]]]))
+    monkeypatch.setattr(budget_refit, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, final[1]]]))
     timer = PassTimer()
 
     def plan(name, peak):
@@ -145,7 +146,7 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
         return listed
 
     def search():
-        return memory_budget._Search(unbudgeted_peak_bytes=120, least_peak_bytes=120)
+        return budget_refit.BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120)
 
     refit = BudgetFit(plan=plan("refit", 90), peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.10)
     found = search()
@@ -162,8 +163,8 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
 
 
 def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_fits(monkeypatch):
-    from fcp_compiler.core import memory_budget
-    from fcp_compiler.core.memory_budget import BudgetFit
+    from fcp_compiler.core import budget_refit
+    from fcp_compiler.core.budget_refit import BudgetFit
     from fcp_compiler.core.pass_timer import PassTimer
     from fcp_compiler.core.schedule_search import RankArrays, ScheduledPlan
 
@@ -177,17 +178,17 @@ def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_
         accounted.append(plan.final[0])
         return np.array([[1, plan.final[2]]])
 
-    monkeypatch.setattr(memory_budget, "layer_figures", figures)
-    monkeypatch.setattr(memory_budget, "_peak_bytes", peaks)
+    monkeypatch.setattr(budget_refit, "layer_figures", figures)
+    monkeypatch.setattr(budget_refit, "peak_bytes", peaks)
     timer = PassTimer()
     fitting = BudgetFit(plan=ScheduledPlan(final=("first", 1.0, 90), header_fields={}), peaks=np.array([[1, 90]]),
                         columns=None, layer_seconds=1.0)
 
     def next_step(name, seconds, peak):
-        search = memory_budget._Search(unbudgeted_peak_bytes=120, least_peak_bytes=90)
-        chosen = memory_budget._faster_next_step(timer, fitting, ScheduledPlan(final=(name, seconds, peak),
-                                                                               header_fields={}),
-                                                 RankArrays(stacked=None, columns=None), 100, search)
+        search = budget_refit.BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=90)
+        chosen = budget_refit._faster_next_step(timer, fitting, ScheduledPlan(final=(name, seconds, peak),
+                                                                              header_fields={}),
+                                                RankArrays(stacked=None, columns=None), 100, search)
         return chosen.kept.plan.final[0], chosen.kept.layer_seconds, search.least_peak_bytes, chosen.faster
 
     assert next_step("faster", 0.9, 80) == ("faster", 0.9, 80, True)
@@ -215,7 +216,7 @@ def test_the_budget_ladder_from_the_plans_own_schedule_is_the_ladder_from_its_ro
     import dataclasses
 
     from fcp_compiler.core import pipeline, schedule_search
-    from fcp_compiler.core.memory_budget import budget_ladder
+    from fcp_compiler.core.budget_refit import budget_ladder
     from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.pass_timer import PassTimer
     from fcp_compiler.core.passes.assign import default_token_cap
@@ -252,21 +253,21 @@ def test_a_backward_a_little_over_the_budget_is_held_in_smaller_stages_before_th
     """Where the halved backward is over the budget by little while the forward fits, the budget ladder tries the
     same c with the backward in smaller stages still: the forward keeps larger stages, the plan fits and validates,
     and it simulates no slower than the ladder without those steps keeps."""
-    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core import budget_refit
     from fcp_compiler.core.passes.coalesce import smaller_backward_rounds
 
     peak = max(max(unbudgeted.header.max_buffer_bytes_fwd), max(unbudgeted.header.max_buffer_bytes_bwd))
     budget_gib = 0.6 * peak / 2**30
-    tried, real = [], memory_budget.with_backward_rounds
+    tried, real = [], budget_refit.with_backward_rounds
 
     def recorded(schedule, rounds, *rest):
         tried.append((schedule.coalesce, rounds))
         return real(schedule, rounds, *rest)
 
-    monkeypatch.setattr(memory_budget, "with_backward_rounds", recorded)
+    monkeypatch.setattr(budget_refit, "with_backward_rounds", recorded)
     deeper = compile_valid(LENGTHS, 8, memory_budget_gib=budget_gib, floor=False)
     assert any(rounds < smaller_backward_rounds(c) for c, rounds in tried)
-    monkeypatch.setattr(memory_budget, "deeper_backward_rounds", lambda c, halved: [])
+    monkeypatch.setattr(budget_refit, "deeper_backward_rounds", lambda c, halved: [])
     plain = compile_valid(LENGTHS, 8, memory_budget_gib=budget_gib, floor=False)
     layer = {}
     for name, plan in (("deeper", deeper), ("plain", plain)):
@@ -334,25 +335,25 @@ def test_an_account_visits_its_ranks_in_the_order_given_and_returns_them_in_rank
 def test_the_least_peak_found_under_an_unmet_default_budget_is_every_refits(monkeypatch):
     """Under the default budget a refit's account stops at the first group of ranks above it; where no refit fits,
     the steps over are accounted again, so the least peak the report names is the one full accounts give."""
-    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core import budget_refit
     from fcp_compiler.core import options as options_module
     from fcp_compiler.format import memory
 
     monkeypatch.setattr(memory, "CHUNK_TILES", 1)
     floor_bytes = 1509949440  # LENGTHS at 8 ranks: the busiest rank's own accumulators and outputs
     monkeypatch.setattr(options_module, "DEFAULT_MEMORY_BUDGET_GIB", floor_bytes * 1.005 / 2**30)
-    accounted, stopped = memory_budget.stacked_peak_bytes, []
+    accounted, stopped = budget_refit.stacked_peak_bytes, []
 
     def account(stacked, **kwargs):
         peaks = accounted(stacked, **kwargs)
         stopped.append(len(peaks) < stacked.num_ranks)
         return peaks
 
-    monkeypatch.setattr(memory_budget, "stacked_peak_bytes", account)
+    monkeypatch.setattr(budget_refit, "stacked_peak_bytes", account)
     memory_record = compile_valid(LENGTHS, 8).stats["memory"]
     assert memory_record["unmet"] == "no schedule" and not memory_record["met"] and memory_record["refits"] > 2
     assert memory_record["floor_bytes"] == floor_bytes and any(stopped)
-    monkeypatch.setattr(memory_budget, "stacked_peak_bytes", lambda stacked, **_: accounted(stacked))
+    monkeypatch.setattr(budget_refit, "stacked_peak_bytes", lambda stacked, **_: accounted(stacked))
     assert compile_valid(LENGTHS, 8).stats["memory"] == memory_record
     # The same budget given by the user is refused naming the least peak, found with every step accounted in full
     # until a rank is above the least so far.

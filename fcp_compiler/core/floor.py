@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from fcp_compiler.core.baselines import Planner
+from fcp_compiler.core.budget_refit import most_refits
 from fcp_compiler.core.ir import Assignment, Batch, Rounds, Schedule, TileSet, Transfers
 from fcp_compiler.core.kinds import LayerKinds
 from fcp_compiler.core.kinds_schedule import kinds_seconds
-from fcp_compiler.core.memory_budget import Alternative, KeptPlan, memory_budget_tokens, most_refits
+from fcp_compiler.core.memory_budget import Alternative, KeptPlan, memory_budget_tokens
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.placement import EQUAL_CHUNKS, LAYER_TOLERANCES, Placement, place, same_placement, shard_and_cost
