@@ -44,11 +44,11 @@ def test_golden_plans_are_valid(name):
 def test_a_changed_pass_fails_with_the_diff_and_a_refresh_passes_again(monkeypatch, tmp_path):
     import refresh
 
-    from fcp_compiler.core import memory_budget, schedule_search
+    from fcp_compiler.core import budget_refit, schedule_search
 
     # The floor coalesces a forward half first; the memory budget's refits coalesce whole schedules.
     for module, name in ((schedule_search, "coalesce_forward"), (schedule_search, "coalesce"),
-                         (memory_budget, "coalesce")):
+                         (budget_refit, "coalesce")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda rounds, degree, pipelined=True, original=original, **fields:
                             original(rounds, degree, False, **fields))

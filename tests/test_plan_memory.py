@@ -149,10 +149,11 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
         return budget_refit.BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120)
 
     refit = BudgetFit(plan=plan("refit", 90), peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.10)
-    found = search()
-    kept = memory_budget._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05)]), 100,
-                                               found)
+    found, over = search(), []
+    kept = memory_budget._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05),
+                                                                     ("after", 130, 1.07)]), 100, found, over=over)
     assert kept.plan.final[0] == "fits" and found.kept == "fits"
+    assert [other.name for other in over] == ["over"]  # the runner-up a refit may bring under (faster than "fits")
     found = search()
     kept = memory_budget._faster_within_budget(timer, refit, others([("slower", 80, 1.2)]), 100, found)
     assert kept.plan.final[0] == "refit" and found.kept is None
@@ -160,6 +161,47 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
                                                search())
     assert kept.plan.final[0] == "fits"
     assert memory_budget._faster_within_budget(timer, None, others([("over", 120, 1.0)]), 100, search()) is None
+
+
+def test_the_runner_up_over_the_budget_is_refitted_and_kept_only_where_its_refit_is_faster(monkeypatch):
+    """The floor chose on the token budget: where its winner's refit is slower than another candidate that is over
+    the byte budget as scheduled, that candidate is refitted too, kept where its refit is faster, and otherwise the
+    record (the least peak any schedule can have, why unmet) stays the winner's."""
+    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core.budget_refit import BudgetFit, BudgetSearch
+    from fcp_compiler.core.memory_budget import Alternative
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.schedule_search import ScheduledPlan
+
+    asked = []
+
+    def refit_to(seconds):
+        def refit(timer, plan, options, digest, budget_bytes, search, rounds_of, *rest):
+            asked.append((plan.final, rounds_of()))
+            search.floor_bytes, search.unmet = 70, "no schedule"
+            return None if seconds is None else BudgetFit(plan=ScheduledPlan(final="runner-up refitted",
+                                                                             header_fields={}),
+                                                          peaks=np.array([[1, 90]]), columns=None,
+                                                          layer_seconds=seconds)
+        return refit
+
+    runner_up = Alternative(name="layer direct c16/32", plan=ScheduledPlan(final="runner-up", header_fields={}),
+                            layer_seconds=1.0, arrays=None, rounds="its rounds")
+    best = BudgetFit(plan=ScheduledPlan(final="winner refitted", header_fields={}), peaks=np.array([[1, 95]]),
+                     columns=None, layer_seconds=1.1)
+    timer = PassTimer()
+    for seconds, kept_best, want in ((1.05, best, "runner-up refitted"), (1.15, best, "winner refitted"),
+                                     (None, best, "winner refitted"), (1.3, None, "runner-up refitted"),
+                                     (None, None, None)):
+        monkeypatch.setattr(memory_budget, "refit_to_budget", refit_to(seconds))
+        search = BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120, floor_bytes=60, unmet="winner's")
+        kept = memory_budget._refit_runner_up(timer, runner_up, kept_best, None, "", 100, search, None, 10, None)
+        assert (kept.plan.final if kept is not None else None) == want
+        assert asked.pop() == ("runner-up", "its rounds")
+        if want == "runner-up refitted":
+            assert search.kept == "layer direct c16/32, in smaller stages" and search.floor_bytes == 70
+        else:
+            assert search.kept is None and (search.floor_bytes, search.unmet) == (60, "winner's")
 
 
 def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_fits(monkeypatch):

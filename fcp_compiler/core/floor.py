@@ -115,6 +115,14 @@ class Score:
         return f"{self.candidate.name} c{self.coalesce}/{self.backward_rounds}{'' if self.relays else ' no relays'}"
 
     @property
+    def record(self) -> dict:
+        """The candidate in stats["floor"]["candidates"] (makespans None where not simulated: the only candidate)."""
+        fwd_s, bwd_s = (None if math.isnan(s) else s for s in (self.layer_makespan_fwd_s, self.layer_makespan_bwd_s))
+        return {"name": self.name, "layer_makespan_fwd_s": fwd_s, "layer_makespan_bwd_s": bwd_s,
+                "max_buffer_tokens": self.max_buffer_tokens, "busy_lower_bound_s": self.busy_lower_bound_s,
+                "seconds": self.seconds, **({"other_kinds_s": self.kinds_s} if self.kinds_s else {})}
+
+    @property
     def layer_seconds(self) -> float:
         """What a training step pays for the layer: forward plus backward makespan (with layer kinds, per layer of
         this kind, the others' weighted in)."""
@@ -261,6 +269,7 @@ class _Scored:
     plan: ScheduledPlan
     figures: dict
     arrays: RankArrays
+    rounds: Rounds  # its rounds before relays, which the memory budget may refit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -402,12 +411,13 @@ class FloorRun:
             self.best = _Best(score=score, plan=plan, figures=figures, rounds=schedule.rounds,
                               plain=fitted.schedule if fitted.plain and refits else None)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
-            self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays)
+            self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays,
+                                                      rounds=schedule.rounds)
         if not fits and (self.least is None or peak < self.least.score.max_buffer_tokens):
             self.least = _Least(score=score, transfers=transfers, fan_out=candidate.fan_out, schedule=schedule)
         self.scores.append(score)
         if self.progress is not None:
-            self.progress(_candidate_record(score))
+            self.progress(score.record)
 
     def others(self, winner: int, limit: float) -> Iterator[Alternative]:
         """The scored candidates but the winner that fit the token budget and simulated faster than `limit`,
@@ -418,7 +428,7 @@ class FloorRun:
         for seconds, index in faster:
             scored = self.finished[index]
             yield Alternative(name=self.scores[index].name, plan=scored.plan, layer_seconds=seconds,
-                              arrays=scored.arrays)
+                              arrays=scored.arrays, rounds=scored.rounds)
 
     def winner(self, index: int) -> _Winner:
         """The plan of the winner, the score at `index`: the fastest that fit, its backward's last stage kept to
@@ -448,7 +458,7 @@ class FloorRun:
         return {
             "winner": self.scores[winner].name, "memory_budget_tokens": self.budget_tokens, "seconds": seconds,
             "most_scheduled": most_scheduled(self.fcp_tiles.num_tiles) if self.fcp_tiles is not None else None,
-            "candidates": [_candidate_record(score) for score in self.scores],
+            "candidates": [score.record for score in self.scores],
             "pruned": [{"placement": placement.value, "busy_lower_bound_s": pruned.bound_s,
                         "same_as": pruned.same_as.value if pruned.same_as is not None else None,
                         "refused": pruned.refused} for placement, pruned in self.pruned.items()],
@@ -487,15 +497,3 @@ class FloorRun:
         self.routed[placement] = route(timer, assignment, options, as_its_system=placement is Placement.MAGI)
         return True
 
-
-def _candidate_record(score: Score) -> dict:
-    """One scheduled candidate in stats["floor"]["candidates"]."""
-    return {"name": score.name, "layer_makespan_fwd_s": _simulated(score.layer_makespan_fwd_s),
-            "layer_makespan_bwd_s": _simulated(score.layer_makespan_bwd_s),
-            "max_buffer_tokens": score.max_buffer_tokens, "busy_lower_bound_s": score.busy_lower_bound_s,
-            "seconds": score.seconds, **({"other_kinds_s": score.kinds_s} if score.kinds_s else {})}
-
-
-def _simulated(seconds: float) -> float | None:
-    """A score's makespan for the record: None where it was not simulated (the only candidate)."""
-    return None if math.isnan(seconds) else seconds
