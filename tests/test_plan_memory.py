@@ -176,7 +176,8 @@ def test_the_runner_up_over_the_budget_is_refitted_and_kept_only_where_its_refit
     asked = []
 
     def refit_to(seconds):
-        def refit(timer, plan, options, digest, budget_bytes, search, rounds_of, *rest):
+        def refit(timer, plan, options, digest, budget_bytes, search, rounds_of, *rest, most_steps):
+            assert most_steps == 4  # as many as the winner's refit tried
             asked.append((plan.final, rounds_of()))
             search.floor_bytes, search.unmet = 70, "no schedule"
             return None if seconds is None else BudgetFit(plan=ScheduledPlan(final="runner-up refitted",
@@ -194,7 +195,8 @@ def test_the_runner_up_over_the_budget_is_refitted_and_kept_only_where_its_refit
                                      (None, best, "winner refitted"), (1.3, None, "runner-up refitted"),
                                      (None, None, None)):
         monkeypatch.setattr(memory_budget, "refit_to_budget", refit_to(seconds))
-        search = BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120, floor_bytes=60, unmet="winner's")
+        search = BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120, refits=4, floor_bytes=60,
+                              unmet="winner's")
         kept = memory_budget._refit_runner_up(timer, runner_up, kept_best, None, "", 100, search, None, 10, None)
         assert (kept.plan.final if kept is not None else None) == want
         assert asked.pop() == ("runner-up", "its rounds")
@@ -202,6 +204,41 @@ def test_the_runner_up_over_the_budget_is_refitted_and_kept_only_where_its_refit
             assert search.kept == "layer direct c16/32, in smaller stages" and search.floor_bytes == 70
         else:
             assert search.kept is None and (search.floor_bytes, search.unmet) == (60, "winner's")
+
+
+def test_only_a_runner_up_faster_than_the_kept_plan_by_the_margin_is_refitted(monkeypatch):
+    """A refit costs a plan about RUNNER_UP_MARGIN or more: a runner-up over the budget that scored within it of the
+    plan the budget would keep is not refitted (no ladder is run for it)."""
+    from fcp_compiler.core import budget_refit, memory_budget
+    from fcp_compiler.core.budget_refit import BudgetFit, BudgetSearch
+    from fcp_compiler.core.memory_budget import RUNNER_UP_MARGIN, Alternative, KeptPlan
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.schedule_search import ScheduledPlan
+
+    class Final(str):  # a plan's name standing in for its IR
+        tiles = None
+
+    refitted = []
+
+    def refit(timer, plan, options, digest, budget_bytes, search, *rest, **steps):
+        refitted.append(plan.final)
+        return BudgetFit(plan=ScheduledPlan(final=f"{plan.final} refitted", header_fields={}),
+                         peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.0 if plan.final == "winner" else 0.9)
+
+    monkeypatch.setattr(memory_budget, "refit_to_budget", refit)
+    monkeypatch.setattr(budget_refit, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, 120]]))  # over
+    for seconds, want in ((1.0 - 1.5 * RUNNER_UP_MARGIN, ["winner", "runner-up"]),
+                          (1.0 - 0.5 * RUNNER_UP_MARGIN, ["winner"])):
+        runner_up = Alternative(name="runner-up", plan=ScheduledPlan(final=Final("runner-up"), header_fields={}),
+                                layer_seconds=seconds, arrays=None, rounds="its rounds")
+        kept = KeptPlan(plan=ScheduledPlan(final=Final("winner"), header_fields={}), fan_out=False,
+                        rounds_of=lambda: None,
+                        others=lambda limit, runner_up=runner_up: iter([runner_up] if runner_up.layer_seconds < limit
+                                                                       else []))
+        search = BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120)
+        fit = memory_budget._fit_over_budget(PassTimer(), kept, None, "", 100, search, None, 10)
+        assert refitted == want and fit.plan.final == f"{want[-1]} refitted"
+        refitted.clear()
 
 
 def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_fits(monkeypatch):

@@ -79,7 +79,7 @@ class BudgetSearch:
 def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptions, digest: str, budget_bytes: int,
                     search: BudgetSearch, rounds_of: Callable[[], Rounds], tile_budget: int,
                     plain: Schedule | None = None, first: np.ndarray | None = None,
-                    segments: Segments | None = None) -> BudgetFit | None:
+                    segments: Segments | None = None, most_steps: float = math.inf) -> BudgetFit | None:
     """The plan's placement scheduled again down :func:`budget_ladder`, holding less at each step, until a step fits
     `budget_bytes`; that step, or the step after it where that one simulates faster and fits too (which of halving
     the backward's stages and shrinking both passes' costs less depends on the batch: on traces/small_8gpu.json at 8
@@ -95,10 +95,11 @@ def refit_to_budget(timer: PassTimer, plan: ScheduledPlan, options: CompileOptio
         plain: the plan's own schedule where it is coalesce's at the requested rounds a stage (:func:`budget_ladder`).
         first: the order the accounts visit ranks in (:func:`stacked_peak_bytes`), the kept plan's peaks.
         segments: its tiles' segment pairs and their kinds, where the floor holds them.
+        most_steps: the most steps this call may try (besides the bound on all refits, :func:`most_refits`).
     Returns:
         the BudgetFit of the step kept, or None.
     """
-    most = _refits_allowed(plan, options, budget_bytes, search, tile_budget)
+    most = min(_refits_allowed(plan, options, budget_bytes, search, tile_budget), search.refits + most_steps)
     if most == 0:
         return None
     fitting, over = None, []  # fitting: the fastest step that fits so far
