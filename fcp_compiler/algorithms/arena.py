@@ -122,31 +122,48 @@ class _StageGroups:
         """Place arena `which`'s buffers on a bitmask (:func:`place_arenas`), writing each one's first unit into
         `units_at` (by sorted position); returns the arena's units."""
         units, last_of, group_end, group_units = self.units, self.last, self.group_end, self.group_units
+        group_start, group_stage = self.group_start, self.group_stage
         clear = extent = 0  # the free units below the arena's end (bits), the arena's units
         freed: dict[int, int] = {}  # last stage -> the units of the buffers live until it
         for group in range(self.arena_group[which], self.arena_group[which + 1]):
-            stage = self.group_stage[group]
+            stage = group_stage[group]
             for done in [last for last in freed if last < stage]:
                 clear |= freed.pop(done)
             total = group_units[group]
             start = _first_fit(clear, total) if clear else None
             if start is not None:  # the whole group as one run
                 clear ^= ((1 << total) - 1) << start
-            for buffer in range(self.group_start[group], group_end[group]):
+                # Consecutive buffers live until the same stage are freed as one span (one big-integer op).
+                span_start, span_last = start, last_of[group_start[group]]
+                for buffer in range(group_start[group], group_end[group]):
+                    if (last := last_of[buffer]) != span_last:
+                        freed[span_last] = freed.get(span_last, 0) | ((1 << (start - span_start)) - 1) << span_start
+                        span_start, span_last = start, last
+                    units_at[buffer] = start
+                    start += units[buffer]
+                freed[span_last] = freed.get(span_last, 0) | ((1 << (start - span_start)) - 1) << span_start
+                continue
+            no_gap = total + 1  # the least size found no gap below the end: `clear` only shrinks within a group
+            for buffer in range(group_start[group], group_end[group]):
                 size = units[buffer]
-                if start is not None:
-                    at, start = start, start + size
-                else:
-                    at = _first_fit(clear, size) if clear else None
-                    if at is None:  # at the arena's end, from the start of the free tail (if any)
-                        at = (~clear & ((1 << extent) - 1)).bit_length()
-                        clear &= (1 << at) - 1
-                        extent = max(extent, at + size)
-                    else:
-                        clear ^= ((1 << size) - 1) << at
+                if not clear:  # nothing free below the end
+                    at, extent = extent, extent + size
+                    taken = ((1 << size) - 1) << at
+                elif size == 1:  # the lowest free unit (_first_fit of one unit)
+                    taken = clear & -clear
+                    at = taken.bit_length() - 1
+                    clear ^= taken
+                elif size < no_gap and (at := _first_fit(clear, size)) is not None:
+                    taken = ((1 << size) - 1) << at
+                    clear ^= taken
+                else:  # at the arena's end, from the start of the free tail (if any)
+                    no_gap = min(no_gap, size)
+                    at = (~clear & ((1 << extent) - 1)).bit_length()
+                    clear &= (1 << at) - 1
+                    extent = max(extent, at + size)
+                    taken = ((1 << size) - 1) << at
                 units_at[buffer] = at
-                last = last_of[buffer]
-                freed[last] = freed.get(last, 0) | ((1 << size) - 1) << at
+                freed[last_of[buffer]] = freed.get(last_of[buffer], 0) | taken
         return extent
 
     def place_by_gaps(self, which: int, units_at: list[int]) -> int:
