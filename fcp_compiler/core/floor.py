@@ -269,7 +269,8 @@ class _Scored:
     plan: ScheduledPlan
     figures: dict
     arrays: RankArrays
-    rounds: Rounds  # its rounds before relays, which the memory budget may refit
+    rounds: Rounds  # its rounds before relays, which the memory budget may refit ...
+    plain: Schedule | None  # ... and its schedule where that refit's first step may start from it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -411,8 +412,8 @@ class FloorRun:
             self.best = _Best(score=score, plan=plan, figures=figures, rounds=schedule.rounds,
                               plain=fitted.schedule if fitted.plain and refits else None)
         if figures is not None:  # kept for others(): the memory budget may want it, and it is seconds to redo
-            self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays,
-                                                      rounds=schedule.rounds)
+            self.finished[len(self.scores)] = _Scored(plan=plan, figures=figures, arrays=arrays, rounds=schedule.rounds,
+                                                      plain=fitted.schedule if fitted.plain else None)
         if not fits and (self.least is None or peak < self.least.score.max_buffer_tokens):
             self.least = _Least(score=score, transfers=transfers, fan_out=candidate.fan_out, schedule=schedule)
         self.scores.append(score)
@@ -428,7 +429,7 @@ class FloorRun:
         for seconds, index in faster:
             scored = self.finished[index]
             yield Alternative(name=self.scores[index].name, plan=scored.plan, layer_seconds=seconds,
-                              arrays=scored.arrays, rounds=scored.rounds)
+                              arrays=scored.arrays, rounds=scored.rounds, plain=scored.plain)
 
     def winner(self, index: int) -> _Winner:
         """The plan of the winner, the score at `index`: the fastest that fit, its backward's last stage kept to

@@ -66,6 +66,7 @@ class Alternative:
     layer_seconds: float  # its simulated layer time, forward plus backward
     arrays: RankArrays | None  # its ranks as the floor stacked them to simulate it, and their encoder columns
     rounds: Rounds | None = None  # its rounds before relays, which a refit schedules again (None: not held)
+    plain: Schedule | None = None  # its schedule where it is coalesce's at the requested rounds a stage (as KeptPlan)
 
 
 def _no_others(limit: float) -> Iterator[Alternative]:
@@ -230,7 +231,7 @@ def _refit_runner_up(timer: PassTimer, runner_up: Alternative, best: BudgetFit |
     (:func:`fcp_compiler.core.budget_refit.most_refits`)."""
     winners = search.floor_bytes, search.unmet  # the record names the plan returned
     refit = refit_to_budget(timer, runner_up.plan, options, digest, budget_bytes, search, lambda: runner_up.rounds,
-                            tile_budget, None, first, segments, most_steps=max(search.refits, 1))
+                            tile_budget, runner_up.plain, first, segments, most_steps=max(search.refits, 1))
     if refit is not None and (best is None or refit.layer_seconds < best.layer_seconds):
         search.kept = f"{runner_up.name}, in smaller stages"
         return refit
