@@ -377,6 +377,26 @@ def test_a_plan_with_the_budgets_deeper_backward_stages_validates_and_replays_ex
     run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
 
 
+def test_a_runner_up_refitted_under_the_budget_validates_and_replays_exactly():
+    """Where the floor's winner refits slower than another candidate over the budget, that candidate is refitted and
+    kept: its plan (another placement than the winner's, in smaller stages) keeps every invariant, fits its budget,
+    and replays exactly in fp64 on 8 gloo ranks."""
+    torch = pytest.importorskip("torch")
+    from fcp_compiler.tools.traces import lognormal_batch
+    from runtime_harness import compare_with_reference, run_ranks
+
+    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=6)
+    options = dict(block_size=256, coalesce=16, gpus_per_node=4)
+    unbudgeted = compile_plan(lengths, 8, memory_budget_gib=float("inf"), **options).header
+    budget_gib = 0.7 * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
+    plan = compile_valid(lengths, 8, memory_budget_gib=budget_gib, **options)
+    kept, winner = plan.stats["memory"]["kept"], plan.stats["floor"]["winner"]
+    assert kept.endswith(", in smaller stages") and not kept.startswith(("the winner", winner))  # the case
+    header = plan.header
+    assert max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd)) <= budget_gib * 2**30
+    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
+
+
 def test_an_account_stopped_above_a_peak_is_the_full_accounts_first_ranks(unbudgeted, monkeypatch):
     """The budget's refits and the other candidates only ask whether a plan fits: the account may stop after the
     first group of ranks with a peak above a limit, and what it returned is then the full account of those ranks."""
