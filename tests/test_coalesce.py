@@ -211,7 +211,7 @@ def test_round_order_chooses_the_stages_of_the_plain_greedy(num_rounds, num_rank
 
 @given(st.integers(1, 4), st.integers(0, 300), st.integers(1, 3), st.integers(0, 10_000))
 def test_pipeline_order_is_the_lexsort_by_rank_stage_arrival_and_index(num_ranks, num_tiles, per_stage, seed):
-    from fcp_compiler.core.passes.coalesce import _pipeline_order
+    from fcp_compiler.algorithms.leveling import pipeline_order as _pipeline_order
 
     rng = np.random.default_rng(seed)
     rank = rng.integers(0, num_ranks, size=num_tiles)

@@ -279,24 +279,27 @@ def test_an_equal_chunk_placement_past_a_limit_is_skipped_with_its_reason_not_th
         compile_plan([5000, 300], 8, planner="magi")
 
 
-@pytest.mark.parametrize("seed, kept", [(3, "levelled"), (2, "out of last stage")])
-def test_the_winners_backward_keeps_its_last_stage_to_itself_where_that_simulates_faster(seed, kept):
-    """The floor's winner is scheduled again with the backward's pulled-K,V tiles out of its last stage; the plan
-    kept is the faster of the two within the memory budget, its stats record both, and it validates (one batch
-    where each wins)."""
+@pytest.mark.parametrize("seed, kept, pulled_back", [(3, "levelled", False), (2, "out of last stage", False),
+                                                     (7, "levelled", True)])
+def test_the_winners_backward_keeps_its_last_stage_to_itself_where_that_simulates_faster(seed, kept, pulled_back):
+    """The floor's winner is scheduled again with the backward's pulled-K,V tiles out of its last stage, then with
+    its tiles pulled back into stages with room; the plan kept is the fastest within the memory budget, its stats
+    record each, and it validates (batches where each wins)."""
     lengths = lognormal_batch(16 * 8192, 2048, 1.8, 64, 131072, seed=seed)
     plan = compile_valid(lengths, 16, block_size=512, coalesce=4, gpus_per_node=4)
     floor = plan.stats["floor"]
     record = floor["backward_last_stage"]
-    assert record is not None and record["out_of_last_stage_s"] is not None
+    assert record is not None and record["out_of_last_stage_s"] is not None and record["pulled_back_s"] is not None
     simulated = simulate_plan(plan).layer_figures()
     layer = simulated["layer_makespan_fwd_s"] + simulated["layer_makespan_bwd_s"]
     winner = next(row for row in floor["candidates"] if row["name"] == floor["winner"])
     assert record["levelled_s"] == pytest.approx(winner["layer_makespan_fwd_s"] + winner["layer_makespan_bwd_s"],
                                                  rel=1e-12)
-    assert layer == pytest.approx(min(record["levelled_s"], record["out_of_last_stage_s"]), rel=1e-12)
+    last_stage = min(record["levelled_s"], record["out_of_last_stage_s"])
+    assert layer == pytest.approx(min(last_stage, record["pulled_back_s"]), rel=1e-12)
     assert record["kept"] == kept == ("out of last stage" if record["out_of_last_stage_s"] < record["levelled_s"]
                                       else "levelled")
+    assert record["pulled_back"] == pulled_back == (record["pulled_back_s"] < last_stage)
     assert plan.header.max_buffer_tokens <= floor["memory_budget_tokens"]
     backward = plan.ir.schedule.backward
     if record["kept"] == "out of last stage":  # no tile of a pulled K,V whose data came earlier is left there
@@ -392,3 +395,15 @@ def test_larger_stages_are_not_tried_where_one_tile_is_near_the_top_of_the_effic
     timer, options, scored = _scored_at_requested_stages(4, 4096, 0)
     monkeypatch.setattr(schedule_search, "coalesce", lambda *args, **kwargs: pytest.fail("a second schedule"))
     assert schedule_search.faster_stages(timer, scored, options, "0" * 64, 10 * scored.peak_tokens) is scored
+
+
+def test_a_winner_with_its_tiles_pulled_back_validates_and_replays_exactly():
+    """A plan whose tiles were pulled back into stages with room (tiles run earlier than levelling put them, pushes
+    placed again) keeps every invariant and replays exactly in fp64 on 8 gloo ranks."""
+    torch = pytest.importorskip("torch")
+    from runtime_harness import compare_with_reference, run_ranks
+
+    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=7)
+    plan = compile_valid(lengths, 8, block_size=256, coalesce=16, gpus_per_node=4)
+    assert plan.stats["floor"]["backward_last_stage"]["pulled_back"]  # the case this test is for
+    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))

@@ -200,3 +200,67 @@ def test_the_scans_float32_bound_is_the_nearest_at_or_below(values):
     assert bound.dtype == np.float32 and (bound.astype(np.float64) <= exact).all()
     up = np.nextafter(bound, np.float32(np.inf))
     assert (up.astype(np.float64) > exact).all()
+
+
+def _pulled_back_by_rule(stage, earliest, rank, seconds, level):
+    """pull_back's rule spelled out: stages from the first; each rank's delayed tiles, latest stage first then by
+    index, each moved into the stage where it fits the room left (the rank's work there under the level), the room
+    of a stage it leaves growing by its work."""
+    stage = [int(s) for s in stage]
+    num_ranks = int(max(rank)) + 1 if len(rank) else 0
+    work = {(s, r): 0.0 for s in range(len(level)) for r in range(num_ranks)}
+    for tile, (s, r) in enumerate(zip(stage, rank)):
+        work[s, int(r)] += seconds[tile]
+    for owner in range(num_ranks):
+        for target in range(len(level)):
+            candidates = sorted((tile for tile in range(len(stage)) if rank[tile] == owner
+                                 and stage[tile] > earliest[tile]), key=lambda tile: (-stage[tile], tile))
+            for tile in candidates:
+                room = level[target] - work[target, owner]
+                if room <= 0:
+                    break
+                if stage[tile] > target >= earliest[tile] and seconds[tile] <= room:
+                    work[stage[tile], owner] -= seconds[tile]
+                    work[target, owner] += seconds[tile]
+                    stage[tile] = target
+    return stage
+
+
+@given(st.integers(1, 4), st.integers(0, 30), st.integers(0, 10_000))
+def test_pulled_back_tiles_are_the_rule_spelled_out_and_only_move_earlier_into_room(num_ranks, num_tiles, seed):
+    from fcp_compiler.algorithms.leveling import pull_back
+
+    rng = np.random.default_rng(seed)
+    num_stages = 5
+    earliest = rng.integers(0, num_stages, num_tiles)
+    stage = np.minimum(earliest + rng.integers(0, 3, num_tiles), num_stages - 1)
+    rank = rng.integers(0, num_ranks, num_tiles)
+    seconds = rng.choice([0.5, 1.0, 2.0], num_tiles)
+    level = rng.choice([0.0, 1.0, 2.5, 4.0], num_stages)
+    pulled = pull_back(stage, earliest, rank, seconds, level)
+    assert pulled.tolist() == _pulled_back_by_rule(stage, earliest, rank, seconds, level)
+    assert ((earliest <= pulled) & (pulled <= stage)).all()
+    before = stage_loads(stage, rank, seconds, num_stages, num_ranks)
+    after = stage_loads(pulled, rank, seconds, num_stages, num_ranks)
+    gained = after > before + 1e-12
+    assert (after[gained] <= np.broadcast_to(level[:, None], after.shape)[gained] + 1e-12).all()
+
+
+def test_a_stage_with_room_under_its_messages_takes_the_tiles_levelling_delayed():
+    from fcp_compiler.algorithms.leveling import pull_back
+
+    # Rank 0's tiles could all run in stage 1, but levelling delayed two to stage 2 (rank 1 is busy there); stage 1
+    # lasts 2 s of messages anyway: both come back, the third (3 s) does not fit.
+    earliest, stage = np.array([1, 1, 1, 2]), np.array([2, 2, 2, 2])
+    rank, seconds = np.array([0, 0, 0, 1]), np.array([1.0, 1.0, 3.0, 4.0])
+    assert pull_back(stage, earliest, rank, seconds, np.array([0.0, 2.0, 4.0])).tolist() == [1, 1, 2, 2]
+
+
+def test_stage_message_seconds_are_each_link_ends_bytes_over_its_class():
+    from fcp_compiler.algorithms.leveling import stage_message_seconds
+
+    # Rank 0 sends 100 B across nodes and 300 B inside its node in stage 0; rank 1 receives 300 B inside it.
+    stage, src, dst = np.array([0, 0, 1]), np.array([0, 0, 2]), np.array([2, 1, 0])
+    nbytes, across = np.array([100.0, 300.0, 50.0]), np.array([True, False, True])
+    seconds = stage_message_seconds(stage, src, dst, nbytes, across, 2, 3, 10.0, 100.0)
+    assert seconds.tolist() == [[10.0, 3.0, 10.0], [5.0, 0.0, 5.0]]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fcp_compiler.algorithms.keys import stable_order
+from fcp_compiler.algorithms.keys import stable_argsort, stable_order
 from fcp_compiler.algorithms.liveness import live_tokens
 
 
@@ -167,6 +167,128 @@ def level_stages(earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray, nu
             skips += ~fits
             ranks, position, gap, skips = scan.step(ranks, position, gap, skips)
     return stage
+
+
+def arrival_round_of(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
+    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local: int32 (one entry a
+    tile; rounds are int32 in the plan), so arithmetic on it that may grow widens first."""
+    round_or_local = np.append(pull_round, -1).astype(np.int32)  # index -1 (no pull) reads -1 (local)
+    arrival = round_or_local[tile_kv_edge]
+    return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
+
+
+def earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
+    """Each tile's first stage: the one after its later pull's, 0 for a tile whose data is all local."""
+    return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
+
+
+def backward_earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
+    """Each tile's first stage in the backward (stages of `coalesce` rounds), whose pulls take round 2r for the
+    forward's round r (`arrival_round`: the forward's, -1 for a tile whose data is all local): written over
+    `arrival_round` (a column a tile, millions at small blocks: one held, not three)."""
+    local = arrival_round < 0
+    arrival_round *= 2
+    arrival_round //= coalesce
+    arrival_round += 1
+    arrival_round[local] = 0
+    return arrival_round
+
+
+def stage_message_seconds(stage: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                          across: np.ndarray, num_stages: int, num_ranks: int, nic_bytes_per_s: float,
+                          nvlink_bytes_per_s: float) -> np.ndarray:
+    """Per (stage, rank), the longer of its link ends' message time: the bytes it sends or receives in the stage on
+    each link class (`across`: the message crosses nodes, on the NIC; else NVLink) over that class's bandwidth.
+
+    Args:
+        stage, src, dst, nbytes, across: per message.
+        num_stages, num_ranks: the shape of the result.
+        nic_bytes_per_s, nvlink_bytes_per_s: each class's bandwidth a link end.
+    Returns:
+        float64 [num_stages, num_ranks] seconds.
+    """
+    seconds = np.zeros(num_stages * num_ranks)
+    for link, bytes_per_s in ((across, nic_bytes_per_s), (~across, nvlink_bytes_per_s)):
+        key = np.multiply(stage[link], num_ranks, dtype=np.int64)
+        weights = np.asarray(nbytes, dtype=np.float64)[link]
+        sent = np.bincount(key + src[link], weights=weights, minlength=num_stages * num_ranks)
+        received = np.bincount(key + dst[link], weights=weights, minlength=num_stages * num_ranks)
+        np.maximum(seconds, np.maximum(sent, received) / bytes_per_s, out=seconds)
+    return seconds.reshape(num_stages, num_ranks)
+
+
+def pull_back(stage: np.ndarray, earliest: np.ndarray, rank: np.ndarray, seconds: np.ndarray,
+              level: np.ndarray) -> np.ndarray:
+    """Tiles a schedule runs after their earliest stage moved earlier, each no earlier than its earliest, while its
+    rank's work in the stage it moves to stays at or under that stage's level.
+
+    :func:`level_stages` delays tiles so that each stage's busiest rank carries less, but a stage also lasts as long
+    as its messages take: where they take longer than its tiles, work up to that time is free there, and a tile run
+    earlier frees the buffer it reads sooner and leaves a later stage shorter. Greedy: stages from the first, each
+    rank's delayed tiles latest stage first (then by index), each moved where it fits the room left.
+
+    Objective: none proven (a heuristic the floor keeps only where it simulates faster). O(T log T + sum over ranks
+    of S x D) for T tiles, S stages and D the rank's delayed tiles.
+
+    Args:
+        stage: int64 [T], each tile's stage.
+        earliest: int64 [T], the first stage it may run in (at most its stage).
+        rank: int64 [T], the rank running it.
+        seconds: float64 [T], its work.
+        level: float64 [S], the most work a rank may carry in each stage.
+    Returns:
+        int64 [T] stage of each tile (a copy).
+    """
+    stage = np.array(stage, dtype=np.int64)
+    num_stages, num_ranks = int(level.size), int(rank.max(initial=-1)) + 1
+    assert (earliest <= stage).all() and int(stage.max(initial=0)) < max(num_stages, 1)
+    work = stage_loads(stage, rank, seconds, num_stages, num_ranks)
+    delayed = np.flatnonzero(stage > earliest)
+    delayed = delayed[np.lexsort((delayed, -stage[delayed], rank[delayed]))]  # by rank, latest stage first
+    bounds = np.searchsorted(rank[delayed], np.arange(num_ranks + 1)).tolist()
+    stage_of, earliest_of, seconds_of = stage.tolist(), np.asarray(earliest).tolist(), seconds.tolist()
+    room_of = (level[:, None] - work).tolist()
+    for owner in range(num_ranks):
+        mine = delayed[bounds[owner]:bounds[owner + 1]].tolist()
+        for target in range(num_stages):
+            room = room_of[target][owner]
+            if not mine or room <= 0:
+                continue
+            for tile in mine:
+                if stage_of[tile] > target >= earliest_of[tile] and seconds_of[tile] <= room:
+                    room_of[stage_of[tile]][owner] += seconds_of[tile]  # (a later target gains the room)
+                    stage_of[tile] = target
+                    room -= seconds_of[tile]
+                    if room <= 0:
+                        break
+            mine = [tile for tile in mine if stage_of[tile] > earliest_of[tile]]
+    return np.asarray(stage_of, dtype=np.int64)
+
+
+def pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
+                   delayed: np.ndarray) -> np.ndarray:
+    """Tiles by (rank, stage, round their data arrives, index).
+
+    A tile's earliest stage never decreases with its arrival round, so the tiles levelling left there are in this
+    order once sorted by (rank, arrival round): one radix pass over millions of tiles. The few it delayed are sorted
+    apart and merged in; none shares a (rank, stage, round) with a tile left in place, whose stage is the earliest
+    of that round. `delayed`: the tiles moved past their earliest stage.
+    """
+    if tile_rank.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    num_ranks = int(tile_rank.max()) + 1
+    num_stages, num_rounds = int(tile_stage.max()) + 1, int(arrival_round.max()) + 2
+    if num_ranks * num_stages * num_rounds >= 2**62:
+        return np.lexsort((np.arange(tile_rank.size), arrival_round, tile_stage, tile_rank))
+    # int32: one entry a tile, an index into the plan's int32 tile rows.
+    kept = stable_order(tile_rank * num_rounds + (arrival_round + 1), num_ranks * num_rounds).astype(np.int32)
+    if not delayed.any():
+        return kept
+    kept = kept[~delayed[kept]]
+    moved = np.flatnonzero(delayed)
+    key = (tile_rank * num_stages + tile_stage) * num_rounds + (arrival_round + 1)
+    moved = moved[stable_argsort(key[moved])]
+    return np.insert(kept, np.searchsorted(key[kept], key[moved]), moved)
 
 
 def _fill_rank(scan: _Scan, buffers: _LiveBuffers | None, load: np.ndarray, stage: np.ndarray, earliest: np.ndarray,

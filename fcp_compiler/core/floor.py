@@ -37,11 +37,11 @@ from fcp_compiler.core.memory_budget import Alternative, KeptPlan, memory_budget
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.placement import EQUAL_CHUNKS, LAYER_TOLERANCES, Placement, place, same_placement, shard_and_cost
-from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, ScoredSchedule, SegmentCache,
-                                               backward_last_stage, coalesce_within, fanned_out, faster_stages, finish,
-                                               fit_memory, layer_figures, make_rounds, most_received_tokens, route,
-                                               stacked_with_columns)
+from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, ScoredSchedule, SegmentCache, coalesce_within,
+                                               fanned_out, faster_stages, finish, fit_memory, layer_figures,
+                                               make_rounds, most_received_tokens, route, stacked_with_columns)
 from fcp_compiler.core.simulate import LAYER_STATS, busy_lower_bound
+from fcp_compiler.core.winner_schedule import backward_last_stage
 from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.inputs import Layout
 

@@ -23,8 +23,7 @@ from fcp_compiler.core.ir import Assignment, Reshuffle, Rounds, Schedule, TileSe
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.coalesce import (TIGHT_LEVELLING_STAGES, coalesce, coalesce_forward, complete_backward,
-                                               forward_peak, max_buffer_tokens, pass_peaks,
-                                               remote_tiles_out_of_last_stage, smaller_backward_rounds,
+                                               forward_peak, max_buffer_tokens, pass_peaks, smaller_backward_rounds,
                                                with_backward_rounds)
 from fcp_compiler.core.passes.cost import tile_efficiency
 from fcp_compiler.core.passes.encode import rank_columns
@@ -150,16 +149,6 @@ class FittedSchedule:
     schedule: Schedule | None  # None: every forward half tried was over the budget by more than half
     peak_tokens: int | None  # its peak live buffer tokens before relays (None: not measured)
     plain: bool  # whether it is coalesce's own schedule at the requested rounds a stage (the first tried)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LastStage:
-    """The floor's winner with its backward's last stage kept to itself or not (:func:`backward_last_stage`)."""
-
-    plan: ScheduledPlan
-    figures: dict  # its simulated layer figures
-    record: dict | None  # the comparison for the floor's stats (None: no tile would move)
-    held: RankArrays | None  # its stacked ranks and encoder columns, where made
 
 
 def route(timer: PassTimer, assignment: Assignment, options: CompileOptions, as_its_system: bool = False) -> Transfers:
@@ -443,32 +432,3 @@ def layer_figures(plan: ScheduledPlan, segments: Segments | None = None, stacked
     pairs, kinds = (segments.pairs, segments.kinds) if segments is not None else (None, None)
     return simulate_plan(HeldPlan(stacked=stacked, tiles=final.tiles, pairs=pairs, kinds=kinds, final=final),
                          attention_alone=False).layer_figures()
-
-
-def backward_last_stage(timer: PassTimer, plan: ScheduledPlan, figures: dict, options: CompileOptions, digest: str,
-                        budget_tokens: int, segments: Segments | None = None,
-                        held: RankArrays | None = None) -> LastStage:
-    """The floor's winner, or the same plan with the backward's pulled-K,V tiles that levelling put into its last
-    stage back in their earliest (remote_tiles_out_of_last_stage) where that simulates faster and fits
-    `budget_tokens`. `held`: the winner's stacked ranks and encoder columns; `figures`: its layer figures.
-
-    Returns:
-        the LastStage: the plan kept, its figures and arrays, and the comparison for the floor's stats.
-    """
-    moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan.final.schedule)
-    if moved is None:
-        return LastStage(plan=plan, figures=figures, record=None, held=held)
-    other = finish(timer, moved, options, digest, relays=False)  # the winner's relays are in its schedule already
-    other_held, other_figures = None, None
-    if other.max_buffer_tokens <= budget_tokens:
-        other_held = stacked_with_columns(timer, other)
-        other_figures = timer.run("score", layer_figures, other, segments, other_held.stacked)
-    levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
-    out_of_last = other_figures["layer_makespan_fwd_s"] + other_figures["layer_makespan_bwd_s"] \
-        if other_figures is not None else None
-    kept = out_of_last is not None and out_of_last < levelled
-    record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
-              "out_of_last_stage_s": out_of_last, "max_buffer_tokens": other.max_buffer_tokens}
-    if kept:
-        return LastStage(plan=other, figures=other_figures, record=record, held=other_held)
-    return LastStage(plan=plan, figures=figures, record=record, held=held)

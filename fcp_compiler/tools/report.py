@@ -68,11 +68,14 @@ def _floor_line(stats: dict) -> list[str]:
                f"tokens, {row['most_received_tokens'] / budget:.1f}x the budget)"
                for row in floor.get("out_of_reach", [])]
     count = len(floor["candidates"])
-    last = floor.get("backward_last_stage")
-    if last is not None:  # the winner again with its backward's pulled-K,V tiles out of the last stage
+    last = floor.get("backward_last_stage") or {}
+    if "kept" in last:  # the winner again with its backward's pulled-K,V tiles out of the last stage
         other = f"{last['out_of_last_stage_s'] * 1e3:.1f} ms" if last["out_of_last_stage_s"] is not None else \
             f"over memory ({last['max_buffer_tokens']} tokens)"
         scored.append(f"{floor['winner']}'s backward last stage: {last['kept']} (pulled-K,V tiles out of it {other})")
+    if last.get("pulled_back_s") is not None:  # and with its tiles pulled back into stages with room
+        scored.append(f"tiles pulled back: {'kept' if last['pulled_back'] else 'not kept'} "
+                      f"({last['pulled_back_s'] * 1e3:.1f} ms)")
     return [f"  floor: kept {kept_candidate(stats)} of {count} candidate{'s' if count != 1 else ''} scheduled (layer "
             f"fwd + bwd, live buffers <= {budget} tokens): " + "; ".join(scored)]
 

@@ -9,8 +9,10 @@ import numpy as np
 
 from fcp_compiler.algorithms.exchange import (backward_push_rounds, forward_push_rounds, link_capacity, link_ends,
                                               spread_messages)
-from fcp_compiler.algorithms.keys import lookup, sorted_unique, stable_argsort, stable_order
-from fcp_compiler.algorithms.leveling import BufferLimit, Prepared, level_stages, prepare_levelling, stage_loads
+from fcp_compiler.algorithms.keys import lookup, sorted_unique
+from fcp_compiler.algorithms.leveling import (BufferLimit, Prepared, arrival_round_of, backward_earliest_stage,
+                                              earliest_stage, level_stages, pipeline_order, prepare_levelling,
+                                              pull_back, stage_loads, stage_message_seconds)
 from fcp_compiler.algorithms.liveness import peak_live_tokens
 from fcp_compiler.algorithms.round_order import order_rounds, rounds_first
 from fcp_compiler.core.ir import PassSchedule, Rounds, Schedule, TransferKind, Transfers
@@ -100,31 +102,6 @@ def max_buffer_tokens(schedule: Schedule) -> int:
     return max(pass_peaks(schedule))
 
 
-def _arrival_round(pull_round: np.ndarray, tile_kv_edge: np.ndarray, tile_q_edge: np.ndarray) -> np.ndarray:
-    """Per tile, the round of the later of its pulls, -1 for a tile whose data is all local: int32 (one entry a
-    tile; rounds are int32 in the plan), so arithmetic on it that may grow widens first."""
-    round_or_local = np.append(pull_round, -1).astype(np.int32)  # index -1 (no pull) reads -1 (local)
-    arrival = round_or_local[tile_kv_edge]
-    return np.maximum(arrival, round_or_local[tile_q_edge], out=arrival)
-
-
-def _earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
-    """Each tile's first stage: the one after its later pull's, 0 for a tile whose data is all local."""
-    return np.where(arrival_round >= 0, arrival_round // coalesce + 1, 0)
-
-
-def _backward_earliest_stage(arrival_round: np.ndarray, coalesce: int) -> np.ndarray:
-    """Each tile's first stage in the backward (stages of `coalesce` rounds), whose pulls take round 2r for the
-    forward's round r (`arrival_round`: the forward's, -1 for a tile whose data is all local): written over
-    `arrival_round` (a column a tile, millions at small blocks: one held, not three)."""
-    local = arrival_round < 0
-    arrival_round *= 2
-    arrival_round //= coalesce
-    arrival_round += 1
-    arrival_round[local] = 0
-    return arrival_round
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Earliest:
     """Each tile's first stage (the one after its pulls arrive, 0 for a tile whose data is all local), the buffer
@@ -139,7 +116,7 @@ class _Earliest:
     @classmethod
     def of(cls, arrival_round: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
            assignment) -> _Earliest:
-        return cls.of_stage(_earliest_stage(arrival_round, coalesce), pull_round, coalesce, tile_kv_edge, assignment)
+        return cls.of_stage(earliest_stage(arrival_round, coalesce), pull_round, coalesce, tile_kv_edge, assignment)
 
     @classmethod
     def of_stage(cls, stage: np.ndarray, pull_round: np.ndarray, coalesce: int, tile_kv_edge: np.ndarray,
@@ -230,7 +207,7 @@ def _round_work(rounds: Rounds, item: np.ndarray, num_items: int, tile_kv_edge: 
     """Work each round (item: a class's colour) makes runnable on each rank: a tile counts in the item of its
     later pull."""
     assignment = rounds.transfers.assignment
-    arrival = _arrival_round(item, tile_kv_edge, tile_q_edge)
+    arrival = arrival_round_of(item, tile_kv_edge, tile_q_edge)
     num_ranks = assignment.num_ranks
     # Local tiles (arrival -1) land in one extra bin, dropped: no compression of millions of tiles.
     key = np.multiply(arrival, num_ranks, dtype=np.int64)
@@ -259,7 +236,7 @@ def place_after_entries(edge_round: np.ndarray, transfers: Transfers, rounds_per
     num_ranks, seconds = assignment.num_ranks, assignment.tiles.tile_seconds
     fixed = np.flatnonzero(edge_round >= 0)
     # Work already runnable per (stage, rank): tiles of local data in stage 0, the others after their pulls.
-    arrival = _arrival_round(edge_round, tile_kv_edge, tile_q_edge)
+    arrival = arrival_round_of(edge_round, tile_kv_edge, tile_q_edge)
     feeds_child = np.append(edge_round < 0, False)[tile_kv_edge]
     num_stages = int(edge_round.max()) // rounds_per_stage + 2
     stage = np.where(arrival >= 0, arrival // rounds_per_stage + 1, 0).astype(np.int64)
@@ -327,7 +304,7 @@ def coalesce_forward(rounds: Rounds, coalesce: int, pipelined: bool = True, buff
     lanes = rounds.nvlink_lanes
     forward_round = place_after_entries(np.where(fanned, -1, forward_round), transfers, coalesce, lanes, kv_edge,
                                         q_edge)
-    arrival_round = _arrival_round(forward_round, kv_edge, q_edge)
+    arrival_round = arrival_round_of(forward_round, kv_edge, q_edge)
     earliest = _Earliest.of(arrival_round, forward_round, coalesce, kv_edge, assignment) if pipelined else None
     forward = _forward(transfers, forward_round, coalesce, earliest, kv_edge, q_edge, budget, lanes)
     return ForwardSchedule(rounds=rounds, coalesce=coalesce, pipelined=pipelined, forward=forward,
@@ -372,7 +349,7 @@ def _earliest_levels(pull_round: np.ndarray, coalesce: int, kv_edge: np.ndarray,
                      assignment) -> float:
     """The sum over stages of the busiest rank's work when every tile runs in the stage after its pulls (order_rounds'
     objective, for these rounds)."""
-    stage = _earliest_stage(_arrival_round(pull_round, kv_edge, q_edge), coalesce)
+    stage = earliest_stage(arrival_round_of(pull_round, kv_edge, q_edge), coalesce)
     loads = stage_loads(stage, assignment.tile_rank, assignment.tiles.tile_seconds, int(stage.max(initial=0)) + 1,
                         assignment.num_ranks)
     return float(loads.max(axis=1).sum())
@@ -393,7 +370,7 @@ def complete_backward(part: ForwardSchedule) -> Schedule:
     delayed = np.zeros(tile_rank.size, dtype=bool) if earliest is None else forward.tile_stage != earliest.stage
     part.earliest = None
     del earliest  # millions of entries at small blocks: gone before the order is sorted
-    tile_order = _pipeline_order(tile_rank, forward.tile_stage, arrival_round, delayed)
+    tile_order = pipeline_order(tile_rank, forward.tile_stage, arrival_round, delayed)
     return Schedule(rounds=rounds, coalesce=coalesce, forward=forward, backward=backward, tile_kv_edge=kv_edge,
                     tile_q_edge=q_edge, tile_order=tile_order)
 
@@ -426,7 +403,7 @@ def with_backward_rounds(schedule: Schedule, backward_rounds: int,
     transfers, coalesce_degree = rounds.transfers, schedule.coalesce
     assert backward_rounds % 2 == 0 and 2 <= backward_rounds and 2 * coalesce_degree % backward_rounds == 0
     forward_round, kv_edge, q_edge = schedule.forward.edge_round, schedule.tile_kv_edge, schedule.tile_q_edge
-    stage = _backward_earliest_stage(_arrival_round(forward_round, kv_edge, q_edge), backward_rounds)
+    stage = backward_earliest_stage(arrival_round_of(forward_round, kv_edge, q_edge), backward_rounds)
     earliest = _Earliest.of_stage(stage, 2 * forward_round, backward_rounds, kv_edge, transfers.assignment)
     del stage
     block_size = transfers.assignment.tiles.sharding.block_size
@@ -450,7 +427,7 @@ def remote_tiles_out_of_last_stage(schedule: Schedule) -> Schedule | None:
     """
     backward = schedule.backward
     kv_edge, q_edge = schedule.tile_kv_edge, schedule.tile_q_edge
-    earliest = _backward_earliest_stage(_arrival_round(schedule.forward.edge_round, kv_edge, q_edge),
+    earliest = backward_earliest_stage(arrival_round_of(schedule.forward.edge_round, kv_edge, q_edge),
                                         backward.coalesce)
     last = int(backward.tile_stage.max(initial=0))
     back = (kv_edge >= 0) & (q_edge < 0) & (backward.tile_stage == last) & (earliest < last)
@@ -466,32 +443,52 @@ def remote_tiles_out_of_last_stage(schedule: Schedule) -> Schedule | None:
                                                                       push_edge=push_edge, push_round=push_round))
 
 
+def tiles_pulled_back(schedule: Schedule, backward_work: float) -> Schedule | None:
+    """The same schedule with the tiles levelling delayed run earlier where a stage has room
+    (:func:`fcp_compiler.algorithms.leveling.pull_back`), in both passes, and the pushes placed again; None where no
+    tile moves. A stage's level is the longer of its busiest rank's tiles and its busiest link end's pulls: it lasts
+    that long whatever its other ranks run. Tiles only move earlier (every buffer is freed as early or earlier);
+    pushes move, so the caller checks live buffers again. `backward_work`: a backward tile's work against its
+    forward's (its seconds are the forward's).
+    """
+    rounds, transfers = schedule.rounds, schedule.rounds.transfers
+    assignment, kv_edge, q_edge = transfers.assignment, schedule.tile_kv_edge, schedule.tile_q_edge
+    forward, backward, lanes = schedule.forward, schedule.backward, rounds.nvlink_lanes
+    arrival = arrival_round_of(forward.edge_round, kv_edge, q_edge)
+    forward_earliest = earliest_stage(arrival, forward.coalesce)
+    seconds = assignment.tiles.tile_seconds
+    forward_stage = _pulled_back(forward, forward_earliest, seconds, transfers)
+    backward_stage = _pulled_back(backward, backward_earliest_stage(arrival.copy(), backward.coalesce),
+                                  seconds * backward_work, transfers)
+    if np.array_equal(forward_stage, forward.tile_stage) and np.array_equal(backward_stage, backward.tile_stage):
+        return None
+    is_q, num_ranks = transfers.edge_kind == TransferKind.Q, assignment.num_ranks
+    forward_pushes = forward_push_rounds(is_q, transfers.edge_src, transfers.edge_dst, num_ranks, forward.edge_round,
+                                         forward_stage, kv_edge, q_edge, forward.coalesce, transfers.edge_link, lanes)
+    backward_pushes = backward_push_rounds(transfers.edge_src, transfers.edge_dst, transfers.edge_parent, num_ranks,
+                                           backward.edge_round, backward_stage, kv_edge, q_edge, backward.coalesce,
+                                           transfers.edge_link, lanes)
+    tile_order = pipeline_order(assignment.tile_rank, forward_stage, arrival, forward_stage != forward_earliest)
+    return dataclasses.replace(
+        schedule, tile_order=tile_order,
+        forward=dataclasses.replace(forward, tile_stage=forward_stage, push_edge=forward_pushes[0],
+                                    push_round=forward_pushes[1]),
+        backward=dataclasses.replace(backward, tile_stage=backward_stage, push_edge=backward_pushes[0],
+                                     push_round=backward_pushes[1]))
+
+
+def _pulled_back(program: PassSchedule, earliest: np.ndarray, seconds: np.ndarray, transfers: Transfers) -> np.ndarray:
+    """One pass's tile stages pulled back (:func:`tiles_pulled_back`), its tiles' work `seconds`."""
+    profile, tile_rank = transfers.assignment.tiles.profile, transfers.assignment.tile_rank
+    num_stages, num_ranks = program.num_stages, transfers.assignment.num_ranks
+    pulls = stage_message_seconds(program.edge_stage, transfers.edge_src, transfers.edge_dst, transfers.edge_bytes,
+                                  transfers.edge_link == 1, num_stages, num_ranks, profile.network_gbps * 1e9,
+                                  profile.nvlink_gbps * 1e9)
+    level = np.maximum(pulls.max(axis=1), stage_loads(program.tile_stage, tile_rank, seconds, num_stages,
+                                                      num_ranks).max(axis=1))
+    return pull_back(program.tile_stage, earliest.astype(np.int64), tile_rank, seconds, level)
+
+
 def forward_peak(part: ForwardSchedule) -> int:
     """The most live buffer tokens any rank holds in any stage of the forward half."""
     return _pass_peak(part.forward, part.rounds.transfers, part.tile_kv_edge, part.tile_q_edge)
-
-
-def _pipeline_order(tile_rank: np.ndarray, tile_stage: np.ndarray, arrival_round: np.ndarray,
-                    delayed: np.ndarray) -> np.ndarray:
-    """Tiles by (rank, stage, round their data arrives, index).
-
-    A tile's earliest stage never decreases with its arrival round, so the tiles levelling left there are in this
-    order once sorted by (rank, arrival round): one radix pass over millions of tiles. The few it delayed are sorted
-    apart and merged in; none shares a (rank, stage, round) with a tile left in place, whose stage is the earliest
-    of that round. `delayed`: the tiles levelling moved past their earliest stage.
-    """
-    if tile_rank.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    num_ranks = int(tile_rank.max()) + 1
-    num_stages, num_rounds = int(tile_stage.max()) + 1, int(arrival_round.max()) + 2
-    if num_ranks * num_stages * num_rounds >= 2**62:
-        return np.lexsort((np.arange(tile_rank.size), arrival_round, tile_stage, tile_rank))
-    # int32: one entry a tile, an index into the plan's int32 tile rows.
-    kept = stable_order(tile_rank * num_rounds + (arrival_round + 1), num_ranks * num_rounds).astype(np.int32)
-    if not delayed.any():
-        return kept
-    kept = kept[~delayed[kept]]
-    moved = np.flatnonzero(delayed)
-    key = (tile_rank * num_stages + tile_stage) * num_rounds + (arrival_round + 1)
-    moved = moved[stable_argsort(key[moved])]
-    return np.insert(kept, np.searchsorted(key[kept], key[moved]), moved)
