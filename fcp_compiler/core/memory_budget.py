@@ -148,9 +148,9 @@ def within_budget(timer: PassTimer, kept: KeptPlan, options: CompileOptions, dig
     """The kept plan with each rank's memory peaks per pass in its header (:func:`plan_peak_bytes`) and, where a peak
     is over the byte budget, its placement scheduled again holding less (:func:`refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits, or the fastest of the floor's other candidates that fits as
-    scheduled (:func:`_faster_within_budget`); encoded. The floor's candidates are scored without the account, so
-    only the plan compile_plan returns pays for it. A default budget no schedule meets leaves the plan as it was
-    (its header then states no budget); a given one is refused.
+    scheduled (:func:`_faster_within_budget`) or refitted (:func:`_refit_runner_up`); encoded. The floor's
+    candidates are scored without the account, so only the plan compile_plan returns pays for it. A default budget
+    no schedule meets leaves the plan as it was (its header then states no budget); a given one is refused.
 
     Args:
         timer: times each pass.
