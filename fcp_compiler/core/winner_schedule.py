@@ -5,6 +5,7 @@ tiles only earlier, within the memory budget, and is kept only where it simulate
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fcp_compiler.core.ir import Schedule
@@ -25,6 +26,11 @@ class LastStage:
     figures: dict  # its simulated layer figures
     record: dict | None  # the comparison for the floor's stats (None: no tile would move)
     held: RankArrays | None  # its stacked ranks and encoder columns, where made
+
+    @property
+    def layer_seconds(self) -> float:
+        """Its simulated layer time, forward plus backward."""
+        return self.figures["layer_makespan_fwd_s"] + self.figures["layer_makespan_bwd_s"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,17 +70,16 @@ def backward_last_stage(timer: PassTimer, plan: ScheduledPlan, figures: dict, op
     Returns:
         the LastStage: the plan kept, its figures and arrays, and the comparison for the floor's stats.
     """
+    last = LastStage(plan=plan, figures=figures, record=None, held=held)
     moved = timer.run("coalesce", remote_tiles_out_of_last_stage, plan.final.schedule)
-    if moved is None:
-        return _pulled_back(timer, LastStage(plan=plan, figures=figures, record=None, held=held), options, digest,
-                            budget_tokens, segments)
-    other = _variant(timer, moved, options, digest, budget_tokens, segments)
-    levelled = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
-    kept = other.seconds is not None and other.seconds < levelled
-    record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
-              "out_of_last_stage_s": other.seconds, "max_buffer_tokens": other.plan.max_buffer_tokens}
-    last = LastStage(plan=other.plan, figures=other.figures, record=record, held=other.held) if kept else \
-        LastStage(plan=plan, figures=figures, record=record, held=held)
+    if moved is not None:
+        other = _variant(timer, moved, options, digest, budget_tokens, segments)
+        levelled = last.layer_seconds
+        kept = other.seconds is not None and other.seconds < levelled
+        record = {"kept": "out of last stage" if kept else "levelled", "levelled_s": levelled,
+                  "out_of_last_stage_s": other.seconds, "max_buffer_tokens": other.plan.max_buffer_tokens}
+        last = LastStage(plan=other.plan, figures=other.figures, record=record, held=other.held) if kept else \
+            dataclasses.replace(last, record=record)
     return _pulled_back(timer, last, options, digest, budget_tokens, segments)
 
 
@@ -94,8 +99,8 @@ def _pulled_back(timer: PassTimer, last: LastStage, options: CompileOptions, dig
     moved = timer.run("coalesce", tiles_pulled_back, last.plan.final.schedule, BACKWARD_WORK)
     other = _variant(timer, moved, options, digest, budget_tokens, segments) if moved is not None else None
     seconds = other.seconds if other is not None else None
-    kept = seconds is not None and seconds < last.figures["layer_makespan_fwd_s"] + last.figures["layer_makespan_bwd_s"]
+    kept = seconds is not None and seconds < last.layer_seconds
     record = {**(last.record or {}), "pulled_back_s": seconds, "pulled_back": kept}
     if kept:
         return LastStage(plan=other.plan, figures=other.figures, record=record, held=other.held)
-    return LastStage(plan=last.plan, figures=last.figures, record=record, held=last.held)
+    return dataclasses.replace(last, record=record)
