@@ -105,15 +105,32 @@ def _lengths(case: dict) -> list[int]:
     return [int(x) for x in distributions(_CONTEXT["eval_data"])[case["distribution"]](case["tokens"], case["seed"])]
 
 
+def _own_peak_bytes(lengths: list[int], num_ranks: int, fields: dict) -> int:
+    """The peak device memory of FCP's own placement scheduled once at the requested rounds a stage, direct (what
+    `--no-floor` compiled before it was scheduled and finished as the floor's first candidate): the same whatever the
+    floor's or --no-floor's choices, so that trees compare on one budget and the instances stay RESULTS.md's. It runs
+    the pipeline's one-placement path (no public option reaches it for FCP any more)."""
+    from fcp_compiler.core import floor, pipeline
+    from fcp_compiler.core.memory_budget import within_budget
+    from fcp_compiler.core.pass_timer import PassTimer
+
+    timer = PassTimer()
+    prepared = pipeline._prepare(lengths, num_ranks, None, {**fields, "floor": False})
+    digest = pipeline.inputs_digest(prepared.batch, prepared.options, prepared.token_cap)
+    kept = pipeline._compile_alone(timer, prepared.batch, prepared.options, prepared.token_cap, digest)
+    decision = within_budget(timer, kept, prepared.options, digest, floor.TILE_BUDGET).decision
+    assert not decision.refitted, "a small plan over the default device budget"
+    return decision.unbudgeted_peak_bytes
+
+
 def _compile(case: dict, options: dict):
-    """The instance's plan; with a budget, the peak device memory of FCP's own placement alone (no floor: one
-    schedule at the requested rounds a stage, the same whatever the floor's choice, so that two trees compare on one
-    budget) cut by the first of BUDGET_CUTS the compiler can meet (its stages refitted), else unbudgeted."""
+    """The instance's plan; with a budget, the peak device memory of FCP's own placement alone
+    (:func:`_own_peak_bytes`) cut by the first of BUDGET_CUTS the compiler can meet (its stages refitted), else
+    unbudgeted."""
     fields = {"block_size": case["block"], "mask": case["mask"], **options}
     lengths = _lengths(case)
     if case["budget"]:
-        own = compile_plan(lengths, case["ranks"], **{**fields, "floor": False}).header
-        peak_bytes = max(max(own.max_buffer_bytes_fwd), max(own.max_buffer_bytes_bwd))
+        peak_bytes = _own_peak_bytes(lengths, case["ranks"], fields)
         for cut in BUDGET_CUTS:
             try:
                 return compile_plan(lengths, case["ranks"], memory_budget_gib=cut * peak_bytes / 2 ** 30, **fields)

@@ -14,10 +14,10 @@ It is a floor, not the method: the candidates are the placements FCP would other
 - ``attention``: FCP's placement of attention alone (the joint compute/traffic search, tokens under the cap only);
 - ``greedy``: a MagiAttention-like equal-chunk greedy (fixed slices of the packed batch, a min-heap on attention
   area, the same number of slices a rank), run through FCP's own transfer passes (node grouping, fan-out, relays);
-- ``magi``: the same placement routed as `--planner magi` routes it (each block's owner where its tokens live, no
-  node grouping; relays where they fit), direct. Neither route wins everywhere: on the 55 matrix batches the magi
-  route was faster on 3 (by up to 1.2%) and slower on 7 (by up to 1.9%) than node grouping.
+- ``magi``: the same placement routed as `--planner magi` routes it (no node grouping; relays where they fit),
+  direct: on the 55 matrix batches faster than node grouping on 3 (up to 1.2%), slower on 7 (up to 1.9%).
 
+With the floor off, FCP's own placement alone is scheduled and finished here too, as the floor's first candidate.
 The placements themselves (:class:`Placement`, shard, cost and assign) are :mod:`fcp_compiler.core.placement`'s.
 """
 
@@ -61,14 +61,10 @@ def most_scheduled(num_tiles: int) -> int:
     return max(1, TILE_BUDGET // max(num_tiles, 1))
 
 
-# Node fan-out is not scheduled where the busiest receiver of its pulls (NIC entries and the NVLink re-sends) would
-# take in more than this many live-buffer budgets of tokens over a pass, when the direct twin of the candidate is
-# tried too. An entry holds its block until it has re-sent it, and a rank receives up to a stage's rounds of pulls on
-# each link class; a rule measured, not a bound: on the 54 batches of benchmarks/layer_objective.py's matrix (64 and
-# 256 GPUs, seeds 0-2) every fan-out candidate that fit the budget took in at most 1.38 budgets on its busiest
-# receiver (the winners at most 0.78), and every one above 1.45 came out over it at every stage size the floor
-# tries. Leaving out those above 2 changed no plan and made the 256-GPU matrix compile 6% faster (measured with
-# benchmarks/compile_matrix.py; the step's record is in the git history of docs/RESULTS.md).
+# Node fan-out is not scheduled (its direct twin is) where its busiest receiver would take in more than this many
+# live-buffer budgets of tokens over a pass: an entry holds its block until it has re-sent it. Measured, not a bound:
+# on the 54 matrix batches every fan-out candidate that fit took in at most 1.38 budgets (winners 0.78), every one
+# above 1.45 was over at every stage size; leaving out those above 2 changed no plan, 6% off the 256-GPU compile.
 FAN_OUT_MOST_RECEIVED = 2
 
 
@@ -140,9 +136,8 @@ def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = Tr
     the budget with fan-out the others' fan-out won none (it fit on 3 of 29).
 
     The attention-alone placement (its joint compute/traffic search) is tried only where the looser tolerances are
-    not: beside the layer placements at three tolerances it won 1 of the 54 batches of benchmarks/layer_objective.py's
-    matrix, by 0.04% (ProLong at 256 GPUs, seed 1), while its search and schedule took 15-26% of the compile time
-    (benchmarks/compile_matrix.py); the other 53 plans stay byte-identical without it.
+    not: beside the layer placements at three tolerances it won 1 of the 54 matrix batches, by 0.04%, for 15-26% of
+    the compile time (benchmarks/compile_matrix.py).
 
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).
@@ -204,16 +199,17 @@ def choose(scores: list[Score], budget_tokens: int) -> int:
     return min(range(len(scores)), key=lambda idx: (scores[idx].max_buffer_tokens, scores[idx].layer_seconds, idx))
 
 
-def applies(options: CompileOptions) -> bool:
-    """Whether compile_plan runs the floor: it compares FCP's candidates; a baseline is its system's placement, and an
-    ablation shows one technique alone."""
-    return options.planner is Planner.FCP and options.floor and options.pipelined and options.matching_rounds
+def applies(options: CompileOptions, alone: bool = False) -> bool:
+    """Whether compile_plan runs the floor (`alone`: or, the floor off, FCP's own candidate through it alone): it
+    compares FCP's candidates; a baseline is its system's placement, and an ablation shows one technique alone."""
+    return (options.floor or alone) and options.planner is Planner.FCP and options.pipelined and options.matching_rounds
 
 
 def compile_with_floor(timer: PassTimer, batch: Batch, options: CompileOptions, token_cap: int, digest: str,
                        progress: Callable[[dict], None] | None = None, kinds: LayerKinds | None = None) -> KeptPlan:
-    """Schedule every candidate (:func:`candidates`, then :func:`fan_out_follower`) within the token budget, score
-    each that fits by the timing model and keep the winner (:func:`choose`).
+    """Schedule every candidate (:func:`candidates`, then :func:`fan_out_follower`; with options.floor off, FCP's own
+    placement only) within the token budget, score each that fits by the timing model and keep the winner
+    (:func:`choose`), its schedule finished as :func:`backward_last_stage` says.
 
     Args:
         timer: times each pass.
@@ -234,10 +230,13 @@ def compile_with_floor(timer: PassTimer, batch: Batch, options: CompileOptions, 
     run = FloorRun(timer=timer, batch=batch, options=options, token_cap=token_cap, digest=digest,
                    budget_tokens=memory_budget_tokens(options), progress=progress, kinds=kinds)
     tolerances = options.token_tolerance is None and options.layout is Layout.PLAN
-    for candidate in candidates(options.model is None, options.node_fan_out, tolerances):
+    tried = candidates(options.model is None, options.node_fan_out, tolerances) if options.floor else \
+        [Candidate(placement=Placement.LAYER, fan_out=options.resolved_node_fan_out)]
+    for candidate in tried:
         if not run.schedule(candidate):
             break
-    if options.node_fan_out is None and (follower := fan_out_follower(run.scores, run.budget_tokens)) is not None:
+    if options.floor and options.node_fan_out is None and \
+            (follower := fan_out_follower(run.scores, run.budget_tokens)) is not None:
         run.schedule(follower)
     index = choose(run.scores, run.budget_tokens)
     winner = run.winner(index)
@@ -482,10 +481,11 @@ class FloorRun:
         # A placement whose busiest rank alone computes longer than the best plan so far takes cannot win: its
         # schedules are skipped (the bound holds for every schedule of it; tests/test_floor.py checks it).
         fastest = self.best.score.layer_seconds if self.best is not None else math.inf
-        # The only candidate the floor's work allows is compared with nothing, so it is not bounded (it costs a
-        # pass over every segment pair: seconds at small blocks).
-        bound = None if self.alone else timer.run("score", busy_lower_bound, assignment, options.layout,
-                                                   options.model, self.segments.pairs_of(assignment.tiles))
+        # The only candidate the floor's work allows (or FCP's own alone) is compared with nothing, so it is not
+        # bounded (it costs a pass over every segment pair: seconds at small blocks).
+        compared = options.floor and not self.alone
+        bound = timer.run("score", busy_lower_bound, assignment, options.layout, options.model,
+                          self.segments.pairs_of(assignment.tiles)) if compared else None
         self.bounds[placement] = bound
         same = [earlier for earlier, placed in self.placed_by.items() if same_placement(placed, assignment)
                 and (earlier is Placement.MAGI) == (placement is Placement.MAGI)]  # routed alike

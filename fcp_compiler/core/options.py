@@ -77,14 +77,15 @@ class CompileOptions:
     # A K,V block crosses into a node once and fans out over NVLink; None: as each planner ships
     # (NODE_FAN_OUT_DEFAULT). FCP's floor also tries its placements with it off.
     node_fan_out: bool | None = None
-    # FCP schedules its candidate placements (core/floor.py) and keeps the fastest; False: its own placement only.
+    # FCP schedules its candidate placements (core/floor.py) and keeps the fastest; False: its own placement only
+    # (scheduled and finished as the floor's first candidate).
     floor: bool = True
     # Refuse a plan with more segment pairs than the validator enumerates (algorithms/limits.py), before sharding
     # where the lengths alone show it; False lets a tool score a ring baseline over hundreds of GPUs unvalidated.
     validatable: bool = True
-    # Schedule one placement (a baseline's, or FCP's own with the floor off) within the floor's live-buffer budget
-    # (4 x coalesce x block size tokens, smaller stages where needed) and the default memory budget, so that
-    # planners compare at equal memory.
+    # Schedule a baseline's placement within the floor's live-buffer budget (4 x coalesce x block size tokens,
+    # smaller stages where needed) and the default memory budget, so that planners compare at equal memory (FCP's
+    # own placement with the floor off is always scheduled so, as the floor's first candidate).
     fit_memory: bool = False
     # The most device memory (GiB) a rank's attention may peak at in either pass (fcp_compiler.format.memory): the
     # stages are made smaller until every rank fits, and a budget no schedule meets is refused. None: the default,

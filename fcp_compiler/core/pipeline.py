@@ -114,7 +114,7 @@ def inputs_digest(batch: Batch, options: CompileOptions, token_cap: int, kinds: 
     }
     if options.planner is Planner.FCP and not floor.applies(options):  # absent where it runs, as before it existed
         canonical["floor"] = False
-    if options.fit_memory and not floor.applies(options):  # absent unless asked (the floor always fits)
+    if options.fit_memory and not floor.applies(options, alone=True):  # absent unless asked (the floor always fits)
         canonical["fit_memory"] = True
     if options.resolved_token_tolerance is not None:  # absent when none applies
         canonical["token_tolerance"] = options.resolved_token_tolerance
@@ -234,9 +234,10 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
     options, kinds = prepared.options, prepared.kinds
     digest = inputs_digest(prepared.batch, options, prepared.token_cap, kinds,
                            kinds.primary if kinds is not None else None)
-    if floor.applies(options):  # the choice between candidates: each placement through the passes, the fastest kept
+    if floor.applies(options, alone=True):  # the choice between candidates (the floor off: FCP's own only), each
+        # placement through the passes, the fastest kept
         kept = floor.compile_with_floor(timer, prepared.batch, options, prepared.token_cap, digest, progress, kinds)
-    else:  # one placement through the passes
+    else:  # a baseline's placement, or an ablation step, through the passes
         kept = _compile_alone(timer, prepared.batch, options, prepared.token_cap, digest)
     budgeted = within_budget(timer, kept, options, digest, floor.TILE_BUDGET)
     floor_stats, fan_out = kept.floor_stats, kept.fan_out
@@ -249,7 +250,7 @@ def compile_plan(batch: BatchSpec | Sequence[int] | np.ndarray, num_ranks: int |
 
 
 def _compile_alone(timer: PassTimer, batch: Batch, options: CompileOptions, token_cap: int, digest: str) -> KeptPlan:
-    """FCP's own placement (or a baseline's, or an ablation step) through the passes once: within the floor's token
+    """A baseline's placement (or FCP's in an ablation step) through the passes once: within the floor's token
     budget where `fit_memory` asks, else at the requested rounds a stage."""
     assignment = place(timer, batch, options, token_cap, Placement.LAYER)  # shard, cost, assign
     transfers = route(timer, assignment, options)  # plan_transfers, localize
