@@ -148,7 +148,7 @@ def test_a_faster_candidate_that_fits_at_its_own_stages_beats_the_refitted_winne
     def search():
         return budget_refit.BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=120)
 
-    refit = BudgetFit(plan=plan("refit", 90), peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.10)
+    refit = BudgetFit(plan=plan("refit", 90), peaks=np.array([[1, 90]]), held=None, figures=None, layer_seconds=1.10)
     found, over = search(), []
     kept = memory_budget._faster_within_budget(timer, refit, others([("over", 120, 1.01), ("fits", 80, 1.05),
                                                                      ("after", 130, 1.07)]), 100, found, over=over)
@@ -182,14 +182,14 @@ def test_the_runner_up_over_the_budget_is_refitted_and_kept_only_where_its_refit
             search.floor_bytes, search.unmet = 70, "no schedule"
             return None if seconds is None else BudgetFit(plan=ScheduledPlan(final="runner-up refitted",
                                                                              header_fields={}),
-                                                          peaks=np.array([[1, 90]]), columns=None,
+                                                          peaks=np.array([[1, 90]]), held=None, figures=None,
                                                           layer_seconds=seconds)
         return refit
 
     runner_up = Alternative(name="layer direct c16/32", plan=ScheduledPlan(final="runner-up", header_fields={}),
                             layer_seconds=1.0, arrays=None, rounds="its rounds")
     best = BudgetFit(plan=ScheduledPlan(final="winner refitted", header_fields={}), peaks=np.array([[1, 95]]),
-                     columns=None, layer_seconds=1.1)
+                     held=None, figures=None, layer_seconds=1.1)
     timer = PassTimer()
     for seconds, kept_best, want in ((1.05, best, "runner-up refitted"), (1.15, best, "winner refitted"),
                                      (None, best, "winner refitted"), (1.3, None, "runner-up refitted"),
@@ -223,7 +223,8 @@ def test_only_a_runner_up_faster_than_the_kept_plan_by_the_margin_is_refitted(mo
     def refit(timer, plan, options, digest, budget_bytes, search, *rest, **steps):
         refitted.append(plan.final)
         return BudgetFit(plan=ScheduledPlan(final=f"{plan.final} refitted", header_fields={}),
-                         peaks=np.array([[1, 90]]), columns=None, layer_seconds=1.0 if plan.final == "winner" else 0.9)
+                         peaks=np.array([[1, 90]]), held=None, figures=None,
+                         layer_seconds=1.0 if plan.final == "winner" else 0.9)
 
     monkeypatch.setattr(memory_budget, "refit_to_budget", refit)
     monkeypatch.setattr(budget_refit, "plan_peak_bytes", lambda final, fields, **_: np.array([[1, 120]]))  # over
@@ -261,7 +262,7 @@ def test_the_step_after_the_first_that_fits_is_kept_only_where_it_is_faster_and_
     monkeypatch.setattr(budget_refit, "peak_bytes", peaks)
     timer = PassTimer()
     fitting = BudgetFit(plan=ScheduledPlan(final=("first", 1.0, 90), header_fields={}), peaks=np.array([[1, 90]]),
-                        columns=None, layer_seconds=1.0)
+                        held=None, figures=None, layer_seconds=1.0)
 
     def next_step(name, seconds, peak):
         search = budget_refit.BudgetSearch(unbudgeted_peak_bytes=120, least_peak_bytes=90)
@@ -460,3 +461,76 @@ def test_the_least_peak_found_under_an_unmet_default_budget_is_every_refits(monk
     assert least < memory_record["unbudgeted_peak_bytes"]
     with pytest.raises(InfeasibleError, match=f"the least peak found is {least / 2**30:.2f} GiB"):
         compile_plan(LENGTHS, 8, memory_budget_gib=memory_record["budget_bytes"] / 2**30)
+
+
+def test_the_plan_kept_in_the_winners_place_is_finished_as_the_winner_where_that_fits_the_bytes(monkeypatch):
+    """memory_budget._finished: a refit or another candidate is finished as the floor's winner is (its variants,
+    each kept where faster) and kept so only where the finished plan fits the byte budget too."""
+    from fcp_compiler.core import memory_budget
+    from fcp_compiler.core.budget_refit import BudgetFit, BudgetSearch
+    from fcp_compiler.core.pass_timer import PassTimer
+    from fcp_compiler.core.schedule_search import RankArrays, ScheduledPlan
+    from fcp_compiler.core.winner_schedule import LastStage
+
+    class Final:  # the plan's tiles stand in for its token budget
+        tiles = None
+
+    fit = BudgetFit(plan=ScheduledPlan(final=Final(), header_fields={"max_buffer_tokens": 10}),
+                    peaks=np.array([[1, 90]]), held=RankArrays(stacked="refit", columns=None),
+                    figures={"layer_makespan_fwd_s": 0.4, "layer_makespan_bwd_s": 0.6}, layer_seconds=1.0)
+    finished = ScheduledPlan(final="finished", header_fields={})
+    record = {"kept": "out of last stage", "pulled_back": True}
+    for peak, variant, want in ((95, finished, "finished"), (120, finished, "refit"), (None, fit.plan, "refit")):
+        seen = []
+
+        def last_stage(timer, plan, figures, options, digest, budget_tokens, segments, held, variant=variant):
+            seen.append((plan, figures, held, budget_tokens))
+            moved = variant is not plan
+            return LastStage(plan=variant, figures={"layer_makespan_fwd_s": 0.4, "layer_makespan_bwd_s": 0.5}
+                             if moved else figures, record=record, held=RankArrays(stacked="moved", columns="its")
+                             if moved else held)
+
+        monkeypatch.setattr(memory_budget, "backward_last_stage", last_stage)
+        monkeypatch.setattr(memory_budget, "memory_budget_tokens", lambda options: 8)
+        monkeypatch.setattr(memory_budget, "peak_bytes", lambda timer, plan, stacked, first, stop_above:
+                            np.array([[1, peak]]))
+        search = BudgetSearch(unbudgeted_peak_bytes=150, least_peak_bytes=90)
+        kept = memory_budget._finished(PassTimer(), fit, None, "", 100, search, np.zeros(1), None)
+        assert seen == [(fit.plan, fit.figures, fit.held, 10)]  # from the refit's own figures and arrays
+        if want == "finished":
+            assert kept.plan is finished and kept.layer_seconds == pytest.approx(0.9)
+            assert kept.held.columns == "its" and kept.peaks.max() == 95 and search.least_peak_bytes == 90
+            assert search.finished == {**record, "within_budget_bytes": True}
+        else:
+            assert kept is fit
+            assert search.finished == (record if peak is None else {**record, "within_budget_bytes": False})
+    unheld = BudgetFit(plan=fit.plan, peaks=fit.peaks, held=None, figures=None, layer_seconds=1.0)
+    search = BudgetSearch(unbudgeted_peak_bytes=150, least_peak_bytes=90)
+    assert memory_budget._finished(PassTimer(), unheld, None, "", 100, search, np.zeros(1), None) is unheld
+    assert search.finished is None
+
+
+def test_a_refit_finished_as_the_winner_validates_and_replays_exactly():
+    """Where the budget keeps the winner in smaller stages and that plan is finished as the winner is (its backward's
+    pulled-K,V tiles out of the last stage and its tiles pulled back, both kept), the plan keeps every invariant,
+    fits its budget, simulates no slower than the refit as scheduled, and replays exactly in fp64 on 8 gloo ranks."""
+    torch = pytest.importorskip("torch")
+    from fcp_compiler.tools.traces import lognormal_batch
+    from runtime_harness import compare_with_reference, run_ranks
+
+    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=11)
+    options = dict(block_size=256, coalesce=16, gpus_per_node=4)
+    unbudgeted = compile_plan(lengths, 8, memory_budget_gib=float("inf"), **options).header
+    budget_gib = 0.8 * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
+    plan = compile_valid(lengths, 8, memory_budget_gib=budget_gib, **options)
+    memory = plan.stats["memory"]
+    finished = memory["backward_last_stage"]
+    assert memory["kept"] == "the winner, in smaller stages" and finished["within_budget_bytes"]  # the case
+    assert finished["kept"] == "out of last stage" and finished["pulled_back"]
+    figures = layer_stats(plan)
+    assert figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"] == pytest.approx(
+        finished["pulled_back_s"], rel=1e-12)
+    assert finished["pulled_back_s"] < finished["out_of_last_stage_s"] < finished["levelled_s"]
+    header = plan.header
+    assert max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd)) <= budget_gib * 2**30
+    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))

@@ -72,3 +72,23 @@ def test_the_kept_candidate_is_the_one_the_memory_budget_kept():
         "magi direct c16/16"
     assert kept_candidate({"floor": floor, "memory": {"refitted": True, "kept": "the winner, in smaller stages"}}) \
         == "layer direct c16/32 in smaller stages"
+
+
+def test_the_memory_line_says_how_the_plan_kept_in_the_winners_place_was_finished():
+    from fcp_compiler.tools.report import _memory_line
+
+    memory = {"budget_bytes": 4 * 2**30, "refitted": True, "kept": "the winner, in smaller stages", "refits": 3,
+              "unbudgeted_peak_bytes": 5 * 2**30, "met": True, "peak_bytes_fwd": 2**30, "peak_bytes_bwd": 3 * 2**30}
+
+    def line(record):
+        return _memory_line({"memory": {**memory, **({"backward_last_stage": record} if record else {})}})[0]
+
+    assert "finished" not in line(None)
+    both = {"kept": "out of last stage", "pulled_back": True, "within_budget_bytes": True}
+    assert line(both).endswith("; finished as the floor's winner: pulled-K,V tiles out of the backward's last stage "
+                               "and tiles pulled back)")
+    assert line({**both, "within_budget_bytes": False}).endswith("faster, but over the budget: not kept)")
+    assert line({"kept": "levelled", "pulled_back": True, "within_budget_bytes": True}).endswith(
+        "; finished as the floor's winner: tiles pulled back)")
+    assert line({"kept": "levelled", "pulled_back": False}).endswith("; finished as the floor's winner: no variant "
+                                                                     "faster)")

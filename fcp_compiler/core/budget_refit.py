@@ -51,11 +51,13 @@ def most_refits(options: CompileOptions, num_tiles: int, tile_budget: int) -> fl
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BudgetFit:
     """A plan that fits the byte budget, a refit or another floor candidate: each rank's peaks per pass by the
-    account, the encoder columns the account read (None: the encoder makes them) and its simulated layer seconds."""
+    account, its stacked ranks and the encoder columns the account read (None: the encoder makes them), and its
+    simulated layer figures (None: not held) and seconds."""
 
     plan: ScheduledPlan
     peaks: np.ndarray
-    columns: dict | None
+    held: RankArrays | None
+    figures: dict | None
     layer_seconds: float
 
 
@@ -70,6 +72,7 @@ class BudgetSearch:
     floor_bytes: int | None = None  # set where the kept plan is over the budget (:func:`_refits_allowed`)
     unmet: str | None = None
     kept: str | None = None
+    finished: dict | None = None  # the plan kept, finished as the floor's winner is (memory_budget._finished)
 
     def found(self, peak_bytes: int) -> None:
         """A schedule accounted to `peak_bytes`."""
@@ -160,7 +163,7 @@ def _fitting_step(timer: PassTimer, candidate: ScheduledPlan, arrays: RankArrays
     search.found(int(peaks.max()))
     del over[:]
     figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
-    return BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
+    return BudgetFit(plan=candidate, peaks=peaks, held=arrays, figures=figures,
                      layer_seconds=figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
 
 
@@ -204,7 +207,7 @@ def _faster_next_step(timer: PassTimer, fitting: BudgetFit, candidate: Scheduled
         peaks = peak_bytes(timer, candidate, arrays.stacked, first, stop_above=budget_bytes)
         if peaks.max() <= budget_bytes:
             search.found(int(peaks.max()))
-            return _Compared(kept=BudgetFit(plan=candidate, peaks=peaks, columns=arrays.columns,
+            return _Compared(kept=BudgetFit(plan=candidate, peaks=peaks, held=arrays, figures=figures,
                                             layer_seconds=seconds), faster=True)
         return _Compared(kept=fitting, faster=True)
     return _Compared(kept=fitting, faster=False)

@@ -245,9 +245,9 @@ def compile_with_floor(timer: PassTimer, batch: Batch, options: CompileOptions, 
     floor_stats["floor"]["backward_last_stage"] = winner.last_stage
     rounds = winner.rounds
     return KeptPlan(plan=winner.plan, floor_stats=floor_stats, fan_out=run.scores[index].candidate.fan_out,
-                    rounds_of=lambda: rounds,
-                    others=lambda limit: run.others(index, limit) if kinds is None else iter(()), plain=winner.plain,
-                    held=winner.held, segments_of=lambda tiles: None if run.alone else run.segments.segments_of(tiles))
+                    rounds_of=lambda: rounds, plain=winner.plain, held=winner.held, finishes=not run.alone,
+                    others=lambda limit: run.others(index, limit) if kinds is None else iter(()),
+                    segments_of=lambda tiles: None if run.alone else run.segments.segments_of(tiles))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -387,13 +387,13 @@ class FloorRun:
         # The only candidate the floor's work allows (thousands of ranks) is not simulated: there is nothing to
         # compare it with, and `fcp compile` simulates the plan it prints (core.simulate.layer_stats).
         arrays = stacked_with_columns(timer, plan) if fits and not self.alone else None
-        figures = timer.run("score", layer_figures, plan, self.segments.segments_of(plan.final.tiles), arrays.stacked) \
-            if arrays is not None else None
+        segments = self.segments.segments_of(plan.final.tiles) if arrays is not None else None
+        figures = timer.run("score", layer_figures, plan, segments, arrays.stacked) if arrays is not None else None
         if figures and fitted.plain:  # the same pulls in larger stages where they fit and simulate faster
             kept = faster_stages(timer, ScoredSchedule(schedule=schedule, plan=plan, peak_tokens=peak, arrays=arrays,
-                                                       figures=figures), options, self.digest, budget_tokens,
-                                 self.segments.segments_of(plan.final.tiles))
-            schedule, plan, peak, arrays, figures = kept.schedule, kept.plan, kept.peak_tokens, kept.arrays, kept.figures
+                                                       figures=figures), options, self.digest, budget_tokens, segments)
+            schedule, plan, peak, arrays = kept.schedule, kept.plan, kept.peak_tokens, kept.arrays
+            figures = kept.figures
         unscored = math.nan if fits else math.inf
         score = Score(
             candidate=candidate, coalesce=schedule.coalesce if schedule else options.coalesce,
@@ -428,7 +428,7 @@ class FloorRun:
         for seconds, index in faster:
             scored = self.finished[index]
             yield Alternative(name=self.scores[index].name, plan=scored.plan, layer_seconds=seconds,
-                              arrays=scored.arrays, rounds=scored.rounds, plain=scored.plain)
+                              arrays=scored.arrays, figures=scored.figures, rounds=scored.rounds, plain=scored.plain)
 
     def winner(self, index: int) -> _Winner:
         """The plan of the winner, the score at `index`: the fastest that fit, its backward's last stage kept to

@@ -178,7 +178,22 @@ def _memory_line(stats: dict) -> list[str]:
                        f"this size (a budget given with --memory-budget is met whatever it costs)"}[memory["unmet"]]
         held += f" not met: {why}; the plan is kept as scheduled, with no budget stated"
     return [f"  device memory: busiest rank {memory['peak_bytes_fwd'] / 2**30:.2f} GiB forward, "
-            f"{memory['peak_bytes_bwd'] / 2**30:.2f} GiB backward ({held})"]
+            f"{memory['peak_bytes_bwd'] / 2**30:.2f} GiB backward ({held}{_finished_clause(memory)})"]
+
+
+def _finished_clause(memory: dict) -> str:
+    """How the plan kept in the winner's place was finished as the winner is (stats["memory"]["backward_last_stage"]),
+    where it was."""
+    record = memory.get("backward_last_stage")
+    if not record:
+        return ""
+    moved = ["pulled-K,V tiles out of the backward's last stage"] if record["kept"] == "out of last stage" else []
+    moved += ["tiles pulled back"] if record.get("pulled_back") else []
+    if not moved:
+        return "; finished as the floor's winner: no variant faster"
+    if not record.get("within_budget_bytes", True):
+        return f"; finished as the floor's winner: {' and '.join(moved)} faster, but over the budget: not kept"
+    return f"; finished as the floor's winner: {' and '.join(moved)}"
 
 
 def memory_warning(stats: dict) -> str | None:
