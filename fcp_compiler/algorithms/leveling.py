@@ -250,18 +250,24 @@ def pull_back(stage: np.ndarray, earliest: np.ndarray, rank: np.ndarray, seconds
     room_of = (level[:, None] - work).tolist()
     for owner in range(num_ranks):
         mine = delayed[bounds[owner]:bounds[owner + 1]].tolist()
-        for target in range(num_stages):
+        first = min((earliest_of[tile] for tile in mine), default=num_stages)  # no tile of it may run before
+        for target in range(first, num_stages):
             room = room_of[target][owner]
             if not mine or room <= 0:
                 continue
-            for tile in mine:
-                if stage_of[tile] > target >= earliest_of[tile] and seconds_of[tile] <= room:
+            moved = False
+            for tile in mine:  # unmoved, latest stage first: none from the first at or before the target on
+                if stage_of[tile] <= target:
+                    break
+                if target >= earliest_of[tile] and seconds_of[tile] <= room:
                     room_of[stage_of[tile]][owner] += seconds_of[tile]  # (a later target gains the room)
                     stage_of[tile] = target
                     room -= seconds_of[tile]
+                    moved = True
                     if room <= 0:
                         break
-            mine = [tile for tile in mine if stage_of[tile] > earliest_of[tile]]
+            if moved:  # a moved tile never moves again: every later target is past its stage
+                mine = [tile for tile in mine if stage_of[tile] > target]
     return np.asarray(stage_of, dtype=np.int64)
 
 
