@@ -382,20 +382,27 @@ def test_a_runner_up_refitted_under_the_budget_validates_and_replays_exactly():
     """Where the floor's winner refits slower than another candidate over the budget, that candidate is refitted and
     kept: its plan (another placement than the winner's, in smaller stages) keeps every invariant, fits its budget,
     and replays exactly in fp64 on 8 gloo ranks."""
+    plan = _fits_and_replays(seed=6, cut=0.7)
+    kept, winner = plan.stats["memory"]["kept"], plan.stats["floor"]["winner"]
+    assert kept.endswith(", in smaller stages") and not kept.startswith(("the winner", winner))  # the case
+
+
+def _fits_and_replays(seed: int, cut: float):
+    """A lognormal batch on 8 ranks (block 256, 16 rounds a stage, nodes of 4) under `cut` of its unbudgeted peak:
+    its plan, validated, within the budget, and replayed exactly in fp64 on 8 gloo ranks."""
     torch = pytest.importorskip("torch")
     from fcp_compiler.tools.traces import lognormal_batch
     from runtime_harness import compare_with_reference, run_ranks
 
-    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=6)
+    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=seed)
     options = dict(block_size=256, coalesce=16, gpus_per_node=4)
     unbudgeted = compile_plan(lengths, 8, memory_budget_gib=float("inf"), **options).header
-    budget_gib = 0.7 * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
+    budget_gib = cut * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
     plan = compile_valid(lengths, 8, memory_budget_gib=budget_gib, **options)
-    kept, winner = plan.stats["memory"]["kept"], plan.stats["floor"]["winner"]
-    assert kept.endswith(", in smaller stages") and not kept.startswith(("the winner", winner))  # the case
     header = plan.header
     assert max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd)) <= budget_gib * 2**30
     run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
+    return plan
 
 
 def test_an_account_stopped_above_a_peak_is_the_full_accounts_first_ranks(unbudgeted, monkeypatch):
@@ -514,15 +521,7 @@ def test_a_refit_finished_as_the_winner_validates_and_replays_exactly():
     """Where the budget keeps the winner in smaller stages and that plan is finished as the winner is (its backward's
     pulled-K,V tiles out of the last stage and its tiles pulled back, both kept), the plan keeps every invariant,
     fits its budget, simulates no slower than the refit as scheduled, and replays exactly in fp64 on 8 gloo ranks."""
-    torch = pytest.importorskip("torch")
-    from fcp_compiler.tools.traces import lognormal_batch
-    from runtime_harness import compare_with_reference, run_ranks
-
-    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=11)
-    options = dict(block_size=256, coalesce=16, gpus_per_node=4)
-    unbudgeted = compile_plan(lengths, 8, memory_budget_gib=float("inf"), **options).header
-    budget_gib = 0.8 * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
-    plan = compile_valid(lengths, 8, memory_budget_gib=budget_gib, **options)
+    plan = _fits_and_replays(seed=11, cut=0.8)
     memory = plan.stats["memory"]
     finished = memory["backward_last_stage"]
     assert memory["kept"] == "the winner, in smaller stages" and finished["within_budget_bytes"]  # the case
@@ -531,6 +530,3 @@ def test_a_refit_finished_as_the_winner_validates_and_replays_exactly():
     assert figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"] == pytest.approx(
         finished["pulled_back_s"], rel=1e-12)
     assert finished["pulled_back_s"] < finished["out_of_last_stage_s"] < finished["levelled_s"]
-    header = plan.header
-    assert max(max(header.max_buffer_bytes_fwd), max(header.max_buffer_bytes_bwd)) <= budget_gib * 2**30
-    run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
