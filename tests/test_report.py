@@ -92,3 +92,6 @@ def test_the_memory_line_says_how_the_plan_kept_in_the_winners_place_was_finishe
         "; finished as the floor's winner: tiles pulled back)")
     assert line({"kept": "levelled", "pulled_back": False}).endswith("; finished as the floor's winner: no variant "
                                                                      "faster)")
+    # No pulled-K,V tile in the backward's last stage to move: the record holds the pull-back alone.
+    assert line({"pulled_back_s": 0.5, "pulled_back": True, "within_budget_bytes": True}).endswith(
+        "; finished as the floor's winner: tiles pulled back)")

@@ -187,7 +187,7 @@ def _finished_clause(memory: dict) -> str:
     record = memory.get("backward_last_stage")
     if not record:
         return ""
-    moved = ["pulled-K,V tiles out of the backward's last stage"] if record["kept"] == "out of last stage" else []
+    moved = ["pulled-K,V tiles out of the backward's last stage"] if record.get("kept") == "out of last stage" else []
     moved += ["tiles pulled back"] if record.get("pulled_back") else []
     if not moved:
         return "; finished as the floor's winner: no variant faster"
