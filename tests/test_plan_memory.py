@@ -479,7 +479,7 @@ def test_the_plan_kept_in_the_winners_place_is_finished_as_the_winner_where_that
     from fcp_compiler.core.schedule_search import RankArrays, ScheduledPlan
     from fcp_compiler.core.winner_schedule import LastStage
 
-    class Final:  # the plan's tiles stand in for its token budget
+    class Final:  # the plan's IR: only its tiles are read (the segment pairs' key)
         tiles = None
 
     fit = BudgetFit(plan=ScheduledPlan(final=Final(), header_fields={"max_buffer_tokens": 10}),
@@ -502,7 +502,7 @@ def test_the_plan_kept_in_the_winners_place_is_finished_as_the_winner_where_that
         monkeypatch.setattr(memory_budget, "peak_bytes", lambda timer, plan, stacked, first, stop_above:
                             np.array([[1, peak]]))
         search = BudgetSearch(unbudgeted_peak_bytes=150, least_peak_bytes=90)
-        kept = memory_budget._finished(PassTimer(), fit, None, "", 100, search, np.zeros(1), None)
+        kept = memory_budget._finished(PassTimer(), fit, None, "", 100, search, np.zeros(1))
         assert seen == [(fit.plan, fit.figures, fit.held, 10)]  # from the refit's own figures and arrays
         if want == "finished":
             assert kept.plan is finished and kept.layer_seconds == pytest.approx(0.9)
@@ -513,7 +513,7 @@ def test_the_plan_kept_in_the_winners_place_is_finished_as_the_winner_where_that
             assert search.finished == (record if peak is None else {**record, "within_budget_bytes": False})
     unheld = BudgetFit(plan=fit.plan, peaks=fit.peaks, held=None, figures=None, layer_seconds=1.0)
     search = BudgetSearch(unbudgeted_peak_bytes=150, least_peak_bytes=90)
-    assert memory_budget._finished(PassTimer(), unheld, None, "", 100, search, np.zeros(1), None) is unheld
+    assert memory_budget._finished(PassTimer(), unheld, None, "", 100, search, np.zeros(1)) is unheld
     assert search.finished is None
 
 

@@ -155,9 +155,9 @@ def within_budget(timer: PassTimer, kept: KeptPlan, options: CompileOptions, dig
     is over the byte budget, its placement scheduled again holding less (:func:`refit_to_budget`: shallower
     levelling, smaller stages) until every rank fits, or the fastest of the floor's other candidates that fits as
     scheduled (:func:`_faster_within_budget`) or refitted (:func:`_refit_runner_up`), then finished as the floor's
-    winner is where that is faster and fits (:func:`_finished`); encoded. The floor's
-    candidates are scored without the account, so only the plan compile_plan returns pays for it. A default budget
-    no schedule meets leaves the plan as it was (its header then states no budget); a given one is refused.
+    winner is where faster and fitting (:func:`_finished`); encoded. The floor's candidates are scored without the
+    account: only the plan returned pays for it. A default budget no schedule meets leaves the plan as it was (its
+    header then states no budget); a given one is refused.
 
     Args:
         timer: times each pass.
@@ -185,8 +185,7 @@ def within_budget(timer: PassTimer, kept: KeptPlan, options: CompileOptions, dig
     if budget_bytes is not None and peaks.max() > budget_bytes:
         found = _fit_over_budget(timer, kept, options, digest, budget_bytes, search, peaks.max(axis=1), tile_budget)
         if found is not None and kept.finishes:
-            found = _finished(timer, found, options, digest, budget_bytes, search, peaks.max(axis=1),
-                              kept.segments_of(found.plan.final.tiles))
+            found = _finished(timer, found, options, digest, budget_bytes, search, peaks.max(axis=1), kept.segments_of)
         if found is not None:
             plan, peaks, refitted = found.plan, found.peaks, True
             columns = found.held.columns if found.held is not None else None
@@ -232,7 +231,8 @@ def _fit_over_budget(timer: PassTimer, kept: KeptPlan, options: CompileOptions, 
 
 
 def _finished(timer: PassTimer, fit: BudgetFit, options: CompileOptions, digest: str, budget_bytes: int,
-              search: BudgetSearch, first: np.ndarray, segments: Segments | None) -> BudgetFit:
+              search: BudgetSearch, first: np.ndarray,
+              segments_of: Callable[[TileSet], Segments | None] = lambda tiles: None) -> BudgetFit:
     """The plan kept in the place of one over `budget_bytes` (a refit or another candidate), or the same finished as
     the floor's winner is (:func:`backward_last_stage`: its backward's last stage and its tiles pulled back, each
     where faster) where that fits `budget_bytes` too; the comparison in `search.finished`. Refits and the floor's
@@ -244,7 +244,8 @@ def _finished(timer: PassTimer, fit: BudgetFit, options: CompileOptions, digest:
     if fit.figures is None or fit.held is None:
         return fit
     budget_tokens = max(memory_budget_tokens(options), fit.plan.max_buffer_tokens)
-    last = backward_last_stage(timer, fit.plan, fit.figures, options, digest, budget_tokens, segments, fit.held)
+    last = backward_last_stage(timer, fit.plan, fit.figures, options, digest, budget_tokens,
+                               segments_of(fit.plan.final.tiles), fit.held)
     search.finished = last.record
     if last.plan is fit.plan:
         return fit
