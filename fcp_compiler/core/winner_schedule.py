@@ -1,6 +1,7 @@
 """The floor's winner scheduled again in the variants simulated before it is kept (:func:`backward_last_stage`): its
 backward's last stage kept to itself or not, then its tiles pulled back into stages with room. Each variant moves
-tiles only earlier, within the memory budget, and is kept only where it simulates faster.
+tiles only earlier, within the memory budget, and is kept only where it simulates faster. The plan the device memory
+budget keeps in the winner's place is finished the same way (:func:`fcp_compiler.core.memory_budget._finished`).
 """
 
 from __future__ import annotations
