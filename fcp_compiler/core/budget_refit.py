@@ -24,6 +24,7 @@ from fcp_compiler.core.passes.coalesce import (LEVELLING_STAGES, TIGHT_LEVELLING
                                                deeper_backward_rounds, smaller_backward_rounds, with_backward_rounds)
 from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, Segments, finish, layer_figures,
                                                stacked_with_columns)
+from fcp_compiler.core.simulate import layer_seconds
 from fcp_compiler.format.memory import least_peak_bytes, stacked_peak_bytes
 from fcp_compiler.format.plan_format import PlanHeader
 from fcp_compiler.format.stacked import StackedRanks
@@ -164,7 +165,7 @@ def _fitting_step(timer: PassTimer, candidate: ScheduledPlan, arrays: RankArrays
     del over[:]
     figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
     return BudgetFit(plan=candidate, peaks=peaks, held=arrays, figures=figures,
-                     layer_seconds=figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+                     layer_seconds=layer_seconds(figures))
 
 
 def _refits_allowed(plan: ScheduledPlan, options: CompileOptions, budget_bytes: int, search: BudgetSearch,
@@ -202,7 +203,7 @@ def _faster_next_step(timer: PassTimer, fitting: BudgetFit, candidate: Scheduled
     `candidate` (with its stacked ranks and columns, `arrays`): the candidate where it simulates faster and fits the
     budget, else `fitting`. `segments`: as :func:`layer_figures` takes them."""
     figures = timer.run("score", layer_figures, candidate, segments, arrays.stacked)
-    seconds = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    seconds = layer_seconds(figures)
     if seconds < fitting.layer_seconds:  # (a tie goes to the first)
         peaks = peak_bytes(timer, candidate, arrays.stacked, first, stop_above=budget_bytes)
         if peaks.max() <= budget_bytes:

@@ -14,6 +14,7 @@ from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.cost import cost
 from fcp_compiler.core.passes.transfers import plan_transfers
 from fcp_compiler.core.schedule_search import ScheduledPlan, coalesce_within, finish, layer_figures, make_rounds
+from fcp_compiler.core.simulate import layer_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +53,7 @@ def kinds_seconds(timer: PassTimer, plan: ScheduledPlan, kinds: LayerKinds | Non
         kind_plan = schedule_kind(timer, plan.final.transfers.assignment, kind, options, "", fan_out,
                                   budget_tokens).plan
         figures = timer.run("score", layer_figures, kind_plan)
-        seconds += kinds.weight(kind) * (figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"])
+        seconds += kinds.weight(kind) * layer_seconds(figures)
     return seconds
 
 

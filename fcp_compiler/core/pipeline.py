@@ -30,7 +30,7 @@ from fcp_compiler.core.passes.assign import default_token_cap
 from fcp_compiler.core.placement import BALANCE_TOLERANCE, Placement, check_least_pairs, place
 from fcp_compiler.core.kinds_schedule import schedule_kind
 from fcp_compiler.core.schedule_search import coalesce_within, finish, make_rounds, route
-from fcp_compiler.core.simulate import LAYER_STATS, layer_stats
+from fcp_compiler.core.simulate import LAYER_STATS, layer_seconds, layer_stats
 from fcp_compiler.core.stats import plan_stats
 from fcp_compiler.errors import InvalidInputError
 from fcp_compiler.format.inputs import MAX_SEQUENCES, BatchSpec, Mask, MaskKind, parse_batch, too_many_sequences
@@ -316,4 +316,4 @@ def _kind_summary(timer: PassTimer, kind: KindPlan) -> dict:
             "total_comm_bytes": stats["total_comm_bytes"], "max_buffer_tokens": stats["max_buffer_tokens"],
             "peak_bytes": max(stats["memory"]["peak_bytes_fwd"], stats["memory"]["peak_bytes_bwd"]),
             "num_fwd_stages": kind.plan.header.num_fwd_stages, "num_bwd_stages": kind.plan.header.num_bwd_stages,
-            **figures, "layer_seconds": figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]}
+            **figures, "layer_seconds": layer_seconds(figures)}

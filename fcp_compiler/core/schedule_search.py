@@ -34,7 +34,7 @@ from fcp_compiler.core.passes.reshuffle import reshuffle
 from fcp_compiler.core.passes.rounds import arbitrary_rounds, schedule_rounds
 from fcp_compiler.core.passes.transfers import plan_transfers
 from fcp_compiler.core.plan_memory import stack_plan
-from fcp_compiler.core.simulate import HeldPlan, pair_kinds, simulate_plan
+from fcp_compiler.core.simulate import HeldPlan, layer_seconds, pair_kinds, simulate_plan
 from fcp_compiler.format.inputs import Layout
 from fcp_compiler.format.stacked import StackedRanks
 
@@ -366,7 +366,7 @@ class ScoredSchedule:
     @property
     def layer_seconds(self) -> float:
         """Its simulated layer time, forward plus backward."""
-        return self.figures["layer_makespan_fwd_s"] + self.figures["layer_makespan_bwd_s"]
+        return layer_seconds(self.figures)
 
 
 def faster_stages(timer: PassTimer, scored: ScoredSchedule, options: CompileOptions, digest: str,

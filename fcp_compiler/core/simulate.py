@@ -287,6 +287,13 @@ LAYER_STATS = ("layer_makespan_fwd_s", "layer_makespan_bwd_s", "layer_gap_fwd", 
                "normalized_layer_mfu")
 
 
+def layer_seconds(figures: dict) -> float:
+    """A plan's simulated layer time, forward plus backward, from its layer figures (:meth:`Simulation.layer_figures`,
+    :func:`layer_stats`, or a stats row holding both makespans): what the floor, the byte budget and the finishing
+    variants compare plans by."""
+    return figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+
+
 def layer_stats(plan) -> dict:
     """The simulated layer figures `fcp compile` adds to a plan's stats: each pass's layer makespan, its gap to the
     certified lower bound, and layer MFU (plain and normalised), for the model the plan was compiled for."""

@@ -14,6 +14,7 @@ from fcp_compiler.core.layer_model import BACKWARD_WORK
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.coalesce import remote_tiles_out_of_last_stage, tiles_pulled_back
+from fcp_compiler.core.simulate import layer_seconds
 from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, Segments, finish, layer_figures,
                                                stacked_with_columns)
 
@@ -31,7 +32,7 @@ class LastStage:
     @property
     def layer_seconds(self) -> float:
         """Its simulated layer time, forward plus backward."""
-        return self.figures["layer_makespan_fwd_s"] + self.figures["layer_makespan_bwd_s"]
+        return layer_seconds(self.figures)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,8 +46,7 @@ class _Variant:
     @property
     def seconds(self) -> float | None:
         """Its simulated layer time, forward plus backward (None: over the budget, not simulated)."""
-        figures = self.figures
-        return None if figures is None else figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+        return None if self.figures is None else layer_seconds(self.figures)
 
 
 def _variant(timer: PassTimer, schedule: Schedule, options: CompileOptions, digest: str, budget_tokens: int,

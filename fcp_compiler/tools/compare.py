@@ -11,7 +11,7 @@ from fcp_compiler.errors import InfeasibleError
 from fcp_compiler.format.validate import validate_plan
 from fcp_compiler.tools.parallel import map_on_cores
 from fcp_compiler.tools.report import kept_candidate
-from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.core.simulate import layer_seconds, simulate_plan
 
 
 _CONTEXT: dict = {}  # batch_for and the base CompileOptions, inherited by forked workers
@@ -56,7 +56,7 @@ def _variant_rank(row: dict, options: CompileOptions) -> tuple[bool, float]:
     within FCP's live-buffer budget before those over it (a variant no smaller stages bring within it is scheduled
     as it is, and is kept only where no variant fits)."""
     over = options.fit_memory and row["max_buffer_tokens"] > memory_budget_tokens(options)
-    return over, row["layer_makespan_fwd_s"] + row["layer_makespan_bwd_s"]
+    return over, layer_seconds(row)
 
 
 def _scored(plan, method: str, gpus: int, layout: str) -> dict:
@@ -116,7 +116,7 @@ def compare(batch_for: Callable[[int], object], scales: Sequence[int], methods: 
     rows = [results[job] for job in order]
     for gpus in scales:
         planned = sorted((r for r in rows if r["gpus"] == gpus and not r.get("error")),
-                         key=lambda r: (r["layer_makespan_fwd_s"] + r["layer_makespan_bwd_s"], r["method"]))
+                         key=lambda r: (layer_seconds(r), r["method"]))
         for place, row in enumerate(planned, start=1):
             row["layer_rank"] = place
         fcp = results.get((gpus, Planner.FCP.value))

@@ -46,15 +46,14 @@ def inspect_kinds(path, kinds: PlanKinds) -> str:
 def simulate_kinds(kinds: PlanKinds, profile=None, model: str | None = None,
                    kv_prefetch: bool | None = None) -> dict:
     """Every kind simulated, and the model's mix: {"kinds": [{name, mask, num_layers, figures}], "layer_mix_s"}."""
-    from fcp_compiler.core.simulate import simulate_plan
+    from fcp_compiler.core.simulate import layer_seconds, simulate_plan
 
     rows = []
     for kind in kinds.kinds:
         figures = simulate_plan(kind.reader, profile, model=model, kv_prefetch=kv_prefetch).figures()
         rows.append({"name": kind.name, "mask": kind.mask.model_dump(mode="json"), "num_layers": kind.num_layers,
                      "figures": figures})
-    mix = sum(row["num_layers"] * (row["figures"]["layer_makespan_fwd_s"] + row["figures"]["layer_makespan_bwd_s"])
-              for row in rows)
+    mix = sum(row["num_layers"] * layer_seconds(row["figures"]) for row in rows)
     return {"kinds": rows, "layer_mix_s": mix}
 
 
