@@ -30,13 +30,18 @@ PAIR_TOLERANCE = 0.025
 HOME_SLACK = 0.0
 # Work a heavy block's owner keeps, and the most work per batch of its other tiles, as a share of the mean.
 HELPER_PIECE = 0.75
-# Tokens of other owners' query blocks the offload lets a helper come to run tiles of (6 blocks of the default 4096
+# Tokens of other owners' query blocks the offload lets a helper come to run tiles of (3 blocks of the default 4096
 # tokens). Each is a Q pull whose partial outputs stay live until pushed back, and a NIC receive where it crosses
-# nodes. Unlimited, the least-loaded rank took them all: 18 blocks on one rank of Wikipedia + tail at 64 GPUs, seed
-# 0, 8.6 GiB where the budget is 4 (`fcp compile --no-floor --node-fan-out off` at c71c203). At this limit FCP's own
-# placement alone (direct) fits the 4 GiB budget on all 54 matrix batches (44 unlimited, 50 at 8 blocks) and the
-# floor's plans are the same or faster (one, by 1.1%); at 4 blocks one floor plan was 1.9% slower.
-HELPED_TOKENS = 24576
+# nodes; in the backward a pulled query row holds about 80 KB (Q, O, dO, LSE, fp32 dQ, llama3-70b) against 12 KB
+# for a key/value row, so a helper's blocks crowd the device budget and shrink its stages. Unlimited, the
+# least-loaded rank took them all: 18 blocks on one rank of Wikipedia + tail at 64 GPUs, seed 0, 8.6 GiB where the
+# budget is 4 (`fcp compile --no-floor --node-fan-out off` at c71c203). FCP's own placement alone (`--no-floor`, 4
+# GiB) on the 54 matrix batches against 6 blocks: 0.7% faster (geometric mean; 10 faster by over 0.5%, 4 slower by
+# at most 1.2%), its worst against the floor 1.080 (1.198), within 0.5% of the floor on 30 (29) and within 2% on
+# 43 (40); the floor's plans the same but three (one 1.8% faster, one 0.2% slower). 2 and 4 blocks did as much
+# for FCP alone (0.8% and 0.6%) with floor plans up to 1.2% slower; none keeps helpers from balancing: at 0 the
+# floor was 1.0% slower (16 plans by over 0.5%).
+HELPED_TOKENS = 12288
 
 
 def default_token_cap(total_tokens: int, num_ranks: int, block_size: int) -> int:
