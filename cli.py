@@ -93,7 +93,7 @@ def compile_command(
                                             parser=_ascii_int),
     token_tolerance: Optional[float] = typer.Option(
         None, "--token-tolerance", help="keep ranks within this fraction of the mean tokens where blocks allow "
-                                        "(plan layout's linear layers; costs some traffic) [0.01 with a model in "
+                                        "(plan layout's linear layers; costs some traffic) [0.05 with a model in "
                                         "the plan layout, else off]", parser=_finite_float),
     zigzag: str = typer.Option("auto", "--zigzag", help="auto, on or off"),
     layout: str = typer.Option("plan", "--layout",

@@ -149,7 +149,7 @@ SUBSETS = {
     "the one with the least busy lower bound": lambda cs: sorted(cs, key=lambda c: c["busy_lower_bound_s"] or 0)[:1],
     "the two with the least busy lower bounds": lambda cs: sorted(cs, key=lambda c: c["busy_lower_bound_s"] or 0)[:2],
     "FCP's own at its three tolerances, direct": lambda cs: [
-        c for c in cs if _kind(c["name"]) in ("layer", "layer-tokens-5%", "layer-tokens-10%")],
+        c for c in cs if _kind(c["name"]) in ("layer", "layer-tokens-1%", "layer-tokens-10%")],
     "all but the equal-chunk ones (greedy, magi route)": lambda cs: [
         c for c in cs if _kind(c["name"]) not in ("greedy", "magi")],
     "all but node fan-out": lambda cs: [c for c in cs if "fan-out" not in c["name"]],

@@ -30,8 +30,8 @@ def test_choose_takes_the_fastest_within_the_budget_else_the_least_memory():
 
 def test_candidates_cover_every_placement_and_switch_and_respect_the_users():
     names = [candidate.name for candidate in candidates(False, None)]
-    # The looser token tolerances stand in for the attention placement (it won 1 of 54 matrix batches, by 0.04%).
-    assert names == ["layer direct", "layer+fan-out", "layer-tokens-5% direct", "layer-tokens-10% direct",
+    # The other token tolerances stand in for the attention placement (it won 1 of 54 matrix batches, by 0.04%).
+    assert names == ["layer direct", "layer+fan-out", "layer-tokens-1% direct", "layer-tokens-10% direct",
                      "greedy direct", "magi direct"]
     assert [c.name for c in candidates(False, None, tolerances=False)] == [
         "layer direct", "layer+fan-out", "attention direct", "greedy direct", "magi direct"]
@@ -229,7 +229,8 @@ def test_a_plan_that_deeper_levelling_lifts_over_the_budget_keeps_its_stages_wit
     from fcp_compiler.core.options import CompileOptions
     from fcp_compiler.core.passes.coalesce import LEVELLING_STAGES, TIGHT_LEVELLING_STAGES, coalesce, pass_peaks
 
-    options = CompileOptions.of(64, model="llama3-70b")
+    # The placement at a 1% token tolerance is one whose backward deep levelling lifts over the budget.
+    options = CompileOptions.of(64, model="llama3-70b", token_tolerance=0.01)
     timer, rounds = _own_rounds(options, lognormal_batch(64 * 32768, 4096, 1.8, 64, 524288, seed=0))
     budget_tokens = memory_budget_tokens(options)
     deep, shallow = (coalesce(rounds, 16, levelling_stages=depth) for depth in (LEVELLING_STAGES,

@@ -10,7 +10,7 @@ near, smaller stages in both passes (:func:`fcp_compiler.core.schedule_search.fi
 It is a floor, not the method: the candidates are the placements FCP would otherwise lose to.
 
 - ``layer``: FCP's own placement (`assign` for each rank's layer time, under the token tolerance), and the same at
-  the looser tolerances of LAYER_TOLERANCES (``layer-tokens-5%``, ``layer-tokens-10%``);
+  the other tolerances of LAYER_TOLERANCES (``layer-tokens-1%``, ``layer-tokens-10%``);
 - ``attention``: FCP's placement of attention alone (the joint compute/traffic search, tokens under the cap only);
 - ``greedy``: a MagiAttention-like equal-chunk greedy (fixed slices of the packed batch, a min-heap on attention
   area, the same number of slices a rank), run through FCP's own transfer passes (node grouping, fan-out, relays);
@@ -135,23 +135,23 @@ def candidates(attention_only: bool, fan_out: bool | None, tolerances: bool = Tr
     a fan-out candidate won 9; each was FCP's own placement or the fastest direct one, and when FCP's own was over
     the budget with fan-out the others' fan-out won none (it fit on 3 of 29).
 
-    The attention-alone placement (its joint compute/traffic search) is tried only where the looser tolerances are
+    The attention-alone placement (its joint compute/traffic search) is tried only where the other tolerances are
     not: beside the layer placements at three tolerances it won 1 of the 54 matrix batches, by 0.04%, for 15-26% of
     the compile time (benchmarks/compile_matrix.py).
 
     Args:
         attention_only: no model around attention (the layer placement is then the attention placement).
         fan_out: the user's node fan-out switch; None tries both.
-        tolerances: also the layer placement at the looser token tolerances of LAYER_TOLERANCES (not when the user
+        tolerances: also the layer placement at the other token tolerances of LAYER_TOLERANCES (not when the user
             gave one, nor without a model or outside the plan layout, where tokens are not the linear layers' load);
             the attention placement is tried only without them.
     Returns:
         the candidates, FCP's own placement first (direct first: its fan-out holds more memory), the magi route
         last and direct only.
     """
-    looser = [Placement.LAYER_TOKENS_5, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
-    attention = [] if attention_only or looser else [Placement.ATTENTION]
-    placements = [Placement.LAYER] + looser + attention + [Placement.GREEDY]
+    tolerated = [Placement.LAYER_TOKENS_1, Placement.LAYER_TOKENS_10] if tolerances and not attention_only else []
+    attention = [] if attention_only or tolerated else [Placement.ATTENTION]
+    placements = [Placement.LAYER] + tolerated + attention + [Placement.GREEDY]
     if fan_out is None:
         own = [Candidate(placement=Placement.LAYER, fan_out=False), Candidate(placement=Placement.LAYER, fan_out=True)]
         others = [Candidate(placement=placement, fan_out=False) for placement in placements[1:]]
