@@ -303,7 +303,9 @@ def _earliest_rounds_case():
     from fcp_compiler.core.passes.assign import default_token_cap
     from fcp_compiler.core.placement import place
 
-    rng = np.random.default_rng(4)
+    # (Helpers take at most assign.HELPED_TOKENS of other owners' blocks: of seeds 0-39 of this shape only 30 gives a
+    # helper so many Q pulls that they go first.)
+    rng = np.random.default_rng(30)
     lengths = [int(x) for x in rng.integers(200, 3000, size=40)] + [int(rng.integers(16 * 2048, 16 * 6000))]
     options = CompileOptions.of(16, model="llama3-70b", block_size=1024, node_fan_out=False)
     batch = pipeline._to_batch(lengths, None)

@@ -367,7 +367,7 @@ def test_a_plan_with_the_budgets_deeper_backward_stages_validates_and_replays_ex
     from fcp_compiler.tools.traces import lognormal_batch
     from runtime_harness import compare_with_reference, run_ranks
 
-    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=1)
+    lengths = lognormal_batch(8 * 2048, 512, 1.8, 16, 8 * 1024, seed=5)
     options = dict(block_size=256, coalesce=16, gpus_per_node=4, floor=False)
     unbudgeted = compile_plan(lengths, 8, memory_budget_gib=float("inf"), **options).header
     budget_gib = 0.75 * max(max(unbudgeted.max_buffer_bytes_fwd), max(unbudgeted.max_buffer_bytes_bwd)) / 2**30
