@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fcp_compiler import compile_plan
-from fcp_compiler.core.simulate import simulate_plan
+from fcp_compiler.core.simulate import layer_seconds as seconds_of, simulate_plan
 from fcp_compiler.format.inputs import BatchSpec, load_batch
 from fcp_compiler.format.models import DEFAULT_MODEL, MODEL_PRESETS
 from fcp_compiler.format.plan_format import GLOBAL_ARRAYS, PlanReader, assemble
@@ -51,8 +51,7 @@ CASES = {
 
 def layer_seconds(plan_or_bytes) -> float:
     """A plan's simulated layer time, forward plus backward."""
-    figures = simulate_plan(plan_or_bytes, attention_alone=False).layer_figures()
-    return figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+    return seconds_of(simulate_plan(plan_or_bytes, attention_alone=False).layer_figures())
 
 
 def window_on_causal_schedule(causal_bytes: bytes, window: int) -> bytes:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fcp_compiler import compile_plan  # noqa: E402
-from fcp_compiler.core.simulate import layer_stats  # noqa: E402
+from fcp_compiler.core.simulate import layer_seconds, layer_stats  # noqa: E402
 from fcp_compiler.errors import InfeasibleError  # noqa: E402
 from fcp_compiler.format.inputs import load_batch  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         figures = {**plan.stats, **layer_stats(plan)}
         header = plan.header
-        total = figures["layer_makespan_fwd_s"] + figures["layer_makespan_bwd_s"]
+        total = layer_seconds(figures)
         reference = reference if reference is not None else total
         rows.append([text, f"{max(header.max_buffer_bytes_fwd) / 2**30:.2f}",
                      f"{max(header.max_buffer_bytes_bwd) / 2**30:.2f}",

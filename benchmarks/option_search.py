@@ -21,7 +21,7 @@ from placement import EVAL_DATA, TOKENS_PER_GPU, batches  # noqa: E402
 from fcp_compiler import compile_plan  # noqa: E402
 from fcp_compiler.format.validate import validate_plan  # noqa: E402
 from fcp_compiler.tools.report import table  # noqa: E402
-from fcp_compiler.core.simulate import simulate_plan  # noqa: E402
+from fcp_compiler.core.simulate import layer_seconds, simulate_plan  # noqa: E402
 
 WORST = "wlbllm+tail:256:1,prolong:256:0,prolong+tail:64:1,prolong+tail:256:0,prolong:256:1"
 SPACE = {"coalesce": (8, 16, 32), "zigzag": ("auto", "off"), "token_tolerance": (0.005, 0.01, 0.02, 0.99),
@@ -53,11 +53,10 @@ def main() -> None:
             tried.append((options, _score(lengths, int(gpus), options)))
             print(f"  {case} {options}: {tried[-1][1]['layer_gap_fwd']:.3f}/{tried[-1][1]['layer_gap_bwd']:.3f}",
                   file=sys.stderr, flush=True)
-        options, best = min(tried, key=lambda t: t[1]["layer_makespan_fwd_s"] + t[1]["layer_makespan_bwd_s"])
-        total = lambda f: f["layer_makespan_fwd_s"] + f["layer_makespan_bwd_s"]  # noqa: E731
+        options, best = min(tried, key=lambda t: layer_seconds(t[1]))
         rows.append([case, f"{default['layer_gap_fwd']:.3f}/{default['layer_gap_bwd']:.3f}",
                      f"{best['layer_gap_fwd']:.3f}/{best['layer_gap_bwd']:.3f}",
-                     f"{total(default) / total(best):.3f}x", ", ".join(f"{k}={v}" for k, v in options.items()),
+                     f"{layer_seconds(default) / layer_seconds(best):.3f}x", ", ".join(f"{k}={v}" for k, v in options.items()),
                      len(tried)])
     print(table(["case", "default gap fwd/bwd", "best gap fwd/bwd", "best over default", "best options", "plans"],
                 rows))

@@ -14,9 +14,9 @@ from fcp_compiler.core.layer_model import BACKWARD_WORK
 from fcp_compiler.core.options import CompileOptions
 from fcp_compiler.core.pass_timer import PassTimer
 from fcp_compiler.core.passes.coalesce import remote_tiles_out_of_last_stage, tiles_pulled_back
-from fcp_compiler.core.simulate import layer_seconds
 from fcp_compiler.core.schedule_search import (RankArrays, ScheduledPlan, Segments, finish, layer_figures,
                                                stacked_with_columns)
+from fcp_compiler.core.simulate import layer_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
