@@ -194,8 +194,9 @@ class FcpAttention:
     backward as the layer's backward starts (the layer's output through backward_starts_at), while its MLP and O
     projection run backward."""
 
-    def __init__(self, plan, group, layout: str = "plan"):
+    def __init__(self, plan, group, position_ids: torch.Tensor, layout: str = "plan"):
         self.plan, self.group, self.layout = plan, group, layout
+        self.position_ids = position_ids  # the collate's, beside the plan: attention refuses a plan of other rows
         self.prefetched = None
 
     def kv_ready(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -203,7 +204,8 @@ class FcpAttention:
             self.prefetched = prefetch_kv(k, v, self.plan, self.group)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=self.prefetched)
+        return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=self.prefetched,
+                             position_ids=self.position_ids)
 
     def layer_output(self, out: torch.Tensor) -> torch.Tensor:
         prefetched, self.prefetched = self.prefetched, None
@@ -273,7 +275,8 @@ def train_rank(config: Config, save_after: int | None = None, checkpoint: Path |
         started = time.perf_counter()
         tokens, labels = batch["tokens"].to(device), rank_labels(batch).to(device)
         plan = batch["plan"]
-        logits = model(tokens, rank_positions(batch).to(device), FcpAttention(plan, cp_group, config.layout))
+        positions = rank_positions(batch).to(device)
+        logits = model(tokens, positions, FcpAttention(plan, cp_group, positions, config.layout))
         num_batch_labels = (labels != IGNORE).sum().to(torch.float32)
         dist.all_reduce(num_batch_labels, group=cp_group)
         loss = rank_loss(logits, labels, num_batch_labels, cp_group)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from fcp_runtime.binding import check_positions
+from fcp_runtime.binding import check_bound
 from fcp_runtime.checks import PlanMismatchError, check_call, check_layer_mask, check_plan, check_prefetched
 from fcp_runtime.compiled import compiled_attention
 from fcp_runtime.events import recording
@@ -85,12 +85,15 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         position_ids: the rows' positions inside their documents, as the model has them ([T] or [1, T]): checked
             against the plan's rows on every rank, so that a plan from another step is refused
             (:func:`fcp_runtime.binding.check_positions`: once per plan and tensor, no host read on a GPU).
+            Required for a plan a collate made (it returns them beside the plan); optional for one read with
+            load_rank_plan, whose caller binds it to its rows.
     Returns:
         out, q's shape and layout.
     Raises:
         PlanMismatchError: on every rank, when the ranks hold different plans or the group size differs.
         ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask or kind the plan
-            does not hold, or a prefetch for other tensors, another plan or group, or one already used.
+            does not hold, a prefetch for other tensors, another plan or group, or one already used, or no
+            position_ids for a plan a collate made.
         BatchMismatchError: on every rank, when `position_ids` are not the plan's rows' (a ValueError).
     """
     plan = resolve_kind(plan, kind, mask)
@@ -99,8 +102,7 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
                                   position_ids)
     layout = plan.layout if layout is None else layout
     check_call(q, k, v, plan, group, layout, mask)
-    if position_ids is not None:
-        check_positions(position_ids, plan, group, layout)
+    check_bound(position_ids, plan, group, layout)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
     if prefetched is not None:
         check_prefetched(prefetched, k, v, plan, group, layout)

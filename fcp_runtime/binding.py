@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.rank_plan import CHECKED_POSITIONS, RankPlan
+from fcp_runtime.rank_plan import BATCH_CONTENT, CHECKED_POSITIONS, RankPlan
 
 
 class BatchMismatchError(ValueError):
@@ -45,6 +45,23 @@ def expected_positions(plan: RankPlan, layout: str) -> torch.Tensor:
 def _mismatch_message(plan: RankPlan) -> str:
     return (f"the model's position_ids are not those of the batch plan {plan.digest[:12]} was compiled for: a plan "
             f"is bound to its step's documents; give the model the fcp_plan its own batch's collate returned")
+
+
+def check_bound(position_ids: torch.Tensor | None, plan: RankPlan, group, layout: str) -> None:
+    """:func:`check_positions` where the call gives position ids; without them, refuse a plan a collate made (the
+    collate returns the positions beside it, and only they bind the plan to its rows). A plan read with
+    load_rank_plan is bound by its caller.
+
+    Raises:
+        ValueError: no position ids for a collate's plan.
+        BatchMismatchError: as :func:`check_positions`.
+    """
+    if position_ids is not None:
+        check_positions(position_ids, plan, group, layout)
+    elif BATCH_CONTENT in plan._device_cache:
+        raise ValueError("this plan came from a collate with its batch's position_ids: pass them to attention "
+                         "(fcp_attn_func(..., position_ids=batch['position_ids'])), so that a plan from another step, "
+                         "or rows not in the plan's layout, are refused")
 
 
 def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: str) -> None:

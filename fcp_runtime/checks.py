@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fcp_runtime.kinds_plan import KindsRankPlan, layout_plan
-from fcp_runtime.rank_plan import CHECKED_GROUPS, LAYOUTS, RankPlan
+from fcp_runtime.rank_plan import BATCH_CONTENT, CHECKED_GROUPS, LAYOUTS, RankPlan
 
 
 class PlanMismatchError(RuntimeError):
@@ -39,20 +39,28 @@ def check_plan(plan: RankPlan | KindsRankPlan, group=None) -> None:
         checked.add(id(group))
         return
     size = dist.get_world_size(group)
-    mine = (plan.digest, plan.num_ranks, plan.rank)
+    mine = (plan.digest, plan.num_ranks, plan.rank, plan._device_cache.get(BATCH_CONTENT))
     gathered: list = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
     if size != plan.num_ranks:
         raise PlanMismatchError(f"the process group has {size} ranks but the plan was compiled for "
                                 f"{plan.num_ranks}; compile it for {size} ranks (PlanningCollate(rank, {size}, ...), "
                                 f"or fcp compile --gpus {size})")
-    wrong_world = [r for r, (_, n, _) in enumerate(gathered) if n != size]
-    digests = sorted({d for d, _, _ in gathered})
+    wrong_world = [r for r, (_, n, _, _) in enumerate(gathered) if n != size]
+    digests = sorted({d for d, _, _, _ in gathered})
     if len(digests) > 1 or wrong_world:
-        groups = {d: [r for r, (dd, _, _) in enumerate(gathered) if dd == d] for d in digests}
+        groups = {d: [r for r, (dd, _, _, _) in enumerate(gathered) if dd == d] for d in digests}
         detail = "; ".join(f"ranks {ranks} hold plan {d[:12]}" for d, ranks in groups.items())
         raise PlanMismatchError(f"ranks hold different plans: {detail}")
-    wrong_rank = [r for r, (_, _, plan_rank) in enumerate(gathered) if plan_rank != r]
+    contents = sorted({str(c) for _, _, _, c in gathered})
+    if len(contents) > 1:
+        groups = {c: [r for r, (_, _, _, cc) in enumerate(gathered) if str(cc) == c] for c in contents}
+        detail = "; ".join(f"ranks {ranks} {'documents ' + c[:12] if c != 'None' else 'a plan no collate made'}"
+                           for c, ranks in groups.items())
+        raise PlanMismatchError(f"the ranks hold plan {digests[0][:12]} but collated different documents ({detail}): "
+                                f"every rank of a context-parallel group must collate the same step's documents "
+                                f"(shard the sampler over data-parallel replicas, not over every rank)")
+    wrong_rank = [r for r, (_, _, plan_rank, _) in enumerate(gathered) if plan_rank != r]
     if wrong_rank:
         raise PlanMismatchError(f"ranks {wrong_rank} hold another rank's slice of the plan "
                                 f"(slice {gathered[wrong_rank[0]][2]} on rank {wrong_rank[0]})")

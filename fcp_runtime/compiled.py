@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.binding import check_positions
+from fcp_runtime.binding import check_bound
 from fcp_runtime.checks import check_call
 from fcp_runtime.executor import Executor
 from fcp_runtime.rank_plan import RankPlan, pinned, registered
@@ -37,8 +37,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: tor
     """(out, lse, the handle pinned: what the backward op takes to find the plan)."""
     plan, group = registered(handle), _group_of(group_name)
     check_call(q, k, v, plan, group, "plan", None if causal < 0 else (bool(causal), window or None))
-    if position_ids is not None:
-        check_positions(position_ids, plan, group, "plan")
+    check_bound(position_ids, plan, group, "plan")
     out, saved, _ = attention_forward(q, k, v, plan, group, scale, "plan", None, None)
     return out, saved[4], pinned(handle)
 
@@ -84,9 +83,9 @@ def compiled_attention(q, k, v, plan: RankPlan, group, scale: float | None, layo
                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """fcp_attn_func as torch.compile traces it: the custom op, every check inside it (at run time), the position
     ids' included."""
-    if kernels is not None or prefetched is not None or layout not in (None, "plan"):
+    if kernels is not None or prefetched is not None or (layout or plan.layout) != "plan":
         raise ValueError("fcp_attn_func under torch.compile takes the default kernels, no prefetch and the plan "
-                         "layout; call it eagerly for the others")
+                         "layout (a plan compiled for it); call it eagerly for the others")
     causal, window = (-1, 0) if mask is None else (int(mask[0]), mask[1] or 0)
     scale = scale if scale is not None else q.shape[2] ** -0.5
     out, _, _ = _attention_op(q, k, v, plan.handle, _group_name(group), scale, causal, window, position_ids)

@@ -48,14 +48,44 @@ def register() -> str:
 
     The mask function matters: transformers builds no mask for an attention implementation its mask interface does
     not know, and then drops a 2-D ``attention_mask`` (padding) before any attention function sees it. Registered,
-    the model's mask construction reaches :func:`fcp_attention_mask`, which refuses such a mask.
+    the model's mask construction reaches :func:`fcp_attention_mask`, which refuses such a mask. The causal-LM loss
+    is wrapped (:func:`_checked_causal_loss`) so that a call with the plan but without the collate's shifted labels
+    or label count is refused, not trained on.
     """
     from transformers import AttentionInterface
+    from transformers.loss.loss_utils import LOSS_MAPPING
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, fcp_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, fcp_attention_mask)
+    if not getattr(LOSS_MAPPING[_CAUSAL_LOSS], "checks_fcp_batch", False):
+        LOSS_MAPPING[_CAUSAL_LOSS] = _checked_causal_loss(LOSS_MAPPING[_CAUSAL_LOSS])
     return ATTENTION_NAME
+
+
+_CAUSAL_LOSS = "ForCausalLM"  # transformers' loss type of its causal LMs (LOSS_MAPPING)
+
+
+def _checked_causal_loss(loss_function):
+    """transformers' causal-LM loss, refusing a call under fcp (an `fcp_plan` among its keyword arguments, as the
+    model passes them on) without the collate's `shift_labels` or `num_items_in_batch`: without the first it shifts
+    the collate's labels, already shifted inside each document, again (every token trained on the one two ahead);
+    without the second each rank averages over its own labels. Any other call is the loss as it was."""
+
+    def checked(*args, **kwargs):
+        if kwargs.get("fcp_plan") is not None:
+            missing = [name for name in ("shift_labels", "num_items_in_batch") if kwargs.get(name) is None]
+            if missing:
+                harm = {"shift_labels": "shift the shifted labels again",
+                        "num_items_in_batch": "average over this rank's labels alone"}
+                raise ValueError(f"HF's loss under fcp needs the collate's {' and '.join(missing)}; without "
+                                 f"{'them' if len(missing) > 1 else 'it'} it would "
+                                 f"{' and '.join(harm[name] for name in missing)}: call model(**batch, ...) with the "
+                                 f"collate's whole batch")
+        return loss_function(*args, **kwargs)
+
+    checked.checks_fcp_batch = True
+    return checked
 
 
 def fcp_attention_mask(*, attention_mask=None, **kwargs):
@@ -214,12 +244,38 @@ def model_mask(config) -> str | None:
     return masks.pop() if len(masks) == 1 else None
 
 
+_DOCUMENT_FIELDS = ("input_ids", "labels", "attention_mask", "mask")
+
+
+def refuse_padding(attention_mask, what: str) -> None:
+    """Refuse an attention mask with a 0 (`what`: the document or example it came with, as the message names it):
+    fcp packs documents unpadded, and padding would be attended to and trained on.
+
+    Raises:
+        ValueError: naming how many positions are padded.
+    """
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+        zeros = int((torch.as_tensor(attention_mask) == 0).sum())
+        raise ValueError(f"{what} has an attention_mask with {zeros} padded positions; fcp packs documents without "
+                         f"padding: give them unpadded (attention_mask all ones, or none)")
+
+
 def _document(item, doc_idx: int) -> dict:
-    """One document as the fields the collate takes at its rows: input_ids and labels shifted inside it."""
+    """One document as the fields the collate takes at its rows: input_ids and labels shifted inside it.
+
+    Raises:
+        ValueError: no input_ids; a field the collate would otherwise drop (position_ids or seq_lengths of a packed
+            row, say); an attention_mask with a 0 (padding would be attended to and trained on).
+    """
     item = item if isinstance(item, Mapping) else {"input_ids": item}
     if "input_ids" not in item:
         raise ValueError(f"document {doc_idx} has fields {sorted(item)}; it needs 'input_ids' (and may give "
                          f"'labels', aligned with input_ids as HF takes them)")
+    if unknown := sorted(str(name) for name in item if name not in _DOCUMENT_FIELDS):
+        raise ValueError(f"document {doc_idx} has field {unknown[0]!r}, which the collate does not take: a document "
+                         f"gives {', '.join(_DOCUMENT_FIELDS)} (a packed row of several documents: cut it with "
+                         f"fcp_runtime.trainer.example_documents, by its seq_lengths or position_ids)")
+    refuse_padding(item.get("attention_mask"), f"document {doc_idx}")
     ids = torch.as_tensor(item["input_ids"])
     labels = torch.as_tensor(item.get("labels", ids))
     if ids.dim() != 1 or labels.shape != ids.shape or ids.numel() == 0:
@@ -247,7 +303,8 @@ class HFPlanningCollate:
             :meth:`for_model` fills the attention shape, dtype and masks from the model.
 
     Each document is a 1-D tensor of token ids, or a dict with `input_ids`, optional `labels` (aligned with the ids,
-    as HF takes them; default the ids) and an optional `mask`. A call returns `input_ids`, `position_ids`, `labels`
+    as HF takes them; default the ids), an optional `mask` and an optional `attention_mask` (all ones: a padded
+    document is refused); any other field is refused, not dropped. A call returns `input_ids`, `position_ids`, `labels`
     and `shift_labels` as [1, T] in the layout (labels already shifted inside each document, so HF's loss
     does not shift them again), `num_items_in_batch` (0-d int64: the labels of every document of the batch, not
     only this rank's), `fcp_plan` (this rank's plan) and `use_cache` False (training keeps no KV cache).

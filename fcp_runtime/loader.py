@@ -7,6 +7,7 @@ already holds, so the step starts with no communication at all.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 
 from fcp_runtime.kernels import default_takes_ranges
 from fcp_runtime.plan import LAYOUTS, KindsRankPlan, load_rank_plan
+from fcp_runtime.rank_plan import BATCH_CONTENT
 from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
@@ -69,6 +71,17 @@ def _fields(documents: Sequence) -> tuple[list[int], dict[str, list[torch.Tensor
     return lengths, fields, (masks if any(mask is not None for mask in masks) else None)
 
 
+def _content_digest(columns: dict[str, torch.Tensor]) -> str:
+    """sha256 of the step's concatenated per-token fields (names, dtypes, shapes and bytes): the documents
+    themselves, which a plan's digest (their lengths and masks) does not name."""
+    digest = hashlib.sha256()
+    for name, column in sorted(columns.items()):
+        data = column.detach().contiguous().reshape(-1)
+        digest.update(f"{name}:{data.dtype}:{tuple(column.shape)}:".encode())
+        digest.update(data.view(torch.uint8).numpy() if data.numel() else b"")
+    return digest.hexdigest()
+
+
 class PlanningCollate:
     """A DataLoader collate_fn: concatenates documents, compiles their plan, returns this rank's share.
 
@@ -88,6 +101,10 @@ class PlanningCollate:
     compiled from), `rows` (the rows' positions in the concatenated batch) and, in the plan layout, `token_index`
     (the same as `rows`). The rows are the plan layout's `token_index`, or in the user layout rows
     [floor(r*T/N), floor((r+1)*T/N)).
+
+    Every rank of the context-parallel group must collate the same documents (the whole step's): the plan records
+    their sha256, and attention's first call refuses on every rank where the ranks' differ (ranks that collated
+    different documents of the same lengths would hold one plan and attend across each other's batches).
     """
 
     def __init__(self, rank: int, world_size: int, layout: str = "plan", ranges: bool | None = None,
@@ -152,7 +169,11 @@ class PlanningCollate:
             starts = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
             rows = torch.arange(lo, hi)
             position_ids = torch.from_numpy(np.arange(lo, hi) - starts[lo:hi])
-        out = {name: torch.cat(parts)[rows] for name, parts in fields.items()}
+        columns = {name: torch.cat(parts) for name, parts in fields.items()}
+        content = _content_digest(columns)
+        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, KindsRankPlan) else (rank_plan,)):
+            kind_plan._device_cache[BATCH_CONTENT] = content
+        out = {name: column[rows] for name, column in columns.items()}
         # The digest of the inputs the plan was compiled from (fcp_compiler.core.pipeline.plan_digest), to match
         # against plans compiled elsewhere, e.g. by `fcp compile steps.jsonl`, whose file names carry it.
         out.update(rows=rows, position_ids=position_ids, lengths=lengths, plan=rank_plan,

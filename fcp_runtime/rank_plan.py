@@ -69,6 +69,9 @@ ORPHANED_PREFETCHES = "orphaned_prefetches"
 CHECKED_GROUPS = "checked_groups"
 # ... and the position tensors its rows were checked against (fcp_runtime.binding), by weak reference.
 CHECKED_POSITIONS = "checked_positions"
+# A plan's cache entry holding the sha256 of the documents a collate compiled it for (fcp_runtime.loader), which
+# fcp_runtime.checks compares across the group: pickled with the plan from a DataLoader worker.
+BATCH_CONTENT = "batch_content"
 _PROCESS_LOCAL = (ORPHANED_PREFETCHES, CHECKED_GROUPS, CHECKED_POSITIONS)
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from fcp_runtime.hf import ATTENTION_NAME, CP_DIM, IGNORE_INDEX, HFPlanningCollate
+from fcp_runtime.hf import ATTENTION_NAME, CP_DIM, IGNORE_INDEX, HFPlanningCollate, refuse_padding
 
 DP_DIM = "dp"
 # Example fields that say where its documents start: TRL's packed examples carry each document's length.
@@ -75,11 +75,7 @@ def example_documents(example: Mapping, index: int = 0) -> list[dict]:
     if ids.dim() != 1 or labels.shape != ids.shape or ids.numel() == 0:
         raise ValueError(f"example {index}: input_ids must be one non-empty row and labels its shape; got "
                          f"{tuple(ids.shape)} and {tuple(labels.shape)} (a collated batch is not an example)")
-    mask = example.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-        zeros = int((torch.as_tensor(mask) == 0).sum())
-        raise ValueError(f"example {index} has an attention_mask with {zeros} padded positions; fcp packs documents "
-                         f"without padding: give unpadded examples (attention_mask all ones, or none)")
+    refuse_padding(example.get("attention_mask"), f"example {index}")
     lengths = _document_lengths(example, index, ids.numel())
     return [{"input_ids": piece, "labels": piece_labels}
             for piece, piece_labels in zip(ids.split(lengths), labels.split(lengths))]

@@ -266,6 +266,41 @@ def test_a_padding_mask_is_refused_on_every_rank_in_one_line():
     assert len(errors) == 4 and all("\n" not in error for error in errors)
 
 
+def test_hfs_loss_without_the_collates_shifted_labels_or_label_count_is_refused():
+    """Without `shift_labels` HF's loss shifts the collate's labels, already shifted inside each document, again
+    (every token trained on the one two ahead); without `num_items_in_batch` each rank averages over its own labels.
+    Both ran before; fcp's wrapper of HF's causal-LM loss refuses them, and leaves the whole batch's loss as HF's."""
+    setup = Setup(num_layers=2, dtype=torch.float32)
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        batch = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)(documents(setup, 0))
+        refusals = []
+        for missing in ("shift_labels", "num_items_in_batch"):
+            with pytest.raises(ValueError, match=f"HF's loss under fcp needs the collate's {missing}") as caught:
+                model(**{name: value for name, value in batch.items() if name != missing})
+            refusals.append(str(caught.value))
+        return refusals, float(model(**batch).loss.detach())
+
+    results = run_ranks(2, task)
+    assert all(len(refusals) == 2 and all("\n" not in refusal for refusal in refusals) for refusals, _ in results)
+    # The whole batch: HF's own loss over the step's label count, each rank its share (they add up to it).
+    reference = Setup(num_layers=2, dtype=torch.float32, hf_loss=True, steps=1)
+    assert abs(sum(loss for _, loss in results) - train_reference(reference)["losses"][0]) <= 1e-5 * abs(
+        results[0][1] + results[1][1])
+
+
+def test_the_collate_refuses_a_padded_document_and_a_field_it_would_drop():
+    collate = fcp_hf.HFPlanningCollate(0, 1, block_size=64, shape=fcp_hf.attention_shape(_config()), model="none")
+    ids = torch.arange(40) % 90
+    with pytest.raises(ValueError, match="document 1 has an attention_mask with 5 padded positions"):
+        collate([{"input_ids": ids}, {"input_ids": ids, "attention_mask": torch.cat([torch.zeros(5), torch.ones(35)])}])
+    with pytest.raises(ValueError, match="document 0 has field 'position_ids', which the collate does not take"):
+        collate([{"input_ids": ids, "position_ids": torch.arange(40)}])
+    batch = collate([{"input_ids": ids, "attention_mask": torch.ones(40)}])  # an all-ones mask is no padding
+    assert batch["input_ids"].shape == (1, 40)
+
+
 _ONE_PROCESS = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
@@ -342,9 +377,11 @@ def test_a_window_layer_runs_on_a_plan_whose_documents_have_that_window():
         plan = _plan([window, window])
         module = _Module()
         query, key = torch.randn(1, 4, plan.plan_tokens, 8), torch.randn(1, 2, plan.plan_tokens, 8)
-        out, _ = fcp_hf.fcp_attention_forward(module, query, key, key, None, sliding_window=8, fcp_plan=plan)
+        positions = plan.position_ids[None]  # the collate's, which a collate's plan needs beside it
+        out, _ = fcp_hf.fcp_attention_forward(module, query, key, key, None, sliding_window=8, fcp_plan=plan,
+                                              position_ids=positions)
         with pytest.raises(ValueError, match="the layer's mask is causal but the plan gives document 0"):
-            fcp_hf.fcp_attention_forward(module, query, key, key, None, fcp_plan=plan)
+            fcp_hf.fcp_attention_forward(module, query, key, key, None, fcp_plan=plan, position_ids=positions)
         return tuple(out.shape)
 
     (shape,) = run_ranks(1, task)
@@ -383,7 +420,8 @@ def test_the_attention_output_is_a_view_of_the_runtimes_rows_not_a_copy():
 
         fcp_hf.fcp_attn_func = spy
         try:
-            out, _ = fcp_hf.fcp_attention_forward(_Module(), query, key, key, None, fcp_plan=plan)
+            out, _ = fcp_hf.fcp_attention_forward(_Module(), query, key, key, None, fcp_plan=plan,
+                                                  position_ids=plan.position_ids[None])
         finally:
             fcp_hf.fcp_attn_func = real
         return seen["q_shares_storage"], out.untyped_storage().data_ptr() == seen["out"].untyped_storage().data_ptr()

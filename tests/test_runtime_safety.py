@@ -133,3 +133,41 @@ def test_the_record_of_a_checked_plan_lives_on_the_plan_so_every_new_plan_object
         return len(calls), not hasattr(checks, "_CHECKED")
 
     assert run_ranks(2, task) == [(3, True), (3, True)]
+
+
+def _collated(documents_seed_of_rank, world: int):
+    """Each rank collates documents of LENGTHS (the same lengths on every rank) drawn from its seed, and runs
+    attention over its rows with the collate's position ids; returns the refusal or the output."""
+    from fcp_runtime.loader import PlanningCollate
+
+    def task(rank, world):
+        generator = torch.Generator().manual_seed(documents_seed_of_rank(rank))
+        documents = [torch.randint(100, (length,), generator=generator) for length in LENGTHS]
+        batch = PlanningCollate(rank, world, block_size=256)(documents)
+        x = torch.randn(batch["tokens"].shape[0], 2, 4, dtype=torch.float64)
+        try:
+            fcp_attn_func(x, x[:, :1].contiguous(), x[:, :1].contiguous(), batch["plan"],
+                          position_ids=batch["position_ids"])
+        except PlanMismatchError as error:
+            return str(error)
+        return None
+    return run_ranks(world, task, timeout=60)
+
+
+def test_ranks_that_collated_different_documents_of_the_same_lengths_all_fail():
+    # One plan (it depends on the lengths alone) and matching positions, but rank 1's queries would attend to the
+    # others' keys of another batch: the documents' digest tells them apart.
+    messages = _collated(lambda rank: 7 if rank == 1 else 3, 2)
+    assert all(m and "collated different documents" in m and "ranks [1] documents" in m for m in messages), messages
+    assert _collated(lambda rank: 3, 2) == [None, None]  # the same documents run
+
+
+def test_a_collates_plan_needs_its_position_ids():
+    from fcp_runtime.loader import PlanningCollate
+
+    batch = PlanningCollate(0, 1, block_size=256)([torch.arange(length) % 100 for length in LENGTHS])
+    x = torch.randn(batch["tokens"].shape[0], 2, 4, dtype=torch.float64)
+    k = x[:, :1].contiguous()
+    with pytest.raises(ValueError, match="came from a collate with its batch's position_ids"):
+        fcp_attn_func(x, k, k, batch["plan"])
+    fcp_attn_func(x, k, k, batch["plan"], position_ids=batch["position_ids"])  # bound to its rows: it runs
