@@ -61,3 +61,16 @@ def dropped_plan_task(plan_bytes: bytes):
 def test_a_compiled_backward_finds_the_plan_its_step_dropped_and_then_lets_it_go():
     plan_bytes = compile_valid(LENGTHS, 2, block_size=128, coalesce=2, model="none").to_bytes()
     assert run_ranks(2, dropped_plan_task(plan_bytes), timeout=300) == [(True, True, True)] * 2
+
+
+def test_a_user_layout_plan_is_refused_under_compile_not_read_as_the_plan_layout():
+    # Compiled, attention runs the plan layout only; a plan compiled for the user layout was once taken as if its
+    # rows were the plan layout's where the call named no layout.
+    from fcp_runtime import load_rank_plan
+    from fcp_runtime.compiled import compiled_attention
+
+    plan = load_rank_plan(compile_valid(LENGTHS, 1, block_size=256, layout="user").to_bytes(), 0)
+    q = torch.randn(plan.user_tokens, 4, 8, dtype=torch.float64)
+    k = torch.randn(plan.user_tokens, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"plan layout \(a plan compiled for it\)"):
+        compiled_attention(q, k, k, plan, None, None, None, None, None, None)
