@@ -359,6 +359,7 @@ def test_a_backward_a_little_over_the_budget_is_held_in_smaller_stages_before_th
     assert layer["deeper"] <= layer["plain"]
 
 
+@pytest.mark.long  # an 8-rank fp64 replay, 20-27 s: in the long run, which CI runs too
 def test_a_plan_with_the_budgets_deeper_backward_stages_validates_and_replays_exactly():
     """A plan the budget keeps with its backward in stages of fewer rounds than the halved backward (2 rounds under
     a forward of 16) keeps every invariant, fits its budget, and replays exactly in fp64 on 8 gloo ranks."""
@@ -378,6 +379,7 @@ def test_a_plan_with_the_budgets_deeper_backward_stages_validates_and_replays_ex
     run_ranks(8, compare_with_reference(plan.to_bytes(), lengths, True, 4, 2, torch.float64, "plan"))
 
 
+@pytest.mark.long  # an 8-rank fp64 replay, 20-27 s: in the long run, which CI runs too
 def test_a_runner_up_refitted_under_the_budget_validates_and_replays_exactly():
     """Where the floor's winner refits slower than another candidate over the budget, that candidate is refitted and
     kept: its plan (another placement than the winner's, in smaller stages) keeps every invariant, fits its budget,
