@@ -76,7 +76,7 @@ def _content_digest(columns: dict[str, torch.Tensor]) -> str:
     themselves, which a plan's digest (their lengths and masks) does not name."""
     digest = hashlib.sha256()
     for name, column in sorted(columns.items()):
-        data = column.detach().contiguous().reshape(-1)
+        data = column.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}:{data.dtype}:{tuple(column.shape)}:".encode())
         digest.update(data.view(torch.uint8).numpy() if data.numel() else b"")
     return digest.hexdigest()
