@@ -159,7 +159,8 @@ class PlanningCollate:
         if ranges is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             ranges = default_takes_ranges(device, rank_plan.has_windows)
-        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, KindsRankPlan) else (rank_plan,)):
+        kind_plans = tuple(rank_plan.kinds.values()) if isinstance(rank_plan, KindsRankPlan) else (rank_plan,)
+        for kind_plan in kind_plans:
             prepare_host(kind_plan, self.layout, ranges)  # the step's kernel calls, built here in the worker
         if self.layout == "plan":
             rows, position_ids = rank_plan.token_index, rank_plan.position_ids
@@ -171,7 +172,7 @@ class PlanningCollate:
             position_ids = torch.from_numpy(np.arange(lo, hi) - starts[lo:hi])
         columns = {name: torch.cat(parts) for name, parts in fields.items()}
         content = _content_digest(columns)
-        for kind_plan in (rank_plan.kinds.values() if isinstance(rank_plan, KindsRankPlan) else (rank_plan,)):
+        for kind_plan in kind_plans:
             kind_plan._device_cache[BATCH_CONTENT] = content
         out = {name: column[rows] for name, column in columns.items()}
         # The digest of the inputs the plan was compiled from (fcp_compiler.core.pipeline.plan_digest), to match
