@@ -194,9 +194,10 @@ class FcpAttention:
     backward as the layer's backward starts (the layer's output through backward_starts_at), while its MLP and O
     projection run backward."""
 
-    def __init__(self, plan, group, position_ids: torch.Tensor, layout: str = "plan"):
+    def __init__(self, plan, group, position_ids: torch.Tensor, labels: torch.Tensor, layout: str = "plan"):
         self.plan, self.group, self.layout = plan, group, layout
-        self.position_ids = position_ids  # the collate's, beside the plan: attention refuses a plan of other rows
+        # The collate's, beside the plan: attention refuses a plan of other rows, or labels not at the plan's rows.
+        self.position_ids, self.labels = position_ids, labels
         self.prefetched = None
 
     def kv_ready(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -205,7 +206,7 @@ class FcpAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return fcp_attn_func(q, k, v, self.plan, group=self.group, layout=self.layout, prefetched=self.prefetched,
-                             position_ids=self.position_ids)
+                             position_ids=self.position_ids, labels=self.labels)
 
     def layer_output(self, out: torch.Tensor) -> torch.Tensor:
         prefetched, self.prefetched = self.prefetched, None
@@ -276,7 +277,7 @@ def train_rank(config: Config, save_after: int | None = None, checkpoint: Path |
         tokens, labels = batch["tokens"].to(device), rank_labels(batch).to(device)
         plan = batch["plan"]
         positions = rank_positions(batch).to(device)
-        logits = model(tokens, positions, FcpAttention(plan, cp_group, positions, config.layout))
+        logits = model(tokens, positions, FcpAttention(plan, cp_group, positions, labels, config.layout))
         num_batch_labels = (labels != IGNORE).sum().to(torch.float32)
         dist.all_reduce(num_batch_labels, group=cp_group)
         loss = rank_loss(logits, labels, num_batch_labels, cp_group)

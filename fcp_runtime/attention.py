@@ -57,7 +57,8 @@ class _FcpAttention(torch.autograd.Function):
 def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan | KindsRankPlan, group=None,
                   softmax_scale: float | None = None, layout: str | None = None, kernels=None,
                   prefetched: KVPrefetch | None = None, mask: tuple[bool, int | None] | None = None,
-                  kind: str | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                  kind: str | None = None, position_ids: torch.Tensor | None = None,
+                  labels: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the whole batch, replaying this rank's plan; autograd gives dq, dk, dv.
 
     Under torch.compile it is one custom op a pass (``fcp::attention`` and ``fcp::attention_backward``) with fake
@@ -87,6 +88,9 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
             (:func:`fcp_runtime.binding.check_positions`: once per plan and tensor, no host read on a GPU).
             Required for a plan a collate made (it returns them beside the plan); optional for one read with
             load_rank_plan, whose caller binds it to its rows.
+        labels: the rows' labels as the plan's collate returned them (its `shift_labels`, else `labels`; [T] or
+            [1, T]), checked with the positions: a plan from a step whose documents are a permutation of this one's
+            lengths can hold the same positions on every rank, but not the same labels. Optional.
     Returns:
         out, q's shape and layout.
     Raises:
@@ -94,15 +98,15 @@ def fcp_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankP
         ValueError: shapes or dtypes that do not fit the plan, an unknown layout, a layer mask or kind the plan
             does not hold, a prefetch for other tensors, another plan or group, or one already used, or no
             position_ids for a plan a collate made.
-        BatchMismatchError: on every rank, when `position_ids` are not the plan's rows' (a ValueError).
+        BatchMismatchError: on every rank, when `position_ids` or `labels` are not the plan's rows' (a ValueError).
     """
     plan = resolve_kind(plan, kind, mask)
     if torch.compiler.is_compiling():
         return compiled_attention(q, k, v, plan, group, softmax_scale, layout, kernels, prefetched, mask,
-                                  position_ids)
+                                  position_ids, labels)
     layout = plan.layout if layout is None else layout
     check_call(q, k, v, plan, group, layout, mask)
-    check_bound(position_ids, plan, group, layout)
+    check_bound(position_ids, plan, group, layout, labels)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
     if prefetched is not None:
         check_prefetched(prefetched, k, v, plan, group, layout)

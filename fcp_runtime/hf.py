@@ -113,7 +113,8 @@ def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         attention_mask: must be None: the plan holds the documents (no attention mask is built for "fcp").
         scaling: the softmax scale. dropout: must be 0.
         kwargs: `fcp_plan` (this rank's RankPlan, from the collate) and `fcp_group` (the context-parallel group or
-            a DeviceMesh with a "cp" dimension; default the world); `position_ids`, `sliding_window`, `softcap`
+            a DeviceMesh with a "cp" dimension; default the world); `position_ids`, `shift_labels` (the batch's,
+            which the model passes on: checked against the plan's with the positions), `sliding_window`, `softcap`
             and `s_aux` as models pass them.
     Returns:
         (out [1, T, q_heads, head_dim], None).
@@ -141,7 +142,7 @@ def fcp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     mask = (bool(getattr(module, "is_causal", True)), window)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # views [T, heads, dim]
     out = fcp_attn_func(q, k, v, plan, group=cp_group(kwargs.get("fcp_group")), softmax_scale=scaling, mask=mask,
-                        position_ids=kwargs.get("position_ids"))
+                        position_ids=kwargs.get("position_ids"), labels=kwargs.get("shift_labels"))
     return out.unsqueeze(0), None
 
 

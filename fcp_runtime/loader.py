@@ -15,10 +15,12 @@ import torch
 
 from fcp_runtime.kernels import default_takes_ranges
 from fcp_runtime.plan import LAYOUTS, KindsRankPlan, load_rank_plan
-from fcp_runtime.rank_plan import BATCH_CONTENT
+from fcp_runtime.rank_plan import BATCH_CONTENT, BATCH_LABELS
 from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
+# The field whose rows a plan records as its labels (fcp_runtime.binding checks a call's against them).
+_LABEL_FIELDS = ("shift_labels", "labels")
 _RESERVED = ("plan", "lengths", "rows", "token_index", "position_ids", "inputs_digest", "mask")
 _MIN_BLOCK_SIZE = 64  # the compiler's smallest block (and the step between block sizes)
 
@@ -172,9 +174,12 @@ class PlanningCollate:
             position_ids = torch.from_numpy(np.arange(lo, hi) - starts[lo:hi])
         columns = {name: torch.cat(parts) for name, parts in fields.items()}
         content = _content_digest(columns)
+        out = {name: column[rows] for name, column in columns.items()}
+        labels = next((out[name] for name in _LABEL_FIELDS if name in out), None)
         for kind_plan in kind_plans:
             kind_plan._device_cache[BATCH_CONTENT] = content
-        out = {name: column[rows] for name, column in columns.items()}
+            if labels is not None:
+                kind_plan._device_cache[BATCH_LABELS] = labels
         # The digest of the inputs the plan was compiled from (fcp_compiler.core.pipeline.plan_digest), to match
         # against plans compiled elsewhere, e.g. by `fcp compile steps.jsonl`, whose file names carry it.
         out.update(rows=rows, position_ids=position_ids, lengths=lengths, plan=rank_plan,

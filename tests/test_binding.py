@@ -40,6 +40,31 @@ def test_another_steps_plan_with_the_same_rows_per_rank_is_refused_on_every_rank
     assert all("\n" not in message for message in run_ranks(2, task))
 
 
+def _labelled_step(lengths, rank: int, world: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    documents = [{"tokens": torch.randint(100, (n,), generator=generator)} for n in lengths]
+    for document in documents:
+        document["labels"] = document["tokens"].roll(-1)
+    return PlanningCollate(rank, world, block_size=64, model="none")(documents)
+
+
+def test_a_step_whose_documents_permute_the_lengths_is_told_apart_by_its_labels_on_every_rank():
+    """[64, 128, 96] and [128, 64, 96] on 3 ranks at block 64 give every rank the same positions (each block holds
+    positions 0-63, 64-127 or 0-31 whichever document it is from), so positions alone pass the other step's plan;
+    the labels the collate recorded do not."""
+
+    def task(rank, world):
+        this, other = _labelled_step([128, 64, 96], rank, world, 6), _labelled_step([64, 128, 96], rank, world, 5)
+        assert torch.equal(this["position_ids"], other["position_ids"])
+        check_positions(this["position_ids"], other["plan"], None, "plan")  # the gap the labels close
+        check_positions(this["position_ids"].clone(), this["plan"], None, "plan", this["labels"])  # its own
+        with pytest.raises(BatchMismatchError, match="position_ids or labels are not those") as caught:
+            check_positions(this["position_ids"].clone(), other["plan"], None, "plan", this["labels"])
+        return str(caught.value)
+
+    assert all("\n" not in message for message in run_ranks(3, task))
+
+
 def test_one_ranks_wrong_positions_are_refused_on_every_rank():
     """Only rank 1's rows are wrong; rank 0 refuses too (rather than wait for a peer that stopped)."""
 
@@ -69,6 +94,15 @@ def test_the_check_runs_once_per_plan_and_position_tensor():
     check_positions(positions, batch["plan"], None, "plan")
     with pytest.raises(BatchMismatchError):  # ... but a new tensor is
         check_positions(positions.clone(), batch["plan"], None, "plan")
+
+
+def test_new_labels_are_checked_again_with_the_same_positions():
+    batch = _labelled_step([300, 90], 0, 1, 3)
+    check_positions(batch["position_ids"], batch["plan"], None, "plan", batch["labels"])
+    labels = batch["labels"].clone()
+    labels[0] += 1
+    with pytest.raises(BatchMismatchError):
+        check_positions(batch["position_ids"], batch["plan"], None, "plan", labels)
 
 
 def test_the_check_reads_nothing_back_from_the_device():
@@ -104,6 +138,33 @@ def test_a_hf_model_given_another_steps_plan_is_refused_on_every_rank_before_att
 
     errors = run_ranks(2, task)
     assert len(errors) == 2 and all("\n" not in error for error in errors)
+
+
+def test_a_hf_model_given_the_plan_of_a_step_with_permuted_lengths_is_refused_by_its_shift_labels():
+    """The audit's repro: step [128, 64, 96] with the plan of step [64, 128, 96] holds the same positions on all 3
+    ranks and trained 1.6e-4 off in the loss; the model passes the batch's `shift_labels` to attention, which
+    compares them with the plan's. Every rank refuses."""
+    pytest.importorskip("transformers")
+    import fcp_runtime.hf as fcp_hf
+    from hf_harness import Setup
+
+    setup = Setup(num_layers=1)
+
+    def task(rank, world):
+        model, _ = setup.model(fcp_hf.ATTENTION_NAME)
+        collate = fcp_hf.HFPlanningCollate.for_model(model, block_size=64)
+        generator = torch.Generator().manual_seed(0)
+        this, other = ([torch.randint(96, (n,), generator=generator) for n in lengths]
+                       for lengths in ([128, 64, 96], [64, 128, 96]))
+        batch, other_batch = collate(this), collate(other)
+        assert torch.equal(batch["position_ids"], other_batch["position_ids"])
+        model(**batch)
+        with pytest.raises(ValueError, match="position_ids or labels are not those") as caught:
+            model(**{**batch, "fcp_plan": other_batch["fcp_plan"]})
+        return str(caught.value)
+
+    errors = run_ranks(3, task)
+    assert len(errors) == 3 and all("\n" not in error for error in errors)
 
 
 def test_a_hf_model_cast_after_its_plan_was_compiled_is_refused_by_dtype():

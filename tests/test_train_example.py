@@ -103,17 +103,18 @@ def _loss_mean_per_rank(logits, labels, num_batch_labels, group):
     return per_rank / torch.distributed.get_world_size(group)
 
 
-@pytest.mark.parametrize("fault", [_positions_shifted, _positions_of_the_rank])
-def test_positions_that_are_not_the_plans_rows_are_refused(monkeypatch, fault):
-    # The loop gives attention the positions it gives RoPE (as it must with a collate's plan): wrong ones are
-    # refused on every rank before the first message, not trained on.
-    monkeypatch.setattr(example, "rank_positions", fault)  # the forked ranks inherit it
-    with pytest.raises(AssertionError, match="BatchMismatchError: the model's position_ids are not those"):
+@pytest.mark.parametrize("attribute, fault", [("rank_positions", _positions_shifted),
+                                              ("rank_positions", _positions_of_the_rank),
+                                              ("rank_labels", _labels_in_batch_order)])
+def test_positions_or_labels_that_are_not_the_plans_rows_are_refused(monkeypatch, attribute, fault):
+    # The loop gives attention the positions it gives RoPE (as it must with a collate's plan) and the labels its
+    # loss reads: wrong ones are refused on every rank before the first message, not trained on.
+    monkeypatch.setattr(example, attribute, fault)  # the forked ranks inherit it
+    with pytest.raises(AssertionError, match="BatchMismatchError: the model's position_ids or labels are not those"):
         _train(CONFIGS["plan"])
 
 
-@pytest.mark.parametrize("attribute, fault", [("rank_labels", _labels_in_batch_order),
-                                              ("rank_loss", _loss_mean_per_rank)])
+@pytest.mark.parametrize("attribute, fault", [("rank_loss", _loss_mean_per_rank)])
 def test_each_mistake_a_training_loop_can_make_breaks_the_parity(monkeypatch, attribute, fault):
     monkeypatch.setattr(example, attribute, fault)  # the forked ranks inherit it
     ranks = _train(CONFIGS["plan"])
@@ -155,7 +156,7 @@ def _gradients(recompute: bool, prefetch: bool) -> dict:
         collate = example.PlanningCollate(rank, world, block_size=config.block_size)
         batch = collate(example.documents(config, 0))
         if prefetch:  # K,V prefetch forward (prefetch_kv) and backward (backward_starts_at)
-            attend = example.FcpAttention(batch["plan"], None, batch["position_ids"])
+            attend = example.FcpAttention(batch["plan"], None, batch["position_ids"], batch["labels"])
         else:
             attend = lambda q, k, v: example.fcp_attn_func(q, k, v, batch["plan"],  # noqa: E731
                                                            position_ids=batch["position_ids"])

@@ -135,7 +135,7 @@ def test_positions_off_by_one_across_ranks_are_refused_on_every_rank(tmp_path):
     step instead of training on it (before binding, the loss moved 3.2e-6 and the weights 1.2e-2)."""
     with pytest.raises(AssertionError) as caught:
         fcp_trainer_run(TrainerRun(mutation="positions_off_by_one"), str(tmp_path / "fcp"))
-    refusal = "BatchMismatchError: the model's position_ids are not those of the batch plan"
+    refusal = "BatchMismatchError: the model's position_ids or labels are not those of the batch plan"
     assert all(f"rank {rank}: {refusal}" in str(caught.value) for rank in range(4)), str(caught.value)[:2000]
 
 

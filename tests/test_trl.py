@@ -99,7 +99,7 @@ def test_positions_off_by_one_across_ranks_are_refused_on_every_rank_under_trl(t
     """As under the Trainer: the runtime refuses a step whose position ids are not its plan's, on every rank."""
     with pytest.raises(AssertionError) as caught:
         fcp_sft_run(SFTRun(mutation="positions_off_by_one"), str(tmp_path / "fcp"))
-    refusal = "BatchMismatchError: the model's position_ids are not those of the batch plan"
+    refusal = "BatchMismatchError: the model's position_ids or labels are not those of the batch plan"
     assert all(f"rank {rank}: {refusal}" in str(caught.value) for rank in range(4)), str(caught.value)[:2000]
 
 
