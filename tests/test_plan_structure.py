@@ -111,7 +111,7 @@ def test_stage_counts_are_bounded_by_the_rank_sections_bytes_and_a_reader_stays_
     data = _sealed(source, header=counts(0), rank_edits=ranks)
     tracemalloc.start()
     try:
-        plan = load_rank_plan(data, 0)
+        plan = load_rank_plan(data, 0, validate=False)  # the reader's own bound (validation refuses it, below)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -209,3 +209,27 @@ def test_a_plan_read_end_to_end_stacks_as_its_programs_do(layout):
             read(PlanReader(bytes(corrupt)))
         messages.append(str(error.value))
     assert messages[0] == messages[1] and "rank 2's section does not match its sha256" in messages[0]
+
+
+@pytest.mark.parametrize("edit", ["tile deleted", "pull from another rank"])
+def test_a_plan_edited_and_sealed_again_is_refused_by_the_runtimes_reader(edit):
+    """The sha256s are checksums: a plan edited and sealed again reads as intact, and replayed it would train silently
+    wrong (a deleted tile drops its keys from attention). load_rank_plan validates the whole plan first."""
+    pytest.importorskip("torch")
+    from fcp_runtime.plan import load_rank_plan
+
+    data = compile_plan(LENGTHS, 4, block_size=256, model="none").to_bytes()
+    arrays = PlanReader(data).rank(0).arrays
+    if edit == "tile deleted":
+        names = ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block")
+        edits = {name: np.delete(arrays[name], 0) for name in names}
+    else:
+        peers = arrays["pull_recv_peer"].copy()
+        peers[0] = 3 if peers[0] != 3 else 2  # the block is received from a rank that does not send it
+        edits = {"pull_recv_peer": peers}
+    edited = _sealed(data, rank_edits={0: edits})
+    load_rank_plan(edited, 1, validate=False)  # the checksums hold: only validation tells
+    for rank in range(4):  # every rank refuses, not only the one whose slice was edited
+        with pytest.raises(PlanFormatError, match="broken"):
+            load_rank_plan(edited, rank)
+    load_rank_plan(data, 0)  # the plan as compiled loads

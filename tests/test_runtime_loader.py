@@ -99,7 +99,7 @@ def test_collate_records_the_inputs_digest_and_a_plan_for_other_windows_is_refus
         tables = {name: getattr(reader.tables, name) for name in GLOBAL_ARRAYS}
         tables["seq_window"] = np.array([700, 100, 90, 1200])
         mutant = assemble(fields, tables, [program.arrays for program in reader.ranks()])
-        load_rank_plan(mutant, 0).check_batch(lengths)
+        load_rank_plan(mutant, 0, validate=False).check_batch(lengths)  # (validation refuses it too)
     with pytest.raises(ValueError, match="the batch has 3 sequences"):
         batch["plan"].check_batch(lengths[:3])
 
