@@ -460,3 +460,23 @@ def test_the_forked_account_gives_the_same_report_and_the_same_first_error(plan_
 def test_a_forked_account_that_dies_is_done_in_process(plan_bytes, forked_account, monkeypatch):
     monkeypatch.setattr(forked_account, "_account_child", lambda stacked, sender: os._exit(3))
     assert validate_plan(plan_bytes, background=True) == validate_plan(plan_bytes)
+
+
+def test_without_the_memory_account_every_other_invariant_is_still_checked(plan_bytes):
+    """The runtime's reader skips the memory account (its peak bytes only state memory; attention allocates what it
+    needs): a header stating other peaks passes, and the report gives them as stated; a broken coverage does not."""
+    reader = PlanReader(plan_bytes)
+    stated = list(reader.header.max_buffer_bytes_bwd)
+    stated[2] += 1
+    wrong = rebuild_plan(reader, max_buffer_bytes_bwd=stated)
+    with pytest.raises(PlanInvalidError, match="header's max_buffer_bytes_bwd states"):
+        validate_plan(wrong)
+    assert validate_plan(wrong, memory_account=False).max_buffer_bytes_bwd == max(stated)
+    checked = validate_plan(plan_bytes)
+    assert validate_plan(plan_bytes, memory_account=False) == checked
+
+    def drop(arrays):
+        for name in ("tile_stage", "tile_bwd_stage", "tile_q_block", "tile_kv_block"):
+            arrays[0][name] = arrays[0][name][1:]
+    with pytest.raises(PlanInvalidError, match="runs nowhere"):
+        validate_plan(edited(plan_bytes, drop), memory_account=False)

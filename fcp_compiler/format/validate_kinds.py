@@ -23,14 +23,14 @@ _SHARED_RANK = ("blocks", "reshuffle_send_peer", "reshuffle_send_offset", "reshu
                 "reshuffle_recv_peer", "reshuffle_recv_offset", "reshuffle_recv_length")
 
 
-def validate_kinds(source: str | Path | bytes | PlanKinds,
-                   background: bool = False) -> dict[str | None, ValidationReport]:
+def validate_kinds(source: str | Path | bytes | PlanKinds, background: bool = False,
+                   memory_account: bool = True) -> dict[str | None, ValidationReport]:
     """Check every kind's plan (invariants 0-5) and that the kinds share one layout with each kind's mask
     (invariant 7); a plan of one kind is checked alone.
 
     Args:
         source: a plan file's path or its bytes (a kinds file or not), or its PlanKinds.
-        background: as validate_plan's.
+        background, memory_account: as validate_plan's.
     Returns:
         each kind's ValidationReport by name (None: a plan of one kind).
     Raises:
@@ -43,7 +43,7 @@ def validate_kinds(source: str | Path | bytes | PlanKinds,
     reports = {}
     for kind in kinds.kinds:
         try:
-            reports[kind.name] = validate_plan(kind.reader, background=background)
+            reports[kind.name] = validate_plan(kind.reader, background=background, memory_account=memory_account)
         except PlanInvalidError as error:
             if kind.name is None:
                 raise
