@@ -15,8 +15,8 @@ same positions): where a collate made the plan it also recorded its rows' labels
 - on the CPU the verdict is read and a mismatch raises :class:`BatchMismatchError` on every rank; on a GPU it is
   never read on the host (no sync): ``torch._assert_async`` stops every rank's stream with the same message.
 
-A step's layers share one position tensor, so the check runs once per (plan, position tensor, label tensor): the
-first layer pays it, the rest find it done.
+A step's layers share one position tensor, so the check runs once per (plan, position tensor, label tensor), and
+again where either was written in place since: the first layer pays it, the rest find it done.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fcp_runtime.rank_plan import BATCH_CONTENT, BATCH_LABELS, CHECKED_POSITIONS, RankPlan
+from fcp_runtime.checks import tensor_versions
+from fcp_runtime.rank_plan import BATCH_CONTENT, BATCH_LABELS, CHECKED_POSITIONS, CHECKED_VERSIONS, RankPlan
 
 
 class BatchMismatchError(ValueError):
@@ -86,12 +87,16 @@ def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: s
         BatchMismatchError: on every rank, on the CPU, when any rank's positions or labels differ (on a GPU the
             device-side assertion carries the same message).
     """
-    # The record lives on the plan (it dies with it) and holds the tensors weakly: id(tensor) -> tensor, compared
-    # by identity, so a new tensor at a freed one's address is checked again.
+    # The record lives on the plan (it dies with it) and holds the tensors weakly: id(tensor) -> (tensor, its
+    # version counter), compared by identity, so a new tensor at a freed one's address is checked again, and so is
+    # a tensor written in place since (a position buffer a loop refills each step).
     checked = plan._device_cache.setdefault(CHECKED_POSITIONS, weakref.WeakValueDictionary())
+    versions = plan._device_cache.setdefault(CHECKED_VERSIONS, {})
     recorded_labels = plan._device_cache.get(BATCH_LABELS)
     labels = labels if recorded_labels is not None else None
-    if all(checked.get(id(tensor)) is tensor for tensor in (position_ids, labels) if tensor is not None):
+    given = [tensor for tensor in (position_ids, labels) if tensor is not None]
+    if all(checked.get(id(tensor)) is tensor and versions.get(id(tensor)) == tensor_versions(tensor)
+           for tensor in given):
         return
     rows = position_ids.reshape(-1)
     expected = expected_positions(plan, layout)
@@ -111,9 +116,8 @@ def check_positions(position_ids: torch.Tensor, plan: RankPlan, group, layout: s
             raise BatchMismatchError(_mismatch_message(plan))
     else:
         torch._assert_async(differs[0] == 0, _mismatch_message(plan))
-    checked[id(position_ids)] = position_ids
-    if labels is not None:
-        checked[id(labels)] = labels
+    for tensor in given:
+        checked[id(tensor)], versions[id(tensor)] = tensor, tensor_versions(tensor)
 
 
 def _labels_differ(labels: torch.Tensor, recorded: torch.Tensor, plan: RankPlan) -> torch.Tensor:

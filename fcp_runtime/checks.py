@@ -129,7 +129,15 @@ def check_prefetched(prefetched, k: torch.Tensor, v: torch.Tensor, plan: RankPla
                          f"not the plan layout it needs")
     if prefetched.k is not k or prefetched.v is not v:
         raise ValueError("prefetched: pass fcp_attn_func the same k and v tensors that prefetch_kv sent from")
+    if tensor_versions(k, v) != prefetched.kv_versions:
+        raise ValueError("prefetched: k or v was written in place after prefetch_kv sent its rows (the peers would "
+                         "attend to the old values): finish K and V (RoPE included) before prefetch_kv")
     prefetched.used = True
+
+
+def tensor_versions(*tensors: torch.Tensor) -> tuple:
+    """Each tensor's in-place write counter (None for an inference tensor, which keeps none)."""
+    return tuple(None if tensor.is_inference() else tensor._version for tensor in tensors)
 
 
 def check_rows(x: torch.Tensor, expected: int, plan: RankPlan, what: str, layout: str) -> None:

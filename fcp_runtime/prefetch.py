@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fcp_runtime.checks import PlanMismatchError, check_plan
+from fcp_runtime.checks import PlanMismatchError, check_plan, tensor_versions
 from fcp_runtime.events import log_event
 from fcp_runtime.executor import Executor, Posted, wait_all
 from fcp_runtime.kinds_plan import KindsRankPlan, resolve_kind
@@ -29,6 +29,7 @@ class KVPrefetch:
     v: torch.Tensor
     forward: Posted
     live_tokens: int  # received buffer tokens the forward's prefetch allocated
+    kv_versions: tuple  # k's and v's in-place write counters when their rows were sent (check_prefetched)
     used: bool = False
     executor: Executor | None = None  # the call's, once fcp_attn_func has run it
     saved_kv: tuple | None = None  # the call's K and V in the plan layout, for the backward's sends
@@ -128,7 +129,8 @@ def prefetch_kv(k: torch.Tensor, v: torch.Tensor, plan: RankPlan | KindsRankPlan
     drain_orphans(plan)
     executor = Executor(plan, group, 1.0, k.device, k.dtype, k.shape[2], kernels=kernels)
     posted = _post_first(executor, ForwardPass(executor, None, k.shape[1]), plan.forward, k, v)
-    prefetched = KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens)
+    prefetched = KVPrefetch(plan=plan, group=group, k=k, v=v, forward=posted, live_tokens=executor.live_tokens,
+                            kv_versions=tensor_versions(k, v))
     # A prefetch dropped unused leaves its messages posted: they are kept (a backend may abandon a dropped work's
     # buffers, and its peers' messages would then match this rank's next ones) until this plan's next call drains
     # them, so that the next call's messages match the peers' again.

@@ -69,13 +69,14 @@ ORPHANED_PREFETCHES = "orphaned_prefetches"
 CHECKED_GROUPS = "checked_groups"
 # ... and the position tensors its rows were checked against (fcp_runtime.binding), by weak reference.
 CHECKED_POSITIONS = "checked_positions"
+CHECKED_VERSIONS = "checked_versions"  # ... and their version counters when checked
 # A plan's cache entry holding the sha256 of the documents a collate compiled it for (fcp_runtime.loader), which
 # fcp_runtime.checks compares across the group: pickled with the plan from a DataLoader worker.
 BATCH_CONTENT = "batch_content"
 # ... and its rows' labels (int64 [rows], in the collate's layout), which fcp_runtime.binding compares with a
 # call's labels: positions alone cannot tell a step from one whose documents are a permutation of its lengths.
 BATCH_LABELS = "batch_labels"
-_PROCESS_LOCAL = (ORPHANED_PREFETCHES, CHECKED_GROUPS, CHECKED_POSITIONS)
+_PROCESS_LOCAL = (ORPHANED_PREFETCHES, CHECKED_GROUPS, CHECKED_POSITIONS, CHECKED_VERSIONS)
 
 
 @dataclass(frozen=True, kw_only=True)

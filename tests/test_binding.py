@@ -86,14 +86,23 @@ def test_a_rank_whose_positions_hold_another_row_count_is_refused_by_name():
         check_positions(batch["position_ids"][:-1], batch["plan"], None, "plan")
 
 
-def test_the_check_runs_once_per_plan_and_position_tensor():
+def test_the_check_runs_once_per_plan_and_position_tensor_and_again_after_an_in_place_write(monkeypatch):
+    import fcp_runtime.binding as binding
+
     batch = _step([300, 90], 0, 1)
     positions = batch["position_ids"].clone()
     check_positions(positions, batch["plan"], None, "plan")
-    positions[0] = 5  # changed in place after the check: the same tensor is not checked again ...
-    check_positions(positions, batch["plan"], None, "plan")
-    with pytest.raises(BatchMismatchError):  # ... but a new tensor is
-        check_positions(positions.clone(), batch["plan"], None, "plan")
+    compares = []
+    monkeypatch.setattr(binding, "expected_positions", lambda *args: compares.append(args) or
+                        expected_positions(*args))
+    check_positions(positions, batch["plan"], None, "plan")  # the same tensor, unchanged: not checked again
+    assert compares == []
+    with pytest.raises(BatchMismatchError):  # a new tensor is
+        check_positions(positions.clone().fill_(0), batch["plan"], None, "plan")
+    # A buffer a loop refills in place (another step's positions written into it) is checked again.
+    positions.copy_(_step([390], 0, 1)["position_ids"])
+    with pytest.raises(BatchMismatchError):
+        check_positions(positions, batch["plan"], None, "plan")
 
 
 def test_new_labels_are_checked_again_with_the_same_positions():

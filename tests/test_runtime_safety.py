@@ -69,6 +69,12 @@ def _misuse_prefetch(plan_bytes, user_plan_bytes):
             with pytest.raises(ValueError) as error:
                 wrong()
             errors.append(str(error.value))
+        late = prefetch_kv(k, v, plan)
+        v.mul_(2.0)  # written in place after its rows left: the peers hold the old V
+        with pytest.raises(ValueError) as error:
+            fcp_attn_func(q, k, v, plan, prefetched=late)
+        errors.append(str(error.value))
+        torch.testing.assert_close(fcp_attn_func(q, k, v, plan), 2 * expected, rtol=1e-12, atol=1e-12)  # drained
         return errors
     return task
 
@@ -78,7 +84,8 @@ def test_a_prefetch_is_for_one_call_with_the_tensors_it_sent_in_the_plan_layout(
     user_plan = compile_plan(LENGTHS, 2, block_size=128, coalesce=2, layout="user")
     for errors in run_ranks(2, _misuse_prefetch(plan.to_bytes(), user_plan.to_bytes()), timeout=60):
         assert ["same k and v" in errors[0], "another plan" in errors[1], "used by an earlier" in errors[2],
-                "expected k, v [" in errors[3], "compiled for the user layout" in errors[4]] == [True] * 5, errors
+                "expected k, v [" in errors[3], "compiled for the user layout" in errors[4],
+                "written in place after prefetch_kv" in errors[5]] == [True] * 6, errors
 
 
 def _drop_prefetch(plan_bytes):
