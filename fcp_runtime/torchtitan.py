@@ -53,7 +53,7 @@ import tyro  # torchtitan's command-line parser (a dependency of torchtitan): Fc
 
 from fcp_runtime.mesh import CP_DIM
 from fcp_runtime.torchtitan_parts import (  # noqa: F401  (this module's API; FCP_*: the input_dict's fields)
-    FCP_INPUT, FCP_LABELS, FCP_PLAN, FCP_POSITIONS, FcpAttention, FcpMasks, TitanPlanningCollate, attention_layers,
+    FCP_PLAN, FcpAttention, FcpMasks, TitanPlanningCollate, attention_layers,
     attention_shape, prepare_fcp_input, row_documents, use_fcp_attention)
 
 __all__ = ["FcpAttention", "FcpMasks", "FcpOptions", "FcpTrainer", "TitanPlanningCollate", "attention_shape",

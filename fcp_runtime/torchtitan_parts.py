@@ -20,21 +20,23 @@ from fcp_runtime.loader import PlanningCollate
 from fcp_runtime.mesh import cp_group as mesh_cp_group
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
-# The planned step's fields in torchtitan's input_dict, from the collate to the hook (the trainer moves the tensors
-# to the device with the rest of the batch; the plan stays a host object).
-FCP_INPUT, FCP_LABELS, FCP_POSITIONS, FCP_PLAN = "fcp_input", "fcp_labels", "fcp_positions", "fcp_plan"
-_FCP_FIELDS = (FCP_INPUT, FCP_LABELS, FCP_POSITIONS, FCP_PLAN)
+# The planned step's field in torchtitan's input_dict, from the collate to the hook (the plan stays a host object).
+# The hook takes the rank's rows from the batch itself, at the plan's rows: no copy of them travels beside the plan
+# that could go stale (a batch's inputs with another batch's rows).
+FCP_PLAN = "fcp_plan"
 
 
 @dataclass(frozen=True, eq=False)
 class FcpMasks:
     """What torchtitan's layers pass their inner attention as ``attention_masks`` under fcp: this rank's plan of the
     step, the context-parallel process group (None: a one-rank plan in a world of one), and the rows' positions
-    ``[1, T]`` (the tensor RoPE gets, checked against the plan's rows on every rank before the first message)."""
+    ``[1, T]`` (the tensor RoPE gets) and labels ``[1, T]``, both checked against the plan's rows on every rank
+    before the first message."""
 
     plan: Any
     group: Any
     positions: torch.Tensor
+    labels: torch.Tensor | None = None
 
 
 class FcpAttention(Module):
@@ -66,7 +68,7 @@ class FcpAttention(Module):
         """Raises:
             ValueError: no FcpMasks (the batch did not go through :func:`prepare_fcp_input`), a score_mod or an
                 out_transform, a batch dimension other than 1, a plan compiled for another dtype; on every rank,
-                positions that are not the plan's rows' (a plan from another step).
+                positions or labels that are not the plan's rows' (a plan from another step).
         """
         if not isinstance(attention_masks, FcpMasks):
             raise ValueError(f"FcpAttention needs the step's plan as attention_masks (FcpMasks, from "
@@ -84,16 +86,21 @@ class FcpAttention(Module):
                              f"compile it for the dtype attention computes in (TitanPlanningCollate.for_model(..., "
                              f"dtype=); under FSDP, training.mixed_precision_param)")
         out = fcp_attn_func(q_BLNH[0], k_BLNH[0], v_BLNH[0], plan, group=attention_masks.group,
-                            softmax_scale=scale, mask=(True, None), position_ids=attention_masks.positions)
+                            softmax_scale=scale, mask=(True, None), position_ids=attention_masks.positions,
+                            labels=attention_masks.labels)
         return out.unsqueeze(0)
+
+
+# The fields a torchtitan attention layer config holds its own sliding window in (None: global attention).
+_WINDOW_FIELDS = ("window_size", "sliding_window_size")
 
 
 def attention_layers(model_config) -> list:
     """The attention configs fcp replaces the inner attention of, one per attention layer, checked.
 
     Raises:
-        ValueError: no layers, a layer whose attention is not torchtitan's GQAttention, or a varlen attention with
-            a sliding window.
+        ValueError: no layers, a layer whose attention is not torchtitan's GQAttention, or a sliding window (the
+            layer's own, or a varlen attention's).
     """
     layers = getattr(model_config, "layers", None)
     if not layers:
@@ -111,6 +118,14 @@ def attention_layers(model_config) -> list:
         if isinstance(inner, VarlenAttention.Config) and tuple(inner.window_size) != (-1, 0):
             raise ValueError(f"layer {index}: varlen window_size={inner.window_size}; FcpAttention is causal "
                              f"inside each document (window_size (-1, 0))")
+        # A layer's own sliding window (Muse Glimmer's window_size, gpt-oss's sliding_window_size; flex reads it
+        # from the layer, not from the inner attention): fcp would train the layer causal over every earlier key.
+        window = next((getattr(attention, name) for name in _WINDOW_FIELDS
+                       if getattr(attention, name, None) is not None), None)
+        if window is not None:
+            raise ValueError(f"layer {index}: a sliding window of {window} tokens ({type(attention).__qualname__}); "
+                             f"FcpAttention is causal inside each document over every earlier key, so the layer "
+                             f"would train without its window: use a model config without sliding windows")
         found.append(attention)
     if not found:
         raise ValueError(f"model config {type(model_config).__name__} has no attention layer for fcp")
@@ -122,7 +137,7 @@ def use_fcp_attention(model_config):
 
     Raises:
         ValueError: a layer whose attention is not torchtitan's GQAttention (its inner attention is what fcp
-            replaces), or a varlen attention with a sliding window (fcp replays it causal).
+            replaces), or a layer with a sliding window, its own or its varlen attention's (fcp replays it causal).
     """
     for attention in attention_layers(model_config):
         attention.inner_attention = FcpAttention.Config()
@@ -175,8 +190,9 @@ class TitanPlanningCollate:
     A sample is torchtitan's ``({"input": ids [L], "positions": [L]}, labels [L])``; a batch of them is B rows.
     The documents are every row's pieces between positions restarting at 0 (a row without positions is one
     document), all B rows' in one plan. Returns ``(input_dict, labels)``: torchtitan's batch unchanged (the full
-    labels, which torchtitan's train_step counts for the loss) plus this rank's rows in the plan's layout,
-    ``fcp_input``, ``fcp_labels``, ``fcp_positions`` ([T_rank] each) and ``fcp_plan``.
+    labels, which torchtitan's train_step counts for the loss; ``positions`` added where the batch had none) plus
+    this rank's plan, ``fcp_plan``; :func:`prepare_fcp_input` takes the rank's rows from the batch at the plan's
+    rows.
 
     Args:
         rank, world_size: this rank in the context-parallel group, and the group's size.
@@ -225,12 +241,10 @@ class TitanPlanningCollate:
                       for piece in (inputs[row], labels[row], positions[row])]
             documents += [{"input": ids, "labels": doc_labels, "positions": doc_positions}
                           for ids, doc_labels, doc_positions in zip(*pieces)]
-        batch = self.planning(documents)
+        plan = self.planning(documents)["plan"]
         # The plan's positions are each row's place in its own document, which row_documents checked torchtitan's
         # own positions to be: RoPE rotates each row where one process would.
-        planned = {FCP_INPUT: batch["input"], FCP_LABELS: batch["labels"],
-                   FCP_POSITIONS: batch["position_ids"].to(positions.dtype), FCP_PLAN: batch["plan"]}
-        return {**input_dict, "positions": positions, **planned}, labels
+        return {**input_dict, "positions": positions, FCP_PLAN: plan}, labels
 
 
 def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict, cp_group,
@@ -239,7 +253,7 @@ def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: 
 
     Args:
         inputs, labels: the data-parallel replica's batch [B, L], as torchtitan's dataloader gives it.
-        extra_kwargs: the batch's other fields (``positions``, and the planned step's ``fcp_*`` fields from
+        extra_kwargs: the batch's other fields (``positions`` [B, L], and the step's ``fcp_plan`` from
             :class:`TitanPlanningCollate`); updated in place and returned.
         cp_group: the context-parallel process group (torchtitan's ``parallel_dims.get_mesh("cp").get_group()``),
             or a DeviceMesh with a "cp" dimension, or None for a one-rank plan in a world of one.
@@ -248,7 +262,9 @@ def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: 
         (inputs [1, T_rank], labels [1, T_rank], extra_kwargs with ``positions`` [1, T_rank] and
         ``attention_masks`` an :class:`FcpMasks`), what torchtitan's model and loss take.
     Raises:
-        ValueError: no planned step and no planner, or a planned step whose token count is not the batch's.
+        ValueError: no planned step and no planner, a planned step whose token count is not the batch's, or no
+            positions of the batch's shape. A plan of another batch with as many tokens is refused by attention,
+            on every rank (its rows' positions and labels are not the plan's).
     """
     if FCP_PLAN not in extra_kwargs:
         if planner is None:
@@ -257,15 +273,19 @@ def prepare_fcp_input(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: 
         fields = {"input": inputs.cpu(), **({"positions": extra_kwargs["positions"].cpu()}
                                             if extra_kwargs.get("positions") is not None else {})}
         planned, _ = planner.plan(fields, labels.cpu())
-        extra_kwargs.update({name: planned[name] for name in _FCP_FIELDS})
-    step = {name: extra_kwargs.pop(name) for name in _FCP_FIELDS}
-    plan = step[FCP_PLAN]
+        extra_kwargs.update(positions=planned["positions"].to(inputs.device), **{FCP_PLAN: planned[FCP_PLAN]})
+    plan = extra_kwargs.pop(FCP_PLAN)
     total = int(plan.seq_lengths.sum())
     if inputs.numel() != total:
         raise ValueError(f"the batch has {inputs.numel()} tokens but its fcp plan was compiled for {total}: the "
                          f"plan must come from this batch (TitanPlanningCollate on the same samples)")
-    positions = step[FCP_POSITIONS].reshape(1, -1)
+    positions = extra_kwargs.get("positions")
+    if positions is None or tuple(positions.shape) != tuple(inputs.shape):
+        raise ValueError(f"the batch needs positions of its input's shape {tuple(inputs.shape)} (TitanPlanningCollate "
+                         f"adds them); got {None if positions is None else tuple(positions.shape)}")
+    rows = plan.cached(("titan_rows", inputs.device), lambda: plan.token_index.to(inputs.device))
+    inputs, labels, positions = (x.reshape(-1)[rows].reshape(1, -1) for x in (inputs, labels, positions))
     extra_kwargs["positions"] = positions
     group = mesh_cp_group(cp_group, "torchtitan's parallel_dims.get_mesh('cp')")
-    extra_kwargs["attention_masks"] = FcpMasks(plan=plan, group=group, positions=positions)
-    return step[FCP_INPUT].reshape(1, -1), step[FCP_LABELS].reshape(1, -1), extra_kwargs
+    extra_kwargs["attention_masks"] = FcpMasks(plan=plan, group=group, positions=positions, labels=labels)
+    return inputs, labels, extra_kwargs

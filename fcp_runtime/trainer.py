@@ -210,6 +210,10 @@ class FcpTrainerMixin:
                              "are DeepSpeed's own); drop deepspeed")
         if args.fsdp or self.is_fsdp_enabled:
             raise ValueError(f"fsdp={args.fsdp!r}: fcp's trainer is built and tested under DDP only; drop fsdp")
+        if getattr(args, "neftune_noise_alpha", None) is not None:
+            raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune scales its noise by the "
+                             f"call's sequence length, which under fcp is each rank's own rows (noise about "
+                             f"sqrt(cp) times one process's); train without it")
         if args.n_gpu > 1:
             raise ValueError(f"{args.n_gpu} GPUs in one process (nn.DataParallel): run one process a GPU "
                              f"(torchrun --nproc-per-node)")

@@ -246,6 +246,38 @@ def test_layer_masks_are_read_from_every_config_as_its_model_family_means_them()
     assert plan.seq_window.tolist() == [96]
 
 
+@pytest.mark.parametrize("rope, layer_type, limit", [
+    ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, None, 512),
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+      "original_max_position_embeddings": 128}, None, 128),
+    ("gemma3", "full_attention", 256)])
+def test_a_document_past_where_its_rope_follows_the_calls_longest_position_is_refused(rope, layer_type, limit):
+    """The audit's repro: dynamic NTK and longrope pick their frequencies from max(position_ids) + 1 of each call,
+    each rank's own rows under fcp, once a document passes the pretrained length: 2 ranks trained 2.8e-6 and 9.1e-5
+    off in the loss. Documents within it keep the config's frequencies on every rank, and run."""
+    import transformers
+
+    if rope == "gemma3":  # per layer type: the full-attention layers' RoPE alone is dynamic
+        config = transformers.Gemma3TextConfig(num_hidden_layers=2, sliding_window=32, max_position_embeddings=256,
+                                               rope_parameters={
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                   "full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                      "rope_theta": 1e6}})
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=512, rope_parameters=rope)
+    collate = fcp_hf.HFPlanningCollate.for_model(config, rank=0, world_size=1, block_size=64)
+    collate([torch.arange(limit) % 50, torch.arange(40)])  # within the limit: the config's frequencies
+    where = f" \\(layer type '{layer_type}'\\)" if layer_type else ""
+    with pytest.raises(ValueError, match=f"^document 1 has {limit + 1} tokens, over the {limit} a rope_type='"
+                                         f"[a-z]+'{where} keeps its frequencies for"):
+        collate([torch.arange(40), torch.arange(limit + 1) % 50])
+    static = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    fcp_hf.HFPlanningCollate.for_model(static, rank=0, world_size=1, block_size=64)([torch.arange(300) % 50])
+
+
 def test_a_padding_mask_is_refused_on_every_rank_in_one_line():
     """transformers drops a 2-D mask for an attention implementation its mask interface does not know, so a padding
     mask never reached fcp's attention and the loss came out as if it were all ones: fcp registers a mask function

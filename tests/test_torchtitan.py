@@ -226,7 +226,7 @@ def labels_across_documents(input_dict, labels):
 
 def positions_off_by_one(input_dict, labels):
     """A break: every row's position one past where it is in its document (RoPE and the plan's check see it)."""
-    return {**input_dict, fcp_titan.FCP_POSITIONS: input_dict[fcp_titan.FCP_POSITIONS] + 1}, labels
+    return {**input_dict, "positions": input_dict["positions"] + 1}, labels
 
 
 def _name(parameter: str) -> str:
@@ -571,9 +571,12 @@ def test_the_collate_cuts_rows_where_positions_restart_and_keeps_torchtitans_lab
         assert torch.equal(full_labels, labels)  # torchtitan counts the replica's whole batch
         assert list(batch[fcp_titan.FCP_PLAN].seq_lengths) == [100, 20, 8, 1, 127]
         plan = batch[fcp_titan.FCP_PLAN]
-        assert torch.equal(batch[fcp_titan.FCP_INPUT], input_dict["input"].flatten()[plan.token_index])
-        assert torch.equal(batch[fcp_titan.FCP_LABELS], labels.flatten()[plan.token_index])
-        assert torch.equal(batch[fcp_titan.FCP_POSITIONS], input_dict["positions"].flatten()[plan.token_index])
+        # The hook takes the rank's rows from the batch at the plan's rows (no group is needed before attention).
+        inputs, rows_labels, extra = fcp_titan.prepare_fcp_input(batch["input"], full_labels, dict(batch), None)
+        assert torch.equal(inputs[0], input_dict["input"].flatten()[plan.token_index])
+        assert torch.equal(rows_labels[0], labels.flatten()[plan.token_index])
+        assert torch.equal(extra["positions"][0], input_dict["positions"].flatten()[plan.token_index])
+        assert torch.equal(extra["positions"][0], plan.position_ids)  # each row's place in its own document
     assert sum(b[fcp_titan.FCP_PLAN].plan_tokens for b, _ in planned) == 256
     with pytest.raises(ValueError, match="row 0: positions must restart at 0"):
         collates[0].plan({"input": input_dict["input"], "positions": input_dict["positions"] + 1}, labels)
@@ -602,6 +605,33 @@ def test_the_hook_gives_this_ranks_rows_and_refuses_a_plan_of_another_batch(data
     other, _ = collate.plan(*_batch([[64, 64], [128]], 128))
     with pytest.raises(ValueError, match="the batch has 128 tokens but its fcp plan was compiled for 256"):
         fcp_titan.prepare_fcp_input(input_dict["input"], labels, dict(other), None)
+
+
+def test_the_hook_takes_the_batchs_own_rows_so_a_stale_plan_or_changed_labels_are_refused_by_attention(data):
+    """The audit's repros: batch B with batch A's planned fields trained A's rows (loss 5.9598, B's 6.1790), and
+    labels masked after the collate never reached the loss. The hook now takes every row from the batch it is
+    given, at the plan's rows; attention compares their positions and labels with the plan's."""
+    config = Setup(data=data).model_config()
+    collate = fcp_titan.TitanPlanningCollate.for_model(config, 0, 1, block_size=64, dtype=torch.float32)
+    attention = fcp_titan.FcpAttention.Config().build()
+    q, kv = torch.randn(1, 128, 4, 16), torch.randn(1, 128, 2, 16)
+
+    def attend(input_dict, labels, plan_of):
+        planned, _ = collate.plan(dict(plan_of[0]), plan_of[1])
+        fields = {"positions": input_dict["positions"], fcp_titan.FCP_PLAN: planned[fcp_titan.FCP_PLAN]}
+        inputs, rows_labels, extra = fcp_titan.prepare_fcp_input(input_dict["input"], labels, fields, None)
+        attention(q, kv, kv, attention_masks=extra["attention_masks"])
+        return inputs, rows_labels
+
+    this, other = _batch([[100, 28]], 128), _batch([[28, 100]], 128)
+    inputs, _ = attend(*this, plan_of=this)
+    assert torch.equal(inputs[0], this[0]["input"].flatten()[collate.plan(*this)[0]["fcp_plan"].token_index])
+    with pytest.raises(ValueError, match="position_ids or labels are not those of the batch plan"):
+        attend(*this, plan_of=other)  # as many tokens, another batch's plan
+    masked = this[1].clone()
+    masked[0, :10] = IGNORE_INDEX
+    with pytest.raises(ValueError, match="position_ids or labels are not those of the batch plan"):
+        attend(this[0], masked, plan_of=this)  # labels changed after the plan was made
 
 
 def test_fcp_attention_refuses_what_it_cannot_replay(data):

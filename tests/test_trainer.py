@@ -205,6 +205,7 @@ def _refusals(rank, world, output: str):
         attempt("compute_metrics", compute_metrics=lambda prediction: {}),
         attempt("dispatch_batches", args=training_args(output, accelerator_config={"dispatch_batches": True})),
         attempt("fsdp", args=training_args(output, fsdp="full_shard")),
+        attempt("neftune_noise_alpha", args=training_args(output, neftune_noise_alpha=5.0)),
         attempt("bf16", args=training_args(output, bf16=True)),
         attempt("num_items_in_batch", model=no_loss_kwargs),
         attempt("eval_dataset", args=training_args(output, per_device_eval_batch_size=3)),
@@ -230,6 +231,7 @@ def test_options_under_which_the_loss_rule_or_the_plan_cannot_hold_are_refused_i
                 "compute_metrics": "^compute_metrics: ",
                 "dispatch_batches": "dispatch_batches=True",
                 "fsdp": "^fsdp=",
+                "neftune_noise_alpha": "^neftune_noise_alpha=5.0: NEFTune scales its noise",
                 "bf16": "^bf16=True autocasts a torch.float64 model",
                 "num_items_in_batch": "forward takes no num_items_in_batch",
                 "eval_dataset": "eval_dataset: 8 examples are not whole evaluation steps of 3"}
