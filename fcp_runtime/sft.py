@@ -39,9 +39,6 @@ class FcpSFTTrainer(FcpTrainerMixin, SFTTrainer):
         if getattr(self, "_is_vision_dataset", False):
             raise ValueError("a vision dataset: fcp's SFT trainer takes text (language-modeling or "
                              "prompt-completion) datasets")
-        if args.use_liger_kernel:
-            raise ValueError("use_liger_kernel=True: Liger's fused loss shifts labels that fcp has already "
-                             "shifted inside each document; drop it")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """TRL's evaluation step with the Trainer's label count: the step's labels over every rank (TRL divides each

@@ -210,6 +210,9 @@ class FcpTrainerMixin:
                              "are DeepSpeed's own); drop deepspeed")
         if args.fsdp or self.is_fsdp_enabled:
             raise ValueError(f"fsdp={args.fsdp!r}: fcp's trainer is built and tested under DDP only; drop fsdp")
+        if getattr(args, "use_liger_kernel", False):  # (transformers refuses it first where Liger is not installed)
+            raise ValueError("use_liger_kernel=True: Liger's fused loss shifts labels that fcp has already "
+                             "shifted inside each document; drop it")
         if getattr(args, "neftune_noise_alpha", None) is not None:
             raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune scales its noise by the "
                              f"call's sequence length, which under fcp is each rank's own rows (noise about "
