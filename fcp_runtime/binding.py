@@ -49,8 +49,8 @@ def expected_positions(plan: RankPlan, layout: str) -> torch.Tensor:
 
 def _mismatch_message(plan: RankPlan) -> str:
     return (f"the model's position_ids or labels are not those of the batch plan {plan.digest[:12]} was compiled "
-            f"for: a plan "
-            f"is bound to its step's documents; give the model the fcp_plan its own batch's collate returned")
+            f"for: a plan is bound to its step's documents; give the model the fcp_plan its own batch's collate "
+            f"returned")
 
 
 def check_bound(position_ids: torch.Tensor | None, plan: RankPlan, group, layout: str,

@@ -19,9 +19,9 @@ from fcp_runtime.rank_plan import BATCH_CONTENT, BATCH_LABELS
 from fcp_runtime.stage_calls import prepare_host
 
 # Keys the collate's output sets itself (and "mask", a document's mask): no per-token field may be called so.
-# The field whose rows a plan records as its labels (fcp_runtime.binding checks a call's against them).
-_LABEL_FIELDS = ("shift_labels", "labels")
 _RESERVED = ("plan", "lengths", "rows", "token_index", "position_ids", "inputs_digest", "mask")
+# The fields whose rows a plan records as its labels, the first present (fcp_runtime.binding checks a call's).
+_LABEL_FIELDS = ("shift_labels", "labels")
 _MIN_BLOCK_SIZE = 64  # the compiler's smallest block (and the step between block sizes)
 
 
