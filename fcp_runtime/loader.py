@@ -106,7 +106,9 @@ class PlanningCollate:
 
     Every rank of the context-parallel group must collate the same documents (the whole step's): the plan records
     their sha256, and attention's first call refuses on every rank where the ranks' differ (ranks that collated
-    different documents of the same lengths would hold one plan and attend across each other's batches).
+    different documents of the same lengths would hold one plan and attend across each other's batches). It also
+    records the rows' `shift_labels` (else `labels`), which attention compares with a call's labels beside its
+    position ids (fcp_runtime.binding): a plan is bound to its own step's rows.
     """
 
     def __init__(self, rank: int, world_size: int, layout: str = "plan", ranges: bool | None = None,
