@@ -4,6 +4,7 @@ mode that records the peak of the tensors ops create (Peak)."""
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 
 import pytest
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fcp_runtime.attention as attention  # noqa: E402
+from fcp_compiler.format.validate_kinds import validate_kinds  # noqa: E402
 from fcp_runtime.plan import load_rank_plan  # noqa: E402
 
 
@@ -85,9 +87,17 @@ class HeldMessages:
     get_global_rank = staticmethod(lambda group, rank: rank)
 
 
+_VALIDATED: set[bytes] = set()  # the sha256 of each plan meta_replay has validated in this process
+
+
 def meta_replay(plan_bytes: bytes, rank: int, kernels, mode) -> dict:
-    """One rank's forward and backward on meta tensors (bf16, plan layout), each pass under a fresh `mode()`."""
-    plan = load_rank_plan(plan_bytes, rank)
+    """One rank's forward and backward on meta tensors (bf16, plan layout), each pass under a fresh `mode()`. The
+    plan is validated once a process (callers replay every rank of one plan), not once a rank."""
+    digest = hashlib.sha256(plan_bytes).digest()
+    if digest not in _VALIDATED:
+        validate_kinds(plan_bytes)
+        _VALIDATED.add(digest)
+    plan = load_rank_plan(plan_bytes, rank, validate=False)
     meta = torch.device("meta")
     q = torch.empty((plan.plan_tokens, plan.q_heads, plan.head_dim), dtype=torch.bfloat16, device=meta,
                     requires_grad=True)

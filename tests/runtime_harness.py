@@ -57,6 +57,16 @@ def reference_attention(lengths, q, k, v, masks, scale: float):
     return torch.cat(outs)
 
 
+def validated(plan_bytes: bytes) -> bytes:
+    """The plan, validated once here (every kind's, for a plan of layer kinds), so that the forked ranks load it with
+    validate=False rather than each validating it again (load_rank_plan's own check is tested in
+    test_plan_structure.py)."""
+    from fcp_compiler.format.validate_kinds import validate_kinds
+
+    validate_kinds(plan_bytes)
+    return plan_bytes
+
+
 def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_heads: int, dtype,
                            layout: str, kernels=None, head_dim: int = 8, order_matching: bool = False,
                            groups: int = 1, prefetch=lambda rank: False):
@@ -73,7 +83,7 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
     replaying the plan among its own ranks on the same data.
     prefetch: whether a rank posts each pass's first-stage K,V pulls early: prefetch_kv before fcp_attn_func, and
     backward_starts_at on its output."""
-    total = sum(lengths)
+    total, plan_bytes = sum(lengths), validated(plan_bytes)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype)
     k = torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype)
@@ -108,7 +118,7 @@ def compare_with_reference(plan_bytes: bytes, lengths, causal, q_heads: int, kv_
             handles = [dist.new_group(list(range(g * cp_world, (g + 1) * cp_world))) for g in range(groups)]
             group, cp_rank = handles[rank // cp_world], rank % cp_world
         try:
-            plan = load_rank_plan(plan_bytes, cp_rank)
+            plan = load_rank_plan(plan_bytes, cp_rank, validate=False)
             rows = plan.token_index if layout == "plan" else torch.arange(cp_rank * total // cp_world,
                                                                           (cp_rank + 1) * total // cp_world)
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
@@ -133,7 +143,7 @@ def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict,
     """A rank task for a plan of layer kinds: the rank's rows are taken once (one layout for every kind), and each
     kind's fcp_attn_func (kind=NAME) forward and backward on them must equal dense fp64 attention under that kind's
     windows (`kind_windows`: name -> each sequence's window, 0: full) at those rows. Returns the kinds run."""
-    total = sum(lengths)
+    total, plan_bytes = sum(lengths), validated(plan_bytes)
     generator = torch.Generator().manual_seed(1)
     q, d_out = (torch.randn(total, q_heads, head_dim, generator=generator, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(total, kv_heads, head_dim, generator=generator, dtype=dtype) for _ in range(2))
@@ -147,7 +157,7 @@ def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict,
     def task(rank, world):
         from fcp_runtime import KindsRankPlan, fcp_attn_func, load_rank_plan
 
-        plan = load_rank_plan(plan_bytes, rank)
+        plan = load_rank_plan(plan_bytes, rank, validate=False)
         assert isinstance(plan, KindsRankPlan) and set(plan.kinds) == set(kind_windows)
         rows = plan.token_index if layout == "plan" else torch.arange(rank * total // world,
                                                                       (rank + 1) * total // world)
@@ -165,11 +175,12 @@ def compare_kinds_with_reference(plan_bytes: bytes, lengths, kind_windows: dict,
 def dispatch_round_trip(plan_bytes: bytes, total: int):
     """A rank task: dispatch() moves the rank's user-layout rows to exactly its plan-layout tokens, undispatch()
     moves them back, and the gradient of both moves comes back the same way (asserts exact equality)."""
+    plan_bytes = validated(plan_bytes)
 
     def task(rank, world):
         from fcp_runtime import dispatch, load_rank_plan, undispatch
 
-        plan = load_rank_plan(plan_bytes, rank)
+        plan = load_rank_plan(plan_bytes, rank, validate=False)
         everything = torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor([1.0, -1.0], dtype=torch.float64)
         lo, hi = rank * total // world, (rank + 1) * total // world
         mine = everything[lo:hi].clone().requires_grad_()
